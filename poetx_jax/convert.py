@@ -1,0 +1,106 @@
+"""Model-level conversion: poetize, merge, unpoetize, effective_kernel."""
+
+from __future__ import annotations
+
+import typing as tp
+
+import jax
+from flax import nnx
+
+from poetx_jax.linear import POETLinear
+
+Array = jax.Array
+
+
+def _path_str(path) -> str:
+  return '/'.join(str(p) for p in path)
+
+
+def poetize(model, *, block_size: int, rngs: nnx.Rngs,
+            exclude: tp.Sequence[str] = ('lm_head',), normalize_rows: bool = False,
+            **layer_kwargs):
+  """Returns a copy of ``model`` with every ``nnx.Linear`` made a ``POETLinear``.
+
+  Each replacement keeps the state path of the layer it replaces and starts
+  equal to it (Q = 0), with its kernel as W0 and its bias.
+
+  Args:
+    model: any Flax NNX model.
+    block_size: B for every converted layer; layers with a dimension smaller
+      than B raise (exclude them).
+    rngs: draws the initial permutations.
+    exclude: a layer whose path ('/'-joined) contains any of these strings
+      stays an ``nnx.Linear``. Default: ``('lm_head',)``.
+    normalize_rows: scale each output row of each W0 to unit norm (the
+      published POET-X default on conversion).
+    **layer_kwargs: passed to :class:`POETLinear` (``terms``, ``mode``, ...).
+
+  Returns:
+    The converted model (the input is left unchanged).
+
+  Example::
+
+    >>> from flax import nnx
+    >>> import poetx_jax
+    >>> mlp = nnx.Sequential(nnx.Linear(64, 64, rngs=nnx.Rngs(0)), nnx.relu,
+    ...                      nnx.Linear(64, 8, rngs=nnx.Rngs(1)))
+    >>> poet = poetx_jax.poetize(mlp, block_size=8, rngs=nnx.Rngs(2))
+    >>> [path for path, _ in poetx_jax.poet_layers(poet)]
+    ['layers/0', 'layers/2']
+  """
+  if isinstance(exclude, str):
+    exclude = (exclude,)
+
+  def convert(path, node):
+    if type(node) is not nnx.Linear:
+      return node
+    name = _path_str(path)
+    if any(e in name for e in exclude):
+      return node
+    try:
+      return POETLinear.from_linear(node, block_size=block_size, rngs=rngs,
+                                    normalize_rows=normalize_rows, **layer_kwargs)
+    except ValueError as e:
+      raise ValueError(f'cannot poetize layer {name!r} '
+                       f'(kernel {node.kernel.shape}): {e}') from e
+
+  return nnx.recursive_map(convert, model)
+
+
+def poet_layers(model) -> list[tuple[str, POETLinear]]:
+  """All POETLinear layers of ``model`` as (path, layer), in graph order."""
+  return [(_path_str(p), n) for p, n in nnx.iter_graph(model)
+          if isinstance(n, POETLinear)]
+
+
+def merge(model, *, rngs: nnx.Rngs | Array) -> None:
+  """Merge-then-reinitialise every POET layer of ``model`` in place.
+
+  ``W0 <- R W0 P``, new random permutations, ``Q <- 0``: the model computes the
+  same function before and after (up to rounding into W0's dtype), and the
+  rotations restart at the identity. Reset the POET optimizer moments at the
+  same step (``poetx`` does this on its own counter). Works under jit.
+
+  Args:
+    model: a model containing POETLinear layers.
+    rngs: an ``nnx.Rngs`` (its ``params`` stream is used) or a PRNG key.
+  """
+  key = rngs.params() if isinstance(rngs, nnx.Rngs) else rngs
+  for i, (_, layer) in enumerate(poet_layers(model)):
+    layer.merge(jax.random.fold_in(key, i))
+
+
+def unpoetize(model):
+  """Returns a copy of ``model`` with each POETLinear replaced by an
+  ``nnx.Linear`` holding its effective kernel ``(R W0 P)^T``: zero POET
+  overhead for inference and export."""
+
+  def convert(path, node):
+    return node.to_linear() if isinstance(node, POETLinear) else node
+
+  return nnx.recursive_map(convert, model)
+
+
+def effective_kernel(layer: POETLinear) -> Array:
+  """``(R W0 P)^T`` of one POET layer, (in, out) float32."""
+  return layer.effective_kernel()

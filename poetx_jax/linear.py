@@ -1,0 +1,195 @@
+"""POETLinear: a drop-in ``nnx.Linear`` trained as ``R W0 P`` (Flax NNX).
+
+Notation: I in-features, O out-features, B block size, K blocks, P = B(B-1)/2.
+The maths lives in :mod:`poetx_jax.ops`; this module holds the state.
+"""
+
+from __future__ import annotations
+
+import typing as tp
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from flax.nnx.nn import dtypes, initializers
+
+from poetx_jax import ops
+
+Array = jax.Array
+MODES = ('fast', 'mem')
+
+
+class POETParam(nnx.Param):
+  """Packed skew-symmetric generators of a POET rotation, (K, B(B-1)/2) float32."""
+
+
+class BaseKernel(nnx.Variable):
+  """The frozen base weight W0 (permutations folded in). Not a Param: no gradient,
+  no optimizer state."""
+
+
+class Permutation(nnx.Variable):
+  """An int32 permutation of the features of one side of a POET layer."""
+
+
+class POETLinear(nnx.Module):
+  """A linear layer whose weight is ``W = R W0 P`` with W0 frozen.
+
+  ``R`` (O x O) and ``P`` (I x I) are block-stochastic orthogonal matrices
+  ``Phi G Phi^T``: ``G`` block-diagonal with B x B blocks from the truncated
+  Cayley–Neumann series of skew-symmetric generators (``q_in`` for P, ``q_out``
+  for R; zeros at start, so the layer starts equal to its base), ``Phi`` a random
+  permutation redrawn at every :meth:`merge`. The forward is input-centric
+  (permute, rotate blocks, frozen GEMM, rotate blocks, permute); ``R W0 P`` is
+  never formed. The singular values of the effective weight are those of W0, up
+  to the series' orthogonality error.
+
+  It is a drop-in for ``nnx.Linear``: same positional sizes, keyword options and
+  (in, out) kernel layout; ``kernel`` holds ``W0'^T = Phi_I^T W0^T Phi_O``.
+  Dimensions need not be multiples of ``block_size``: the last block is smaller.
+
+  Example::
+
+    >>> import jax.numpy as jnp
+    >>> from flax import nnx
+    >>> from poetx_jax import POETLinear
+    >>> layer = POETLinear(96, 64, block_size=32, rngs=nnx.Rngs(0))
+    >>> layer(jnp.ones((4, 96))).shape
+    (4, 64)
+
+  Args:
+    in_features: I.
+    out_features: O.
+    block_size: B, 1 < B <= min(I, O).
+    terms: number of Cayley–Neumann powers (default 4).
+    mode: ``'fast'`` keeps the activations the backward needs; ``'mem'``
+      (POET-Xmem) keeps only the layer input and recomputes the rest.
+    use_bias, dtype, param_dtype, precision, kernel_init, bias_init, rngs: as
+      for ``nnx.Linear``; ``param_dtype`` applies to the base kernel and bias,
+      the POET parameters are always float32.
+
+  References:
+    Qiu et al., Reparameterized LLM Training via Orthogonal Equivalence
+    Transformation (POET), NeurIPS 2025; POET-X, arXiv:2603.05500.
+  """
+
+  def __init__(
+      self,
+      in_features: int,
+      out_features: int,
+      *,
+      block_size: int = 256,
+      terms: int = ops.DEFAULT_TERMS,
+      mode: str = 'fast',
+      use_bias: bool = True,
+      dtype: tp.Any = None,
+      param_dtype: tp.Any = jnp.float32,
+      precision: tp.Any = None,
+      kernel_init: tp.Callable = initializers.lecun_normal(),
+      bias_init: tp.Callable = initializers.zeros_init(),
+      rngs: nnx.Rngs,
+  ):
+    for name, d in (('in_features', in_features), ('out_features', out_features)):
+      if not isinstance(d, int) or d < 1:
+        raise ValueError(f'{name} must be a positive int, got {d!r}')
+    ops.check_block_size(block_size, in_features, out_features)
+    if mode not in MODES:
+      raise ValueError(f'mode must be one of {MODES}, got {mode!r}')
+    if not isinstance(terms, int) or terms < 1:
+      raise ValueError(f'terms must be an int >= 1, got {terms!r}')
+
+    kernel = kernel_init(rngs.params(), (in_features, out_features), param_dtype)
+    if kernel.shape != (in_features, out_features):
+      raise ValueError(f'kernel_init gave shape {kernel.shape}, expected '
+                       f'{(in_features, out_features)}')
+    perm_in = ops.random_permutation(rngs.params(), in_features)
+    perm_out = ops.random_permutation(rngs.params(), out_features)
+    self.kernel = BaseKernel(ops.permute_kernel(kernel, perm_in, perm_out))
+    self.bias = (nnx.Param(bias_init(rngs.params(), (out_features,), param_dtype))
+                 if use_bias else nnx.data(None))
+    p = ops.skew_size(block_size)
+    self.q_in = POETParam(jnp.zeros((ops.num_blocks(in_features, block_size), p), jnp.float32))
+    self.q_out = POETParam(jnp.zeros((ops.num_blocks(out_features, block_size), p), jnp.float32))
+    self.perm_in = Permutation(perm_in)
+    self.perm_out = Permutation(perm_out)
+
+    self.in_features = in_features
+    self.out_features = out_features
+    self.block_size = block_size
+    self.terms = terms
+    self.mode = mode
+    self.use_bias = use_bias
+    self.dtype = dtype
+    self.param_dtype = param_dtype
+    self.precision = precision
+
+  @classmethod
+  def from_linear(cls, linear: nnx.Linear, *, block_size: int, rngs: nnx.Rngs,
+                  normalize_rows: bool = False, **kwargs) -> 'POETLinear':
+    """A POETLinear whose base is ``linear``'s kernel (and bias).
+
+    Args:
+      linear: the layer to replace; its kernel must be 2-D (in, out).
+      block_size: B.
+      rngs: draws the initial permutations.
+      normalize_rows: scale each output row of W (a kernel column) to unit
+        L2 norm, as the published POET-X does on conversion.
+      **kwargs: other POETLinear options (terms, mode, ...).
+    """
+    kernel = linear.kernel[...]
+    if kernel.ndim != 2:
+      raise ValueError(f'POET needs a 2-D kernel (in, out), got shape {kernel.shape}')
+    if normalize_rows:
+      norm = jnp.linalg.norm(kernel.astype(jnp.float32), axis=0, keepdims=True)
+      kernel = (kernel / jnp.maximum(norm, 1e-12)).astype(kernel.dtype)
+    opts = dict(use_bias=linear.bias is not None, dtype=linear.dtype,
+                param_dtype=kernel.dtype, precision=linear.precision)
+    opts.update(kwargs)
+    if opts['use_bias']:
+      bias = linear.bias[...]
+      opts['bias_init'] = lambda *_: bias
+    return cls(kernel.shape[0], kernel.shape[1], block_size=block_size,
+               kernel_init=lambda *_: kernel, rngs=rngs, **opts)
+
+  def __call__(self, inputs: Array) -> Array:
+    """y = inputs @ effective_kernel (+ bias), input-centric."""
+    bias = self.bias[...] if self.bias is not None else None
+    x, kernel, bias = dtypes.promote_dtype((inputs, self.kernel[...], bias),
+                                           dtype=self.dtype)
+    y = ops.poet_linear(x, kernel, self.q_in[...], self.q_out[...],
+                        self.perm_in[...], self.perm_out[...],
+                        block_size=self.block_size, terms=self.terms,
+                        remat=self.mode == 'mem', precision=self.precision)
+    if bias is not None:
+      y = y + bias
+    return y
+
+  def effective_kernel(self) -> Array:
+    """(R W0 P)^T in (in, out) layout, float32. For merges, export and tests."""
+    return ops.effective_kernel(self.kernel[...], self.q_in[...], self.q_out[...],
+                                self.perm_in[...], self.perm_out[...],
+                                block_size=self.block_size, terms=self.terms)
+
+  def merge(self, key: Array) -> None:
+    """Merge-then-reinitialise: W0 <- R W0 P, fresh permutations, Q <- 0."""
+    k_in, k_out = jax.random.split(key)
+    merged = self.effective_kernel()
+    perm_in = ops.random_permutation(k_in, self.in_features)
+    perm_out = ops.random_permutation(k_out, self.out_features)
+    self.kernel[...] = ops.permute_kernel(merged, perm_in, perm_out).astype(
+        self.kernel.dtype)
+    self.perm_in[...] = perm_in
+    self.perm_out[...] = perm_out
+    self.q_in[...] = jnp.zeros_like(self.q_in[...])
+    self.q_out[...] = jnp.zeros_like(self.q_out[...])
+
+  def to_linear(self, *, rngs: nnx.Rngs | None = None) -> nnx.Linear:
+    """A plain ``nnx.Linear`` holding the effective kernel (in the base's dtype)."""
+    kernel = self.effective_kernel().astype(self.kernel.dtype)
+    bias = self.bias[...] if self.bias is not None else None
+    return nnx.Linear(
+        self.in_features, self.out_features, use_bias=bias is not None,
+        dtype=self.dtype, param_dtype=kernel.dtype, precision=self.precision,
+        kernel_init=lambda *_: kernel,
+        bias_init=(lambda *_: bias) if bias is not None else initializers.zeros_init(),
+        rngs=rngs if rngs is not None else nnx.Rngs(0))

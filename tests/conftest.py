@@ -1,0 +1,39 @@
+"""Shared helpers: fresh random inputs and relative errors."""
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+_counter = itertools.count()
+
+
+@pytest.fixture
+def keys(request):
+  """A fresh key stream per test (seeded by the test's name and a counter)."""
+  seed = hash((request.node.nodeid, next(_counter))) % (2 ** 31)
+  key = jax.random.key(seed)
+
+  def gen():
+    nonlocal key
+    key, sub = jax.random.split(key)
+    return sub
+
+  return gen
+
+
+def rel_err(a, b):
+  a = np.asarray(jnp.asarray(a, jnp.float32), np.float64)
+  b = np.asarray(jnp.asarray(b, jnp.float32), np.float64)
+  return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def skew_params(key, k, block_size, spectral_norm):
+  """Packed skew parameters whose blocks have the given spectral norm."""
+  from poetx_jax import ops
+  q = jax.random.normal(key, (k, ops.skew_size(block_size)))
+  blocks = ops.unpack_skew(q, block_size)
+  norms = jnp.linalg.norm(blocks, ord=2, axis=(-2, -1))
+  return q * (spectral_norm / norms)[:, None]

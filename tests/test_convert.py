@@ -1,0 +1,102 @@
+"""poetize / merge / unpoetize on whole models."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from conftest import rel_err, skew_params
+import poetx_jax
+from poetx_jax import POETLinear
+
+
+class Tiny(nnx.Module):
+  """Two blocks of MLP plus an lm_head: paths like 'blocks/0/up'."""
+
+  def __init__(self, rngs):
+    self.embed = nnx.Embed(50, 32, rngs=rngs)
+    self.blocks = nnx.List([
+        nnx.Dict(up=nnx.Linear(32, 44, rngs=rngs), down=nnx.Linear(44, 32, rngs=rngs))
+        for _ in range(2)])
+    self.lm_head = nnx.Linear(32, 50, use_bias=False, rngs=rngs)
+
+  def __call__(self, tokens):
+    h = self.embed(tokens)
+    for blk in self.blocks:
+      h = h + blk['down'](jax.nn.gelu(blk['up'](h)))
+    return self.lm_head(h)
+
+
+def _randomize_all(model, key, scale=0.1):
+  for i, (_, layer) in enumerate(poetx_jax.poet_layers(model)):
+    k1, k2 = jax.random.split(jax.random.fold_in(key, i))
+    layer.q_in[...] = skew_params(k1, layer.q_in.shape[0], layer.block_size, scale)
+    layer.q_out[...] = skew_params(k2, layer.q_out.shape[0], layer.block_size, scale)
+
+
+def test_poetize_replaces_intended_layers(keys):
+  base = Tiny(nnx.Rngs(0))
+  model = poetx_jax.poetize(base, block_size=8, rngs=nnx.Rngs(1))
+  paths = [p for p, _ in poetx_jax.poet_layers(model)]
+  assert paths == ['blocks/0/down', 'blocks/0/up', 'blocks/1/down', 'blocks/1/up']
+  assert type(model.lm_head) is nnx.Linear and type(model.embed) is nnx.Embed
+  assert all(type(b['up']) is nnx.Linear for b in base.blocks)  # input untouched
+  tokens = jax.random.randint(keys(), (2, 7), 0, 50)
+  assert rel_err(model(tokens), base(tokens)) < 1e-6
+  # Same state paths as the model it replaced (plus the POET variables).
+  base_paths = {p for p, _ in nnx.to_flat_state(nnx.state(base, nnx.Param))}
+  new_paths = {p for p, _ in nnx.to_flat_state(nnx.state(model))}
+  assert base_paths <= new_paths
+
+
+def test_poetize_options_and_errors():
+  base = Tiny(nnx.Rngs(0))
+  model = poetx_jax.poetize(base, block_size=8, rngs=nnx.Rngs(1), exclude=('up', 'lm_head'),
+                            normalize_rows=True, mode='mem')
+  assert [p for p, _ in poetx_jax.poet_layers(model)] == ['blocks/0/down', 'blocks/1/down']
+  layer = model.blocks[0]['down']
+  assert layer.mode == 'mem'
+  np.testing.assert_allclose(jnp.linalg.norm(layer.kernel[...], axis=0), 1.0, rtol=1e-5)
+  with pytest.raises(ValueError, match="cannot poetize layer 'blocks/0/down'.*larger than"):
+    poetx_jax.poetize(base, block_size=40, rngs=nnx.Rngs(1))
+
+
+def test_merge_preserves_function_and_resets(keys):
+  model = poetx_jax.poetize(Tiny(nnx.Rngs(0)), block_size=8, rngs=nnx.Rngs(1))
+  _randomize_all(model, keys())
+  tokens = jax.random.randint(keys(), (3, 9), 0, 50)
+  before = model(tokens)
+  layers = [l for _, l in poetx_jax.poet_layers(model)]
+  perms = [(l.perm_in[...], l.perm_out[...]) for l in layers]
+  kernels = [l.effective_kernel() for l in layers]
+  poetx_jax.merge(model, rngs=nnx.Rngs(7))
+  assert rel_err(model(tokens), before) < 1e-5
+  for l, (p_in, p_out), k in zip(layers, perms, kernels):
+    assert not l.q_in[...].any() and not l.q_out[...].any()
+    assert (l.perm_in[...] != p_in).any() and (l.perm_out[...] != p_out).any()
+    assert rel_err(l.effective_kernel(), k) < 1e-6
+
+
+def test_merge_under_jit_matches_eager(keys):
+  model = poetx_jax.poetize(Tiny(nnx.Rngs(0)), block_size=8, rngs=nnx.Rngs(1))
+  _randomize_all(model, keys())
+  twin = nnx.clone(model)
+  key = jax.random.key(3)
+  poetx_jax.merge(model, rngs=key)
+  nnx.jit(lambda m, k: poetx_jax.merge(m, rngs=k))(twin, key)
+  for a, b in zip(jax.tree.leaves(nnx.state(model)), jax.tree.leaves(nnx.state(twin))):
+    np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_unpoetize_gives_plain_linears(keys):
+  model = poetx_jax.poetize(Tiny(nnx.Rngs(0)), block_size=8, rngs=nnx.Rngs(1))
+  _randomize_all(model, keys())
+  plain = poetx_jax.unpoetize(model)
+  assert poetx_jax.poet_layers(plain) == []
+  assert all(type(b[n]) is nnx.Linear for b in plain.blocks for n in ('up', 'down'))
+  tokens = jax.random.randint(keys(), (2, 5), 0, 50)
+  assert rel_err(plain(tokens), model(tokens)) < 1e-5
+  layer = model.blocks[1]['up']
+  np.testing.assert_array_equal(poetx_jax.effective_kernel(layer),
+                                plain.blocks[1]['up'].kernel[...])

@@ -1,0 +1,175 @@
+"""POETLinear against nnx.Linear and the naive R W0 P formula."""
+
+import contextlib
+import io
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.ad_checkpoint import print_saved_residuals
+
+from conftest import rel_err, skew_params
+from poetx_jax import POETLinear, POETParam, ops
+
+
+def _as_function(layer):
+  """(x, q_in, q_out) -> layer(x) with those generators, a pure function."""
+  graphdef, state = nnx.split(layer)
+
+  def f(x, q_in, q_out):
+    m = nnx.merge(graphdef, jax.tree.map(lambda a: a, state))  # fresh Variables
+    m.q_in[...], m.q_out[...] = q_in, q_out
+    return m(x)
+
+  return f
+
+
+def _randomize(layer, key, scale=0.1):
+  """Gives the layer generators with blocks of spectral norm ``scale``."""
+  k1, k2 = jax.random.split(key)
+  b = layer.block_size
+  layer.q_in[...] = skew_params(k1, layer.q_in.shape[0], b, scale)
+  layer.q_out[...] = skew_params(k2, layer.q_out.shape[0], b, scale)
+
+
+def _naive(layer, x, q_in, q_out):
+  """x @ (R W0 P)^T + b with R and P materialised as dense matrices."""
+  i, o, b = layer.in_features, layer.out_features, layer.block_size
+  p = ops.dense_rotation(q_in, layer.perm_in[...], i, block_size=b)
+  r = ops.dense_rotation(q_out, layer.perm_out[...], o, block_size=b)
+  w0 = ops.permute_kernel(layer.kernel[...].astype(jnp.float32),
+                          ops.invert_permutation(layer.perm_in[...]),
+                          ops.invert_permutation(layer.perm_out[...])).T
+  y = x.astype(jnp.float32) @ (r @ w0 @ p).T
+  return y + layer.bias[...] if layer.bias is not None else y
+
+
+@pytest.mark.parametrize('use_bias', [True, False])
+def test_identity_at_zero_q_equals_linear(keys, use_bias):
+  seed = int(jax.random.randint(keys(), (), 0, 2 ** 30))
+  lin = nnx.Linear(24, 40, use_bias=use_bias, rngs=nnx.Rngs(seed),
+                   bias_init=nnx.initializers.normal(1.0))
+  layer = POETLinear.from_linear(lin, block_size=8, rngs=nnx.Rngs(seed + 1))
+  x = jax.random.normal(keys(), (3, 5, 24))
+  assert rel_err(layer(x), lin(x)) < 1e-6
+  np.testing.assert_allclose(layer.effective_kernel(), lin.kernel[...], atol=1e-6)
+
+
+def test_spectrum_preserved(keys):
+  layer = POETLinear(64, 96, block_size=32, rngs=nnx.Rngs(0))
+  layer.kernel[...] = jax.random.normal(keys(), (64, 96))
+  sv0 = np.linalg.svd(np.asarray(layer.kernel[...]), compute_uv=False)
+  _randomize(layer, keys(), 0.1)
+  eff = layer.effective_kernel()
+  assert rel_err(eff, layer.kernel[...]) > 1e-2  # it did rotate
+  sv = np.linalg.svd(np.asarray(eff), compute_uv=False)
+  np.testing.assert_allclose(sv, sv0, rtol=1e-4)
+
+
+@pytest.mark.parametrize('mode', ['fast', 'mem'])
+@pytest.mark.parametrize('i,o,b', [(32, 48, 16), (30, 20, 8)])
+def test_gradients_match_naive_float32(keys, mode, i, o, b):
+  layer = POETLinear(i, o, block_size=b, mode=mode, rngs=nnx.Rngs(1),
+                     bias_init=nnx.initializers.normal(1.0))
+  layer.kernel[...] = jax.random.normal(keys(), (i, o)) / np.sqrt(i)
+  _randomize(layer, keys())
+  x = jax.random.normal(keys(), (2, 7, i))
+  ct = jax.random.normal(keys(), (2, 7, o))
+
+  apply = _as_function(layer)
+
+  def loss(x, q_in, q_out):
+    return (apply(x, q_in, q_out) * ct).sum()
+
+  def loss_ref(x, q_in, q_out):
+    return (_naive(layer, x, q_in, q_out) * ct).sum()
+
+  args = (x, layer.q_in[...], layer.q_out[...])
+  v, g = jax.value_and_grad(loss, argnums=(0, 1, 2))(*args)
+  v_ref, g_ref = jax.value_and_grad(loss_ref, argnums=(0, 1, 2))(*args)
+  assert rel_err(v, v_ref) < 1e-5
+  for a, r in zip(g, g_ref):
+    assert rel_err(a, r) < 1e-5
+
+
+@pytest.mark.parametrize('mode', ['fast', 'mem'])
+def test_gradients_match_naive_bf16(keys, mode):
+  i, o, b = 64, 40, 16  # 40 = 16 + 16 + 8: a ragged block on the output side
+  layer = POETLinear(i, o, block_size=b, mode=mode, dtype=jnp.bfloat16,
+                     param_dtype=jnp.bfloat16, rngs=nnx.Rngs(2))
+  layer.kernel[...] = (jax.random.normal(keys(), (i, o)) / 8).astype(jnp.bfloat16)
+  _randomize(layer, keys())
+  x = jax.random.normal(keys(), (64, i)).astype(jnp.bfloat16)
+  ct = jax.random.normal(keys(), (64, o))
+  grads = nnx.grad(lambda m, x: (m(x).astype(jnp.float32) * ct).sum(),
+                   argnums=(0, 1))(layer, x)
+  y = layer(x)
+  assert y.dtype == jnp.bfloat16
+
+  def loss_ref(x, q_in, q_out):
+    return (_naive(layer, x, q_in, q_out) * ct).sum()
+
+  g_ref = jax.grad(loss_ref, argnums=(0, 1, 2))(
+      x.astype(jnp.float32), layer.q_in[...], layer.q_out[...])
+  assert rel_err(y, _naive(layer, x, layer.q_in[...], layer.q_out[...])) < 2e-2
+  assert rel_err(grads[1], g_ref[0]) < 2e-2
+  assert rel_err(grads[0]['q_in'][...], g_ref[1]) < 2e-2
+  assert rel_err(grads[0]['q_out'][...], g_ref[2]) < 2e-2
+
+
+def _activation_residuals(layer, x):
+  """Saved residuals of the layer's backward with a token-sized leading dim."""
+  apply = _as_function(layer)
+
+  def f(x, q_in, q_out):
+    return apply(x, q_in, q_out).sum()
+
+  buf = io.StringIO()
+  with contextlib.redirect_stdout(buf):
+    print_saved_residuals(f, x, layer.q_in[...], layer.q_out[...])
+  lines = [l for l in buf.getvalue().splitlines() if 'from the argument' not in l]
+  return [l for l in lines if l.split('[')[1].startswith(f'{x.shape[0]},')]
+
+
+def test_mem_mode_saves_fewer_residuals(keys):
+  x = jax.random.normal(keys(), (37, 48))
+  fast = POETLinear(48, 32, block_size=16, mode='fast', rngs=nnx.Rngs(3))
+  mem = POETLinear(48, 32, block_size=16, mode='mem', rngs=nnx.Rngs(3))
+  _randomize(fast, jax.random.key(0))
+  _randomize(mem, jax.random.key(0))
+  res_fast = _activation_residuals(fast, x)
+  res_mem = _activation_residuals(mem, x)
+  assert len(res_fast) == 2, res_fast  # the rotated input and the GEMM output
+  assert res_mem == [], res_mem        # only x itself, an argument
+  g = [nnx.grad(lambda m: m(x).sum())(m) for m in (fast, mem)]
+  for name in ('q_in', 'q_out'):
+    np.testing.assert_allclose(g[0][name][...], g[1][name][...], rtol=1e-5, atol=1e-6)
+
+
+def test_base_weight_gets_no_gradient_and_no_optimizer_state():
+  import optax
+  layer = POETLinear(32, 16, block_size=8, rngs=nnx.Rngs(0))
+  grads = nnx.grad(lambda m: m(jnp.ones((2, 32))).sum())(layer)
+  assert set(grads.keys()) == {'q_in', 'q_out', 'bias'}
+  opt = nnx.Optimizer(layer, optax.adam(1e-3), wrt=POETParam)
+  n_poet = layer.q_in[...].size + layer.q_out[...].size
+  n_state = sum(x.size for x in jax.tree.leaves(nnx.as_pure(opt.opt_state)))
+  assert n_state == 2 * n_poet + 1  # two moments and a step counter
+
+
+def test_bad_input_errors():
+  rngs = nnx.Rngs(0)
+  with pytest.raises(ValueError, match='block_size must be > 1, got 1'):
+    POETLinear(8, 8, block_size=1, rngs=rngs)
+  with pytest.raises(ValueError, match='block_size=16 is larger than the dimension 8'):
+    POETLinear(32, 8, block_size=16, rngs=rngs)
+  with pytest.raises(ValueError, match="mode must be one of \\('fast', 'mem'\\), got 'slow'"):
+    POETLinear(8, 8, block_size=4, mode='slow', rngs=rngs)
+  with pytest.raises(ValueError, match='terms must be an int >= 1'):
+    POETLinear(8, 8, block_size=4, terms=0, rngs=rngs)
+  conv = nnx.Linear(8, 8, rngs=rngs)
+  conv.kernel = nnx.Param(jnp.ones((3, 8, 8)))
+  with pytest.raises(ValueError, match='2-D kernel'):
+    POETLinear.from_linear(conv, block_size=4, rngs=rngs)

@@ -1,0 +1,154 @@
+"""poetx_jax.ops: the maths, checked against dense formulas."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.test_util import check_grads
+
+from conftest import rel_err, skew_params
+from poetx_jax import ops
+
+
+def test_pack_unpack_roundtrip(keys):
+  b = 7
+  q = jax.random.normal(keys(), (3, ops.skew_size(b)))
+  blocks = ops.unpack_skew(q, b)
+  np.testing.assert_array_equal(blocks, -jnp.swapaxes(blocks, -1, -2))
+  np.testing.assert_array_equal(jnp.diagonal(blocks, axis1=-2, axis2=-1), 0)
+  np.testing.assert_array_equal(ops.pack_skew(blocks), q)
+  # Row-major strict upper triangle: element 0 is (0, 1), element 1 is (0, 2).
+  np.testing.assert_array_equal(blocks[:, 0, 1], q[:, 0])
+  np.testing.assert_array_equal(blocks[:, 0, 2], q[:, 1])
+  with pytest.raises(ValueError, match='B\\(B-1\\)/2'):
+    ops.unpack_skew(q, 6)
+
+
+def test_series_definition_and_convergence(keys):
+  b = 16
+  q = ops.unpack_skew(skew_params(keys(), 4, b, 0.3), b)
+  eye = jnp.eye(b)
+  q2 = q @ q
+  want = eye + 2 * (q + q2 + q2 @ q + q2 @ q2)  # I + 2(Q + Q^2 + Q^3 + Q^4)
+  np.testing.assert_allclose(ops.cayley_neumann(q, 4), want, atol=1e-6)
+  cayley = jnp.linalg.solve((eye - q).mT, (eye + q).mT).mT  # (I+Q)(I-Q)^-1
+  errs = [float(ops.orthogonality_error(ops.cayley_neumann(q, k))) for k in range(1, 9)]
+  dists = [rel_err(ops.cayley_neumann(q, k), cayley) for k in range(1, 9)]
+  # Odd k leaves -4 Q^(k+1) in G^T G - I, even k only +4 Q^(k+2): the error
+  # falls with every second term, and an even k is never worse than k + 1.
+  assert all(e1 > 5 * e2 for e1, e2 in zip(errs, errs[2:])), errs
+  assert all(errs[k] < 1.2 * errs[k + 1] for k in range(1, 7, 2)), errs
+  assert all(d1 > d2 for d1, d2 in zip(dists, dists[1:])), dists
+  with pytest.raises(ValueError, match='terms'):
+    ops.cayley_neumann(q, 0)
+
+
+@pytest.mark.parametrize('b', [16, 64])
+def test_orthogonality_at_default_terms(keys, b):
+  g = ops.cayley_neumann(ops.unpack_skew(skew_params(keys(), 3, b, 0.1), b))
+  err = float(ops.orthogonality_error(g))
+  assert err < 1e-4, err
+  assert err > 0  # truncated: not exactly orthogonal, and the check can see it
+
+
+def test_ragged_last_block_is_orthogonal_and_isolated(keys):
+  n, b = 11, 4  # blocks of 4, 4, 3
+  q = skew_params(keys(), 3, b, 0.1)
+  delta = ops.rotation_delta(q, n, b)
+  last = delta[-1] + jnp.eye(b)
+  np.testing.assert_array_equal(last[3], jnp.eye(b)[3])  # padding maps to itself
+  np.testing.assert_array_equal(last[:, 3], jnp.eye(b)[:, 3])
+  full = ops.dense_rotation(q, jnp.arange(n), n, block_size=b)
+  assert float(ops.orthogonality_error(full[None])) < 1e-4
+
+
+def test_permute_and_its_gradient(keys):
+  n = 13
+  perm = ops.random_permutation(keys(), n)
+  inv = ops.invert_permutation(perm)
+  np.testing.assert_array_equal(perm[inv], jnp.arange(n))
+  x = jax.random.normal(keys(), (5, n))
+  ct = jax.random.normal(keys(), (5, n))
+  np.testing.assert_array_equal(ops.permute(x, perm), x[:, perm])
+  g = jax.grad(lambda x: (ops.permute(x, perm) * ct).sum())(x)
+  g_ref = jax.grad(lambda x: (x[:, perm] * ct).sum())(x)
+  np.testing.assert_array_equal(g, g_ref)
+  check_grads(lambda x: ops.permute(x, perm), (x,), order=2, modes=['rev'])
+
+
+def _layer_inputs(keys, i, o, b, t=9, scale=0.1):
+  kernel = jax.random.normal(keys(), (i, o)) / np.sqrt(i)
+  q_in = skew_params(keys(), ops.num_blocks(i, b), b, scale)
+  q_out = skew_params(keys(), ops.num_blocks(o, b), b, scale)
+  p_in = ops.random_permutation(keys(), i)
+  p_out = ops.random_permutation(keys(), o)
+  x = jax.random.normal(keys(), (t, i))
+  return x, kernel, q_in, q_out, p_in, p_out
+
+
+def _dense_weight(kernel, q_in, q_out, p_in, p_out, b):
+  """W = R W0 P with everything materialised (W0 = kernel^T, unpermuted)."""
+  i, o = kernel.shape
+  p = ops.dense_rotation(q_in, p_in, i, block_size=b)
+  r = ops.dense_rotation(q_out, p_out, o, block_size=b)
+  return r @ kernel.T @ p
+
+
+@pytest.mark.parametrize('i,o,b', [(16, 24, 8), (21, 10, 4), (12, 30, 8)])
+@pytest.mark.parametrize('remat', [False, True])
+def test_poet_linear_matches_dense_formula(keys, i, o, b, remat):
+  x, kernel, q_in, q_out, p_in, p_out = _layer_inputs(keys, i, o, b)
+  stored = ops.permute_kernel(kernel, p_in, p_out)
+
+  def fast(x, q_in, q_out):
+    return ops.poet_linear(x, stored, q_in, q_out, p_in, p_out, block_size=b,
+                           remat=remat)
+
+  def naive(x, q_in, q_out):
+    return x @ _dense_weight(kernel, q_in, q_out, p_in, p_out, b).T
+
+  assert rel_err(fast(x, q_in, q_out), naive(x, q_in, q_out)) < 1e-5
+  ct = jax.random.normal(keys(), (x.shape[0], o))
+  g = jax.grad(lambda *a: (fast(*a) * ct).sum(), argnums=(0, 1, 2))(x, q_in, q_out)
+  g_ref = jax.grad(lambda *a: (naive(*a) * ct).sum(), argnums=(0, 1, 2))(x, q_in, q_out)
+  for a, r in zip(g, g_ref):
+    assert rel_err(a, r) < 1e-5
+  check_grads(fast, (x, q_in, q_out), order=1, modes=['rev'], atol=1e-2, rtol=1e-2)
+
+
+def test_poet_linear_bf16(keys):
+  i, o, b = 64, 48, 16
+  x, kernel, q_in, q_out, p_in, p_out = _layer_inputs(keys, i, o, b, t=32)
+  stored = ops.permute_kernel(kernel, p_in, p_out)
+  ct = jax.random.normal(keys(), (32, o))
+
+  def loss(x, q_in, q_out, dtype):
+    y = ops.poet_linear(x.astype(dtype), stored.astype(dtype), q_in, q_out, p_in,
+                        p_out, block_size=b)
+    assert y.dtype == dtype
+    return (y.astype(jnp.float32) * ct).sum()
+
+  f32 = jax.value_and_grad(loss, argnums=(0, 1, 2))(x, q_in, q_out, jnp.float32)
+  bf16 = jax.value_and_grad(loss, argnums=(0, 1, 2))(x, q_in, q_out, jnp.bfloat16)
+  assert rel_err(bf16[0], f32[0]) < 2e-2
+  for a, r in zip(bf16[1], f32[1]):
+    assert rel_err(a, r) < 2e-2
+
+
+def test_effective_kernel_matches_dense(keys):
+  x, kernel, q_in, q_out, p_in, p_out = _layer_inputs(keys, 20, 12, 8)
+  stored = ops.permute_kernel(kernel, p_in, p_out)
+  eff = ops.effective_kernel(stored, q_in, q_out, p_in, p_out, block_size=8)
+  want = _dense_weight(kernel, q_in, q_out, p_in, p_out, 8).T
+  assert rel_err(eff, want) < 1e-6
+  y = ops.poet_linear(x, stored, q_in, q_out, p_in, p_out, block_size=8)
+  assert rel_err(x @ eff, y) < 1e-5
+
+
+def test_check_block_size_errors():
+  with pytest.raises(ValueError, match='must be > 1'):
+    ops.check_block_size(1, 8, 8)
+  with pytest.raises(ValueError, match='larger than the dimension 6'):
+    ops.check_block_size(8, 16, 6)
+  with pytest.raises(TypeError, match='int'):
+    ops.check_block_size(2.0, 8, 8)

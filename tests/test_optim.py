@@ -1,0 +1,146 @@
+"""The optax side: poetx, moment resets, the clipping ramp, partitioning."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import poetx_jax
+from poetx_jax import merge_due, poetx
+
+
+def _params(key, dtype=jnp.float32):
+  k1, k2 = jax.random.split(key)
+  return {'a': jax.random.normal(k1, (4, 6)).astype(dtype),
+          'b': jax.random.normal(k2, (3,)).astype(dtype)}
+
+
+def _grads(key, n, dtype=jnp.float32):
+  return [_params(k, dtype) for k in jax.random.split(key, n)]
+
+
+def _run(tx, params, grads):
+  state = tx.init(params)
+  outs, states = [], [state]
+  for g in grads:
+    u, state = tx.update(g, state, params)
+    outs.append(u)
+    states.append(state)
+  return outs, states
+
+
+def test_first_cycle_is_adam_with_scaled_lr(keys):
+  params, grads = _params(keys()), _grads(keys(), 5)
+  got, _ = _run(poetx(1e-2, merge_every=10, poet_scale=0.5), params, grads)
+  want, _ = _run(optax.adam(5e-3, eps=1e-8), params, grads)
+  for a, b in zip(got, want):
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+      np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-9)
+
+
+def test_moments_reset_exactly_at_merge_steps(keys):
+  params, grads = _params(keys()), _grads(keys(), 8)
+  k = 3
+  got, states = _run(poetx(1e-2, merge_every=k), params, grads)
+  fresh = poetx(1e-2, merge_every=k)
+  for start in range(0, 8, k):  # updates 0..2, 3..5, 6..7 are separate cycles
+    want, _ = _run(fresh, params, grads[start:start + k])
+    for a, b in zip(got[start:start + k], want):
+      for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-9)
+  due = [bool(merge_due(s0, s1)) for s0, s1 in zip(states, states[1:])]
+  assert due == [False, False, True, False, False, True, False, False]
+  # Without resets the 4th update would differ: the check above can fail.
+  plain, _ = _run(poetx(1e-2, merge_every=None), params, grads)
+  assert not np.allclose(plain[3]['a'], got[3]['a'])
+
+
+@pytest.mark.parametrize('dtype', [jnp.float32, jnp.bfloat16])
+def test_jit_and_dtypes(keys, dtype):
+  params, grads = _params(keys(), dtype), _grads(keys(), 4, dtype)
+  tx = poetx(1e-2, merge_every=2)
+  state = tx.init(params)
+  update = jax.jit(tx.update)
+  for g in grads:
+    u, state = update(g, state, params)
+    params = optax.apply_updates(params, u)
+  assert all(x.dtype == dtype for x in jax.tree.leaves(params))
+  assert all(jnp.isfinite(x.astype(jnp.float32)).all() for x in jax.tree.leaves(params))
+  assert int(state[0].count) == 4 and int(state[0].cycle) == 0
+
+
+def test_inject_hyperparams_with_schedule(keys):
+  params, grads = _params(keys()), _grads(keys(), 4)
+  sched = optax.linear_schedule(1e-2, 1e-3, transition_steps=4)
+  tx = optax.inject_hyperparams(poetx, static_args=('merge_every',))(
+      learning_rate=sched, merge_every=2)
+  got, states = _run(tx, params, grads)
+  ref, _ = _run(poetx(sched, merge_every=2), params, grads)
+  for a, b in zip(got, ref):  # b2 as a float32 array: 1 - b2**t rounds differently
+    np.testing.assert_allclose(a['a'], b['a'], rtol=1e-4)
+  assert np.isclose(states[-1].hyperparams['learning_rate'], sched(3))  # used by update 4
+  # Numeric merge_every injected as a hyperparameter works too.
+  got2, _ = _run(optax.inject_hyperparams(poetx)(learning_rate=sched, merge_every=2),
+                 params, grads)
+  np.testing.assert_allclose(got2[-1]['a'], got[-1]['a'], rtol=1e-6)
+
+
+def test_multisteps_merges_only_on_real_updates(keys):
+  params, grads = _params(keys()), _grads(keys(), 8)
+  tx = optax.MultiSteps(poetx(1e-2, merge_every=2), every_k_schedule=2)
+  _, states = _run(tx, params, grads)
+  due = [bool(merge_due(s0, s1)) for s0, s1 in zip(states, states[1:])]
+  assert due == [False, False, False, True, False, False, False, True]
+
+
+def test_partition_with_adamw(keys):
+  model = poetx_jax.poetize(nnx.Sequential(nnx.Linear(16, 16, rngs=nnx.Rngs(0))),
+                            block_size=4, rngs=nnx.Rngs(1))
+  tx = poetx_jax.poetx_partition(model, poetx(1e-2), optax.adamw(1e-3, weight_decay=0.1))
+  opt = nnx.Optimizer(model, tx, wrt=nnx.Param)
+  labels = poetx_jax.poetx_labels(model)
+  assert labels['layers'][0]['q_in'] == 'poetx' and labels['layers'][0]['bias'] == 'other'
+  before = nnx.clone(model)
+  grads = nnx.grad(lambda m: (m(jnp.ones((2, 16))) ** 2).sum())(model)
+  opt.update(model, grads)
+  step_q = jnp.abs(model.layers[0].q_in[...] - before.layers[0].q_in[...])
+  step_b = jnp.abs(model.layers[0].bias[...] - before.layers[0].bias[...])
+  np.testing.assert_allclose(step_q[step_q > 0], 5e-3, rtol=1e-3)  # Adam's first step
+  np.testing.assert_allclose(step_b[step_b > 0], 1e-3, rtol=1e-3)
+  np.testing.assert_array_equal(model.layers[0].kernel[...], before.layers[0].kernel[...])
+
+
+def test_clip_bound_ramp():
+  bound = lambda c: float(poetx_jax.merge_clip_bound(
+      jnp.int32(c), 2.0, merge_every=100, ramp_steps=10, min_ratio=0.1))
+  assert bound(0) == bound(5) == bound(99) == 2.0  # no merge yet
+  assert np.isclose(bound(100), 0.2) and np.isclose(bound(105), 2.0 * 0.55)
+  assert bound(110) == 2.0 and np.isclose(bound(300), 0.2)
+  limited = poetx_jax.merge_clip_bound(jnp.int32(300), 2.0, merge_every=100, until=200)
+  assert float(limited) == 2.0
+
+
+def test_clip_after_merge_clips(keys):
+  tx = poetx_jax.clip_by_global_norm_after_merge(1.0, merge_every=2, ramp_steps=2)
+  g = {'a': jnp.full((4,), 10.0)}  # norm 20
+  outs, _ = _run(tx, g, [g] * 3)
+  norms = [float(optax.tree.norm(u)) for u in outs]
+  np.testing.assert_allclose(norms, [1.0, 1.0, 0.1], rtol=1e-5)
+  small = {'a': jnp.full((4,), 0.01)}
+  out, _ = _run(tx, small, [small])
+  np.testing.assert_array_equal(out[0]['a'], small['a'])
+
+
+def test_bad_hyperparameters():
+  with pytest.raises(ValueError, match='learning_rate must be >= 0, got -0.1'):
+    poetx(-0.1)
+  with pytest.raises(ValueError, match='merge_every must be an int >= 1.*got 0'):
+    poetx(1e-3, merge_every=0)
+  with pytest.raises(ValueError, match='b2 must be in \\[0, 1\\)'):
+    poetx(1e-3, b2=1.0)
+  with pytest.raises(ValueError, match='max_norm must be > 0'):
+    poetx_jax.clip_by_global_norm_after_merge(0.0)
+  with pytest.raises(ValueError, match='no scale_by_poetx state'):
+    merge_due(optax.adam(1e-3).init({'a': jnp.ones(2)}), optax.adam(1e-3).init({'a': jnp.ones(2)}))
