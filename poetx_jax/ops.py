@@ -32,9 +32,9 @@ zero-padded to K*B and the last block's generator is masked to its top-left
 ``r x r`` corner (r = N - (K-1) B), so the padded rotation is ``diag(G_r, I)``:
 exactly block-orthogonal on the real coordinates, with padding that never mixes in.
 
-Rotations are applied as ``v = u + (G - I) u`` with ``G - I`` kept apart: in
-bf16 the identity part passes through exactly instead of being rounded to 8 bits
-together with the small series terms.
+The series runs in float32 at full matmul precision; the rotation blocks are then
+cast to the activations' dtype, and the block products run in that dtype with
+float32 accumulation (as ``nnx.Linear``'s GEMM does).
 """
 
 from __future__ import annotations
@@ -79,16 +79,43 @@ def _triu(block_size: int):
   return np.triu_indices(block_size, k=1)
 
 
+@functools.lru_cache(maxsize=None)
+def _skew_index(block_size: int):
+  """(B, B) index into [0, q...] and the sign that builds Q from packed q."""
+  rows, cols = _triu(block_size)
+  idx = np.zeros((block_size, block_size), np.int32)
+  idx[rows, cols] = idx[cols, rows] = np.arange(1, rows.size + 1)
+  sign = np.zeros((block_size, block_size), np.float32)
+  sign[rows, cols], sign[cols, rows] = 1.0, -1.0
+  return idx, sign
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _unpack(q_KxP, block_size):
+  idx, sign = _skew_index(block_size)
+  flat = jnp.concatenate([jnp.zeros(q_KxP.shape[:-1] + (1,), q_KxP.dtype), q_KxP], -1)
+  return jnp.take(flat, idx, axis=-1) * sign.astype(q_KxP.dtype)
+
+
+def _unpack_fwd(q_KxP, block_size):
+  return _unpack(q_KxP, block_size), None
+
+
+def _unpack_bwd(block_size, _, g_KxBxB):
+  # Q = U - U^T, so dq = upper triangle of (dQ - dQ^T): a gather, not a scatter.
+  return (pack_skew(g_KxBxB - jnp.swapaxes(g_KxBxB, -1, -2)),)
+
+
+_unpack.defvjp(_unpack_fwd, _unpack_bwd)
+
+
 def unpack_skew(q_KxP: Array, block_size: int) -> Array:
   """Packed strict upper triangles (K, P) -> skew-symmetric blocks (K, B, B)."""
   if q_KxP.shape[-1] != skew_size(block_size):
     raise ValueError(
         f'packed skew parameters have last dim {q_KxP.shape[-1]}, expected '
         f'B(B-1)/2 = {skew_size(block_size)} for block_size={block_size}')
-  rows, cols = _triu(block_size)
-  u = jnp.zeros(q_KxP.shape[:-1] + (block_size, block_size), q_KxP.dtype)
-  u = u.at[..., rows, cols].set(q_KxP)
-  return u - jnp.swapaxes(u, -1, -2)
+  return _unpack(q_KxP, block_size)
 
 
 def pack_skew(q_KxBxB: Array) -> Array:
@@ -113,9 +140,9 @@ def ragged_mask(n: int, block_size: int) -> np.ndarray | None:
 
 
 # ------------------------------------------------------------- Cayley–Neumann
-def cayley_neumann_delta(q_KxBxB: Array, terms: int = DEFAULT_TERMS,
-                         precision=jax.lax.Precision.HIGHEST) -> Array:
-  """G - I = 2 * sum_{i=1..terms} Q^i for skew-symmetric blocks Q, by Horner.
+def cayley_neumann(q_KxBxB: Array, terms: int = DEFAULT_TERMS,
+                   precision=jax.lax.Precision.HIGHEST) -> Array:
+  """G = I + 2 * sum_{i=1..terms} Q^i, the truncated Cayley transform, by Horner.
 
   Args:
     q_KxBxB: skew-symmetric blocks, shape (..., B, B).
@@ -123,7 +150,7 @@ def cayley_neumann_delta(q_KxBxB: Array, terms: int = DEFAULT_TERMS,
     precision: matmul precision (HIGHEST keeps float32 exact on GPUs).
 
   Returns:
-    The blocks of ``G - I`` in the dtype of ``q_KxBxB``.
+    The blocks of ``G`` in the dtype of ``q_KxBxB``.
   """
   if not isinstance(terms, (int, np.integer)) or terms < 1:
     raise ValueError(f'terms must be an int >= 1, got {terms!r}')
@@ -133,19 +160,12 @@ def cayley_neumann_delta(q_KxBxB: Array, terms: int = DEFAULT_TERMS,
   acc = q_KxBxB
   for _ in range(terms - 1):
     acc = mm(q_KxBxB, eye + acc)
-  return 2 * acc
+  return eye + 2 * acc
 
 
-def cayley_neumann(q_KxBxB: Array, terms: int = DEFAULT_TERMS,
-                   precision=jax.lax.Precision.HIGHEST) -> Array:
-  """G = I + 2 * sum_{i=1..terms} Q^i, the truncated Cayley transform of Q."""
-  eye = jnp.eye(q_KxBxB.shape[-1], dtype=q_KxBxB.dtype)
-  return eye + cayley_neumann_delta(q_KxBxB, terms, precision)
-
-
-def rotation_delta(q_KxP: Array, n: int, block_size: int,
-                   terms: int = DEFAULT_TERMS) -> Array:
-  """Packed parameters of one side -> the (K, B, B) blocks of ``G - I`` (float32).
+def rotation_blocks(q_KxP: Array, n: int, block_size: int,
+                    terms: int = DEFAULT_TERMS) -> Array:
+  """Packed parameters of one side -> its (K, B, B) rotation blocks G (float32).
 
   Applies the ragged-block mask when ``block_size`` does not divide ``n``.
   """
@@ -153,7 +173,7 @@ def rotation_delta(q_KxP: Array, n: int, block_size: int,
   q = q_KxP.astype(jnp.float32)
   if mask is not None:
     q = q * mask
-  return cayley_neumann_delta(unpack_skew(q, block_size), terms)
+  return cayley_neumann(unpack_skew(q, block_size), terms)
 
 
 def orthogonality_error(g_KxBxB: Array) -> Array:
@@ -166,21 +186,18 @@ def orthogonality_error(g_KxBxB: Array) -> Array:
 
 
 # ------------------------------------------------------- block-diagonal apply
-def block_rotate(x_TxN: Array, delta_KxBxB: Array, *, precision=None) -> Array:
-  """Applies blockdiag(I + delta) to the last axis of x (already K*B wide).
+def block_rotate(x_TxN: Array, g_KxBxB: Array, *, precision=None) -> Array:
+  """Applies blockdiag(G) to the last axis of x (already K*B wide).
 
-  Block k maps ``x[..., kB:(k+1)B]`` to ``(I + delta_k) @ x_block``. The product
-  runs in x's dtype with float32 accumulation; the identity part is added in
-  float32 and the result cast back to x's dtype.
+  Block k maps ``x[..., kB:(k+1)B]`` to ``G_k @ x_block``, in x's dtype (G is
+  cast to it) with the backend's float32 accumulation.
   """
-  k, b, _ = delta_KxBxB.shape
+  k, b, _ = g_KxBxB.shape
   if x_TxN.shape[-1] != k * b:
     raise ValueError(f'x has {x_TxN.shape[-1]} features, blocks cover {k}x{b}')
   x_TxKxB = x_TxN.reshape(x_TxN.shape[:-1] + (k, b))
-  d = delta_KxBxB.astype(x_TxN.dtype)
-  y = jnp.einsum('...kj,kij->...ki', x_TxKxB, d, precision=precision,
-                 preferred_element_type=jnp.float32)
-  y = (y + x_TxKxB.astype(jnp.float32)).astype(x_TxN.dtype)
+  y = jnp.einsum('...kj,kij->...ki', x_TxKxB, g_KxBxB.astype(x_TxN.dtype),
+                 precision=precision)
   return y.reshape(x_TxN.shape)
 
 
@@ -192,11 +209,11 @@ def pad_features(x_TxN: Array, n_padded: int) -> Array:
   return jnp.pad(x_TxN, [(0, 0)] * (x_TxN.ndim - 1) + [(0, n_padded - n)])
 
 
-def rotate_features(x_TxN: Array, delta_KxBxB: Array, *, precision=None) -> Array:
+def rotate_features(x_TxN: Array, g_KxBxB: Array, *, precision=None) -> Array:
   """block_rotate for any width N <= K*B: pads, rotates, slices back to N."""
   n = x_TxN.shape[-1]
-  k, b, _ = delta_KxBxB.shape
-  y = block_rotate(pad_features(x_TxN, k * b), delta_KxBxB, precision=precision)
+  k, b, _ = g_KxBxB.shape
+  y = block_rotate(pad_features(x_TxN, k * b), g_KxBxB, precision=precision)
   return y[..., :n]
 
 
@@ -219,7 +236,12 @@ def permute(x_TxN: Array, perm_N: Array) -> Array:
   Left to autodiff, a gather's transpose is a scatter-add, ~25x slower on GPUs
   for activation-sized arrays; a permutation's transpose is just its inverse.
   """
-  return jnp.take(x_TxN, perm_N, axis=-1)
+  return _gather(x_TxN, perm_N)
+
+
+def _gather(x_TxN, idx_N):
+  return jnp.asarray(x_TxN).at[..., idx_N].get(mode='promise_in_bounds',
+                                               unique_indices=True)
 
 
 def _permute_fwd(x_TxN, perm_N):
@@ -227,18 +249,18 @@ def _permute_fwd(x_TxN, perm_N):
 
 
 def _permute_bwd(perm_N, g_TxN):
-  return jnp.take(g_TxN, invert_permutation(perm_N), axis=-1), None
+  return _gather(g_TxN, invert_permutation(perm_N)), None
 
 
 permute.defvjp(_permute_fwd, _permute_bwd)
 
 
 # ------------------------------------------------------------------ the layer
-def _poet_core(x, kernel_IxO, delta_in, delta_out, perm_in, inv_perm_out, precision):
+def _poet_core(x, kernel_IxO, g_in, g_out, perm_in, inv_perm_out, precision):
   u = permute(x, perm_in)
-  v = rotate_features(u, delta_in, precision=precision)
+  v = rotate_features(u, g_in, precision=precision)
   w = jnp.matmul(v, jax.lax.stop_gradient(kernel_IxO), precision=precision)
-  z = rotate_features(w, delta_out, precision=precision)
+  z = rotate_features(w, g_out, precision=precision)
   return permute(z, inv_perm_out)
 
 
@@ -263,13 +285,13 @@ def poet_linear(x_TxI: Array, kernel_IxO: Array, q_in_KxP: Array, q_out_KxP: Arr
     y of shape (..., O) in x's dtype (no bias).
   """
   i, o = kernel_IxO.shape
-  delta_in = rotation_delta(q_in_KxP, i, block_size, terms)
-  delta_out = rotation_delta(q_out_KxP, o, block_size, terms)
+  g_in = rotation_blocks(q_in_KxP, i, block_size, terms).astype(x_TxI.dtype)
+  g_out = rotation_blocks(q_out_KxP, o, block_size, terms).astype(x_TxI.dtype)
   core = functools.partial(_poet_core, precision=precision)
   if remat:
     core = jax.checkpoint(core, policy=jax.checkpoint_policies.nothing_saveable)
-  return core(x_TxI, kernel_IxO, delta_in.astype(x_TxI.dtype),
-              delta_out.astype(x_TxI.dtype), perm_in_I, invert_permutation(perm_out_O))
+  return core(x_TxI, kernel_IxO, g_in, g_out, perm_in_I,
+              invert_permutation(perm_out_O))
 
 
 def effective_kernel(kernel_IxO: Array, q_in_KxP: Array, q_out_KxP: Array,
@@ -281,10 +303,10 @@ def effective_kernel(kernel_IxO: Array, q_in_KxP: Array, q_out_KxP: Array,
   """
   i, o = kernel_IxO.shape
   hi = jax.lax.Precision.HIGHEST
-  g_in_t = jnp.swapaxes(rotation_delta(q_in_KxP, i, block_size, terms), -1, -2)
-  delta_out = rotation_delta(q_out_KxP, o, block_size, terms)
+  g_in_t = jnp.swapaxes(rotation_blocks(q_in_KxP, i, block_size, terms), -1, -2)
+  g_out = rotation_blocks(q_out_KxP, o, block_size, terms)
   a = kernel_IxO.astype(jnp.float32)
-  a = rotate_features(a, delta_out, precision=hi)               # kernel G_R^T
+  a = rotate_features(a, g_out, precision=hi)                   # kernel G_R^T
   a = rotate_features(a.T, g_in_t, precision=hi).T              # G_P^T (...)
   a = jnp.take(a, invert_permutation(perm_in_I), axis=0)        # Phi_I (...)
   return jnp.take(a, invert_permutation(perm_out_O), axis=1)    # (...) Phi_O^T
@@ -298,9 +320,8 @@ def permute_kernel(kernel_IxO: Array, perm_in_I: Array, perm_out_O: Array) -> Ar
 def dense_rotation(q_KxP: Array, perm_N: Array, n: int, *, block_size: int,
                    terms: int = DEFAULT_TERMS) -> Array:
   """The dense n x n matrix ``Phi G Phi^T`` (tests and analysis only)."""
-  g = rotation_delta(q_KxP, n, block_size, terms)
+  g = rotation_blocks(q_KxP, n, block_size, terms)
   k = g.shape[0]
-  g = g + jnp.eye(block_size)
   bd = jax.scipy.linalg.block_diag(*[g[j] for j in range(k)])[:n, :n]
   phi = jnp.zeros((n, n), jnp.float32).at[perm_N, jnp.arange(n)].set(1.0)
   return phi @ bd @ phi.T

@@ -10,6 +10,21 @@ from conftest import rel_err, skew_params
 from poetx_jax import ops
 
 
+def test_unpack_gradient_is_that_of_u_minus_u_transpose(keys):
+  b = 6
+  q = jax.random.normal(keys(), (2, ops.skew_size(b)))
+  ct = jax.random.normal(keys(), (2, b, b))
+  rows, cols = np.triu_indices(b, 1)
+
+  def naive(q):
+    u = jnp.zeros((2, b, b)).at[:, rows, cols].set(q)
+    return u - jnp.swapaxes(u, -1, -2)
+
+  np.testing.assert_array_equal(ops.unpack_skew(q, b), naive(q))
+  g = jax.grad(lambda q: (ops.unpack_skew(q, b) * ct).sum())(q)
+  np.testing.assert_allclose(g, jax.grad(lambda q: (naive(q) * ct).sum())(q), rtol=1e-6)
+
+
 def test_pack_unpack_roundtrip(keys):
   b = 7
   q = jax.random.normal(keys(), (3, ops.skew_size(b)))
@@ -54,8 +69,7 @@ def test_orthogonality_at_default_terms(keys, b):
 def test_ragged_last_block_is_orthogonal_and_isolated(keys):
   n, b = 11, 4  # blocks of 4, 4, 3
   q = skew_params(keys(), 3, b, 0.1)
-  delta = ops.rotation_delta(q, n, b)
-  last = delta[-1] + jnp.eye(b)
+  last = ops.rotation_blocks(q, n, b)[-1]
   np.testing.assert_array_equal(last[3], jnp.eye(b)[3])  # padding maps to itself
   np.testing.assert_array_equal(last[:, 3], jnp.eye(b)[:, 3])
   full = ops.dense_rotation(q, jnp.arange(n), n, block_size=b)

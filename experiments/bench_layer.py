@@ -1,0 +1,180 @@
+"""Forward+backward time of one POET-X layer against a dense layer, on one GPU.
+
+For each shape (I x O) and block size B, bf16 activations of T tokens:
+
+  dense (W trained)   y = x W, grads for x and W: the baseline
+  dense (W frozen)    grads for x only
+  poetx xla fast      POETLinear's XLA path (poetx_jax.ops.poet_linear)
+  poetx xla mem       the same with remat (POET-Xmem)
+  poetx no-perm       the same without the two permutation gathers
+  poetx f32-acc       block products emitting float32, cast back to bf16
+  cayley-neumann      the Cayley–Neumann step alone for both sides
+
+Every variant is checked against the dense reference (the effective kernel,
+float32) before it is timed. Times are medians of device-synchronised runs.
+
+    python3 experiments/bench_layer.py                    # 3 Llama-8B shapes, B in 128/256/512
+    python3 experiments/bench_layer.py --shapes 4096x4096 --blocks 256
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from poetx_jax import ops
+
+
+def timeit(fn, *args, warmup=3, iters=20):
+  """Median wall time (ms) of fn(*args), synchronised on every call."""
+  for _ in range(warmup):
+    jax.block_until_ready(fn(*args))
+  times = []
+  for _ in range(iters):
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    times.append((time.perf_counter() - t0) * 1e3)
+  return statistics.median(times), statistics.pstdev(times)
+
+
+def rel_err(a, b):
+  a = jnp.asarray(a, jnp.float32)
+  b = jnp.asarray(b, jnp.float32)
+  return float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
+
+
+def _f32_rotate(x, g):
+  """blockdiag(G) x with the block products emitting float32."""
+  n = x.shape[-1]
+  k, b, _ = g.shape
+  xp = ops.pad_features(x, k * b).reshape(x.shape[:-1] + (k, b))
+  y = jnp.einsum('...kj,kij->...ki', xp, g, preferred_element_type=jnp.float32)
+  return y.astype(x.dtype).reshape(x.shape[:-1] + (k * b,))[..., :n]
+
+
+def poet_variant(x, kernel, q_in, q_out, perm_in, perm_out, *, b, perm=True,
+                 f32=False):
+  """The layer with optional pieces switched off, for the ablation rows."""
+  i, o = kernel.shape
+  d_in = ops.rotation_blocks(q_in, i, b).astype(x.dtype)
+  d_out = ops.rotation_blocks(q_out, o, b).astype(x.dtype)
+  rot = _f32_rotate if f32 else ops.rotate_features
+  u = ops.permute(x, perm_in) if perm else x
+  w = jnp.matmul(rot(u, d_in), jax.lax.stop_gradient(kernel))
+  z = rot(w, d_out)
+  return ops.permute(z, ops.invert_permutation(perm_out)) if perm else z
+
+
+def bench_shape(i, o, b, t, iters, key):
+  ks = jax.random.split(key, 7)
+  dt = jnp.bfloat16
+  x = jax.random.normal(ks[0], (t, i), dt)
+  ct = jax.random.normal(ks[1], (t, o), dt)
+  w = (jax.random.normal(ks[2], (i, o), jnp.float32) / np.sqrt(i)).astype(dt)
+  scale = 0.05
+  q_in = scale * jax.random.normal(ks[3], (ops.num_blocks(i, b), ops.skew_size(b))) / np.sqrt(b)
+  q_out = scale * jax.random.normal(ks[4], (ops.num_blocks(o, b), ops.skew_size(b))) / np.sqrt(b)
+  p_in = ops.random_permutation(ks[5], i)
+  p_out = ops.random_permutation(ks[6], o)
+
+  # Every array is a jit argument: closed-over constants would be folded at
+  # compile time (the cotangent products included) and time nothing.
+  consts = (ct, w, p_in, p_out)
+
+  def fwd_bwd(f, n_diff):
+    """jit of (args, consts) -> (y, grads of the first n_diff args) for ct."""
+    def run(*args):
+      diff, (ct, w, p_in, p_out) = args[:n_diff], args[n_diff:]
+      y, pull = jax.vjp(lambda *a: f(*a, w, p_in, p_out), *diff)
+      return y, pull(ct.astype(y.dtype))
+    return jax.jit(run)
+
+  dense_tr = fwd_bwd(lambda x, w2, w, p_in, p_out: x @ w2, 2)
+  dense_fr = fwd_bwd(lambda x, w, p_in, p_out: x @ w, 1)
+
+  def layer(remat, **kw):
+    def f(x, qi, qo, w, p_in, p_out):
+      if kw:
+        return poet_variant(x, w, qi, qo, p_in, p_out, b=b, **kw)
+      return ops.poet_linear(x, w, qi, qo, p_in, p_out, block_size=b, remat=remat)
+    return fwd_bwd(f, 3)
+
+  variants = {
+      'dense (W trained)': (dense_tr, (x, w)),
+      'dense (W frozen)': (dense_fr, (x,)),
+      'poetx xla fast': (layer(False), (x, q_in, q_out)),
+      'poetx xla mem': (layer(True), (x, q_in, q_out)),
+      'poetx no-perm': (layer(False, perm=False), (x, q_in, q_out)),
+      'poetx f32-acc': (layer(False, f32=True), (x, q_in, q_out)),
+  }
+  kb_in, kb_out = ops.num_blocks(i, b), ops.num_blocks(o, b)
+  ct_g = (jax.random.normal(ks[1], (kb_in, b, b), dt),
+          jax.random.normal(ks[2], (kb_out, b, b), dt))
+  cn = jax.jit(lambda qi, qo, ct_g: jax.vjp(
+      lambda a, c: (ops.rotation_blocks(a, i, b).astype(dt),
+                    ops.rotation_blocks(c, o, b).astype(dt)), qi, qo)[1](ct_g))
+
+  # Correctness first: outputs against x @ effective_kernel (float32), and the
+  # POET gradients of the fast and mem paths against a float32 run.
+  eff = ops.effective_kernel(w, q_in, q_out, p_in, p_out, block_size=b)
+  y_ref = x.astype(jnp.float32) @ eff
+  f32 = fwd_bwd(lambda x, qi, qo, w, p_in, p_out: ops.poet_linear(
+      x, w.astype(jnp.float32), qi, qo, p_in, p_out, block_size=b), 3)
+  _, g_ref = f32(x.astype(jnp.float32), q_in, q_out, *consts)
+  checks = {}
+  for name, (fn, args) in variants.items():
+    if not name.startswith('poetx'):
+      continue
+    y, g = fn(*args, *consts)
+    checks[name] = {'y': rel_err(y, y_ref)}
+    if 'perm' not in name:
+      checks[name].update({f'd{n}': rel_err(a, r) for n, a, r in
+                           zip(('x', 'q_in', 'q_out'), g, g_ref)})
+    bad = {k: v for k, v in checks[name].items() if not v < 3e-2}
+    if 'no-perm' not in name and bad:
+      raise SystemExit(f'{name} {i}x{o} B={b}: check failed {bad}')
+
+  rows = {}
+  for name, (fn, args) in variants.items():
+    rows[name] = timeit(fn, *args, *consts, iters=iters)
+  rows['cayley-neumann (both sides)'] = timeit(cn, q_in, q_out, ct_g, iters=iters)
+  return rows, checks
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument('--shapes', default='4096x4096,4096x14336,14336x4096')
+  p.add_argument('--blocks', default='128,256,512')
+  p.add_argument('--tokens', type=int, default=8 * 2048)
+  p.add_argument('--iters', type=int, default=20)
+  p.add_argument('--json', default=None, help='write all figures here')
+  a = p.parse_args(argv)
+  print(f'device: {jax.devices()[0].device_kind}, jax {jax.__version__}, '
+        f'T={a.tokens}, bf16', flush=True)
+  results = []
+  for shape in a.shapes.split(','):
+    i, o = map(int, shape.split('x'))
+    for b in map(int, a.blocks.split(',')):
+      rows, checks = bench_shape(i, o, b, a.tokens, a.iters, jax.random.key(i + o + b))
+      base = rows['dense (W trained)'][0]
+      print(f'\n{i}x{o}  B={b}   (relative errors: ' +
+            ', '.join(f"{k}: y {v['y']:.1e}" for k, v in checks.items()) + ')')
+      for name, (ms, sd) in rows.items():
+        print(f'  {name:30s} {ms:8.3f} ms  ±{sd:6.3f}  {ms / base:5.2f}x dense')
+      results.append({'shape': shape, 'block': b, 'ms': rows, 'checks': checks})
+      sys.stdout.flush()
+  if a.json:
+    with open(a.json, 'w') as f:
+      json.dump(results, f, indent=1)
+
+
+if __name__ == '__main__':
+  main()
