@@ -8,7 +8,9 @@ For each shape (I x O) and block size B, bf16 activations of T tokens:
   poetx xla mem       the same with remat (POET-Xmem)
   poetx no-perm       the same without the two permutation gathers
   poetx f32-acc       block products emitting float32, cast back to bf16
-  cayley-neumann      the Cayley–Neumann step alone for both sides
+  cayley-neumann      the Cayley–Neumann step alone for both sides, at the
+                      backend's default float32 matmul precision (what the
+                      layer uses for bf16 inputs) and at full float32
 
 Every variant is checked against the dense reference (the effective kernel,
 float32) before it is timed. Times are medians of device-synchronised runs.
@@ -118,9 +120,11 @@ def bench_shape(i, o, b, t, iters, key):
   kb_in, kb_out = ops.num_blocks(i, b), ops.num_blocks(o, b)
   ct_g = (jax.random.normal(ks[1], (kb_in, b, b), dt),
           jax.random.normal(ks[2], (kb_out, b, b), dt))
-  cn = jax.jit(lambda qi, qo, ct_g: jax.vjp(
-      lambda a, c: (ops.rotation_blocks(a, i, b).astype(dt),
-                    ops.rotation_blocks(c, o, b).astype(dt)), qi, qo)[1](ct_g))
+  def cn_step(precision):  # the series as poet_linear runs it for bf16 inputs
+    return jax.jit(lambda qi, qo, ct_g: jax.vjp(
+        lambda a, c: (ops.rotation_blocks(a, i, b, precision=precision).astype(dt),
+                      ops.rotation_blocks(c, o, b, precision=precision).astype(dt)),
+        qi, qo)[1](ct_g))
 
   # Correctness first: outputs against x @ effective_kernel (float32), and the
   # POET gradients of the fast and mem paths against a float32 run.
@@ -145,7 +149,10 @@ def bench_shape(i, o, b, t, iters, key):
   rows = {}
   for name, (fn, args) in variants.items():
     rows[name] = timeit(fn, *args, *consts, iters=iters)
-  rows['cayley-neumann (both sides)'] = timeit(cn, q_in, q_out, ct_g, iters=iters)
+  for name, prec in (('default', jax.lax.Precision.DEFAULT),
+                     ('highest', jax.lax.Precision.HIGHEST)):
+    rows[f'cayley-neumann, {name} (both sides)'] = timeit(
+        cn_step(prec), q_in, q_out, ct_g, iters=iters)
   return rows, checks
 
 
@@ -168,7 +175,7 @@ def main(argv=None):
       print(f'\n{i}x{o}  B={b}   (relative errors: ' +
             ', '.join(f"{k}: y {v['y']:.1e}" for k, v in checks.items()) + ')')
       for name, (ms, sd) in rows.items():
-        print(f'  {name:30s} {ms:8.3f} ms  ±{sd:6.3f}  {ms / base:5.2f}x dense')
+        print(f'  {name:38s} {ms:8.3f} ms  ±{sd:6.3f}  {ms / base:5.2f}x dense')
       results.append({'shape': shape, 'block': b, 'ms': rows, 'checks': checks})
       sys.stdout.flush()
   if a.json:
