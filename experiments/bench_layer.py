@@ -8,9 +8,11 @@ For each shape (I x O) and block size B, bf16 activations of T tokens:
   poetx xla mem       the same with remat (POET-Xmem)
   poetx no-perm       the same without the two permutation gathers
   poetx f32-acc       block products emitting float32, cast back to bf16
+  poetx grouped-conv  block products as a 1x1 convolution with K feature groups
   cayley-neumann      the Cayley–Neumann step alone for both sides, at the
                       backend's default float32 matmul precision (what the
-                      layer uses for bf16 inputs) and at full float32
+                      layer uses for bf16 inputs) and at full float32, and
+                      both sides as one batch (what the layer runs)
 
 Every variant is checked against the dense reference (the effective kernel,
 float32) before it is timed. Times are medians of device-synchronised runs.
@@ -62,13 +64,24 @@ def _f32_rotate(x, g):
   return y.astype(x.dtype).reshape(x.shape[:-1] + (k * b,))[..., :n]
 
 
+def _conv_rotate(x, g):
+  """blockdiag(G) x as a grouped 1x1 convolution (K groups of B channels)."""
+  n = x.shape[-1]
+  k, b, _ = g.shape
+  rhs = jnp.transpose(g, (2, 0, 1)).reshape(1, b, k * b)  # [0, j, kB+i] = G[k, i, j]
+  y = jax.lax.conv_general_dilated(
+      ops.pad_features(x, k * b)[:, None, :], rhs, (1,), 'VALID',
+      dimension_numbers=('NWC', 'WIO', 'NWC'), feature_group_count=k)
+  return y[:, 0, :n]
+
+
 def poet_variant(x, kernel, q_in, q_out, perm_in, perm_out, *, b, perm=True,
-                 f32=False):
+                 rot='einsum'):
   """The layer with optional pieces switched off, for the ablation rows."""
   i, o = kernel.shape
   d_in = ops.rotation_blocks(q_in, i, b).astype(x.dtype)
   d_out = ops.rotation_blocks(q_out, o, b).astype(x.dtype)
-  rot = _f32_rotate if f32 else ops.rotate_features
+  rot = {'einsum': ops.rotate_features, 'f32': _f32_rotate, 'conv': _conv_rotate}[rot]
   u = ops.permute(x, perm_in) if perm else x
   w = jnp.matmul(rot(u, d_in), jax.lax.stop_gradient(kernel))
   z = rot(w, d_out)
@@ -115,7 +128,8 @@ def bench_shape(i, o, b, t, iters, key):
       'poetx xla fast': (layer(False), (x, q_in, q_out)),
       'poetx xla mem': (layer(True), (x, q_in, q_out)),
       'poetx no-perm': (layer(False, perm=False), (x, q_in, q_out)),
-      'poetx f32-acc': (layer(False, f32=True), (x, q_in, q_out)),
+      'poetx f32-acc': (layer(False, rot='f32'), (x, q_in, q_out)),
+      'poetx grouped-conv': (layer(False, rot='conv'), (x, q_in, q_out)),
   }
   kb_in, kb_out = ops.num_blocks(i, b), ops.num_blocks(o, b)
   ct_g = (jax.random.normal(ks[1], (kb_in, b, b), dt),
@@ -153,6 +167,11 @@ def bench_shape(i, o, b, t, iters, key):
                      ('highest', jax.lax.Precision.HIGHEST)):
     rows[f'cayley-neumann, {name} (both sides)'] = timeit(
         cn_step(prec), q_in, q_out, ct_g, iters=iters)
+  pair = jax.jit(lambda qi, qo, ct_g: jax.vjp(
+      lambda a, c: tuple(g.astype(dt) for g in ops.rotation_blocks_pair(
+          a, c, i, o, b, precision=jax.lax.Precision.DEFAULT)), qi, qo)[1](ct_g))
+  rows['cayley-neumann, default, one batch'] = timeit(pair, q_in, q_out, ct_g,
+                                                      iters=iters)
   return rows, checks
 
 

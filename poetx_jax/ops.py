@@ -180,6 +180,22 @@ def rotation_blocks(q_KxP: Array, n: int, block_size: int,
   return cayley_neumann(unpack_skew(q, block_size), terms, precision)
 
 
+def rotation_blocks_pair(q_in_KxP: Array, q_out_KxP: Array, i: int, o: int,
+                         block_size: int, terms: int = DEFAULT_TERMS,
+                         precision=jax.lax.Precision.HIGHEST) -> tuple[Array, Array]:
+  """rotation_blocks for both sides of a layer as one batched series.
+
+  Same values as two ``rotation_blocks`` calls, in half the (small) kernels.
+  """
+  qs = []
+  for q, n in ((q_in_KxP, i), (q_out_KxP, o)):
+    mask = ragged_mask(n, block_size)
+    q = q.astype(jnp.float32)
+    qs.append(q if mask is None else q * mask)
+  g = cayley_neumann(unpack_skew(jnp.concatenate(qs), block_size), terms, precision)
+  return g[:q_in_KxP.shape[0]], g[q_in_KxP.shape[0]:]
+
+
 def orthogonality_error(g_KxBxB: Array) -> Array:
   """max over blocks of ||G^T G - I||_F / sqrt(B)."""
   b = g_KxBxB.shape[-1]
@@ -291,8 +307,8 @@ def poet_linear(x_TxI: Array, kernel_IxO: Array, q_in_KxP: Array, q_out_KxP: Arr
   i, o = kernel_IxO.shape
   exact = jnp.dtype(x_TxI.dtype).itemsize >= 4
   cn_precision = jax.lax.Precision.HIGHEST if exact else jax.lax.Precision.DEFAULT
-  g_in = rotation_blocks(q_in_KxP, i, block_size, terms, cn_precision)
-  g_out = rotation_blocks(q_out_KxP, o, block_size, terms, cn_precision)
+  g_in, g_out = rotation_blocks_pair(q_in_KxP, q_out_KxP, i, o, block_size, terms,
+                                    cn_precision)
   g_in, g_out = g_in.astype(x_TxI.dtype), g_out.astype(x_TxI.dtype)
   core = functools.partial(_poet_core, precision=precision)
   if remat:
