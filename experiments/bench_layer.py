@@ -6,7 +6,8 @@ For each shape (I x O) and block size B, bf16 activations of T tokens:
   dense (W frozen)    grads for x only
   poetx xla fast      POETLinear's XLA path (poetx_jax.ops.poet_linear)
   poetx xla mem       the same with remat (POET-Xmem)
-  poetx no-perm       the same without the two permutation gathers
+  poetx no-perm       the same without the two permutation gathers (a different
+                      function: its output is not checked, it prices the gathers)
   poetx f32-acc       block products emitting float32, cast back to bf16
   poetx grouped-conv  block products as a 1x1 convolution with K feature groups
   cayley-neumann      the Cayley–Neumann step alone for both sides, at the
