@@ -1,0 +1,524 @@
+"""Text data for LLM pretraining: documents, a BPE tokenizer, packed windows, grain.
+
+Everything is local (no network). The path from text to batches::
+
+  docs = read_documents(['corpus/'])             # or default_corpus()[0]
+  tok = load_or_train_tokenizer(docs, vocab_size=4096, cache_dir='cache')
+  tokens = tokenize_corpus(docs, tok, cache_dir='cache')   # int32, eos after each doc
+  train, val = split(tokens, val_fraction=0.05, seq_len=512)
+  ds = train_dataset(pack(train, 512), batch_size=32, seed=0)
+  batches = eval_batches(pack(val, 512), batch_size=32)
+
+or all at once with :class:`TextData`. A window holds ``seq_len + 1`` tokens;
+a batch is ``{'inputs': window[:-1], 'targets': window[1:]}`` with ``-1`` marking
+masked targets (padding).
+"""
+
+from __future__ import annotations
+
+import glob
+import gzip
+import hashlib
+import json
+import math
+import os
+import re
+import tempfile
+import typing as tp
+from pathlib import Path
+
+import grain
+import numpy as np
+
+PathLike = tp.Union[str, os.PathLike]
+
+EOS = '<|endoftext|>'
+# Longest first, so that '.jsonl.gz' wins over a shorter suffix.
+SUPPORTED_EXTENSIONS = ('.jsonl.gz', '.json.gz', '.parquet', '.jsonl', '.txt', '.md', '.rst')
+_TEXT_EXTENSIONS = ('.txt', '.md', '.rst')
+_JSON_EXTENSIONS = ('.jsonl.gz', '.json.gz', '.jsonl')
+# End-of-document tokens looked for, in order, in a loaded tokenizer.json.
+_EOS_CANDIDATES = (EOS, '</s>', '<|end_of_text|>', '<eos>')
+
+
+# ----------------------------------------------------------------------------- documents
+
+
+def _extension(path: Path) -> str | None:
+  """The supported extension ``path`` ends with, or None."""
+  name = path.name.lower()
+  return next((e for e in SUPPORTED_EXTENSIONS if name.endswith(e)), None)
+
+
+def _read_json_lines(path: Path, ext: str, text_field: str) -> list[str]:
+  opener = gzip.open if ext.endswith('.gz') else open
+  docs = []
+  with opener(path, 'rt', encoding='utf-8') as f:
+    for lineno, line in enumerate(f, start=1):
+      if not line.strip():
+        continue
+      try:
+        record = json.loads(line)
+      except json.JSONDecodeError as e:
+        raise ValueError(f'{path}, line {lineno}: invalid JSON ({e})') from None
+      text = record.get(text_field) if isinstance(record, dict) else None
+      if not isinstance(text, str):
+        keys = sorted(record) if isinstance(record, dict) else type(record).__name__
+        raise ValueError(f'{path}, line {lineno}: no string field {text_field!r} '
+                         f'(found {keys})')
+      docs.append(text)
+  return docs
+
+
+def _read_parquet(path: Path, text_field: str) -> list[str]:
+  try:
+    import pyarrow.parquet as pq  # pylint: disable=g-import-not-at-top
+  except ImportError as e:
+    raise ImportError(f'reading {path} needs pyarrow (pip install pyarrow)') from e
+  names = pq.read_schema(path).names
+  if text_field not in names:
+    raise ValueError(f'{path}: no column {text_field!r} (columns: {names})')
+  values = pq.read_table(path, columns=[text_field]).column(text_field).to_pylist()
+  for row, v in enumerate(values):
+    if v is not None and not isinstance(v, str):
+      raise ValueError(f'{path}, row {row}: column {text_field!r} holds '
+                       f'{type(v).__name__}, expected str')
+  return [v for v in values if v is not None]
+
+
+def _read_file(path: Path, text_field: str) -> list[str]:
+  ext = _extension(path)
+  if ext is None:
+    raise ValueError(f'unsupported file {path}: supported extensions are '
+                     f'{", ".join(SUPPORTED_EXTENSIONS)}')
+  if ext in _TEXT_EXTENSIONS:
+    return [path.read_text(encoding='utf-8')]
+  if ext in _JSON_EXTENSIONS:
+    return _read_json_lines(path, ext, text_field)
+  return _read_parquet(path, text_field)
+
+
+def read_documents(paths: PathLike | tp.Sequence[PathLike], *,
+                   text_field: str = 'text') -> list[str]:
+  """Reads the documents of files and directories, in order.
+
+  Formats, by extension: ``.txt`` / ``.md`` / ``.rst`` (a file is one document);
+  ``.jsonl``, ``.jsonl.gz``, ``.json.gz`` (one JSON object a line, its
+  ``text_field`` string is a document: C4's layout); ``.parquet`` (the
+  ``text_field`` column; needs pyarrow). A directory is read recursively, its
+  files in sorted order, skipping files of other extensions. Empty and
+  whitespace-only documents are dropped.
+
+  Raises:
+    FileNotFoundError: a path does not exist.
+    ValueError: unsupported extension, a JSON line or table without the field,
+      or no non-empty document at all.
+  """
+  if isinstance(paths, (str, os.PathLike)):
+    paths = [paths]
+  paths = [Path(p) for p in paths]
+  docs = []
+  for p in paths:
+    if not p.exists():
+      raise FileNotFoundError(f'no such file or directory: {p}')
+    if p.is_dir():
+      files = sorted(f for f in p.rglob('*') if f.is_file() and _extension(f))
+    else:
+      files = [p]
+    for f in files:
+      docs.extend(d for d in _read_file(f, text_field) if d.strip())
+  if not docs:
+    raise ValueError('corpus is empty: no non-empty documents in '
+                     + ', '.join(str(p) for p in paths))
+  return docs
+
+
+def default_corpus(*, doc_root: PathLike = '/usr/share/doc') -> tuple[list[str], str]:
+  """The built-in corpus of English text installed on this machine.
+
+  Always the reference text of the standard library's ``pydoc_data.topics``
+  (one document per topic), plus, when installed (Debian's ``python3.X-doc``),
+  the reStructuredText sources of the Python documentation,
+  ``{doc_root}/python3.X/html/_sources/**/*.rst.txt`` (the newest 3.X found).
+
+  Returns:
+    ``(documents, description)``, the description a line naming the sizes and
+    sources.
+  """
+  from pydoc_data import topics  # pylint: disable=g-import-not-at-top
+
+  docs = [topics.topics[k] for k in sorted(topics.topics)]
+  n_topics = len(docs)
+  source = f'{n_topics} pydoc_data.topics entries'
+  # python3.11, python3.11-doc, ... are often links to one directory.
+  found = {}
+  for d in glob.glob(os.path.join(os.fspath(doc_root), 'python3.*', 'html', '_sources')):
+    m = re.match(r'python3\.(\d+)', Path(d).parents[1].name)
+    files = glob.glob(os.path.join(d, '**', '*.rst.txt'), recursive=True)
+    if m and files:
+      found[os.path.realpath(d)] = int(m.group(1))
+  if found:
+    real, minor = max(found.items(), key=lambda kv: (kv[1], kv[0]))
+    files = sorted(glob.glob(os.path.join(real, '**', '*.rst.txt'), recursive=True))
+    rst = [Path(f).read_text(encoding='utf-8') for f in files]
+    rst = [t for t in rst if t.strip()]
+    docs += rst
+    source += f' + {len(rst)} Python 3.{minor} documentation sources from {real}'
+  chars = sum(map(len, docs))
+  return docs, f'default corpus: {len(docs)} documents, {chars:,} characters ({source})'
+
+
+def corpus_hash(docs: tp.Sequence[str]) -> str:
+  """A sha256 hex digest of the documents and their boundaries."""
+  h = hashlib.sha256()
+  for d in docs:
+    b = d.encode('utf-8', 'surrogatepass')
+    h.update(len(b).to_bytes(8, 'little'))
+    h.update(b)
+  return h.hexdigest()
+
+
+def _file_hash(path: PathLike) -> str:
+  with open(path, 'rb') as f:
+    return hashlib.file_digest(f, 'sha256').hexdigest()
+
+
+def _atomic_write(path: Path, write: tp.Callable[[str], None], suffix: str) -> None:
+  """Calls ``write(tmp)`` on a temporary file next to ``path``, then renames it."""
+  path.parent.mkdir(parents=True, exist_ok=True)
+  fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f'.{path.name}.', suffix=suffix)
+  os.close(fd)
+  try:
+    write(tmp)
+    os.replace(tmp, path)
+  finally:
+    if os.path.exists(tmp):
+      os.remove(tmp)
+
+
+# ----------------------------------------------------------------------------- tokenizer
+
+
+class Tokenizer:
+  """A tokenizer with an end-of-document id: a Hugging Face ``tokenizers``
+  JSON file or a sentencepiece ``.model``.
+
+  Make one with :meth:`load` or :meth:`train_bpe`. ``encode`` adds no special
+  tokens; ``decode`` keeps them.
+  """
+
+  def __init__(self, backend: tp.Any, *, kind: str, path: Path, eos_id: int,
+               vocab_size: int):
+    self._backend = backend
+    self._kind = kind
+    self.path = path
+    self.eos_id = eos_id
+    self.vocab_size = vocab_size
+
+  def __repr__(self) -> str:
+    return (f'Tokenizer({str(self.path)!r}, vocab_size={self.vocab_size}, '
+            f'eos_id={self.eos_id})')
+
+  @classmethod
+  def load(cls, path: PathLike) -> Tokenizer:
+    """Loads a ``tokenizers`` JSON file, or a sentencepiece ``.model`` (needs the
+    sentencepiece package)."""
+    path = Path(path)
+    if not path.is_file():
+      raise FileNotFoundError(f'no tokenizer file at {path}')
+    if path.suffix == '.model':
+      try:
+        import sentencepiece as spm  # pylint: disable=g-import-not-at-top
+      except ImportError as e:
+        raise ImportError(f'loading the sentencepiece model {path} needs the '
+                          'sentencepiece package (pip install sentencepiece); '
+                          'or give a tokenizers .json file') from e
+      sp = spm.SentencePieceProcessor(model_file=os.fspath(path))
+      if sp.eos_id() < 0:
+        raise ValueError(f'sentencepiece model {path} defines no end-of-sentence id')
+      return cls(sp, kind='sentencepiece', path=path, eos_id=int(sp.eos_id()),
+                 vocab_size=int(sp.get_piece_size()))
+    import tokenizers  # pylint: disable=g-import-not-at-top
+    try:
+      tok = tokenizers.Tokenizer.from_file(os.fspath(path))
+    except Exception as e:  # tokenizers raises a bare Exception on bad files.
+      raise ValueError(f'{path} is not a tokenizers JSON file ({e}); '
+                       'expected a tokenizer.json or a sentencepiece .model') from e
+    eos_id = next((i for t in _EOS_CANDIDATES if (i := tok.token_to_id(t)) is not None), None)
+    if eos_id is None:
+      raise ValueError(f'tokenizer {path} has no end-of-document token; looked for '
+                       f'{", ".join(_EOS_CANDIDATES)}')
+    return cls(tok, kind='tokenizers', path=path, eos_id=int(eos_id),
+               vocab_size=int(tok.get_vocab_size(with_added_tokens=True)))
+
+  @classmethod
+  def train_bpe(cls, docs: tp.Sequence[str], *, vocab_size: int,
+                path: PathLike) -> Tokenizer:
+    """Trains a byte-level BPE on ``docs``, saves it to ``path`` and loads it.
+
+    Byte-level pre-tokenizer without an added prefix space and a byte-level
+    decoder, no normalizer: ``decode(encode(text)) == text`` for any text. The
+    vocabulary holds the 256 bytes, the merges and ``'<|endoftext|>'``.
+    """
+    from tokenizers import decoders, models, pre_tokenizers, trainers  # pylint: disable=g-import-not-at-top
+    import tokenizers  # pylint: disable=g-import-not-at-top
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    if not isinstance(vocab_size, int) or vocab_size < len(alphabet) + 1:
+      raise ValueError(f'vocab_size must be an int >= {len(alphabet) + 1} '
+                       f'(256 bytes + {EOS}), got {vocab_size!r}')
+    if not docs:
+      raise ValueError('train_bpe needs at least one document, got none')
+    tok = tokenizers.Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS],
+                                  initial_alphabet=alphabet, show_progress=False)
+    tok.train_from_iterator(docs, trainer=trainer, length=len(docs))
+    _atomic_write(Path(path), lambda tmp: tok.save(tmp), '.json')
+    return cls.load(path)
+
+  def encode(self, text: str) -> list[int]:
+    """Token ids of ``text``, no special tokens added."""
+    if self._kind == 'sentencepiece':
+      return list(self._backend.encode(text))
+    return self._backend.encode(text, add_special_tokens=False).ids
+
+  def encode_batch(self, texts: tp.Sequence[str]) -> list[list[int]]:
+    """``[encode(t) for t in texts]``, in parallel where the backend can."""
+    if self._kind == 'sentencepiece':
+      return [list(ids) for ids in self._backend.encode(list(texts))]
+    return [e.ids for e in self._backend.encode_batch(list(texts), add_special_tokens=False)]
+
+  def decode(self, ids: tp.Iterable[int]) -> str:
+    """The text of ``ids`` (special tokens kept)."""
+    ids = [int(i) for i in ids]
+    if self._kind == 'sentencepiece':
+      return self._backend.decode(ids)
+    return self._backend.decode(ids, skip_special_tokens=False)
+
+
+train_bpe = Tokenizer.train_bpe
+
+
+def load_or_train_tokenizer(docs: tp.Sequence[str], *, path: PathLike | None = None,
+                            vocab_size: int = 4096, cache_dir: PathLike) -> Tokenizer:
+  """Loads ``path`` if given; else the BPE of ``docs`` cached in ``cache_dir``
+  (keyed by a hash of the corpus and the vocabulary size), trained and saved
+  there first if absent."""
+  if path is not None:
+    return Tokenizer.load(path)
+  cached = Path(cache_dir) / f'bpe-v{vocab_size}-{corpus_hash(docs)[:16]}.json'
+  if cached.is_file():
+    return Tokenizer.load(cached)
+  return Tokenizer.train_bpe(docs, vocab_size=vocab_size, path=cached)
+
+
+def tokenize_corpus(docs: tp.Sequence[str], tokenizer: Tokenizer, *,
+                    cache_dir: PathLike | None = None) -> np.ndarray:
+  """All documents encoded and concatenated, each followed by ``eos_id``: int32.
+
+  With ``cache_dir`` the result is cached there, keyed by the hashes of the
+  corpus and of the tokenizer file.
+  """
+  cached = None
+  if cache_dir is not None:
+    key = f'{corpus_hash(docs)[:16]}-{_file_hash(tokenizer.path)[:16]}'
+    cached = Path(cache_dir) / f'tokens-{key}.npy'
+    if cached.is_file():
+      return np.load(cached)
+  chunks = []
+  for start in range(0, len(docs), 1024):
+    for ids in tokenizer.encode_batch(docs[start:start + 1024]):
+      chunks.append(np.asarray(ids, np.int32))
+      chunks.append(np.asarray([tokenizer.eos_id], np.int32))
+  tokens = np.concatenate(chunks) if chunks else np.zeros((0,), np.int32)
+  if cached is not None:
+    _atomic_write(cached, lambda tmp: np.save(tmp, tokens), '.npy')
+  return tokens
+
+
+# ----------------------------------------------------------------------------- windows
+
+
+def pack(tokens: np.ndarray, seq_len: int) -> np.ndarray:
+  """Cuts a token stream into windows of ``seq_len + 1``, (N, seq_len + 1) int32.
+
+  Window i is ``tokens[i*seq_len : i*seq_len + seq_len + 1]``: consecutive
+  windows overlap by one token, so every token after the first is a target
+  exactly once. The last window is padded with -1 (a masked target).
+
+    >>> pack(np.arange(8), 3)
+    array([[ 0,  1,  2,  3],
+           [ 3,  4,  5,  6],
+           [ 6,  7, -1, -1]], dtype=int32)
+  """
+  if not isinstance(seq_len, (int, np.integer)) or seq_len < 1:
+    raise ValueError(f'seq_len must be a positive int, got {seq_len!r}')
+  tokens = np.asarray(tokens)
+  if tokens.ndim != 1:
+    raise ValueError(f'tokens must be 1-D, got shape {tokens.shape}')
+  n = tokens.shape[0]
+  if n == 0:
+    return np.zeros((0, seq_len + 1), np.int32)
+  num = max(1, math.ceil((n - 1) / seq_len))
+  padded = np.full(num * seq_len + 1, -1, np.int32)
+  padded[:n] = tokens
+  idx = np.arange(num)[:, None] * seq_len + np.arange(seq_len + 1)[None, :]
+  return padded[idx]
+
+
+def split(tokens: np.ndarray, *, val_fraction: float, seq_len: int,
+          seed: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+  """Splits a token stream into ``(train, val)``: val is its last
+  ``val_fraction``, at least one window (``seq_len + 1`` tokens).
+
+  Deterministic: nothing is shuffled; ``seed`` is accepted and unused.
+  """
+  del seed
+  if not 0.0 < val_fraction < 1.0:
+    raise ValueError(f'val_fraction must be in (0, 1), got {val_fraction!r}')
+  if not isinstance(seq_len, (int, np.integer)) or seq_len < 1:
+    raise ValueError(f'seq_len must be a positive int, got {seq_len!r}')
+  tokens = np.asarray(tokens)
+  n, w = tokens.shape[0], seq_len + 1
+
+  def n_val(total):
+    return max(math.ceil(val_fraction * total), w)
+
+  if n - n_val(n) < w:
+    need = max(2 * w, math.floor(w / (1.0 - val_fraction)))
+    while need - n_val(need) < w:
+      need += 1
+    raise ValueError(f'corpus too small for a train and a validation split: it has '
+                     f'{n} tokens, and needs at least {need} (a window of {w} tokens '
+                     f'in each, val_fraction={val_fraction})')
+  cut = n - n_val(n)
+  return tokens[:cut], tokens[cut:]
+
+
+class _WindowsToBatch:
+  """Maps an index array to a batch dict of those windows (picklable)."""
+
+  def __init__(self, windows: np.ndarray):
+    self.windows = windows
+
+  def __call__(self, idx: np.ndarray) -> dict[str, np.ndarray]:
+    return _to_batch(self.windows[np.asarray(idx)])
+
+
+def _to_batch(w: np.ndarray) -> dict[str, np.ndarray]:
+  return {'inputs': np.ascontiguousarray(np.maximum(w[:, :-1], 0), dtype=np.int32),
+          'targets': np.ascontiguousarray(w[:, 1:], dtype=np.int32)}
+
+
+def _check_windows(windows: np.ndarray, batch_size: int) -> np.ndarray:
+  windows = np.asarray(windows)
+  if windows.ndim != 2 or windows.shape[1] < 2:
+    raise ValueError(f'windows must be (N, seq_len + 1) with seq_len >= 1, '
+                     f'got shape {windows.shape}')
+  if not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
+    raise ValueError(f'batch_size must be a positive int, got {batch_size!r}')
+  return windows.astype(np.int32, copy=False)
+
+
+def train_dataset(windows: np.ndarray, *, batch_size: int, seed: int,
+                  read_options: grain.ReadOptions | None = None) -> grain.IterDataset:
+  """An endless grain pipeline of shuffled training batches.
+
+  Windows are shuffled with ``seed``, reshuffled differently every epoch, and
+  batched per epoch (the remainder dropped, other windows each epoch) into
+  ``{'inputs': (B, L) int32, 'targets': (B, L) int32}``, inputs ``window[:-1]``
+  (padding -1 read as 0) and targets ``window[1:]`` (-1 = masked).
+
+  ``iter()`` of the result is a ``grain.DatasetIterator``; its ``get_state()``
+  is a JSON-serialisable dict, and ``set_state`` on a fresh iterator of the same
+  pipeline resumes with exactly the batches of an uninterrupted run.
+
+  Args:
+    windows: (N, L + 1) from :func:`pack`, N >= batch_size.
+    batch_size: B.
+    seed: a non-negative int.
+    read_options: grain's threading and prefetch (default 2 threads, 8 batches).
+  """
+  windows = _check_windows(windows, batch_size)
+  if windows.shape[0] < batch_size:
+    raise ValueError(f'{windows.shape[0]} training windows are fewer than '
+                     f'batch_size={batch_size}')
+  if not isinstance(seed, (int, np.integer)) or seed < 0:
+    raise ValueError(f'seed must be a non-negative int, got {seed!r}')
+  # grain seeds epoch e with seed + e; mixing keeps nearby seeds' epochs apart.
+  shuffle_seed = int(np.random.SeedSequence(int(seed)).generate_state(1)[0])
+  ds = (grain.MapDataset.range(windows.shape[0])
+        .shuffle(seed=shuffle_seed)
+        .batch(batch_size, drop_remainder=True)
+        .repeat()
+        .map(_WindowsToBatch(windows)))
+  if read_options is None:
+    read_options = grain.ReadOptions(num_threads=2, prefetch_buffer_size=8)
+  return ds.to_iter_dataset(read_options)
+
+
+def eval_batches(windows: np.ndarray, *, batch_size: int) -> list[dict[str, np.ndarray]]:
+  """All windows in order as batches like :func:`train_dataset`'s; the last
+  batch padded with fully masked rows (inputs 0, targets -1)."""
+  windows = _check_windows(windows, batch_size)
+  n, width = windows.shape
+  rows = math.ceil(n / batch_size) * batch_size
+  padded = np.full((rows, width), -1, np.int32)
+  padded[:n] = windows
+  return [_to_batch(padded[i:i + batch_size]) for i in range(0, rows, batch_size)]
+
+
+# ----------------------------------------------------------------------------- all of it
+
+
+class TextData:
+  """A corpus tokenized, split and packed into windows.
+
+  ``docs`` (None: :func:`default_corpus`) are tokenized with ``tokenizer_path``
+  if given, else with a byte-level BPE of ``vocab_size`` trained on the whole
+  corpus; both the tokenizer and the token stream are cached in ``cache_dir``.
+  The last ``val_fraction`` of the tokens is the validation split.
+
+  Attributes:
+    tokenizer: the :class:`Tokenizer`.
+    train_windows, val_windows: (N, seq_len + 1) int32, from :func:`pack`.
+    num_tokens: tokens in the whole corpus, eos included.
+    seq_len, seed: as given.
+    description: a line on the corpus, tokenizer and sizes.
+  """
+
+  def __init__(self, docs: tp.Sequence[str] | None = None, *, seq_len: int,
+               cache_dir: PathLike, tokenizer_path: PathLike | None = None,
+               vocab_size: int = 4096, val_fraction: float = 0.05, seed: int = 0):
+    if docs is None:
+      docs, desc = default_corpus()
+    else:
+      docs = list(docs)
+      desc = f'{len(docs)} documents, {sum(map(len, docs)):,} characters'
+    self.tokenizer = load_or_train_tokenizer(docs, path=tokenizer_path,
+                                             vocab_size=vocab_size, cache_dir=cache_dir)
+    tokens = tokenize_corpus(docs, self.tokenizer, cache_dir=cache_dir)
+    train, val = split(tokens, val_fraction=val_fraction, seq_len=seq_len)
+    self.train_windows, self.val_windows = pack(train, seq_len), pack(val, seq_len)
+    self.num_tokens = int(len(tokens))
+    self.seq_len, self.seed = seq_len, seed
+    self.description = (
+        f'{desc}; tokenizer {self.tokenizer.path.name} (vocab {self.tokenizer.vocab_size});'
+        f' {self.num_tokens:,} tokens -> {len(self.train_windows)} train +'
+        f' {len(self.val_windows)} val windows of {seq_len + 1}')
+
+  def __repr__(self) -> str:
+    return f'TextData({self.description})'
+
+  def train_dataset(self, batch_size: int, **kw) -> grain.IterDataset:
+    """:func:`train_dataset` of the train windows with this data's seed."""
+    return train_dataset(self.train_windows, batch_size=batch_size, seed=self.seed, **kw)
+
+  def eval_batches(self, batch_size: int) -> list[dict[str, np.ndarray]]:
+    """:func:`eval_batches` of the validation windows."""
+    return eval_batches(self.val_windows, batch_size=batch_size)
+
+
+build_data = TextData

@@ -1,0 +1,39 @@
+"""Export a run as merged dense weights a Hugging Face Llama loader accepts.
+
+The POET layers are merged (``R W0 P``) into plain kernels, so the exported
+model runs with zero POET overhead: ``model.safetensors`` (float32, HF names and
+(out, in) layouts), ``config.json`` (``LlamaForCausalLM``) and the tokenizer.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import shutil
+
+import poetx_jax
+from poetx_jax.models import llama
+
+
+def export_model(model, mc: llama.LlamaConfig, out_dir: str | pathlib.Path,
+                 tokenizer_path: str | None = None) -> pathlib.Path:
+  """Writes ``model`` (POET or plain Llama) to ``out_dir``; returns the weights' path."""
+  from safetensors.numpy import save_file
+  out = pathlib.Path(out_dir)
+  out.mkdir(parents=True, exist_ok=True)
+  plain = poetx_jax.unpoetize(model)
+  weights = out / 'model.safetensors'
+  save_file(llama.hf_state_dict(plain), str(weights), metadata={'format': 'pt'})
+  (out / 'config.json').write_text(json.dumps(llama.hf_config(mc), indent=1))
+  if tokenizer_path and str(tokenizer_path).endswith('.json'):
+    shutil.copy(tokenizer_path, out / 'tokenizer.json')
+  return weights
+
+
+def export_run(run: str | pathlib.Path, out_dir: str | pathlib.Path,
+               step: int | None = None) -> pathlib.Path:
+  """Exports the newest (or given) checkpoint of a run directory."""
+  from poetx_jax.train import load_run, model_config
+  cfg, data, model, _ = load_run(run, step=step)
+  mc = model_config(cfg, data.tokenizer.vocab_size)
+  return export_model(model, mc, out_dir, data.tokenizer.path)

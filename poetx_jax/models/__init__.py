@@ -1,0 +1,1 @@
+"""Model definitions built from plain Flax NNX layers (POET enters by ``poetize``)."""

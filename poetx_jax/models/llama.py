@@ -1,0 +1,375 @@
+"""A Llama decoder in Flax NNX, built only from ``nnx.Linear``, ``nnx.Embed`` and RMSNorm.
+
+Notation: B batch, T sequence length, V vocabulary, H hidden size, M MLP size,
+N query heads, K key/value heads (grouped-query attention, N % K == 0),
+D = H / N head dimension.
+
+Attribute names follow Hugging Face ``LlamaForCausalLM`` (``embed_tokens``,
+``layers/i/self_attn/q_proj``, ..., ``norm``, ``lm_head``), so
+:func:`hf_state_dict` maps paths one to one. Every projection is a plain
+``nnx.Linear`` (kernel (in, out), no bias): ``poetx_jax.poetize(model, ...)``
+turns them into POET layers, ``poetx_jax.unpoetize`` turns them back for export.
+Rotary embeddings use the HF "rotate_half" convention (the head dimension split
+into a first and a second half), so exported weights need no permutation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import typing as tp
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from flax.nnx.nn import initializers
+
+Array = jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaConfig:
+  """Shape and initialisation of a Llama model.
+
+  Attributes:
+    vocab_size: V.
+    hidden: H.
+    mlp: M, the SwiGLU inner size.
+    layers: number of decoder layers.
+    heads: N, query heads; must divide ``hidden``.
+    kv_heads: K, key/value heads; must divide ``heads``.
+    max_seq_len: the longest sequence the model accepts.
+    rope_theta: rotary base frequency.
+    norm_eps: RMSNorm epsilon.
+    tie_embeddings: logits from the embedding matrix (no ``lm_head``).
+    init_std: standard deviation of every Linear / Embed weight at init.
+    block_size: the POET block size suggested for this shape.
+  """
+
+  vocab_size: int
+  hidden: int
+  mlp: int
+  layers: int
+  heads: int
+  kv_heads: int
+  max_seq_len: int = 2048
+  rope_theta: float = 10000.0
+  norm_eps: float = 1e-6
+  tie_embeddings: bool = False
+  init_std: float = 0.02
+  block_size: int = 256
+
+  def __post_init__(self):
+    for name in ('vocab_size', 'hidden', 'mlp', 'layers', 'heads', 'kv_heads',
+                 'max_seq_len', 'block_size'):
+      v = getattr(self, name)
+      if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 1:
+        raise ValueError(f'{name} must be a positive int, got {v!r}')
+    if self.block_size < 2:
+      raise ValueError(f'block_size must be >= 2, got {self.block_size!r}')
+    for name in ('rope_theta', 'norm_eps', 'init_std'):
+      v = getattr(self, name)
+      if not isinstance(v, (int, float, np.floating)) or isinstance(v, bool) or not v > 0:
+        raise ValueError(f'{name} must be a positive number, got {v!r}')
+    if not isinstance(self.tie_embeddings, (bool, np.bool_)):
+      raise ValueError(f'tie_embeddings must be a bool, got {self.tie_embeddings!r}')
+    if self.hidden % self.heads:
+      raise ValueError(f'hidden must be divisible by heads, got hidden={self.hidden}, '
+                       f'heads={self.heads}')
+    if self.heads % self.kv_heads:
+      raise ValueError(f'heads must be divisible by kv_heads, got heads={self.heads}, '
+                       f'kv_heads={self.kv_heads}')
+    if self.head_dim % 2:
+      raise ValueError(f'head_dim = hidden / heads must be even for rotary embeddings, '
+                       f'got {self.head_dim} (hidden={self.hidden}, heads={self.heads})')
+
+  @property
+  def head_dim(self) -> int:
+    """D = hidden / heads."""
+    return self.hidden // self.heads
+
+  def num_params(self) -> int:
+    """Number of parameters (embedding counted once when tied)."""
+    h, kv = self.hidden, self.kv_heads * self.head_dim
+    attn = 2 * h * h + 2 * h * kv
+    per_layer = attn + 3 * h * self.mlp + 2 * h
+    head = 0 if self.tie_embeddings else h * self.vocab_size
+    return self.vocab_size * h + self.layers * per_layer + h + head
+
+
+CONFIGS: dict[str, LlamaConfig] = {
+    'tiny': LlamaConfig(vocab_size=4096, hidden=64, mlp=176, layers=2, heads=4,
+                        kv_heads=2, max_seq_len=256, block_size=16),
+    '60m': LlamaConfig(vocab_size=32000, hidden=512, mlp=1376, layers=8, heads=8,
+                       kv_heads=8),
+    '130m': LlamaConfig(vocab_size=32000, hidden=768, mlp=2048, layers=12, heads=12,
+                        kv_heads=12),
+    '350m': LlamaConfig(vocab_size=32000, hidden=1024, mlp=2736, layers=24, heads=16,
+                        kv_heads=16),
+    '1b': LlamaConfig(vocab_size=32000, hidden=2048, mlp=5632, layers=24, heads=32,
+                      kv_heads=32),
+    '3b': LlamaConfig(vocab_size=32000, hidden=2560, mlp=7168, layers=32, heads=32,
+                      kv_heads=32),
+    '8b': LlamaConfig(vocab_size=32000, hidden=4096, mlp=14336, layers=32, heads=32,
+                      kv_heads=8),
+    '13b': LlamaConfig(vocab_size=32000, hidden=5120, mlp=13824, layers=40, heads=40,
+                       kv_heads=40),
+}
+
+
+def get_config(name: str, **overrides) -> LlamaConfig:
+  """The named config of :data:`CONFIGS`, with fields replaced by ``overrides``."""
+  if name not in CONFIGS:
+    raise ValueError(f'unknown Llama config {name!r}; valid names: {sorted(CONFIGS)}')
+  fields = [f.name for f in dataclasses.fields(LlamaConfig)]
+  bad = sorted(set(overrides) - set(fields))
+  if bad:
+    raise ValueError(f'unknown LlamaConfig field(s) {bad}; valid fields: {fields}')
+  return dataclasses.replace(CONFIGS[name], **overrides)
+
+
+class RMSNorm(nnx.Module):
+  """``x / sqrt(mean(x^2) + eps) * weight``, computed in float32, cast back to x's dtype."""
+
+  def __init__(self, dim: int, *, eps: float = 1e-6, param_dtype: tp.Any = jnp.float32,
+               rngs: nnx.Rngs | None = None):
+    del rngs  # the weight starts at ones
+    self.weight = nnx.Param(jnp.ones((dim,), param_dtype))
+    self.eps = eps
+
+  def __call__(self, x: Array) -> Array:
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+    return (y * self.weight[...].astype(jnp.float32)).astype(x.dtype)
+
+
+def rope_tables(positions: Array, head_dim: int, theta: float) -> tuple[Array, Array]:
+  """cos, sin of shape ``positions.shape + (D,)``, float32 (HF rotate_half layout)."""
+  inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+  angles = positions.astype(jnp.float32)[..., None] * inv_freq
+  angles = jnp.concatenate([angles, angles], axis=-1)
+  return jnp.cos(angles), jnp.sin(angles)
+
+
+def rotate_half(x: Array) -> Array:
+  """(x1, x2) -> (-x2, x1) over the halves of the last axis."""
+  x1, x2 = jnp.split(x, 2, axis=-1)
+  return jnp.concatenate([-x2, x1], axis=-1)
+
+
+def apply_rope(x: Array, cos: Array, sin: Array) -> Array:
+  """Rotates x (B, T, heads, D) by cos, sin (B or 1, T, D) in float32."""
+  x32 = x.astype(jnp.float32)
+  cos, sin = cos[..., None, :], sin[..., None, :]
+  return (x32 * cos + rotate_half(x32) * sin).astype(x.dtype)
+
+
+def _linear(i, o, config, dtype, param_dtype, rngs):
+  return nnx.Linear(i, o, use_bias=False, dtype=dtype, param_dtype=param_dtype,
+                    kernel_init=initializers.normal(config.init_std), rngs=rngs)
+
+
+class Attention(nnx.Module):
+  """Causal grouped-query self-attention with rotary embeddings."""
+
+  def __init__(self, config: LlamaConfig, *, dtype: tp.Any = jnp.float32,
+               param_dtype: tp.Any = jnp.float32, rngs: nnx.Rngs):
+    h, d = config.hidden, config.head_dim
+    lin = functools.partial(_linear, config=config, dtype=dtype,
+                            param_dtype=param_dtype, rngs=rngs)
+    self.q_proj = lin(h, config.heads * d)
+    self.k_proj = lin(h, config.kv_heads * d)
+    self.v_proj = lin(h, config.kv_heads * d)
+    self.o_proj = lin(config.heads * d, h)
+    self.heads = config.heads
+    self.kv_heads = config.kv_heads
+    self.head_dim = d
+    self.rope_theta = config.rope_theta
+
+  def __call__(self, x: Array, positions: Array | None = None) -> Array:
+    """x (B, T, H), positions (B or 1, T) int (default 0..T-1) -> (B, T, H)."""
+    b, t, _ = x.shape
+    if positions is None:
+      positions = jnp.arange(t)[None]
+    q = self.q_proj(x).reshape(b, t, self.heads, self.head_dim)
+    k = self.k_proj(x).reshape(b, t, self.kv_heads, self.head_dim)
+    v = self.v_proj(x).reshape(b, t, self.kv_heads, self.head_dim)
+    cos, sin = rope_tables(positions, self.head_dim, self.rope_theta)
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    out = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+    return self.o_proj(out.reshape(b, t, self.heads * self.head_dim))
+
+
+class MLP(nnx.Module):
+  """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
+
+  def __init__(self, config: LlamaConfig, *, dtype: tp.Any = jnp.float32,
+               param_dtype: tp.Any = jnp.float32, rngs: nnx.Rngs):
+    lin = functools.partial(_linear, config=config, dtype=dtype,
+                            param_dtype=param_dtype, rngs=rngs)
+    self.gate_proj = lin(config.hidden, config.mlp)
+    self.up_proj = lin(config.hidden, config.mlp)
+    self.down_proj = lin(config.mlp, config.hidden)
+
+  def __call__(self, x: Array) -> Array:
+    return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nnx.Module):
+  """Pre-norm residual block: attention, then MLP."""
+
+  def __init__(self, config: LlamaConfig, *, dtype: tp.Any = jnp.float32,
+               param_dtype: tp.Any = jnp.float32, rngs: nnx.Rngs):
+    kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    self.input_layernorm = RMSNorm(config.hidden, eps=config.norm_eps,
+                                   param_dtype=param_dtype, rngs=rngs)
+    self.self_attn = Attention(config, **kw)
+    self.post_attention_layernorm = RMSNorm(config.hidden, eps=config.norm_eps,
+                                            param_dtype=param_dtype, rngs=rngs)
+    self.mlp = MLP(config, **kw)
+
+  def __call__(self, x: Array, positions: Array | None = None) -> Array:
+    x = x + self.self_attn(self.input_layernorm(x), positions)
+    return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Llama(nnx.Module):
+  """Llama causal language model: tokens (B, T) int -> logits (B, T, V) float32.
+
+  Args:
+    config: the model shape.
+    dtype: compute dtype of every Linear / Embed (activations).
+    param_dtype: dtype of the parameters.
+    rngs: draws the initial weights (``params`` stream).
+
+  Example::
+
+    >>> import jax.numpy as jnp
+    >>> from flax import nnx
+    >>> from poetx_jax.models.llama import Llama, get_config
+    >>> model = Llama(get_config('tiny'), rngs=nnx.Rngs(0))
+    >>> model(jnp.zeros((2, 8), jnp.int32)).shape
+    (2, 8, 4096)
+  """
+
+  def __init__(self, config: LlamaConfig, *, dtype: tp.Any = jnp.float32,
+               param_dtype: tp.Any = jnp.float32, rngs: nnx.Rngs):
+    if not isinstance(config, LlamaConfig):
+      raise ValueError(f'config must be a LlamaConfig, got {type(config).__name__}')
+    self.config = config
+    self.embed_tokens = nnx.Embed(config.vocab_size, config.hidden, dtype=dtype,
+                                  param_dtype=param_dtype,
+                                  embedding_init=initializers.normal(config.init_std),
+                                  rngs=rngs)
+    self.layers = nnx.List([
+        DecoderLayer(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        for _ in range(config.layers)])
+    self.norm = RMSNorm(config.hidden, eps=config.norm_eps, param_dtype=param_dtype,
+                        rngs=rngs)
+    if not config.tie_embeddings:
+      self.lm_head = _linear(config.hidden, config.vocab_size, config, dtype,
+                             param_dtype, rngs)
+
+  def __call__(self, tokens: Array) -> Array:
+    """tokens (B, T) int, T <= max_seq_len -> logits (B, T, V) float32."""
+    tokens = jnp.asarray(tokens)
+    if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
+      raise ValueError(f'tokens must be a 2-D integer array (B, T), got shape '
+                       f'{tokens.shape} dtype {tokens.dtype}')
+    t = tokens.shape[1]
+    if t > self.config.max_seq_len:
+      raise ValueError(f'sequence length {t} exceeds max_seq_len '
+                       f'{self.config.max_seq_len}')
+    positions = jnp.arange(t)[None]
+    h = self.embed_tokens(tokens)
+    for layer in self.layers:
+      h = layer(h, positions)
+    h = self.norm(h)
+    if self.config.tie_embeddings:
+      logits = self.embed_tokens.attend(h)
+    else:
+      logits = self.lm_head(h)
+    return logits.astype(jnp.float32)
+
+
+@functools.partial(nnx.jit, static_argnames=('config', 'dtype', 'param_dtype'))
+def _build(seed, *, config, dtype, param_dtype):
+  return Llama(config, dtype=dtype, param_dtype=param_dtype, rngs=nnx.Rngs(jax.random.key(seed)))
+
+
+def init_model(config: LlamaConfig, *, seed: int = 0, dtype: tp.Any = jnp.float32,
+               param_dtype: tp.Any = jnp.float32) -> Llama:
+  """A :class:`Llama` built under ``nnx.jit``: parameters are created on the device.
+
+  Gives the same parameters as ``Llama(config, ..., rngs=nnx.Rngs(seed))``.
+  """
+  if not isinstance(config, LlamaConfig):
+    raise ValueError(f'config must be a LlamaConfig, got {type(config).__name__}')
+  if not isinstance(seed, (int, np.integer)) or isinstance(seed, bool):
+    raise ValueError(f'seed must be an int, got {seed!r}')
+  return _build(jnp.asarray(seed, jnp.uint32), config=config, dtype=dtype,
+                param_dtype=param_dtype)
+
+
+def hf_config(config: LlamaConfig) -> dict:
+  """The Hugging Face ``LlamaConfig`` (config.json) dict for ``config``."""
+  return {
+      'architectures': ['LlamaForCausalLM'],
+      'model_type': 'llama',
+      'hidden_size': config.hidden,
+      'intermediate_size': config.mlp,
+      'num_hidden_layers': config.layers,
+      'num_attention_heads': config.heads,
+      'num_key_value_heads': config.kv_heads,
+      'head_dim': config.head_dim,
+      'max_position_embeddings': config.max_seq_len,
+      'rms_norm_eps': config.norm_eps,
+      'rope_theta': config.rope_theta,
+      'vocab_size': config.vocab_size,
+      'tie_word_embeddings': config.tie_embeddings,
+      'hidden_act': 'silu',
+      'attention_bias': False,
+      'mlp_bias': False,
+      'initializer_range': config.init_std,
+      'torch_dtype': 'float32',
+  }
+
+
+def _np32(x: Array) -> np.ndarray:
+  return np.ascontiguousarray(np.asarray(jax.device_get(jnp.asarray(x, jnp.float32))))
+
+
+def _linear_weight(layer, name: str) -> np.ndarray:
+  if type(layer) is not nnx.Linear:
+    raise ValueError(f'{name} is a {type(layer).__name__}, not an nnx.Linear; call '
+                     f'poetx_jax.unpoetize(model) first to merge POET layers')
+  return _np32(layer.kernel[...].T)
+
+
+def hf_state_dict(model: Llama) -> dict[str, np.ndarray]:
+  """Float32 numpy weights under Hugging Face ``LlamaForCausalLM`` names.
+
+  Linear weights are (out, in) = kernel.T. Every projection must be a plain
+  ``nnx.Linear``; a POET model raises ValueError (unpoetize it first).
+  """
+  if not isinstance(model, Llama):
+    raise ValueError(f'model must be a Llama, got {type(model).__name__}')
+  if type(model.embed_tokens) is not nnx.Embed:
+    raise ValueError(f'embed_tokens is a {type(model.embed_tokens).__name__}, not an '
+                     f'nnx.Embed')
+  sd = {'model.embed_tokens.weight': _np32(model.embed_tokens.embedding[...])}
+  for i, layer in enumerate(model.layers):
+    p = f'model.layers.{i}'
+    sd[f'{p}.input_layernorm.weight'] = _np32(layer.input_layernorm.weight[...])
+    for n in ('q_proj', 'k_proj', 'v_proj', 'o_proj'):
+      sd[f'{p}.self_attn.{n}.weight'] = _linear_weight(
+          getattr(layer.self_attn, n), f'{p}.self_attn.{n}')
+    sd[f'{p}.post_attention_layernorm.weight'] = _np32(
+        layer.post_attention_layernorm.weight[...])
+    for n in ('gate_proj', 'up_proj', 'down_proj'):
+      sd[f'{p}.mlp.{n}.weight'] = _linear_weight(getattr(layer.mlp, n), f'{p}.mlp.{n}')
+  sd['model.norm.weight'] = _np32(model.norm.weight[...])
+  if not model.config.tie_embeddings:
+    sd['lm_head.weight'] = _linear_weight(model.lm_head, 'lm_head')
+  return sd

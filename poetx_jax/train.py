@@ -1,0 +1,383 @@
+"""Llama pretraining with POET-X (or AdamW as the baseline): the training loop.
+
+``train(TrainConfig(...))`` builds the data, the model and the optimizer, runs
+the loop with validation, metrics, progress and checkpoints, and returns a
+summary. ``poetx train`` (cli.py) is a thin shell over it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import pathlib
+import signal
+import sys
+import time
+import typing as tp
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+import poetx_jax
+from poetx_jax import data as data_lib
+from poetx_jax.checkpoint import CheckpointError, Checkpointer
+from poetx_jax.models import llama
+
+OPTIMIZERS = ('poetx', 'adamw')
+
+
+@dataclasses.dataclass
+class TrainConfig:
+  """Everything a run needs; saved as ``run.json`` in the run directory."""
+  model: str = 'tiny'
+  model_overrides: dict = dataclasses.field(default_factory=dict)
+  data: list[str] | None = None        # None: the built-in corpus
+  tokenizer: str | None = None         # None: train a BPE on the corpus
+  vocab_size: int = 4096
+  seq_len: int = 128
+  batch_size: int = 16
+  grad_accum: int = 1
+  steps: int = 600
+  optimizer: str = 'poetx'
+  lr: float = 3e-3                     # AdamW, and the non-POET parameters
+  poet_lr: float = 1e-2                # POET generators (times poet_scale 0.5)
+  warmup: int = 30
+  min_lr_ratio: float = 0.1
+  weight_decay: float = 0.0
+  clip: float = 1.0                    # global-norm bound; 0 disables
+  merge_every: int = 50
+  block_size: int | None = None        # None: the model config's
+  mode: str = 'fast'
+  dtype: str = 'auto'                  # compute dtype: auto = bf16 on GPU, f32 on CPU
+  seed: int = 0
+  val_fraction: float = 0.05
+  eval_every: int = 100
+  eval_batches: int = 20
+  log_every: int = 10
+  checkpoint_every: int = 100
+  keep: int = 3
+  out_dir: str = 'runs/tiny-poetx'
+  cache_dir: str = '~/.cache/poetx_jax'
+
+  def validate(self) -> None:
+    if self.optimizer not in OPTIMIZERS:
+      raise ValueError(f'optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}')
+    if self.mode not in poetx_jax.linear.MODES:
+      raise ValueError(f'mode must be one of {poetx_jax.linear.MODES}, got {self.mode!r}')
+    if self.dtype not in ('auto', 'float32', 'bfloat16'):
+      raise ValueError(f"dtype must be 'auto', 'float32' or 'bfloat16', got {self.dtype!r}")
+    for name in ('seq_len', 'batch_size', 'grad_accum', 'steps', 'merge_every',
+                 'eval_every', 'log_every', 'checkpoint_every', 'keep'):
+      v = getattr(self, name)
+      if not isinstance(v, int) or v < 1:
+        raise ValueError(f'{name} must be an int >= 1, got {v!r}')
+    for name in ('lr', 'poet_lr', 'weight_decay', 'clip'):
+      if getattr(self, name) < 0:
+        raise ValueError(f'{name} must be >= 0, got {getattr(self, name)!r}')
+    if not 0 < self.val_fraction < 1:
+      raise ValueError(f'val_fraction must be in (0, 1), got {self.val_fraction!r}')
+
+
+def compute_dtype(name: str):
+  if name == 'auto':
+    return jnp.bfloat16 if jax.default_backend() == 'gpu' else jnp.float32
+  return jnp.dtype(name)
+
+
+def model_config(cfg: TrainConfig, vocab_size: int) -> llama.LlamaConfig:
+  """The named config with overrides, its vocabulary set to the tokenizer's."""
+  mc = llama.get_config(cfg.model, **cfg.model_overrides)
+  mc = dataclasses.replace(mc, vocab_size=vocab_size)
+  if cfg.seq_len > mc.max_seq_len:
+    raise ValueError(f'seq_len={cfg.seq_len} is longer than model {cfg.model!r} '
+                     f'supports (max_seq_len={mc.max_seq_len})')
+  return mc
+
+
+def build_model(cfg: TrainConfig, mc: llama.LlamaConfig):
+  """The Llama (poetized for POET-X) as it is at step 0 of the run."""
+  model = llama.init_model(mc, seed=cfg.seed, dtype=compute_dtype(cfg.dtype))
+  if cfg.optimizer == 'poetx':
+    block = cfg.block_size or mc.block_size
+    model = poetx_jax.poetize(model, block_size=block, rngs=nnx.Rngs(cfg.seed + 1),
+                              mode=cfg.mode)
+  return model
+
+
+def schedule(peak: float, cfg: TrainConfig) -> optax.Schedule:
+  """Linear warmup to ``peak``, cosine decay to ``min_lr_ratio * peak``."""
+  total = max(cfg.steps, cfg.warmup + 1)
+  return optax.warmup_cosine_decay_schedule(
+      0.0, peak, warmup_steps=cfg.warmup, decay_steps=total,
+      end_value=peak * cfg.min_lr_ratio)
+
+
+def build_optimizer(cfg: TrainConfig, model) -> nnx.Optimizer:
+  adamw = optax.adamw(schedule(cfg.lr, cfg), b1=0.9, b2=0.999,
+                      weight_decay=cfg.weight_decay)
+  if cfg.optimizer == 'poetx':
+    tx = poetx_jax.poetx_partition(
+        model, poetx_jax.poetx(schedule(cfg.poet_lr, cfg), merge_every=cfg.merge_every),
+        adamw)
+  else:
+    tx = adamw
+  if cfg.clip > 0:
+    tx = optax.chain(optax.clip_by_global_norm(cfg.clip), tx)
+  if cfg.grad_accum > 1:
+    tx = optax.MultiSteps(tx, every_k_schedule=cfg.grad_accum)
+  return nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+
+def token_loss(model, batch):
+  """(sum of token cross-entropies, number of target tokens); -1 targets masked."""
+  logits = model(batch['inputs']).astype(jnp.float32)
+  targets = batch['targets']
+  mask = targets >= 0
+  losses = optax.softmax_cross_entropy_with_integer_labels(
+      logits, jnp.where(mask, targets, 0))
+  return jnp.sum(losses * mask), jnp.sum(mask)
+
+
+def mean_loss(model, batch):
+  total, count = token_loss(model, batch)
+  return total / jnp.maximum(count, 1)
+
+
+def make_step(cfg: TrainConfig):
+  if cfg.optimizer == 'poetx':
+    return poetx_jax.make_train_step(mean_loss, seed=cfg.seed)
+
+  def step(model, optimizer, batch):
+    loss, grads = nnx.value_and_grad(mean_loss)(model, batch)
+    optimizer.update(model, grads)
+    return loss
+
+  return nnx.jit(step, donate_argnums=(0, 1))
+
+
+_eval_sum = nnx.jit(token_loss)
+
+
+def evaluate(model, batches) -> tuple[float, float]:
+  """(mean validation loss per token, perplexity) over ``batches``."""
+  total, count = 0.0, 0
+  for b in batches:
+    t, c = _eval_sum(model, b)
+    total, count = total + float(t), count + int(c)
+  loss = total / max(count, 1)
+  return loss, math.exp(min(loss, 50.0))
+
+
+class _Progress:
+  """One status line: step, loss, tokens/s and ETA (redrawn on a terminal)."""
+
+  def __init__(self, total: int, every: int, stream=sys.stderr):
+    self.total, self.every, self.stream = total, every, stream
+    self.tty = stream.isatty()
+
+  def update(self, step: int, loss: float, tok_s: float, eta_s: float) -> None:
+    if not self.tty and step % self.every and step != self.total:
+      return
+    eta = time.strftime('%H:%M:%S', time.gmtime(max(eta_s, 0)))
+    width = 24
+    done = int(width * step / self.total)
+    line = (f'[{"#" * done}{"." * (width - done)}] {step}/{self.total} '
+            f'loss {loss:.4f}  {tok_s:,.0f} tok/s  eta {eta}')
+    self.stream.write(('\r' + line) if self.tty else line + '\n')
+    self.stream.flush()
+
+  def close(self):
+    if self.tty:
+      self.stream.write('\n')
+
+
+class _Metrics:
+  """metrics.jsonl (and TensorBoard when tensorboardX is installed)."""
+
+  def __init__(self, out_dir: pathlib.Path, resume_step: int):
+    self.path = out_dir / 'metrics.jsonl'
+    kept = []
+    if resume_step and self.path.exists():  # drop records past the checkpoint
+      kept = [l for l in self.path.read_text().splitlines()
+              if l.strip() and json.loads(l)['step'] <= resume_step]
+    self.path.write_text(''.join(l + '\n' for l in kept))
+    self._tb = None
+    try:
+      from tensorboardX import SummaryWriter  # optional
+      self._tb = SummaryWriter(str(out_dir / 'tb'))
+    except ImportError:
+      pass
+
+  def write(self, record: dict) -> None:
+    with self.path.open('a') as f:
+      f.write(json.dumps(record) + '\n')
+    if self._tb is not None:
+      for k, v in record.items():
+        if k != 'step' and isinstance(v, (int, float)):
+          self._tb.add_scalar(k, v, record['step'])
+
+  def close(self):
+    if self._tb is not None:
+      self._tb.close()
+
+
+class _StopFlag:
+  """Turns SIGTERM / Ctrl-C into a flag checked between steps."""
+
+  def __init__(self):
+    self.signal = None
+    self._old = {}
+
+  def __enter__(self):
+    for s in (signal.SIGINT, signal.SIGTERM):
+      self._old[s] = signal.signal(s, self._handle)
+    return self
+
+  def _handle(self, signum, frame):
+    if self.signal is not None:  # a second signal: stop at once
+      raise KeyboardInterrupt
+    self.signal = signal.Signals(signum).name
+
+  def __exit__(self, *exc):
+    for s, h in self._old.items():
+      signal.signal(s, h)
+
+
+def load_data(cfg: TrainConfig) -> data_lib.TextData:
+  docs = data_lib.read_documents(cfg.data) if cfg.data else None
+  return data_lib.TextData(docs, tokenizer_path=cfg.tokenizer, vocab_size=cfg.vocab_size,
+                           seq_len=cfg.seq_len, val_fraction=cfg.val_fraction,
+                           seed=cfg.seed,
+                           cache_dir=pathlib.Path(cfg.cache_dir).expanduser())
+
+
+def train(cfg: TrainConfig, *, resume: bool = False, log=print,
+          stop_after: int | None = None) -> dict:
+  """Runs (or resumes) a training run; returns a summary dict.
+
+  Args:
+    cfg: the run's configuration.
+    resume: continue from the newest checkpoint in ``cfg.out_dir`` (its
+      ``run.json`` must match ``cfg``).
+    log: where progress messages go.
+    stop_after: stop (and checkpoint) after this many steps of this call, as a
+      SIGTERM would (used by tests and for time-limited jobs).
+  """
+  cfg.validate()
+  out = pathlib.Path(cfg.out_dir)
+  out.mkdir(parents=True, exist_ok=True)
+  run_file = out / 'run.json'
+  if resume:
+    if not run_file.exists():
+      raise CheckpointError(f'--resume: no run.json in {out}; nothing to resume')
+    saved = json.loads(run_file.read_text())
+    if saved != dataclasses.asdict(cfg):
+      diff = {k: (saved.get(k), v) for k, v in dataclasses.asdict(cfg).items()
+              if saved.get(k) != v}
+      raise CheckpointError(f'--resume: the configuration differs from the one in '
+                            f'{run_file} (saved, given): {diff}')
+  run_file.write_text(json.dumps(dataclasses.asdict(cfg), indent=1))
+
+  data = load_data(cfg)
+  log(f'data: {data.description}')
+  mc = model_config(cfg, data.tokenizer.vocab_size)
+  model = build_model(cfg, mc)
+  optimizer = build_optimizer(cfg, model)
+  n_params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+  log(f'model: {cfg.model} ({n_params:,} trainable parameters, '
+      f'{mc.num_params():,} in the dense model), optimizer {cfg.optimizer}, '
+      f'dtype {jnp.dtype(compute_dtype(cfg.dtype)).name}')
+
+  train_ds = data_lib.train_dataset(data.train_windows, batch_size=cfg.batch_size,
+                                    seed=cfg.seed)
+  it = iter(train_ds)
+  val = data_lib.eval_batches(data.val_windows, batch_size=cfg.batch_size)[:cfg.eval_batches]
+  ckpt = Checkpointer(out / 'checkpoints', max_to_keep=cfg.keep)
+  step = 0
+  if resume:
+    step, data_state, _ = ckpt.restore(model, optimizer)
+    it.set_state(data_state)
+    log(f'resumed from step {step}')
+  metrics = _Metrics(out, step)
+  step_fn = make_step(cfg)
+  tokens_per_step = cfg.batch_size * cfg.seq_len
+  total_updates = cfg.steps * cfg.grad_accum  # one iteration = one micro-batch
+
+  first_val = None
+  if step == 0:
+    first_val = evaluate(model, val)
+    log(f'step 0: validation loss {first_val[0]:.4f}, perplexity {first_val[1]:.2f}')
+    metrics.write({'step': 0, 'val_loss': first_val[0], 'val_ppl': first_val[1]})
+
+  def save(reason):
+    meta = {'step': step, 'config': dataclasses.asdict(cfg), 'reason': reason}
+    ckpt.save(step, model, optimizer, data_state=it.get_state(), meta=meta)
+
+  progress = _Progress(total_updates, cfg.log_every)
+  start_step, t0, t_last, last_val = step, time.perf_counter(), None, None
+  stopped = None
+  with _StopFlag() as stop:
+    while step < total_updates:
+      batch = jax.tree.map(jnp.asarray, next(it))
+      loss = step_fn(model, optimizer, batch)
+      step += 1
+      if step % cfg.log_every == 0 or step == total_updates:
+        loss = float(loss)
+        if not math.isfinite(loss):
+          save('non-finite loss')
+          ckpt.close()
+          raise FloatingPointError(f'loss became {loss} at step {step}; state saved '
+                                   f'to {ckpt.directory}')
+        elapsed = time.perf_counter() - t0
+        tok_s = (step - start_step) * tokens_per_step / elapsed
+        progress.update(step, loss, tok_s,
+                        (total_updates - step) * elapsed / (step - start_step))
+        metrics.write({'step': step, 'loss': loss, 'tokens_per_s': tok_s,
+                       'elapsed_s': elapsed})
+      if step % cfg.eval_every == 0 or step == total_updates:
+        last_val = evaluate(model, val)
+        metrics.write({'step': step, 'val_loss': last_val[0], 'val_ppl': last_val[1]})
+      if step % cfg.checkpoint_every == 0 or step == total_updates:
+        save('periodic' if step < total_updates else 'final')
+      if stop.signal or (stop_after is not None and step - start_step >= stop_after):
+        stopped = stop.signal or 'stop_after'
+        if step % cfg.checkpoint_every:
+          save(stopped)
+        break
+  progress.close()
+  ckpt.close()
+  metrics.close()
+  elapsed = time.perf_counter() - t0
+  summary = {'step': step, 'stopped': stopped, 'elapsed_s': elapsed,
+             'tokens_per_s': (step - start_step) * tokens_per_step / max(elapsed, 1e-9)}
+  if first_val:
+    summary['val_before'] = {'loss': first_val[0], 'ppl': first_val[1]}
+  if last_val:
+    summary['val_after'] = {'loss': last_val[0], 'ppl': last_val[1]}
+    log(f'step {step}: validation loss {last_val[0]:.4f}, perplexity {last_val[1]:.2f}')
+  if stopped:
+    log(f'stopped at step {step} ({stopped}); resume with --resume')
+  return summary
+
+
+def load_run(out_dir: str | pathlib.Path, *, step: int | None = None):
+  """(cfg, data, model, step) of a run directory, at its newest (or given) checkpoint."""
+  out = pathlib.Path(out_dir)
+  run_file = out / 'run.json'
+  if not run_file.exists():
+    raise CheckpointError(f'{out} is not a run directory (no run.json)')
+  fields = {f.name for f in dataclasses.fields(TrainConfig)}
+  saved = json.loads(run_file.read_text())
+  unknown = sorted(set(saved) - fields)
+  if unknown:
+    raise CheckpointError(f'{run_file} has fields this version does not know: {unknown}')
+  cfg = TrainConfig(**saved)
+  data = load_data(cfg)
+  model = build_model(cfg, model_config(cfg, data.tokenizer.vocab_size))
+  optimizer = build_optimizer(cfg, model)
+  step, _, _ = Checkpointer(out / 'checkpoints').restore(model, optimizer, step)
+  return cfg, data, model, step

@@ -1,0 +1,142 @@
+"""The training loop, checkpoints, resume and the poetx command (tiny, CPU)."""
+
+import dataclasses
+import json
+import pathlib
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from poetx_jax import cli
+from poetx_jax.checkpoint import CheckpointError, Checkpointer
+from poetx_jax.train import TrainConfig, load_run, train
+
+WORDS = ('the orthogonal factors rotate every weight while its singular values stay '
+         'fixed and a merge folds them into the frozen base then new permutations '
+         'are drawn').split()
+
+
+@pytest.fixture(scope='module')
+def corpus(tmp_path_factory):
+  d = tmp_path_factory.mktemp('corpus')
+  rng = np.random.default_rng(0)
+  for i in range(40):
+    text = ' '.join(rng.choice(WORDS, size=120)) + '.\n'
+    (d / f'doc{i:02d}.txt').write_text(text)
+  return d
+
+
+def _cfg(tmp, corpus, **kw):
+  base = dict(model='tiny', model_overrides={'layers': 1, 'hidden': 32, 'mlp': 64,
+                                              'heads': 2, 'kv_heads': 1},
+              data=[str(corpus)], vocab_size=300, seq_len=32, batch_size=4,
+              steps=12, warmup=2, merge_every=4, block_size=8, eval_every=6,
+              eval_batches=2, log_every=1, checkpoint_every=100, dtype='float32',
+              out_dir=str(tmp / 'run'), cache_dir=str(tmp / 'cache'))
+  base.update(kw)
+  return TrainConfig(**base)
+
+
+def _losses(run):
+  recs = [json.loads(l) for l in (pathlib.Path(run) / 'metrics.jsonl').read_text().splitlines()]
+  return [(r['step'], r['loss']) for r in recs if 'loss' in r]
+
+
+def _params(run):
+  _, _, model, step = load_run(run)
+  return step, nnx.to_pure_dict(nnx.state(model))
+
+
+@pytest.mark.parametrize('optimizer', ['poetx', 'adamw'])
+def test_resume_is_bit_exact_across_merges(tmp_path, corpus, optimizer):
+  straight = _cfg(tmp_path / 'a', corpus, optimizer=optimizer)
+  s1 = train(straight, log=lambda *_: None)
+  assert s1['step'] == 12 and s1['val_after']['loss'] < s1['val_before']['loss']
+
+  split = _cfg(tmp_path / 'b', corpus, optimizer=optimizer)
+  s2 = train(split, log=lambda *_: None, stop_after=6)  # stops mid merge cycle (4)
+  assert s2['stopped'] == 'stop_after' and s2['step'] == 6
+  train(split, resume=True, log=lambda *_: None)
+  assert _losses(straight.out_dir) == _losses(split.out_dir)
+  step_a, pa = _params(straight.out_dir)
+  step_b, pb = _params(split.out_dir)
+  assert step_a == step_b == 12
+  for x, y in zip(jax.tree.leaves(pa), jax.tree.leaves(pb)):
+    np.testing.assert_array_equal(x, y)
+
+
+def test_grad_accumulation_runs(tmp_path, corpus):
+  s = train(_cfg(tmp_path, corpus, grad_accum=2, steps=4), log=lambda *_: None)
+  assert s['step'] == 8
+
+
+def test_clear_errors(tmp_path, corpus):
+  with pytest.raises(FileNotFoundError, match='nope'):
+    train(_cfg(tmp_path, corpus, data=[str(tmp_path / 'nope')]))
+  empty = tmp_path / 'empty'
+  empty.mkdir()
+  (empty / 'a.txt').write_text('')
+  with pytest.raises(ValueError, match='corpus is empty'):
+    train(_cfg(tmp_path, corpus, data=[str(empty)]))
+  with pytest.raises(ValueError, match="unknown.*'huge'|'huge'.*valid"):
+    train(_cfg(tmp_path, corpus, model='huge'))
+  with pytest.raises(ValueError, match='seq_len=512 is longer.*max_seq_len=256'):
+    train(_cfg(tmp_path, corpus, seq_len=512))
+  with pytest.raises(ValueError, match='larger than the dimension'):
+    train(_cfg(tmp_path, corpus, block_size=64))
+  with pytest.raises(ValueError, match="optimizer must be one of"):
+    train(_cfg(tmp_path, corpus, optimizer='sgd'))
+
+
+def test_incompatible_and_corrupt_checkpoints(tmp_path, corpus):
+  cfg = _cfg(tmp_path, corpus, steps=2)
+  train(cfg, log=lambda *_: None)
+  with pytest.raises(CheckpointError, match='configuration differs.*steps'):
+    train(dataclasses.replace(cfg, steps=3), resume=True)
+  # A checkpoint restored into a model of another shape says so.
+  other = dataclasses.replace(cfg, model_overrides={**cfg.model_overrides, 'hidden': 48},
+                              out_dir=str(tmp_path / 'other'))
+  pathlib.Path(other.out_dir).mkdir()
+  pathlib.Path(other.out_dir, 'run.json').write_text(json.dumps(dataclasses.asdict(other)))
+  import shutil
+  shutil.copytree(pathlib.Path(cfg.out_dir) / 'checkpoints',
+                  pathlib.Path(other.out_dir) / 'checkpoints')
+  with pytest.raises(CheckpointError, match='does not fit this model'):
+    load_run(other.out_dir)
+  # Corrupt: remove the array data of the newest step.
+  step_dir = pathlib.Path(cfg.out_dir) / 'checkpoints' / '2'
+  for f in (step_dir / 'model').rglob('*'):
+    if f.is_file():
+      f.write_bytes(b'garbage')
+  with pytest.raises(CheckpointError, match='step 2'):
+    load_run(cfg.out_dir)
+  with pytest.raises(CheckpointError, match='no checkpoint'):
+    Checkpointer(tmp_path / 'void').restore(None, None)
+
+
+def test_cli_train_eval_export_plot(tmp_path, corpus, capsys):
+  run = str(tmp_path / 'cli')
+  common = ['--model', 'tiny', '--model-overrides', 'layers=1,hidden=32,mlp=64,heads=2,kv_heads=1',
+            '--data', str(corpus), '--vocab-size', '300', '--seq-len', '32',
+            '--batch-size', '4', '--steps', '4', '--block-size', '8', '--dtype', 'float32',
+            '--cache-dir', str(tmp_path / 'cache'), '--out-dir', run]
+  assert cli.main(['train', *common]) == 0
+  out = capsys.readouterr().out
+  assert 'validation perplexity:' in out and (pathlib.Path(run) / 'loss.png').stat().st_size > 0
+  assert cli.main(['eval', run]) == 0
+  rec = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+  assert rec['step'] == 4 and rec['val_ppl'] > 1
+  assert cli.main(['export', run, '--out', str(tmp_path / 'exp')]) == 0
+  from safetensors.numpy import load_file
+  w = load_file(str(tmp_path / 'exp' / 'model.safetensors'))
+  _, _, model, _ = load_run(run)
+  eff = model.layers[0].self_attn.q_proj.effective_kernel()
+  np.testing.assert_allclose(w['model.layers.0.self_attn.q_proj.weight'], np.asarray(eff).T,
+                             rtol=1e-6, atol=1e-7)
+  cfg = json.loads((tmp_path / 'exp' / 'config.json').read_text())
+  assert cfg['architectures'] == ['LlamaForCausalLM'] and cfg['hidden_size'] == 32
+  assert cli.main(['plot', run, '--out', str(tmp_path / 'p.png')]) == 0
+  assert cli.main(['train', *common[:-1], str(tmp_path / 'x'), '--model', 'nosuch']) == 2
+  assert 'nosuch' in capsys.readouterr().err
