@@ -140,3 +140,34 @@ def test_cli_train_eval_export_plot(tmp_path, corpus, capsys):
   assert cli.main(['plot', run, '--out', str(tmp_path / 'p.png')]) == 0
   assert cli.main(['train', *common[:-1], str(tmp_path / 'x'), '--model', 'nosuch']) == 2
   assert 'nosuch' in capsys.readouterr().err
+
+
+def test_sigterm_saves_and_resume_continues(tmp_path, corpus):
+  import os
+  import signal
+  import subprocess
+  import sys
+  import time
+  run = tmp_path / 'sig'
+  args = [sys.executable, '-m', 'poetx_jax.cli', 'train', '--model', 'tiny',
+          '--model-overrides', 'layers=1,hidden=32,mlp=64,heads=2,kv_heads=1',
+          '--data', str(corpus), '--vocab-size', '300', '--seq-len', '32',
+          '--batch-size', '4', '--steps', '100000', '--block-size', '8',
+          '--dtype', 'float32', '--log-every', '1', '--checkpoint-every', '100000',
+          '--cache-dir', str(tmp_path / 'cache'), '--out-dir', str(run)]
+  proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  metrics = run / 'metrics.jsonl'
+  deadline = time.time() + 120
+  while time.time() < deadline:  # wait until it is training
+    if metrics.exists() and len(metrics.read_text().splitlines()) > 3:
+      break
+    time.sleep(0.2)
+  proc.send_signal(signal.SIGTERM)
+  out, err = proc.communicate(timeout=120)
+  assert proc.returncode == 0, err
+  assert 'stopped at step' in out + err and 'SIGTERM' in out + err
+  ckpt = Checkpointer(run / 'checkpoints')
+  step, meta = ckpt.read_meta()
+  assert meta['reason'] == 'SIGTERM' and step > 0
+  last_logged = max(json.loads(l)['step'] for l in metrics.read_text().splitlines())
+  assert step == last_logged  # nothing trained after the save
