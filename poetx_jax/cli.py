@@ -43,6 +43,7 @@ def _train_parser(sub):
       ('weight-decay', float, 'AdamW weight decay'), ('clip', float, 'global-norm clip (0: off)'),
       ('merge-every', int, 'POET-X merge interval in updates'),
       ('block-size', int, 'POET block size (default: the model config\'s)'),
+      ('group-size', int, 'POET-XQ rows per quantisation group'),
       ('seed', int, 'seed of model, permutations and data order'),
       ('val-fraction', float, 'share of tokens held out for validation'),
       ('eval-every', int, 'validate every N micro-steps'),
@@ -57,6 +58,8 @@ def _train_parser(sub):
   p.add_argument('--optimizer', choices=('poetx', 'adamw'), default=d.optimizer)
   p.add_argument('--mode', choices=('fast', 'mem'), default=d.mode,
                  help='POET-X fast (keeps activations) or mem (recomputes)')
+  p.add_argument('--quantize', choices=('int8', 'int4'), default=None,
+                 help='POET-XQ: store the frozen base weights in int8 or int4')
   p.add_argument('--dtype', choices=('auto', 'float32', 'bfloat16'), default=d.dtype,
                  help='compute dtype; auto: bfloat16 on GPU, float32 elsewhere')
   p.add_argument('--resume', action='store_true', help='continue from the newest '

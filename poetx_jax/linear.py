@@ -64,6 +64,11 @@ class POETLinear(nnx.Module):
     terms: number of Cayley–Neumann powers (default 4).
     mode: ``'fast'`` keeps the activations the backward needs; ``'mem'``
       (POET-Xmem) keeps only the layer input and recomputes the rest.
+    quantize: POET-XQ: store W0 as ``'int8'`` or ``'int4'`` with one float32
+      scale per ``group_size`` input rows of each output column (symmetric),
+      dequantised on the fly and re-quantised at every merge. None keeps W0
+      in ``param_dtype``.
+    group_size: rows per quantisation group.
     use_bias, dtype, param_dtype, precision, kernel_init, bias_init, rngs: as
       for ``nnx.Linear``; ``param_dtype`` applies to the base kernel and bias,
       the POET parameters are always float32.
@@ -81,6 +86,8 @@ class POETLinear(nnx.Module):
       block_size: int = 256,
       terms: int = ops.DEFAULT_TERMS,
       mode: str = 'fast',
+      quantize: str | None = None,
+      group_size: int = 128,
       use_bias: bool = True,
       dtype: tp.Any = None,
       param_dtype: tp.Any = jnp.float32,
@@ -97,6 +104,9 @@ class POETLinear(nnx.Module):
       raise ValueError(f'mode must be one of {MODES}, got {mode!r}')
     if not isinstance(terms, int) or terms < 1:
       raise ValueError(f'terms must be an int >= 1, got {terms!r}')
+    if quantize is not None and quantize not in ops.QUANT_BITS:
+      raise ValueError(f'quantize must be None or one of {tuple(ops.QUANT_BITS)}, '
+                       f'got {quantize!r}')
 
     kernel = kernel_init(rngs.params(), (in_features, out_features), param_dtype)
     if kernel.shape != (in_features, out_features):
@@ -104,7 +114,11 @@ class POETLinear(nnx.Module):
                        f'{(in_features, out_features)}')
     perm_in = ops.random_permutation(rngs.params(), in_features)
     perm_out = ops.random_permutation(rngs.params(), out_features)
-    self.kernel = BaseKernel(ops.permute_kernel(kernel, perm_in, perm_out))
+    self.quantize = quantize
+    self.group_size = group_size
+    self.param_dtype = param_dtype
+    self.kernel_scale = nnx.data(None)
+    self._set_base(ops.permute_kernel(kernel, perm_in, perm_out))
     self.bias = (nnx.Param(bias_init(rngs.params(), (out_features,), param_dtype))
                  if use_bias else nnx.data(None))
     p = ops.skew_size(block_size)
@@ -120,7 +134,6 @@ class POETLinear(nnx.Module):
     self.mode = mode
     self.use_bias = use_bias
     self.dtype = dtype
-    self.param_dtype = param_dtype
     self.precision = precision
 
   @classmethod
@@ -151,10 +164,27 @@ class POETLinear(nnx.Module):
     return cls(kernel.shape[0], kernel.shape[1], block_size=block_size,
                kernel_init=lambda *_: kernel, rngs=rngs, **opts)
 
+  def _set_base(self, kernel_IxO: Array) -> None:
+    """Stores the permuted base (quantised for POET-XQ)."""
+    if self.quantize is None:
+      self.kernel = BaseKernel(kernel_IxO.astype(self.param_dtype))
+    else:
+      q, scale = ops.quantize_kernel(kernel_IxO, bits=self.quantize,
+                                     group_size=self.group_size)
+      self.kernel = BaseKernel(q)
+      self.kernel_scale = BaseKernel(scale)
+
+  def base_kernel(self) -> Array:
+    """The permuted base ``W0'^T`` (I, O), dequantised for POET-XQ."""
+    if self.quantize is None:
+      return self.kernel[...]
+    return ops.dequantize_kernel(self.kernel[...], self.kernel_scale[...],
+                                 self.in_features)
+
   def __call__(self, inputs: Array) -> Array:
     """y = inputs @ effective_kernel (+ bias), input-centric."""
     bias = self.bias[...] if self.bias is not None else None
-    x, kernel, bias = dtypes.promote_dtype((inputs, self.kernel[...], bias),
+    x, kernel, bias = dtypes.promote_dtype((inputs, self.base_kernel(), bias),
                                            dtype=self.dtype)
     y = ops.poet_linear(x, kernel, self.q_in[...], self.q_out[...],
                         self.perm_in[...], self.perm_out[...],
@@ -166,7 +196,7 @@ class POETLinear(nnx.Module):
 
   def effective_kernel(self) -> Array:
     """(R W0 P)^T in (in, out) layout, float32. For merges, export and tests."""
-    return ops.effective_kernel(self.kernel[...], self.q_in[...], self.q_out[...],
+    return ops.effective_kernel(self.base_kernel(), self.q_in[...], self.q_out[...],
                                 self.perm_in[...], self.perm_out[...],
                                 block_size=self.block_size, terms=self.terms)
 
@@ -176,8 +206,13 @@ class POETLinear(nnx.Module):
     merged = self.effective_kernel()
     perm_in = ops.random_permutation(k_in, self.in_features)
     perm_out = ops.random_permutation(k_out, self.out_features)
-    self.kernel[...] = ops.permute_kernel(merged, perm_in, perm_out).astype(
-        self.kernel.dtype)
+    base = ops.permute_kernel(merged, perm_in, perm_out)
+    if self.quantize is None:
+      self.kernel[...] = base.astype(self.kernel.dtype)
+    else:
+      q, scale = ops.quantize_kernel(base, bits=self.quantize, group_size=self.group_size)
+      self.kernel[...] = q
+      self.kernel_scale[...] = scale
     self.perm_in[...] = perm_in
     self.perm_out[...] = perm_out
     self.q_in[...] = jnp.zeros_like(self.q_in[...])
@@ -185,7 +220,7 @@ class POETLinear(nnx.Module):
 
   def to_linear(self, *, rngs: nnx.Rngs | None = None) -> nnx.Linear:
     """A plain ``nnx.Linear`` holding the effective kernel (in the base's dtype)."""
-    kernel = self.effective_kernel().astype(self.kernel.dtype)
+    kernel = self.effective_kernel().astype(self.param_dtype)
     bias = self.bias[...] if self.bias is not None else None
     return nnx.Linear(
         self.in_features, self.out_features, use_bias=bias is not None,

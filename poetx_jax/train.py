@@ -52,6 +52,8 @@ class TrainConfig:
   merge_every: int = 50
   block_size: int | None = None        # None: the model config's
   mode: str = 'fast'
+  quantize: str | None = None          # POET-XQ base weights: 'int8' or 'int4'
+  group_size: int = 128
   dtype: str = 'auto'                  # compute dtype: auto = bf16 on GPU, f32 on CPU
   seed: int = 0
   val_fraction: float = 0.05
@@ -68,6 +70,9 @@ class TrainConfig:
       raise ValueError(f'optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}')
     if self.mode not in poetx_jax.linear.MODES:
       raise ValueError(f'mode must be one of {poetx_jax.linear.MODES}, got {self.mode!r}')
+    if self.quantize is not None and self.optimizer != 'poetx':
+      raise ValueError(f'quantize={self.quantize!r} needs optimizer poetx (the AdamW '
+                       f'baseline trains its weights in full precision)')
     if self.dtype not in ('auto', 'float32', 'bfloat16'):
       raise ValueError(f"dtype must be 'auto', 'float32' or 'bfloat16', got {self.dtype!r}")
     for name in ('seq_len', 'batch_size', 'grad_accum', 'steps', 'merge_every',
@@ -104,7 +109,8 @@ def build_model(cfg: TrainConfig, mc: llama.LlamaConfig):
   if cfg.optimizer == 'poetx':
     block = cfg.block_size or mc.block_size
     model = poetx_jax.poetize(model, block_size=block, rngs=nnx.Rngs(cfg.seed + 1),
-                              mode=cfg.mode)
+                              mode=cfg.mode, quantize=cfg.quantize,
+                              group_size=cfg.group_size)
   return model
 
 

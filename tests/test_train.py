@@ -171,3 +171,15 @@ def test_sigterm_saves_and_resume_continues(tmp_path, corpus):
   assert meta['reason'] == 'SIGTERM' and step > 0
   last_logged = max(json.loads(l)['step'] for l in metrics.read_text().splitlines())
   assert step == last_logged  # nothing trained after the save
+
+
+def test_xq_int4_run_checkpoints_and_resumes(tmp_path, corpus):
+  cfg = _cfg(tmp_path, corpus, quantize='int4', group_size=16, steps=4)
+  s = train(cfg, log=lambda *_: None, stop_after=2)
+  assert s['step'] == 2
+  train(cfg, resume=True, log=lambda *_: None)
+  _, _, model, step = load_run(cfg.out_dir)
+  layer = model.layers[0].mlp.up_proj
+  assert step == 4 and layer.kernel.dtype == jax.numpy.int4
+  with pytest.raises(ValueError, match='needs optimizer poetx'):
+    train(_cfg(tmp_path, corpus, quantize='int8', optimizer='adamw'))
