@@ -58,6 +58,9 @@ def _train_parser(sub):
   p.add_argument('--optimizer', choices=('poetx', 'adamw'), default=d.optimizer)
   p.add_argument('--mode', choices=('fast', 'mem'), default=d.mode,
                  help='POET-X fast (keeps activations) or mem (recomputes)')
+  p.add_argument('--lean-state', action='store_true',
+                 help='bf16 momentum and factored second moments for the non-POET '
+                      'parameters (embeddings, head, norms; all of them for AdamW)')
   p.add_argument('--quantize', choices=('int8', 'int4'), default=None,
                  help='POET-XQ: store the frozen base weights in int8 or int4')
   p.add_argument('--dtype', choices=('auto', 'float32', 'bfloat16'), default=d.dtype,

@@ -25,6 +25,7 @@ from flax import nnx
 import poetx_jax
 from poetx_jax import data as data_lib
 from poetx_jax.checkpoint import CheckpointError, Checkpointer
+from poetx_jax.lean import lean_adamw
 from poetx_jax.models import llama
 
 OPTIMIZERS = ('poetx', 'adamw')
@@ -54,6 +55,7 @@ class TrainConfig:
   mode: str = 'fast'
   quantize: str | None = None          # POET-XQ base weights: 'int8' or 'int4'
   group_size: int = 128
+  lean_state: bool = False             # bf16 momentum, factored 2nd moments (non-POET)
   dtype: str = 'auto'                  # compute dtype: auto = bf16 on GPU, f32 on CPU
   seed: int = 0
   val_fraction: float = 0.05
@@ -123,8 +125,11 @@ def schedule(peak: float, cfg: TrainConfig) -> optax.Schedule:
 
 
 def build_optimizer(cfg: TrainConfig, model) -> nnx.Optimizer:
-  adamw = optax.adamw(schedule(cfg.lr, cfg), b1=0.9, b2=0.999,
-                      weight_decay=cfg.weight_decay)
+  if cfg.lean_state:
+    adamw = lean_adamw(schedule(cfg.lr, cfg), weight_decay=cfg.weight_decay)
+  else:
+    adamw = optax.adamw(schedule(cfg.lr, cfg), b1=0.9, b2=0.999,
+                        weight_decay=cfg.weight_decay)
   if cfg.optimizer == 'poetx':
     tx = poetx_jax.poetx_partition(
         model, poetx_jax.poetx(schedule(cfg.poet_lr, cfg), merge_every=cfg.merge_every),

@@ -67,9 +67,12 @@ def test_resume_is_bit_exact_across_merges(tmp_path, corpus, optimizer):
     np.testing.assert_array_equal(x, y)
 
 
-def test_grad_accumulation_runs(tmp_path, corpus):
-  s = train(_cfg(tmp_path, corpus, grad_accum=2, steps=4), log=lambda *_: None)
+def test_grad_accumulation_and_lean_state_run(tmp_path, corpus):
+  s = train(_cfg(tmp_path, corpus, grad_accum=2, steps=4, lean_state=True),
+            log=lambda *_: None)
   assert s['step'] == 8
+  _, _, model, _ = load_run(tmp_path / 'run')
+  assert s['val_after']['loss'] < s['val_before']['loss']
 
 
 def test_clear_errors(tmp_path, corpus):

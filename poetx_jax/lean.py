@@ -1,0 +1,127 @@
+"""Lean optimizer state for the parameters POET-X does not rotate.
+
+Embeddings, the LM head and norms keep ordinary AdamW in POET-X, and at scale
+they hold most of the remaining optimizer memory (a 128k x 8192 embedding has
+a billion entries). :func:`scale_by_lean_adam` is Adam with
+
+* the first moment stored in a low-precision dtype (bf16 by default), and
+* the second moment of every matrix factored Adafactor-style into its row and
+  column means: ``v ~ outer(r, c) / mean(r)``, R + C numbers instead of R * C.
+
+Vectors (and matrices with a side shorter than ``min_dim_size_to_factor``)
+keep an exact float32 second moment. Select it per parameter group with
+``optax.partition``; ``poetx train --lean-state`` uses it for all non-POET
+parameters.
+
+References:
+  Shazeer & Stern, Adafactor: Adaptive Learning Rates with Sublinear Memory
+  Cost, ICML 2018.
+"""
+
+from __future__ import annotations
+
+import typing as tp
+
+import jax
+import jax.numpy as jnp
+import optax
+
+Array = jax.Array
+
+
+class LeanAdamState(tp.NamedTuple):
+  """State of :func:`scale_by_lean_adam`.
+
+  ``v_row`` / ``v_col`` hold the factored second moments of matrix leaves and
+  ``v_full`` the exact ones of the others; unused entries are one-element placeholders, so
+  each field has the parameters' tree structure.
+  """
+  count: Array
+  mu: optax.Updates
+  v_row: optax.Updates
+  v_col: optax.Updates
+  v_full: optax.Updates
+
+
+def _factored(shape, min_dim) -> bool:
+  return len(shape) >= 2 and min(shape[-2:]) >= min_dim
+
+
+def _empty():
+  """Placeholder for an unused moment: one element (orbax saves no empty
+  arrays), a buffer of its own each time (jit may donate every state leaf)."""
+  return jnp.zeros((1,), jnp.float32)
+
+
+def scale_by_lean_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *,
+                       mu_dtype: tp.Any = jnp.bfloat16,
+                       min_dim_size_to_factor: int = 128) -> optax.GradientTransformation:
+  """Adam scaling with a low-precision first moment and factored second moments.
+
+  For a matrix leaf (..., R, C) the state holds ``r`` (..., R) and ``c``
+  (..., C), exponential moving averages of the row and column means of ``g**2``;
+  the second-moment estimate is ``r[:, None] * c[None, :] / mean(r)`` (exact
+  whenever ``g**2`` has rank one). Other leaves keep Adam's ``v``.
+
+  Args:
+    b1, b2, eps: Adam's decay rates and denominator offset.
+    mu_dtype: dtype of the first moment (None: the parameters').
+    min_dim_size_to_factor: factor only matrices whose last two dims are both
+      at least this long.
+  """
+  for name, v in (('b1', b1), ('b2', b2)):
+    if isinstance(v, (int, float)) and not 0 <= v < 1:
+      raise ValueError(f'{name} must be in [0, 1), got {v!r}')
+  fac = lambda p: _factored(p.shape, min_dim_size_to_factor)
+  f32 = lambda shape: jnp.zeros(shape, jnp.float32)
+
+  def init_fn(params):
+    return LeanAdamState(
+        count=jnp.zeros([], jnp.int32),
+        mu=optax.tree.zeros_like(params, dtype=mu_dtype),
+        v_row=jax.tree.map(lambda p: f32(p.shape[:-1]) if fac(p) else _empty(), params),
+        v_col=jax.tree.map(lambda p: f32(p.shape[:-2] + p.shape[-1:]) if fac(p)
+                           else _empty(), params),
+        v_full=jax.tree.map(lambda p: _empty() if fac(p) else f32(p.shape), params))
+
+  def update_fn(updates, state, params=None):
+    del params
+    count = optax.safe_increment(state.count)
+    c1 = 1 - b1 ** count.astype(jnp.float32)
+    c2 = 1 - b2 ** count.astype(jnp.float32)
+
+    def leaf(g, m, row, col, full):
+      g32 = g.astype(jnp.float32)
+      m = b1 * m.astype(jnp.float32) + (1 - b1) * g32
+      g2 = jnp.square(g32)
+      if fac(g):
+        row = b2 * row + (1 - b2) * jnp.mean(g2, axis=-1)
+        col = b2 * col + (1 - b2) * jnp.mean(g2, axis=-2)
+        norm = jnp.maximum(jnp.mean(row, axis=-1, keepdims=True)[..., None], 1e-30)
+        v_hat = row[..., :, None] * col[..., None, :] / norm / c2
+      else:
+        full = b2 * full + (1 - b2) * g2
+        v_hat = full / c2
+      u = (m / c1) / (jnp.sqrt(v_hat) + eps)
+      return u.astype(g.dtype), m.astype(mu_dtype or g.dtype), row, col, full
+
+    treedef = jax.tree.structure(updates)
+    out = treedef.flatten_up_to(jax.tree.map(
+        leaf, updates, state.mu, state.v_row, state.v_col, state.v_full))
+    if not out:
+      return updates, state._replace(count=count)
+    u, mu, row, col, full = (treedef.unflatten(x) for x in zip(*out))
+    return u, LeanAdamState(count, mu, row, col, full)
+
+  return optax.GradientTransformation(init_fn, update_fn)
+
+
+def lean_adamw(learning_rate, *, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
+               weight_decay: float = 0.0, mu_dtype: tp.Any = jnp.bfloat16,
+               min_dim_size_to_factor: int = 128) -> optax.GradientTransformation:
+  """AdamW with :func:`scale_by_lean_adam`'s lean state (decoupled weight decay)."""
+  return optax.chain(
+      scale_by_lean_adam(b1, b2, eps, mu_dtype=mu_dtype,
+                         min_dim_size_to_factor=min_dim_size_to_factor),
+      optax.add_decayed_weights(weight_decay),
+      optax.scale_by_learning_rate(learning_rate))
