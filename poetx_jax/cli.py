@@ -58,6 +58,9 @@ def _train_parser(sub):
   p.add_argument('--optimizer', choices=('poetx', 'adamw'), default=d.optimizer)
   p.add_argument('--mode', choices=('fast', 'mem'), default=d.mode,
                  help='POET-X fast (keeps activations) or mem (recomputes)')
+  p.add_argument('--remat', choices=('none', 'block', 'attn'), default=d.remat,
+                 help='rematerialise each decoder layer: keep only its input (block), '
+                      'or its input and attention output (attn)')
   p.add_argument('--lean-state', action='store_true',
                  help='bf16 momentum and factored second moments for the non-POET '
                       'parameters (embeddings, head, norms; all of them for AdamW)')

@@ -53,6 +53,7 @@ class TrainConfig:
   merge_every: int = 50
   block_size: int | None = None        # None: the model config's
   mode: str = 'fast'
+  remat: str = 'none'                  # per decoder layer: none, block, attn
   quantize: str | None = None          # POET-XQ base weights: 'int8' or 'int4'
   group_size: int = 128
   lean_state: bool = False             # bf16 momentum, factored 2nd moments (non-POET)
@@ -75,6 +76,9 @@ class TrainConfig:
     if self.quantize is not None and self.optimizer != 'poetx':
       raise ValueError(f'quantize={self.quantize!r} needs optimizer poetx (the AdamW '
                        f'baseline trains its weights in full precision)')
+    if self.remat not in llama.REMAT_POLICIES:
+      raise ValueError(f'remat must be one of {tuple(llama.REMAT_POLICIES)}, '
+                       f'got {self.remat!r}')
     if self.dtype not in ('auto', 'float32', 'bfloat16'):
       raise ValueError(f"dtype must be 'auto', 'float32' or 'bfloat16', got {self.dtype!r}")
     for name in ('seq_len', 'batch_size', 'grad_accum', 'steps', 'merge_every',
@@ -107,7 +111,8 @@ def model_config(cfg: TrainConfig, vocab_size: int) -> llama.LlamaConfig:
 
 def build_model(cfg: TrainConfig, mc: llama.LlamaConfig):
   """The Llama (poetized for POET-X) as it is at step 0 of the run."""
-  model = llama.init_model(mc, seed=cfg.seed, dtype=compute_dtype(cfg.dtype))
+  model = llama.init_model(mc, seed=cfg.seed, dtype=compute_dtype(cfg.dtype),
+                           remat=cfg.remat)
   if cfg.optimizer == 'poetx':
     block = cfg.block_size or mc.block_size
     model = poetx_jax.poetize(model, block_size=block, rngs=nnx.Rngs(cfg.seed + 1),

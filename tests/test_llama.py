@@ -212,3 +212,45 @@ def test_hf_state_dict(model):
   tied = llama.hf_state_dict(Llama(get_config('tiny', tie_embeddings=True),
                                    rngs=nnx.Rngs(0)))
   assert 'lm_head.weight' not in tied
+
+
+def _saved(model, tokens):
+  """Saved residuals (text lines) of d loss / d params, arguments excluded."""
+  import contextlib
+  import io
+  from jax.ad_checkpoint import print_saved_residuals
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+  def loss(p):
+    fresh = jax.tree.map(lambda a: a, rest)  # Variables of this trace
+    return nnx.merge(graphdef, p, fresh)(tokens).sum()
+
+  buf = io.StringIO()
+  with contextlib.redirect_stdout(buf):
+    print_saved_residuals(loss, params)
+  return [l for l in buf.getvalue().splitlines() if 'from the argument' not in l]
+
+
+def test_remat_policies_save_only_named_residuals():
+  import poetx_jax
+  cfg = get_config('tiny', layers=2, vocab_size=97)
+  tokens = jnp.arange(2 * 12, dtype=jnp.int32).reshape(2, 12) % 97
+  inside = lambda lines: [l for l in lines if any(
+      k in l for k in ('Attention.__call__', 'MLP.__call__', 'poetx_jax/ops.py'))]
+  saved = {}
+  for remat in ('none', 'block', 'attn'):
+    model = poetx_jax.poetize(Llama(cfg, remat=remat, rngs=nnx.Rngs(0)), block_size=16,
+                              rngs=nnx.Rngs(1))
+    saved[remat] = _saved(model, tokens)
+  # No remat keeps the attention and MLP internals and the POET block products.
+  assert any('MLP.__call__' in l for l in inside(saved['none']))
+  assert any('poetx_jax/ops.py' in l for l in inside(saved['none']))
+  # 'block' keeps nothing from inside a layer; 'attn' only the named outputs.
+  assert inside(saved['block']) == [], saved['block']
+  named = inside(saved['attn'])
+  assert len(named) == cfg.layers and all("named 'attn_out'" in l for l in named), named
+  # The layer boundaries (each layer's output) are kept in both.
+  for remat in ('block', 'attn'):
+    assert sum('DecoderLayer.__call__' in l for l in saved[remat]) == cfg.layers
+  with pytest.raises(ValueError, match='remat must be one of'):
+    Llama(cfg, remat='some', rngs=nnx.Rngs(0))

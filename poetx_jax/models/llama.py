@@ -24,8 +24,22 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from flax.nnx.nn import initializers
+from jax.ad_checkpoint import checkpoint_name
 
 Array = jax.Array
+
+# Rematerialisation of each decoder layer (``Llama(..., remat=...)``):
+#   'none'  keep every activation the backward needs;
+#   'block' keep only each layer's input, recompute the whole layer;
+#   'attn'  keep each layer's input and its attention output ('attn_out'),
+#           recompute the projections and the MLP but not the attention.
+# Residuals are chosen by name (save_only_these_names), which also covers
+# POET's block products and custom kernels that dot-based policies miss.
+REMAT_POLICIES = {
+    'none': None,
+    'block': jax.checkpoint_policies.nothing_saveable,
+    'attn': jax.checkpoint_policies.save_only_these_names('attn_out'),
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -198,7 +212,8 @@ class Attention(nnx.Module):
     cos, sin = rope_tables(positions, self.head_dim, self.rope_theta)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     out = jax.nn.dot_product_attention(q, k, v, is_causal=True)
-    return self.o_proj(out.reshape(b, t, self.heads * self.head_dim))
+    out = checkpoint_name(out.reshape(b, t, self.heads * self.head_dim), 'attn_out')
+    return self.o_proj(out)
 
 
 class MLP(nnx.Module):
@@ -213,7 +228,8 @@ class MLP(nnx.Module):
     self.down_proj = lin(config.mlp, config.hidden)
 
   def __call__(self, x: Array) -> Array:
-    return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+    hidden = checkpoint_name(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x), 'mlp_hidden')
+    return self.down_proj(hidden)
 
 
 class DecoderLayer(nnx.Module):
@@ -241,6 +257,7 @@ class Llama(nnx.Module):
     config: the model shape.
     dtype: compute dtype of every Linear / Embed (activations).
     param_dtype: dtype of the parameters.
+    remat: rematerialisation per decoder layer, a key of :data:`REMAT_POLICIES`.
     rngs: draws the initial weights (``params`` stream).
 
   Example::
@@ -254,10 +271,13 @@ class Llama(nnx.Module):
   """
 
   def __init__(self, config: LlamaConfig, *, dtype: tp.Any = jnp.float32,
-               param_dtype: tp.Any = jnp.float32, rngs: nnx.Rngs):
+               param_dtype: tp.Any = jnp.float32, remat: str = 'none', rngs: nnx.Rngs):
     if not isinstance(config, LlamaConfig):
       raise ValueError(f'config must be a LlamaConfig, got {type(config).__name__}')
+    if remat not in REMAT_POLICIES:
+      raise ValueError(f'remat must be one of {tuple(REMAT_POLICIES)}, got {remat!r}')
     self.config = config
+    self.remat = remat
     self.embed_tokens = nnx.Embed(config.vocab_size, config.hidden, dtype=dtype,
                                   param_dtype=param_dtype,
                                   embedding_init=initializers.normal(config.init_std),
@@ -283,8 +303,11 @@ class Llama(nnx.Module):
                        f'{self.config.max_seq_len}')
     positions = jnp.arange(t)[None]
     h = self.embed_tokens(tokens)
+    call = DecoderLayer.__call__
+    if self.remat != 'none':
+      call = nnx.remat(call, policy=REMAT_POLICIES[self.remat])
     for layer in self.layers:
-      h = layer(h, positions)
+      h = call(layer, h, positions)
     h = self.norm(h)
     if self.config.tie_embeddings:
       logits = self.embed_tokens.attend(h)
@@ -293,13 +316,14 @@ class Llama(nnx.Module):
     return logits.astype(jnp.float32)
 
 
-@functools.partial(nnx.jit, static_argnames=('config', 'dtype', 'param_dtype'))
-def _build(seed, *, config, dtype, param_dtype):
-  return Llama(config, dtype=dtype, param_dtype=param_dtype, rngs=nnx.Rngs(jax.random.key(seed)))
+@functools.partial(nnx.jit, static_argnames=('config', 'dtype', 'param_dtype', 'remat'))
+def _build(seed, *, config, dtype, param_dtype, remat):
+  return Llama(config, dtype=dtype, param_dtype=param_dtype, remat=remat,
+               rngs=nnx.Rngs(jax.random.key(seed)))
 
 
 def init_model(config: LlamaConfig, *, seed: int = 0, dtype: tp.Any = jnp.float32,
-               param_dtype: tp.Any = jnp.float32) -> Llama:
+               param_dtype: tp.Any = jnp.float32, remat: str = 'none') -> Llama:
   """A :class:`Llama` built under ``nnx.jit``: parameters are created on the device.
 
   Gives the same parameters as ``Llama(config, ..., rngs=nnx.Rngs(seed))``.
@@ -309,7 +333,7 @@ def init_model(config: LlamaConfig, *, seed: int = 0, dtype: tp.Any = jnp.float3
   if not isinstance(seed, (int, np.integer)) or isinstance(seed, bool):
     raise ValueError(f'seed must be an int, got {seed!r}')
   return _build(jnp.asarray(seed, jnp.uint32), config=config, dtype=dtype,
-                param_dtype=param_dtype)
+                param_dtype=param_dtype, remat=remat)
 
 
 def hf_config(config: LlamaConfig) -> dict:
