@@ -1,0 +1,135 @@
+"""Training-step throughput and peak memory: POET-X against optax AdamW.
+
+For each optimizer a fresh process builds the Llama (``--model``), checks the
+setup (the POET-X model equals the dense one at step 0; the first loss is near
+log(vocab)), compiles the train step of ``poetx train``, runs ``--warmup``
+steps, then times ``--steps`` device-synchronised steps on random tokens and
+reads the device's peak memory. One table at the end; ``--json`` keeps it all.
+
+    python3 experiments/bench_train.py --model 1b --seq-len 1024 --batch-size 8
+    python3 experiments/bench_train.py --model 8b --seq-len 1024 --batch-size 1 \\
+        --runs poetx:mem:block,adamw --lean-state
+    python3 experiments/bench_train.py --model tiny --seq-len 64 --steps 3   # CPU smoke test
+
+A run is ``optimizer[:mode[:remat[:quantize]]]``, e.g. ``poetx:mem:block:int8``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import subprocess
+import sys
+import time
+
+
+def one_run(a, run: str) -> dict:
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from flax import nnx
+
+  import poetx_jax
+  from poetx_jax import train as T
+  from poetx_jax.models import llama
+
+  parts = run.split(':') + [None] * 3
+  optimizer, mode, remat, quant = parts[0], parts[1] or 'fast', parts[2] or 'none', parts[3]
+  overrides = json.loads(a.model_overrides) if a.model_overrides else {}
+  cfg = T.TrainConfig(model=a.model, model_overrides=overrides, seq_len=a.seq_len,
+                      batch_size=a.batch_size, steps=1000, optimizer=optimizer,
+                      mode=mode, remat=remat, quantize=quant, lean_state=a.lean_state,
+                      dtype=a.dtype, block_size=a.block_size, merge_every=a.merge_every)
+  cfg.validate()
+  mc = T.model_config(cfg, a.vocab_size)
+  model = T.build_model(cfg, mc)
+  rng = np.random.default_rng(0)
+  batches = [{'inputs': jnp.asarray(rng.integers(0, a.vocab_size, (a.batch_size, a.seq_len)),
+                                    jnp.int32),
+              'targets': jnp.asarray(rng.integers(0, a.vocab_size, (a.batch_size, a.seq_len)),
+                                     jnp.int32)} for _ in range(2)]
+  checks = {}
+  if optimizer == 'poetx':  # Q = 0: the POET model computes the dense model
+    dense = poetx_jax.unpoetize(model)
+    probe = batches[0]['inputs'][:1, :min(a.seq_len, 128)]
+    y, y_ref = model(probe), dense(probe)
+    checks['poet_vs_dense'] = float(jnp.linalg.norm(y - y_ref) / jnp.linalg.norm(y_ref))
+    del dense
+  opt = T.build_optimizer(cfg, model)
+  step = T.make_step(cfg)
+  t0 = time.perf_counter()
+  loss0 = float(step(model, opt, batches[0]))
+  compile_s = time.perf_counter() - t0
+  checks['first_loss'] = loss0
+  checks['log_vocab'] = math.log(a.vocab_size)
+  tol = 2e-2 if a.dtype != 'float32' else 1e-4
+  if not (abs(loss0 - math.log(a.vocab_size)) < 1.0 and checks.get('poet_vs_dense', 0) < tol):
+    raise SystemExit(f'{run}: setup check failed: {checks}')
+  for i in range(a.warmup):
+    jax.block_until_ready(step(model, opt, batches[i % 2]))
+  times = []
+  for i in range(a.steps):
+    t = time.perf_counter()
+    jax.block_until_ready(step(model, opt, batches[i % 2]))
+    times.append(time.perf_counter() - t)
+  med = statistics.median(times)
+  stats = jax.local_devices()[0].memory_stats() or {}
+  n_train = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+  opt_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(opt)))
+  return {'run': run, 'model': a.model, 'seq_len': a.seq_len, 'batch': a.batch_size,
+          'device': jax.devices()[0].device_kind, 'step_s': med,
+          'tokens_per_s': a.batch_size * a.seq_len / med, 'compile_s': compile_s,
+          'peak_gib': stats.get('peak_bytes_in_use', float('nan')) / 2 ** 30,
+          'trainable': n_train, 'dense_params': mc.num_params(),
+          'optimizer_state_gib': opt_bytes / 2 ** 30, 'checks': checks}
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument('--model', default='1b')
+  p.add_argument('--model-overrides', default='', help='JSON dict of config fields')
+  p.add_argument('--runs', default='poetx,adamw')
+  p.add_argument('--seq-len', type=int, default=1024)
+  p.add_argument('--batch-size', type=int, default=8)
+  p.add_argument('--vocab-size', type=int, default=32000)
+  p.add_argument('--block-size', type=int, default=None)
+  p.add_argument('--merge-every', type=int, default=200)
+  p.add_argument('--dtype', default='auto')
+  p.add_argument('--lean-state', action='store_true')
+  p.add_argument('--warmup', type=int, default=3)
+  p.add_argument('--steps', type=int, default=10)
+  p.add_argument('--json', default=None)
+  p.add_argument('--single', default=None, help=argparse.SUPPRESS)
+  a = p.parse_args(argv)
+  if a.single:  # child process: one run, JSON on the last line
+    print(json.dumps(one_run(a, a.single)))
+    return
+  results = []
+  base = [sys.executable, __file__] + [x for x in (argv or sys.argv[1:])]
+  for run in a.runs.split(','):
+    proc = subprocess.run(base + ['--single', run], capture_output=True, text=True)
+    if proc.returncode != 0:
+      tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+      results.append({'run': run, 'error': ' | '.join(tail)})
+    else:
+      results.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+    print(json.dumps(results[-1]), flush=True)
+  print(f'\n{a.model}, seq {a.seq_len}, batch {a.batch_size}'
+        f'{", lean state" if a.lean_state else ""}')
+  print(f'{"run":28s} {"tokens/s":>10s} {"step ms":>9s} {"peak GiB":>9s} '
+        f'{"opt state GiB":>14s}')
+  for r in results:
+    if 'error' in r:
+      print(f'{r["run"]:28s} failed: {r["error"][:90]}')
+    else:
+      print(f'{r["run"]:28s} {r["tokens_per_s"]:10,.0f} {1e3 * r["step_s"]:9.1f} '
+            f'{r["peak_gib"]:9.2f} {r["optimizer_state_gib"]:14.3f}')
+  if a.json:
+    with open(a.json, 'w') as f:
+      json.dump(results, f, indent=1)
+
+
+if __name__ == '__main__':
+  main()

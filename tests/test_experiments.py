@@ -1,0 +1,28 @@
+"""The GPU benchmark scripts run end to end on tiny shapes (CPU smoke tests)."""
+
+import argparse
+import json
+import pathlib
+import sys
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / 'experiments'))
+import bench_layer  # noqa: E402
+import bench_train  # noqa: E402
+
+
+def test_bench_layer_checks_and_times(tmp_path):
+  out = tmp_path / 'layer.json'
+  bench_layer.main(['--shapes', '64x96', '--blocks', '32', '--tokens', '64',
+                    '--iters', '1', '--json', str(out)])
+  (row,) = json.loads(out.read_text())
+  assert row['checks']['poetx xla fast']['dq_in'] < 3e-2
+  assert row['ms']['dense (W trained)'][0] > 0
+
+
+def test_bench_train_one_run():
+  a = argparse.Namespace(model='tiny', model_overrides='{"layers": 1}', seq_len=32,
+                         batch_size=2, vocab_size=256, block_size=None, merge_every=200,
+                         dtype='float32', lean_state=True, warmup=1, steps=2)
+  r = bench_train.one_run(a, 'poetx:mem:block:int8')
+  assert r['checks']['poet_vs_dense'] < 1e-4 and r['tokens_per_s'] > 0
+  assert r['trainable'] < r['dense_params']
