@@ -50,11 +50,13 @@ def _train_parser(sub):
       ('eval-batches', int, 'validation batches per evaluation'),
       ('log-every', int, 'log every N micro-steps'),
       ('checkpoint-every', int, 'checkpoint every N micro-steps'),
-      ('keep', int, 'checkpoints kept'), ('out-dir', str, 'run directory'),
+      ('keep', int, 'checkpoints kept'),
+      ('out-dir', str, 'run directory (default: runs/MODEL-OPTIMIZER)'),
       ('cache-dir', str, 'tokenizer and token cache')):
     attr = name.replace('-', '_')
-    p.add_argument(f'--{name}', type=typ, default=getattr(d, attr),
-                   help=f'{hlp} (default: {getattr(d, attr)})')
+    default = getattr(d, attr)
+    p.add_argument(f'--{name}', type=typ, default=default,
+                   help=hlp if default is None else f'{hlp} (default: {default})')
   p.add_argument('--optimizer', choices=('poetx', 'adamw'), default=d.optimizer)
   p.add_argument('--mode', choices=('fast', 'mem'), default=d.mode,
                  help='POET-X fast (keeps activations) or mem (recomputes)')
@@ -99,8 +101,8 @@ def cmd_train(a) -> int:
           f"{summary['val_after']['ppl']:.2f}")
   print(f"{summary['tokens_per_s']:,.0f} tokens/s over {summary['elapsed_s']:.1f} s")
   from poetx_jax.plot import plot_runs
-  png = a.plot or str(pathlib.Path(cfg.out_dir) / 'loss.png')
-  plot_runs([cfg.out_dir], png)
+  png = a.plot or str(pathlib.Path(summary['out_dir']) / 'loss.png')
+  plot_runs([summary['out_dir']], png)
   print(f'loss curves: {png}')
   return 0
 

@@ -65,7 +65,7 @@ class TrainConfig:
   log_every: int = 10
   checkpoint_every: int = 100
   keep: int = 3
-  out_dir: str = 'runs/tiny-poetx'
+  out_dir: str | None = None           # None: runs/{model}-{optimizer}
   cache_dir: str = '~/.cache/poetx_jax'
 
   def validate(self) -> None:
@@ -284,6 +284,8 @@ def train(cfg: TrainConfig, *, resume: bool = False, log=print,
       SIGTERM would (used by tests and for time-limited jobs).
   """
   cfg.validate()
+  if cfg.out_dir is None:
+    cfg = dataclasses.replace(cfg, out_dir=f'runs/{cfg.model}-{cfg.optimizer}')
   out = pathlib.Path(cfg.out_dir)
   out.mkdir(parents=True, exist_ok=True)
   run_file = out / 'run.json'
@@ -296,6 +298,9 @@ def train(cfg: TrainConfig, *, resume: bool = False, log=print,
               if saved.get(k) != v}
       raise CheckpointError(f'--resume: the configuration differs from the one in '
                             f'{run_file} (saved, given): {diff}')
+  elif Checkpointer(out / 'checkpoints').all_steps():
+    raise CheckpointError(f'{out} already holds checkpoints of a run; continue it with '
+                          f'--resume, or choose another --out-dir')
   run_file.write_text(json.dumps(dataclasses.asdict(cfg), indent=1))
 
   data = load_data(cfg)
@@ -368,7 +373,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, log=print,
   ckpt.close()
   metrics.close()
   elapsed = time.perf_counter() - t0
-  summary = {'step': step, 'stopped': stopped, 'elapsed_s': elapsed,
+  summary = {'step': step, 'stopped': stopped, 'elapsed_s': elapsed, 'out_dir': str(out),
              'tokens_per_s': (step - start_step) * tokens_per_step / max(elapsed, 1e-9)}
   if first_val:
     summary['val_before'] = {'loss': first_val[0], 'ppl': first_val[1]}

@@ -99,6 +99,8 @@ def test_incompatible_and_corrupt_checkpoints(tmp_path, corpus):
   train(cfg, log=lambda *_: None)
   with pytest.raises(CheckpointError, match='configuration differs.*steps'):
     train(dataclasses.replace(cfg, steps=3), resume=True)
+  with pytest.raises(CheckpointError, match='already holds checkpoints.*--resume'):
+    train(cfg)  # a new run would clobber the old one
   # A checkpoint restored into a model of another shape says so.
   other = dataclasses.replace(cfg, model_overrides={**cfg.model_overrides, 'hidden': 48},
                               out_dir=str(tmp_path / 'other'))
