@@ -102,8 +102,11 @@ def cmd_train(a) -> int:
   print(f"{summary['tokens_per_s']:,.0f} tokens/s over {summary['elapsed_s']:.1f} s")
   from poetx_jax.plot import plot_runs
   png = a.plot or str(pathlib.Path(summary['out_dir']) / 'loss.png')
-  plot_runs([summary['out_dir']], png)
-  print(f'loss curves: {png}')
+  try:
+    plot_runs([summary['out_dir']], png)
+    print(f'loss curves: {png}')
+  except ImportError:
+    print('no loss plot: matplotlib is not installed (metrics.jsonl has the curves)')
   return 0
 
 

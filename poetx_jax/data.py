@@ -27,8 +27,10 @@ import tempfile
 import typing as tp
 from pathlib import Path
 
-import grain
 import numpy as np
+
+if tp.TYPE_CHECKING:
+  import grain
 
 PathLike = tp.Union[str, os.PathLike]
 
@@ -422,6 +424,15 @@ def _check_windows(windows: np.ndarray, batch_size: int) -> np.ndarray:
   return windows.astype(np.int32, copy=False)
 
 
+def _import_grain():
+  """grain, imported on first use (evaluation and tokenisation do not need it)."""
+  try:
+    import grain
+  except ImportError as e:
+    raise ImportError('training batches need grain: pip install grain==0.2.18') from e
+  return grain
+
+
 def train_dataset(windows: np.ndarray, *, batch_size: int, seed: int,
                   read_options: grain.ReadOptions | None = None) -> grain.IterDataset:
   """An endless grain pipeline of shuffled training batches.
@@ -449,6 +460,7 @@ def train_dataset(windows: np.ndarray, *, batch_size: int, seed: int,
     raise ValueError(f'seed must be a non-negative int, got {seed!r}')
   # grain seeds epoch e with seed + e; mixing keeps nearby seeds' epochs apart.
   shuffle_seed = int(np.random.SeedSequence(int(seed)).generate_state(1)[0])
+  grain = _import_grain()
   ds = (grain.MapDataset.range(windows.shape[0])
         .shuffle(seed=shuffle_seed)
         .batch(batch_size, drop_remainder=True)
