@@ -51,6 +51,7 @@ def _train_parser(sub):
       ('log-every', int, 'log every N micro-steps'),
       ('checkpoint-every', int, 'checkpoint every N micro-steps'),
       ('keep', int, 'checkpoints kept'),
+      ('fsdp', int, 'size of the mesh axis that shards state (strategy fsdp)'),
       ('out-dir', str, 'run directory (default: runs/MODEL-OPTIMIZER)'),
       ('cache-dir', str, 'tokenizer and token cache')):
     attr = name.replace('-', '_')
@@ -63,6 +64,11 @@ def _train_parser(sub):
   p.add_argument('--remat', choices=('none', 'block', 'attn'), default=d.remat,
                  help='rematerialise each decoder layer: keep only its input (block), '
                       'or its input and attention output (attn)')
+  p.add_argument('--strategy', choices=('dp', 'fsdp'), default=d.strategy,
+                 help='on several devices: replicate the state (dp) or shard it (fsdp)')
+  p.add_argument('--distributed', action='store_true',
+                 help='multi-host: call jax.distributed.initialize() first (it reads '
+                      'the coordinator and process ids from the cluster environment)')
   p.add_argument('--lean-state', action='store_true',
                  help='bf16 momentum and factored second moments for the non-POET '
                       'parameters (embeddings, head, norms; all of them for AdamW)')
@@ -91,6 +97,9 @@ def _parse_overrides(text: str) -> dict:
 
 
 def cmd_train(a) -> int:
+  if a.distributed:
+    import jax
+    jax.distributed.initialize()
   from poetx_jax.train import TrainConfig, train
   fields = {f.name for f in dataclasses.fields(TrainConfig)}
   cfg = TrainConfig(**{k: v for k, v in vars(a).items() if k in fields and k != 'model_overrides'},

@@ -26,6 +26,7 @@ import poetx_jax
 from poetx_jax import data as data_lib
 from poetx_jax.checkpoint import CheckpointError, Checkpointer
 from poetx_jax.lean import lean_adamw
+from poetx_jax import sharding
 from poetx_jax.models import llama
 
 OPTIMIZERS = ('poetx', 'adamw')
@@ -57,6 +58,8 @@ class TrainConfig:
   quantize: str | None = None          # POET-XQ base weights: 'int8' or 'int4'
   group_size: int = 128
   lean_state: bool = False             # bf16 momentum, factored 2nd moments (non-POET)
+  strategy: str = 'dp'                 # over all devices: dp (replicated) or fsdp
+  fsdp: int = 1                        # size of the mesh's fsdp axis
   dtype: str = 'auto'                  # compute dtype: auto = bf16 on GPU, f32 on CPU
   seed: int = 0
   val_fraction: float = 0.05
@@ -79,6 +82,9 @@ class TrainConfig:
     if self.remat not in llama.REMAT_POLICIES:
       raise ValueError(f'remat must be one of {tuple(llama.REMAT_POLICIES)}, '
                        f'got {self.remat!r}')
+    if self.strategy not in sharding.STRATEGIES:
+      raise ValueError(f'strategy must be one of {sharding.STRATEGIES}, '
+                       f'got {self.strategy!r}')
     if self.dtype not in ('auto', 'float32', 'bfloat16'):
       raise ValueError(f"dtype must be 'auto', 'float32' or 'bfloat16', got {self.dtype!r}")
     for name in ('seq_len', 'batch_size', 'grad_accum', 'steps', 'merge_every',
@@ -178,14 +184,28 @@ def make_step(cfg: TrainConfig):
 _eval_sum = nnx.jit(token_loss)
 
 
-def evaluate(model, batches) -> tuple[float, float]:
+def evaluate(model, batches, mesh=None) -> tuple[float, float]:
   """(mean validation loss per token, perplexity) over ``batches``."""
   total, count = 0.0, 0
   for b in batches:
-    t, c = _eval_sum(model, b)
+    t, c = _eval_sum(model, place_batch(b, mesh))
     total, count = total + float(t), count + int(c)
   loss = total / max(count, 1)
   return loss, math.exp(min(loss, 50.0))
+
+
+def make_training_mesh(cfg: TrainConfig):
+  """The (data, fsdp) mesh over all devices, or None on a single device."""
+  if jax.device_count() == 1:
+    return None
+  return sharding.make_mesh(fsdp=cfg.fsdp)
+
+
+def place_batch(batch, mesh):
+  """Host batch -> device arrays (split over the mesh when there is one)."""
+  if mesh is None:
+    return jax.tree.map(jnp.asarray, batch)
+  return sharding.shard_batch(batch, mesh)
 
 
 class _Progress:
@@ -308,6 +328,14 @@ def train(cfg: TrainConfig, *, resume: bool = False, log=print,
   mc = model_config(cfg, data.tokenizer.vocab_size)
   model = build_model(cfg, mc)
   optimizer = build_optimizer(cfg, model)
+  mesh = make_training_mesh(cfg)
+  if mesh is not None:
+    if cfg.batch_size % mesh.size:
+      raise ValueError(f'batch_size={cfg.batch_size} must be divisible by the '
+                       f'{mesh.size} devices')
+    sharding.shard_state(model, mesh, cfg.strategy)
+    sharding.shard_state(optimizer, mesh, cfg.strategy)
+    log(f'mesh: {dict(mesh.shape)}, strategy {cfg.strategy}')
   n_params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
   log(f'model: {cfg.model} ({n_params:,} trainable parameters, '
       f'{mc.num_params():,} in the dense model), optimizer {cfg.optimizer}, '
@@ -330,7 +358,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, log=print,
 
   first_val = None
   if step == 0:
-    first_val = evaluate(model, val)
+    first_val = evaluate(model, val, mesh)
     log(f'step 0: validation loss {first_val[0]:.4f}, perplexity {first_val[1]:.2f}')
     metrics.write({'step': 0, 'val_loss': first_val[0], 'val_ppl': first_val[1]})
 
@@ -343,7 +371,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, log=print,
   stopped = None
   with _StopFlag() as stop:
     while step < total_updates:
-      batch = jax.tree.map(jnp.asarray, next(it))
+      batch = place_batch(next(it), mesh)
       loss = step_fn(model, optimizer, batch)
       step += 1
       if step % cfg.log_every == 0 or step == total_updates:
@@ -360,7 +388,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, log=print,
         metrics.write({'step': step, 'loss': loss, 'tokens_per_s': tok_s,
                        'elapsed_s': elapsed})
       if step % cfg.eval_every == 0 or step == total_updates:
-        last_val = evaluate(model, val)
+        last_val = evaluate(model, val, mesh)
         metrics.write({'step': step, 'val_loss': last_val[0], 'val_ppl': last_val[1]})
       if step % cfg.checkpoint_every == 0 or step == total_updates:
         save('periodic' if step < total_updates else 'final')

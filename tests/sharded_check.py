@@ -1,0 +1,103 @@
+"""Run by tests/test_sharding.py in a process with 8 CPU devices."""
+
+import json
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+import poetx_jax
+from poetx_jax import sharding
+from poetx_jax.checkpoint import Checkpointer
+from poetx_jax.models import llama
+
+CFG = llama.get_config('tiny', layers=1, hidden=64, mlp=128, heads=4, kv_heads=2,
+                       vocab_size=128)
+
+
+def build():
+  model = poetx_jax.poetize(llama.Llama(CFG, rngs=nnx.Rngs(0)), block_size=16,
+                            rngs=nnx.Rngs(1))
+  tx = poetx_jax.poetx_partition(model, poetx_jax.poetx(2e-2, merge_every=2),
+                                 optax.adamw(3e-3))
+  return model, nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+
+def loss_fn(m, b):
+  logits = m(b['inputs'])
+  return optax.softmax_cross_entropy_with_integer_labels(logits, b['targets']).mean()
+
+
+def batches():
+  rng = np.random.default_rng(0)
+  return [{k: rng.integers(0, 128, (8, 16)).astype(np.int32) for k in ('inputs', 'targets')}
+          for _ in range(5)]
+
+
+def run(mesh=None, strategy=None):
+  model, opt = build()
+  if mesh is not None:
+    sharding.shard_state(model, mesh, strategy)
+    sharding.shard_state(opt, mesh, strategy)
+  step = poetx_jax.make_train_step(loss_fn, seed=0)
+  losses = []
+  for b in batches():  # 5 updates: merges after updates 2 and 4
+    b = sharding.shard_batch(b, mesh) if mesh is not None else jax.tree.map(jnp.asarray, b)
+    losses.append(float(step(model, opt, b)))
+  return model, opt, losses
+
+
+def flat(node):
+  return [np.asarray(x) for x in jax.tree.leaves(nnx.to_pure_dict(nnx.state(node)))]
+
+
+def main(ckpt_dir):
+  out = {}
+  ref_model, _, ref_losses = run()
+  ref = flat(ref_model)
+  for strategy, (d, f) in (('dp', (8, 1)), ('fsdp', (2, 4))):
+    mesh = sharding.make_mesh(d, f)
+    model, opt, losses = run(mesh, strategy)
+    kernel = model.layers[0].mlp.up_proj.kernel[...]
+    out[strategy] = {
+        'loss_diff': max(abs(a - b) for a, b in zip(losses, ref_losses)),
+        'param_diff': max(float(np.max(np.abs(a.astype(np.float64) - b)))
+                          for a, b in zip(flat(model), ref)),
+        'kernel_shards': len({s.index for s in kernel.addressable_shards}),
+        'perm_equal': bool(all(np.array_equal(a, b) for a, b in zip(
+            [x for x in flat(model) if x.dtype == np.int32],
+            [x for x in ref if x.dtype == np.int32]))),
+    }
+    close = [np.mean(np.abs(a.astype(np.float64) - b) <= 1e-4) for a, b in zip(flat(model), ref)
+             if a.dtype.kind == 'f']
+    out[strategy]['min_close_fraction'] = float(min(close))
+    if strategy == 'fsdp':
+      with Checkpointer(ckpt_dir) as ck:
+        ck.save(5, model, opt, data_state={}, meta={})
+      np.savez(f'{ckpt_dir}.npz', *flat(model), *flat(opt))
+  json.dump(out, sys.stdout)
+
+
+def restore(ckpt_dir, fsdp):
+  """Restores the 8-device checkpoint onto this process's devices; exact?"""
+  model, opt = build()
+  if fsdp > 1:
+    mesh = sharding.make_mesh(len(jax.devices()) // fsdp, fsdp)
+    sharding.shard_state(model, mesh, 'fsdp')
+    sharding.shard_state(opt, mesh, 'fsdp')
+  step, _, _ = Checkpointer(ckpt_dir).restore(model, opt)
+  saved = np.load(f'{ckpt_dir}.npz')
+  got = flat(model) + flat(opt)
+  exact = all(np.array_equal(saved[f'arr_{i}'], g) for i, g in enumerate(got))
+  kernel = model.layers[0].mlp.up_proj.kernel[...]
+  return {'step': step, 'exact': bool(exact), 'devices': len(kernel.sharding.device_set)}
+
+
+if __name__ == '__main__':
+  if sys.argv[1] == 'restore':
+    json.dump(restore(sys.argv[2], int(sys.argv[3])), sys.stdout)
+  else:
+    main(sys.argv[1])
