@@ -25,6 +25,27 @@ import sys
 import time
 
 
+def collective_bytes(hlo_text: str) -> dict[str, int]:
+  """Result bytes of each kind of cross-device collective in compiled HLO text."""
+  import re
+  sizes = {'f32': 4, 'bf16': 2, 'f16': 2, 's32': 4, 'u32': 4, 'f64': 8, 's8': 1, 'u8': 1,
+           'pred': 1, 's64': 8, 'u64': 8}
+  out = {}
+  for line in hlo_text.splitlines():
+    m = re.search(r'=\s*(.*?)\s(all-reduce|all-gather|reduce-scatter|all-to-all|'
+                  r'collective-permute)(-start)?\(', line)
+    if not m:
+      continue
+    total = 0
+    for dt, dims in re.findall(r'(\w+)\[([\d,]*)\]', m.group(1)):
+      n = 1
+      for d in filter(None, dims.split(',')):
+        n *= int(d)
+      total += n * sizes.get(dt, 4)
+    out[m.group(2)] = out.get(m.group(2), 0) + total
+  return out
+
+
 def one_run(a, run: str) -> dict:
   import jax
   import jax.numpy as jnp
@@ -58,6 +79,14 @@ def one_run(a, run: str) -> dict:
     checks['poet_vs_dense'] = float(jnp.linalg.norm(y - y_ref) / jnp.linalg.norm(y_ref))
     del dense
   opt = T.build_optimizer(cfg, model)
+  mesh = None
+  strategy = getattr(a, 'strategy', None)
+  if strategy and jax.device_count() > 1:
+    from poetx_jax import sharding
+    mesh = sharding.make_mesh(fsdp=jax.device_count() if strategy == 'fsdp' else 1)
+    sharding.shard_state(model, mesh, strategy)
+    sharding.shard_state(opt, mesh, strategy)
+    batches = [sharding.shard_batch(b, mesh) for b in batches]
   step = T.make_step(cfg)
   t0 = time.perf_counter()
   loss0 = float(step(model, opt, batches[0]))
@@ -67,6 +96,8 @@ def one_run(a, run: str) -> dict:
   tol = 2e-2 if a.dtype != 'float32' else 1e-4
   if not (abs(loss0 - math.log(a.vocab_size)) < 1.0 and checks.get('poet_vs_dense', 0) < tol):
     raise SystemExit(f'{run}: setup check failed: {checks}')
+  collectives = (collective_bytes(step.lower(model, opt, batches[1]).compile().as_text())
+                 if mesh is not None else {})
   for i in range(a.warmup):
     jax.block_until_ready(step(model, opt, batches[i % 2]))
   times = []
@@ -83,7 +114,9 @@ def one_run(a, run: str) -> dict:
           'tokens_per_s': a.batch_size * a.seq_len / med, 'compile_s': compile_s,
           'peak_gib': stats.get('peak_bytes_in_use', float('nan')) / 2 ** 30,
           'trainable': n_train, 'dense_params': mc.num_params(),
-          'optimizer_state_gib': opt_bytes / 2 ** 30, 'checks': checks}
+          'optimizer_state_gib': opt_bytes / 2 ** 30, 'checks': checks,
+          'devices': jax.device_count(), 'strategy': strategy,
+          'collective_bytes': collectives}
 
 
 def main(argv=None):

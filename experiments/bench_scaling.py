@@ -1,0 +1,101 @@
+"""Data-parallel scaling of POET-X against optax AdamW on one host.
+
+Each (run, device count) is a fresh process that sees the first N devices,
+splits a global batch of ``N * --per-device-batch`` sequences over them (weak
+scaling), checks the setup as bench_train.py does, and times the step. It also
+reads the compiled step's cross-device collectives (result bytes of every
+all-reduce / all-gather / reduce-scatter per step). Scaling efficiency is
+``tokens/s(N) / (N * tokens/s(1))``.
+
+    python3 experiments/bench_scaling.py --model 1b --devices 1,2
+    python3 experiments/bench_scaling.py --model 8b --runs poetx:dp,poetx:fsdp,adamw:fsdp
+    python3 experiments/bench_scaling.py --model tiny --seq-len 64 --cpu-devices --devices 1,8
+
+A run is ``optimizer:strategy`` (strategy dp or fsdp).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+
+def child(a):
+  import bench_train
+  opt, strategy = (a.single.split(':') + ['dp'])[:2]
+  import jax
+  a.batch_size = a.per_device_batch * jax.device_count()
+  a.strategy = strategy
+  return bench_train.one_run(a, opt)
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument('--model', default='1b')
+  p.add_argument('--model-overrides', default='')
+  p.add_argument('--runs', default='poetx:dp,adamw:dp')
+  p.add_argument('--devices', default='1,2')
+  p.add_argument('--seq-len', type=int, default=1024)
+  p.add_argument('--per-device-batch', type=int, default=4)
+  p.add_argument('--vocab-size', type=int, default=32000)
+  p.add_argument('--block-size', type=int, default=None)
+  p.add_argument('--merge-every', type=int, default=200)
+  p.add_argument('--dtype', default='auto')
+  p.add_argument('--lean-state', action='store_true')
+  p.add_argument('--warmup', type=int, default=3)
+  p.add_argument('--steps', type=int, default=10)
+  p.add_argument('--cpu-devices', action='store_true',
+                 help='fake N CPU devices (a smoke test of the script)')
+  p.add_argument('--json', default=None)
+  p.add_argument('--single', default=None, help=argparse.SUPPRESS)
+  a = p.parse_args(argv)
+  if a.single:
+    print(json.dumps(child(a)))
+    return
+  here = os.path.dirname(os.path.abspath(__file__))
+  results = []
+  for run in a.runs.split(','):
+    for n in map(int, a.devices.split(',')):
+      env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+          [here, os.environ.get('PYTHONPATH', '')]))
+      if a.cpu_devices:
+        env.update(XLA_FLAGS=f'--xla_force_host_platform_device_count={n}',
+                   JAX_PLATFORMS='cpu')
+      else:
+        env['CUDA_VISIBLE_DEVICES'] = ','.join(map(str, range(n)))
+      cmd = [sys.executable, __file__] + (argv or sys.argv[1:]) + ['--single', run]
+      proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+      if proc.returncode:
+        r = {'run': run, 'devices': n,
+             'error': ' | '.join((proc.stderr or proc.stdout).strip().splitlines()[-3:])}
+      else:
+        r = json.loads(proc.stdout.strip().splitlines()[-1])
+        r['run'] = run
+      results.append(r)
+      print(json.dumps(r), flush=True)
+  print(f'\n{a.model}, seq {a.seq_len}, {a.per_device_batch} sequences per device')
+  print(f'{"run":14s} {"devices":>7s} {"tokens/s":>10s} {"efficiency":>10s} '
+        f'{"peak GiB":>9s} {"collective MiB/step":>20s}')
+  base = {}
+  for r in results:
+    if 'error' in r:
+      print(f'{r["run"]:14s} {r["devices"]:7d} failed: {r["error"][:80]}')
+      continue
+    if r['devices'] == 1:
+      base[r['run']] = r['tokens_per_s']
+    eff = (r['tokens_per_s'] / (r['devices'] * base[r['run']])
+           if r['run'] in base else float('nan'))
+    r['efficiency'] = eff
+    mib = sum(r['collective_bytes'].values()) / 2 ** 20
+    print(f'{r["run"]:14s} {r["devices"]:7d} {r["tokens_per_s"]:10,.0f} {eff:10.3f} '
+          f'{r["peak_gib"]:9.2f} {mib:20.2f}')
+  if a.json:
+    with open(a.json, 'w') as f:
+      json.dump(results, f, indent=1)
+
+
+if __name__ == '__main__':
+  main()
