@@ -44,6 +44,7 @@ def main(argv=None):
   p.add_argument('--block-size', type=int, default=None)
   p.add_argument('--merge-every', type=int, default=200)
   p.add_argument('--dtype', default='auto')
+  p.add_argument('--param-dtype', default='float32', choices=('float32', 'bfloat16'))
   p.add_argument('--lean-state', action='store_true')
   p.add_argument('--warmup', type=int, default=3)
   p.add_argument('--steps', type=int, default=10)

@@ -62,7 +62,8 @@ def one_run(a, run: str) -> dict:
   cfg = T.TrainConfig(model=a.model, model_overrides=overrides, seq_len=a.seq_len,
                       batch_size=a.batch_size, steps=1000, optimizer=optimizer,
                       mode=mode, remat=remat, quantize=quant, lean_state=a.lean_state,
-                      dtype=a.dtype, block_size=a.block_size, merge_every=a.merge_every)
+                      dtype=a.dtype, block_size=a.block_size, merge_every=a.merge_every,
+                      param_dtype=getattr(a, 'param_dtype', 'float32'))
   cfg.validate()
   mc = T.model_config(cfg, a.vocab_size)
   model = T.build_model(cfg, mc)
@@ -130,6 +131,7 @@ def main(argv=None):
   p.add_argument('--block-size', type=int, default=None)
   p.add_argument('--merge-every', type=int, default=200)
   p.add_argument('--dtype', default='auto')
+  p.add_argument('--param-dtype', default='float32', choices=('float32', 'bfloat16'))
   p.add_argument('--lean-state', action='store_true')
   p.add_argument('--warmup', type=int, default=3)
   p.add_argument('--steps', type=int, default=10)

@@ -76,6 +76,8 @@ def _train_parser(sub):
                  help='POET-XQ: store the frozen base weights in int8 or int4')
   p.add_argument('--dtype', choices=('auto', 'float32', 'bfloat16'), default=d.dtype,
                  help='compute dtype; auto: bfloat16 on GPU, float32 elsewhere')
+  p.add_argument('--param-dtype', choices=('float32', 'bfloat16'), default=d.param_dtype,
+                 help='dtype of the weights (POET generators are always float32)')
   p.add_argument('--resume', action='store_true', help='continue from the newest '
                  'checkpoint in --out-dir')
   p.add_argument('--plot', default=None, metavar='PNG',

@@ -61,6 +61,7 @@ class TrainConfig:
   strategy: str = 'dp'                 # over all devices: dp (replicated) or fsdp
   fsdp: int = 1                        # size of the mesh's fsdp axis
   dtype: str = 'auto'                  # compute dtype: auto = bf16 on GPU, f32 on CPU
+  param_dtype: str = 'float32'         # weights (POET bases included); generators stay f32
   seed: int = 0
   val_fraction: float = 0.05
   eval_every: int = 100
@@ -85,6 +86,9 @@ class TrainConfig:
     if self.strategy not in sharding.STRATEGIES:
       raise ValueError(f'strategy must be one of {sharding.STRATEGIES}, '
                        f'got {self.strategy!r}')
+    if self.param_dtype not in ('float32', 'bfloat16'):
+      raise ValueError(f"param_dtype must be 'float32' or 'bfloat16', got "
+                       f"{self.param_dtype!r}")
     if self.dtype not in ('auto', 'float32', 'bfloat16'):
       raise ValueError(f"dtype must be 'auto', 'float32' or 'bfloat16', got {self.dtype!r}")
     for name in ('seq_len', 'batch_size', 'grad_accum', 'steps', 'merge_every',
@@ -118,7 +122,7 @@ def model_config(cfg: TrainConfig, vocab_size: int) -> llama.LlamaConfig:
 def build_model(cfg: TrainConfig, mc: llama.LlamaConfig):
   """The Llama (poetized for POET-X) as it is at step 0 of the run."""
   model = llama.init_model(mc, seed=cfg.seed, dtype=compute_dtype(cfg.dtype),
-                           remat=cfg.remat)
+                           param_dtype=jnp.dtype(cfg.param_dtype), remat=cfg.remat)
   if cfg.optimizer == 'poetx':
     block = cfg.block_size or mc.block_size
     model = poetx_jax.poetize(model, block_size=block, rngs=nnx.Rngs(cfg.seed + 1),

@@ -1,0 +1,129 @@
+"""Peak GPU memory and tokens/s of POET-X variants against AdamW, and the
+largest Llama each trains on one GPU.
+
+A thin driver over bench_train.py (one fresh process per run, so every peak is
+its own): a grid of models x sequence lengths x runs at batch 1, optionally
+under a memory cap (``--cap-gib 80`` sets XLA_PYTHON_CLIENT_MEM_FRACTION to
+compare with 80 GB H100 figures), then with ``--largest`` the biggest model of
+``--ladder`` that completes forward, backward, update and a merge for each run.
+Results go to a JSON file and a plot of peak memory against model size.
+
+    python3 experiments/bench_memory.py --models 3b,8b,13b --seqs 512,1024,2048
+    python3 experiments/bench_memory.py --models 8b --seqs 1024 --cap-gib 80
+    python3 experiments/bench_memory.py --largest --runs adamw,poetx:mem:block:int4
+    python3 experiments/bench_memory.py --models tiny --seqs 64 --vocab-size 512 --steps 2   # CPU smoke
+
+Runs are bench_train.py's ``optimizer[:mode[:remat[:quantize]]]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+# Larger shapes than the named configs, for the size record (vocab 32000).
+LADDER = {
+    '13b': {},
+    '20b': {'hidden': 6144, 'mlp': 16384, 'layers': 44, 'heads': 48, 'kv_heads': 8},
+    '30b': {'hidden': 6656, 'mlp': 17920, 'layers': 60, 'heads': 52, 'kv_heads': 4},
+    '70b': {'hidden': 8192, 'mlp': 28672, 'layers': 80, 'heads': 64, 'kv_heads': 8},
+}
+DEFAULT_RUNS = ('adamw,poetx,poetx:mem:block,poetx:mem:block:int8,'
+                'poetx:mem:block:int4')
+
+
+def run_one(a, model, overrides, seq, run, cap_gib):
+  here = os.path.dirname(os.path.abspath(__file__))
+  env = dict(os.environ)
+  if cap_gib:
+    env['XLA_PYTHON_CLIENT_MEM_FRACTION'] = f'{cap_gib / a.device_gib:.4f}'
+  base = model if model in ('tiny', '60m', '130m', '350m', '1b', '3b', '8b', '13b') else '13b'
+  cmd = [sys.executable, os.path.join(here, 'bench_train.py'), '--model', base,
+         '--model-overrides', json.dumps(overrides), '--seq-len', str(seq),
+         '--batch-size', '1', '--vocab-size', str(a.vocab_size), '--steps', str(a.steps),
+         '--warmup', str(a.warmup), '--merge-every', str(a.merge_every),
+         '--param-dtype', a.param_dtype, '--single', run]
+  if a.lean_state:
+    cmd.append('--lean-state')
+  proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+  if proc.returncode:
+    tail = (proc.stderr or proc.stdout).strip().splitlines()[-2:]
+    return {'run': run, 'model': model, 'seq_len': seq, 'cap_gib': cap_gib,
+            'error': ' | '.join(tail)[-300:]}
+  r = json.loads(proc.stdout.strip().splitlines()[-1])
+  r.update(model=model, cap_gib=cap_gib)
+  return r
+
+
+def plot(results, path):
+  import matplotlib
+  matplotlib.use('Agg')
+  import matplotlib.pyplot as plt
+  fig, ax = plt.subplots(figsize=(7, 4.5))
+  for run in sorted({r['run'] for r in results}):
+    pts = sorted((r['dense_params'] / 1e9, r['peak_gib']) for r in results
+                 if r['run'] == run and 'error' not in r)
+    if pts:
+      ax.plot(*zip(*pts), marker='o', label=run)
+  ax.set(xlabel='model parameters (billions)', ylabel='peak memory (GiB)',
+         title='peak memory vs model size (batch 1)')
+  ax.grid(alpha=0.3)
+  ax.legend()
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument('--models', default='3b,8b,13b')
+  p.add_argument('--seqs', default='1024')
+  p.add_argument('--runs', default=DEFAULT_RUNS)
+  p.add_argument('--cap-gib', type=float, default=None)
+  p.add_argument('--device-gib', type=float, default=139.8, help='memory of the GPU')
+  p.add_argument('--largest', action='store_true', help='climb --ladder at seq 1024')
+  p.add_argument('--ladder', default=','.join(LADDER))
+  p.add_argument('--vocab-size', type=int, default=32000)
+  p.add_argument('--param-dtype', default='bfloat16', choices=('float32', 'bfloat16'))
+  p.add_argument('--lean-state', action='store_true')
+  p.add_argument('--merge-every', type=int, default=2, help='small, so a merge runs')
+  p.add_argument('--warmup', type=int, default=2)
+  p.add_argument('--steps', type=int, default=3)
+  p.add_argument('--json', default='bench_memory.json')
+  p.add_argument('--plot', default='bench_memory.png')
+  a = p.parse_args(argv)
+  results = []
+  if a.largest:
+    for run in a.runs.split(','):
+      for name in a.ladder.split(','):
+        r = run_one(a, name, LADDER.get(name, {}), 1024, run, a.cap_gib)
+        results.append(r)
+        print(json.dumps(r), flush=True)
+        if 'error' in r:
+          break
+  else:
+    for model in a.models.split(','):
+      for seq in map(int, a.seqs.split(',')):
+        for run in a.runs.split(','):
+          r = run_one(a, model, {}, seq, run, a.cap_gib)
+          results.append(r)
+          print(json.dumps(r), flush=True)
+  print(f'\n{"model":6s} {"seq":>5s} {"run":26s} {"peak GiB":>9s} {"tokens/s":>9s}')
+  for r in results:
+    if 'error' in r:
+      print(f'{r["model"]:6s} {r["seq_len"]:5d} {r["run"]:26s} failed: {r["error"][-60:]}')
+    else:
+      print(f'{r["model"]:6s} {r["seq_len"]:5d} {r["run"]:26s} {r["peak_gib"]:9.2f} '
+            f'{r["tokens_per_s"]:9,.0f}')
+  with open(a.json, 'w') as f:
+    json.dump(results, f, indent=1)
+  try:
+    plot(results, a.plot)
+  except ImportError:
+    print('no plot: matplotlib is not installed')
+
+
+if __name__ == '__main__':
+  main()
