@@ -35,7 +35,7 @@ exactly block-orthogonal on the real coordinates, with padding that never mixes 
 The series runs in float32. For float32 activations (and for merges and
 ``effective_kernel``) its products use full float32 precision; for bf16/fp16
 activations they use the backend's default float32 matmul precision (TF32 on
-NVIDIA GPUs, ~1e-6 absolute error in G at ||Q|| ~ 0.1), because the blocks are
+NVIDIA GPUs: ~5e-4 relative error in the series terms), because the blocks are
 then rounded to bf16 (~4e-3 relative) before use anyway. The block products run
 in the activations' dtype with float32 accumulation, as ``nnx.Linear``'s GEMM does.
 """
