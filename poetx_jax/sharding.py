@@ -75,15 +75,33 @@ def batch_sharding(mesh: jax.sharding.Mesh) -> NamedSharding:
   return NamedSharding(mesh, P(AXES))
 
 
-def shard_batch(batch, mesh: jax.sharding.Mesh):
-  """Puts a host batch (dict of arrays, leading batch axis) on the mesh."""
-  n = mesh.size
+def shard_batch(local_batch, mesh: jax.sharding.Mesh):
+  """Assembles the global batch from each process's rows (dict of arrays).
+
+  On one host ``local_batch`` is the whole batch; on several, each process
+  passes its own rows (``local_rows`` of a global batch, or its own data
+  shard) and the global array spans them.
+  """
+  n = mesh.size // jax.process_count()  # devices of this process
   sharding = batch_sharding(mesh)
 
   def put(x):
     if x.shape[0] % n:
-      raise ValueError(f'batch size {x.shape[0]} is not divisible by the {n} devices '
-                       f'of the mesh')
-    return jax.device_put(x, sharding)
+      raise ValueError(f'a per-process batch of {x.shape[0]} rows is not divisible by '
+                       f'the {n} devices of this process')
+    return jax.make_array_from_process_local_data(sharding, np.asarray(x))
 
-  return jax.tree.map(put, batch)
+  return jax.tree.map(put, local_batch)
+
+
+def local_rows(batch):
+  """This process's contiguous share of the rows of a global host batch."""
+  pc, pi = jax.process_count(), jax.process_index()
+
+  def take(x):
+    if x.shape[0] % pc:
+      raise ValueError(f'batch of {x.shape[0]} rows is not divisible by {pc} processes')
+    n = x.shape[0] // pc
+    return x[pi * n:(pi + 1) * n]
+
+  return jax.tree.map(take, batch)

@@ -189,9 +189,10 @@ _eval_sum = nnx.jit(token_loss)
 
 
 def evaluate(model, batches, mesh=None) -> tuple[float, float]:
-  """(mean validation loss per token, perplexity) over ``batches``."""
+  """(mean validation loss per token, perplexity) over global host ``batches``."""
   total, count = 0.0, 0
   for b in batches:
+    b = b if mesh is None else sharding.local_rows(b)
     t, c = _eval_sum(model, place_batch(b, mesh))
     total, count = total + float(t), count + int(c)
   loss = total / max(count, 1)
@@ -206,7 +207,7 @@ def make_training_mesh(cfg: TrainConfig):
 
 
 def place_batch(batch, mesh):
-  """Host batch -> device arrays (split over the mesh when there is one)."""
+  """This process's batch -> device arrays (the global batch over the mesh)."""
   if mesh is None:
     return jax.tree.map(jnp.asarray, batch)
   return sharding.shard_batch(batch, mesh)
@@ -345,8 +346,12 @@ def train(cfg: TrainConfig, *, resume: bool = False, log=print,
       f'{mc.num_params():,} in the dense model), optimizer {cfg.optimizer}, '
       f'dtype {jnp.dtype(compute_dtype(cfg.dtype)).name}')
 
-  train_ds = data_lib.train_dataset(data.train_windows, batch_size=cfg.batch_size,
-                                    seed=cfg.seed)
+  # Each process reads its own share of the windows and feeds its own rows.
+  pc, pi = jax.process_count(), jax.process_index()
+  if cfg.batch_size % pc:
+    raise ValueError(f'batch_size={cfg.batch_size} must be divisible by the {pc} processes')
+  train_ds = data_lib.train_dataset(data.train_windows[pi::pc],
+                                    batch_size=cfg.batch_size // pc, seed=cfg.seed)
   it = iter(train_ds)
   val = data_lib.eval_batches(data.val_windows, batch_size=cfg.batch_size)[:cfg.eval_batches]
   ckpt = Checkpointer(out / 'checkpoints', max_to_keep=cfg.keep)
