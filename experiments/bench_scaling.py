@@ -22,9 +22,11 @@ import os
 import subprocess
 import sys
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_train  # noqa: E402
+
 
 def child(a):
-  import bench_train
   opt, strategy = (a.single.split(':') + ['dp'])[:2]
   import jax
   a.batch_size = a.per_device_batch * jax.device_count()
@@ -34,24 +36,12 @@ def child(a):
 
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  p.add_argument('--model', default='1b')
-  p.add_argument('--model-overrides', default='')
+  bench_train.add_run_args(p)
   p.add_argument('--runs', default='poetx:dp,adamw:dp')
   p.add_argument('--devices', default='1,2')
-  p.add_argument('--seq-len', type=int, default=1024)
   p.add_argument('--per-device-batch', type=int, default=4)
-  p.add_argument('--vocab-size', type=int, default=32000)
-  p.add_argument('--block-size', type=int, default=None)
-  p.add_argument('--merge-every', type=int, default=200)
-  p.add_argument('--dtype', default='auto')
-  p.add_argument('--param-dtype', default='float32', choices=('float32', 'bfloat16'))
-  p.add_argument('--lean-state', action='store_true')
-  p.add_argument('--warmup', type=int, default=3)
-  p.add_argument('--steps', type=int, default=10)
   p.add_argument('--cpu-devices', action='store_true',
                  help='fake N CPU devices (a smoke test of the script)')
-  p.add_argument('--json', default=None)
-  p.add_argument('--single', default=None, help=argparse.SUPPRESS)
   a = p.parse_args(argv)
   if a.single:
     print(json.dumps(child(a)))

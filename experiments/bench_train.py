@@ -120,13 +120,11 @@ def one_run(a, run: str) -> dict:
           'collective_bytes': collectives}
 
 
-def main(argv=None):
-  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_run_args(p: argparse.ArgumentParser) -> None:
+  """Arguments shared with bench_scaling.py: the model and how a run trains."""
   p.add_argument('--model', default='1b')
   p.add_argument('--model-overrides', default='', help='JSON dict of config fields')
-  p.add_argument('--runs', default='poetx,adamw')
   p.add_argument('--seq-len', type=int, default=1024)
-  p.add_argument('--batch-size', type=int, default=8)
   p.add_argument('--vocab-size', type=int, default=32000)
   p.add_argument('--block-size', type=int, default=None)
   p.add_argument('--merge-every', type=int, default=200)
@@ -137,6 +135,13 @@ def main(argv=None):
   p.add_argument('--steps', type=int, default=10)
   p.add_argument('--json', default=None)
   p.add_argument('--single', default=None, help=argparse.SUPPRESS)
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  add_run_args(p)
+  p.add_argument('--runs', default='poetx,adamw')
+  p.add_argument('--batch-size', type=int, default=8)
   a = p.parse_args(argv)
   if a.single:  # child process: one run, JSON on the last line
     print(json.dumps(one_run(a, a.single)))
