@@ -117,8 +117,9 @@ class POETLinear(nnx.Module):
     self.quantize = quantize
     self.group_size = group_size
     self.param_dtype = param_dtype
-    self.kernel_scale = nnx.data(None)
-    self._set_base(ops.permute_kernel(kernel, perm_in, perm_out))
+    base, scale = self._encode_base(ops.permute_kernel(kernel, perm_in, perm_out))
+    self.kernel = BaseKernel(base)
+    self.kernel_scale = BaseKernel(scale) if scale is not None else nnx.data(None)
     self.bias = (nnx.Param(bias_init(rngs.params(), (out_features,), param_dtype))
                  if use_bias else nnx.data(None))
     p = ops.skew_size(block_size)
@@ -164,15 +165,11 @@ class POETLinear(nnx.Module):
     return cls(kernel.shape[0], kernel.shape[1], block_size=block_size,
                kernel_init=lambda *_: kernel, rngs=rngs, **opts)
 
-  def _set_base(self, kernel_IxO: Array) -> None:
-    """Stores the permuted base (quantised for POET-XQ)."""
+  def _encode_base(self, kernel_IxO: Array) -> tuple[Array, Array | None]:
+    """The stored form of a permuted base: (kernel, None), or (q, scales) for POET-XQ."""
     if self.quantize is None:
-      self.kernel = BaseKernel(kernel_IxO.astype(self.param_dtype))
-    else:
-      q, scale = ops.quantize_kernel(kernel_IxO, bits=self.quantize,
-                                     group_size=self.group_size)
-      self.kernel = BaseKernel(q)
-      self.kernel_scale = BaseKernel(scale)
+      return kernel_IxO.astype(self.param_dtype), None
+    return ops.quantize_kernel(kernel_IxO, bits=self.quantize, group_size=self.group_size)
 
   def base_kernel(self) -> Array:
     """The permuted base ``W0'^T`` (I, O), dequantised for POET-XQ."""
@@ -206,12 +203,9 @@ class POETLinear(nnx.Module):
     merged = self.effective_kernel()
     perm_in = ops.random_permutation(k_in, self.in_features)
     perm_out = ops.random_permutation(k_out, self.out_features)
-    base = ops.permute_kernel(merged, perm_in, perm_out)
-    if self.quantize is None:
-      self.kernel[...] = base.astype(self.kernel.dtype)
-    else:
-      q, scale = ops.quantize_kernel(base, bits=self.quantize, group_size=self.group_size)
-      self.kernel[...] = q
+    base, scale = self._encode_base(ops.permute_kernel(merged, perm_in, perm_out))
+    self.kernel[...] = base
+    if scale is not None:
       self.kernel_scale[...] = scale
     self.perm_in[...] = perm_in
     self.perm_out[...] = perm_out

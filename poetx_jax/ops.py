@@ -173,11 +173,15 @@ def rotation_blocks(q_KxP: Array, n: int, block_size: int,
 
   Applies the ragged-block mask when ``block_size`` does not divide ``n``.
   """
+  return cayley_neumann(unpack_skew(_masked(q_KxP, n, block_size), block_size),
+                        terms, precision)
+
+
+def _masked(q_KxP: Array, n: int, block_size: int) -> Array:
+  """float32 generators of one side, the ragged last block confined to its corner."""
   mask = ragged_mask(n, block_size)
   q = q_KxP.astype(jnp.float32)
-  if mask is not None:
-    q = q * mask
-  return cayley_neumann(unpack_skew(q, block_size), terms, precision)
+  return q if mask is None else q * mask
 
 
 def rotation_blocks_pair(q_in_KxP: Array, q_out_KxP: Array, i: int, o: int,
@@ -187,12 +191,8 @@ def rotation_blocks_pair(q_in_KxP: Array, q_out_KxP: Array, i: int, o: int,
 
   Same values as two ``rotation_blocks`` calls, in half the (small) kernels.
   """
-  qs = []
-  for q, n in ((q_in_KxP, i), (q_out_KxP, o)):
-    mask = ragged_mask(n, block_size)
-    q = q.astype(jnp.float32)
-    qs.append(q if mask is None else q * mask)
-  g = cayley_neumann(unpack_skew(jnp.concatenate(qs), block_size), terms, precision)
+  q = jnp.concatenate([_masked(q_in_KxP, i, block_size), _masked(q_out_KxP, o, block_size)])
+  g = cayley_neumann(unpack_skew(q, block_size), terms, precision)
   return g[:q_in_KxP.shape[0]], g[q_in_KxP.shape[0]:]
 
 
@@ -326,8 +326,8 @@ def effective_kernel(kernel_IxO: Array, q_in_KxP: Array, q_out_KxP: Array,
   """
   i, o = kernel_IxO.shape
   hi = jax.lax.Precision.HIGHEST
-  g_in_t = jnp.swapaxes(rotation_blocks(q_in_KxP, i, block_size, terms), -1, -2)
-  g_out = rotation_blocks(q_out_KxP, o, block_size, terms)
+  g_in, g_out = rotation_blocks_pair(q_in_KxP, q_out_KxP, i, o, block_size, terms)
+  g_in_t = jnp.swapaxes(g_in, -1, -2)
   a = kernel_IxO.astype(jnp.float32)
   a = rotate_features(a, g_out, precision=hi)                   # kernel G_R^T
   a = rotate_features(a.T, g_in_t, precision=hi).T              # G_P^T (...)

@@ -376,7 +376,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, log=print,
     ckpt.save(step, model, optimizer, data_state=it.get_state(), meta=meta)
 
   progress = _Progress(total_updates, cfg.log_every)
-  start_step, t0, t_last, last_val = step, time.perf_counter(), None, None
+  start_step, t0, last_val = step, time.perf_counter(), None
   stopped = None
   with _StopFlag() as stop:
     while step < total_updates:
