@@ -76,28 +76,30 @@ class Checkpointer:
                             f'{self.directory}: {e}') from e
     return step, out['meta']
 
-  def restore(self, model, optimizer, step: int | None = None) -> tuple[int, dict, dict]:
-    """Restores ``model`` and ``optimizer`` in place.
+  def restore(self, model, optimizer=None,
+              step: int | None = None) -> tuple[int, dict, dict]:
+    """Restores ``model`` (and ``optimizer``, unless None) in place.
 
     They must have the structure of the saved ones (build them from the same
-    configuration first). Returns ``(step, data_state, meta)``.
+    configuration first); arrays land with their shardings. Without an
+    optimizer its state is not read at all (evaluation, export). Returns
+    ``(step, data_state, meta)``.
     """
     step = self._resolve(step)
-    target_m, target_o = _pure(model), _pure(optimizer)
+    nodes = {'model': model} if optimizer is None else {'model': model, 'opt': optimizer}
+    targets = {k: _pure(v) for k, v in nodes.items()}
     try:
       out = self._mgr.restore(step, args=ocp.args.Composite(
-          model=ocp.args.StandardRestore(_abstract(target_m)),
-          opt=ocp.args.StandardRestore(_abstract(target_o)),
-          data=ocp.args.JsonRestore(), meta=ocp.args.JsonRestore()))
+          data=ocp.args.JsonRestore(), meta=ocp.args.JsonRestore(),
+          **{k: ocp.args.StandardRestore(_abstract(t)) for k, t in targets.items()}))
     except Exception as e:
+      sizes = ', '.join(f'{len(jax.tree.leaves(t))} {k} arrays' for k, t in targets.items())
       raise CheckpointError(
-          f'checkpoint step {step} in {self.directory} does not fit this model and '
-          f'optimizer (expected {len(jax.tree.leaves(target_m))} model arrays and '
-          f'{len(jax.tree.leaves(target_o))} optimizer arrays with the shapes of '
-          f'the current configuration): {e}') from e
-    for node, pure in ((model, out['model']), (optimizer, out['opt'])):
+          f'checkpoint step {step} in {self.directory} does not fit this model '
+          f'(expected {sizes} with the shapes of the current configuration): {e}') from e
+    for k, node in nodes.items():
       state = nnx.state(node)
-      nnx.replace_by_pure_dict(state, pure)
+      nnx.replace_by_pure_dict(state, out[k])
       nnx.update(node, state)
     return step, out['data'], out['meta']
 

@@ -370,14 +370,12 @@ def pack(tokens: np.ndarray, seq_len: int) -> np.ndarray:
   return padded[idx]
 
 
-def split(tokens: np.ndarray, *, val_fraction: float, seq_len: int,
-          seed: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+def split(tokens: np.ndarray, *, val_fraction: float,
+          seq_len: int) -> tuple[np.ndarray, np.ndarray]:
   """Splits a token stream into ``(train, val)``: val is its last
-  ``val_fraction``, at least one window (``seq_len + 1`` tokens).
-
-  Deterministic: nothing is shuffled; ``seed`` is accepted and unused.
+  ``val_fraction``, at least one window (``seq_len + 1`` tokens). Nothing is
+  shuffled here; :func:`train_dataset` shuffles the training windows.
   """
-  del seed
   if not 0.0 < val_fraction < 1.0:
     raise ValueError(f'val_fraction must be in (0, 1), got {val_fraction!r}')
   if not isinstance(seq_len, (int, np.integer)) or seq_len < 1:
@@ -497,13 +495,15 @@ class TextData:
     tokenizer: the :class:`Tokenizer`.
     train_windows, val_windows: (N, seq_len + 1) int32, from :func:`pack`.
     num_tokens: tokens in the whole corpus, eos included.
-    seq_len, seed: as given.
+    seq_len: as given.
     description: a line on the corpus, tokenizer and sizes.
+
+  Batches come from :func:`train_dataset` and :func:`eval_batches` of the windows.
   """
 
   def __init__(self, docs: tp.Sequence[str] | None = None, *, seq_len: int,
                cache_dir: PathLike, tokenizer_path: PathLike | None = None,
-               vocab_size: int = 4096, val_fraction: float = 0.05, seed: int = 0):
+               vocab_size: int = 4096, val_fraction: float = 0.05):
     if docs is None:
       docs, desc = default_corpus()
     else:
@@ -515,7 +515,7 @@ class TextData:
     train, val = split(tokens, val_fraction=val_fraction, seq_len=seq_len)
     self.train_windows, self.val_windows = pack(train, seq_len), pack(val, seq_len)
     self.num_tokens = int(len(tokens))
-    self.seq_len, self.seed = seq_len, seed
+    self.seq_len = seq_len
     self.description = (
         f'{desc}; tokenizer {self.tokenizer.path.name} (vocab {self.tokenizer.vocab_size});'
         f' {self.num_tokens:,} tokens -> {len(self.train_windows)} train +'
@@ -523,14 +523,3 @@ class TextData:
 
   def __repr__(self) -> str:
     return f'TextData({self.description})'
-
-  def train_dataset(self, batch_size: int, **kw) -> grain.IterDataset:
-    """:func:`train_dataset` of the train windows with this data's seed."""
-    return train_dataset(self.train_windows, batch_size=batch_size, seed=self.seed, **kw)
-
-  def eval_batches(self, batch_size: int) -> list[dict[str, np.ndarray]]:
-    """:func:`eval_batches` of the validation windows."""
-    return eval_batches(self.val_windows, batch_size=batch_size)
-
-
-build_data = TextData

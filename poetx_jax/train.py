@@ -292,7 +292,6 @@ def load_data(cfg: TrainConfig) -> data_lib.TextData:
   docs = data_lib.read_documents(cfg.data) if cfg.data else None
   return data_lib.TextData(docs, tokenizer_path=cfg.tokenizer, vocab_size=cfg.vocab_size,
                            seq_len=cfg.seq_len, val_fraction=cfg.val_fraction,
-                           seed=cfg.seed,
                            cache_dir=pathlib.Path(cfg.cache_dir).expanduser())
 
 
@@ -423,7 +422,10 @@ def train(cfg: TrainConfig, *, resume: bool = False, log=print,
 
 
 def load_run(out_dir: str | pathlib.Path, *, step: int | None = None):
-  """(cfg, data, model, step) of a run directory, at its newest (or given) checkpoint."""
+  """(cfg, data, model, step) of a run directory, at its newest (or given) checkpoint.
+
+  Only the model is restored: no optimizer state is built or read.
+  """
   out = pathlib.Path(out_dir)
   run_file = out / 'run.json'
   if not run_file.exists():
@@ -436,6 +438,5 @@ def load_run(out_dir: str | pathlib.Path, *, step: int | None = None):
   cfg = TrainConfig(**saved)
   data = load_data(cfg)
   model = build_model(cfg, model_config(cfg, data.tokenizer.vocab_size))
-  optimizer = build_optimizer(cfg, model)
-  step, _, _ = Checkpointer(out / 'checkpoints').restore(model, optimizer, step)
+  step, _, _ = Checkpointer(out / 'checkpoints').restore(model, step=step)
   return cfg, data, model, step

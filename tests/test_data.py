@@ -262,7 +262,7 @@ def test_pack_edge_cases():
 
 def test_split():
   tokens = np.arange(1000, dtype=np.int32)
-  train, val = data.split(tokens, val_fraction=0.1, seq_len=16, seed=0)
+  train, val = data.split(tokens, val_fraction=0.1, seq_len=16)
   assert len(val) == 100 and np.array_equal(np.concatenate([train, val]), tokens)
   assert np.array_equal(val, tokens[-100:])
   train, val = data.split(tokens, val_fraction=0.001, seq_len=16)
@@ -367,10 +367,10 @@ def test_eval_batches(windows, batch_size):
 # ----------------------------------------------------------------------------- all of it
 
 
-def test_build_data(tmp_path, corpus, monkeypatch):
+def test_text_data(tmp_path, corpus, monkeypatch):
   docs = corpus[:12]
-  d = data.TextData(docs, seq_len=32, vocab_size=400, val_fraction=0.1, seed=3,
-                      cache_dir=tmp_path)
+  d = data.TextData(docs, seq_len=32, vocab_size=400, val_fraction=0.1,
+                    cache_dir=tmp_path)
   assert d.tokenizer.vocab_size == 400
   assert d.train_windows.shape[1] == d.val_windows.shape[1] == 33
   n_train = d.num_tokens - max(-(-d.num_tokens // 10), 33)
@@ -379,14 +379,14 @@ def test_build_data(tmp_path, corpus, monkeypatch):
   np.testing.assert_array_equal(stream[stream >= 0],
                                 data.tokenize_corpus(docs, d.tokenizer))
   assert f'{d.num_tokens:,} tokens' in d.description and '12 documents' in d.description
-  batch = next(iter(d.train_dataset(8)))
+  batch = next(iter(data.train_dataset(d.train_windows, batch_size=8, seed=3)))
   assert batch['inputs'].shape == (8, 32)
-  assert d.eval_batches(8)[0]['targets'].shape == (8, 32)
+  assert data.eval_batches(d.val_windows, batch_size=8)[0]['targets'].shape == (8, 32)
 
   monkeypatch.setattr(data.Tokenizer, 'train_bpe', None)  # second build: all cached
-  again = data.build_data(docs, seq_len=32, vocab_size=400, val_fraction=0.1, seed=3,
-                          cache_dir=tmp_path)
+  again = data.TextData(docs, seq_len=32, vocab_size=400, val_fraction=0.1,
+                        cache_dir=tmp_path)
   np.testing.assert_array_equal(again.train_windows, d.train_windows)
-  with_path = data.build_data(docs, seq_len=32, tokenizer_path=d.tokenizer.path,
-                              cache_dir=tmp_path)
+  with_path = data.TextData(docs, seq_len=32, tokenizer_path=d.tokenizer.path,
+                            cache_dir=tmp_path)
   assert with_path.num_tokens == d.num_tokens
