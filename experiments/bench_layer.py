@@ -6,6 +6,9 @@ For each shape (I x O) and block size B, bf16 activations of T tokens:
   dense (W frozen)    grads for x only
   poetx xla fast      POETLinear's XLA path (poetx_jax.ops.poet_linear)
   poetx xla mem       the same with remat (POET-Xmem)
+  poetx weight fast   form='weight': rotate and permute the frozen kernel, then
+                      one GEMM (a dense layer's backward, weight-sized rotations)
+  poetx weight mem    the same with remat
   poetx no-perm       the same without the two permutation gathers (a different
                       function: its output is not checked, it prices the gathers)
   poetx f32-acc       block products emitting float32, cast back to bf16
@@ -20,6 +23,7 @@ float32) before it is timed. Times are medians of device-synchronised runs.
 
     python3 experiments/bench_layer.py                    # 3 Llama-8B shapes, B in 128/256/512
     python3 experiments/bench_layer.py --shapes 4096x4096 --blocks 256
+    python3 experiments/bench_layer.py --blocks 256 --only 'xla fast,weight'
 """
 
 from __future__ import annotations
@@ -89,7 +93,7 @@ def poet_variant(x, kernel, q_in, q_out, perm_in, perm_out, *, b, perm=True,
   return ops.permute(z, ops.invert_permutation(perm_out)) if perm else z
 
 
-def bench_shape(i, o, b, t, iters, key):
+def bench_shape(i, o, b, t, iters, key, only=()):
   ks = jax.random.split(key, 7)
   dt = jnp.bfloat16
   x = jax.random.normal(ks[0], (t, i), dt)
@@ -116,11 +120,12 @@ def bench_shape(i, o, b, t, iters, key):
   dense_tr = fwd_bwd(lambda x, w2, w, p_in, p_out: x @ w2, 2)
   dense_fr = fwd_bwd(lambda x, w, p_in, p_out: x @ w, 1)
 
-  def layer(remat, **kw):
+  def layer(remat, form='input', **kw):
     def f(x, qi, qo, w, p_in, p_out):
       if kw:
         return poet_variant(x, w, qi, qo, p_in, p_out, b=b, **kw)
-      return ops.poet_linear(x, w, qi, qo, p_in, p_out, block_size=b, remat=remat)
+      return ops.poet_linear(x, w, qi, qo, p_in, p_out, block_size=b, remat=remat,
+                             form=form)
     return fwd_bwd(f, 3)
 
   variants = {
@@ -128,10 +133,15 @@ def bench_shape(i, o, b, t, iters, key):
       'dense (W frozen)': (dense_fr, (x,)),
       'poetx xla fast': (layer(False), (x, q_in, q_out)),
       'poetx xla mem': (layer(True), (x, q_in, q_out)),
+      'poetx weight fast': (layer(False, 'weight'), (x, q_in, q_out)),
+      'poetx weight mem': (layer(True, 'weight'), (x, q_in, q_out)),
       'poetx no-perm': (layer(False, perm=False), (x, q_in, q_out)),
       'poetx f32-acc': (layer(False, rot='f32'), (x, q_in, q_out)),
       'poetx grouped-conv': (layer(False, rot='conv'), (x, q_in, q_out)),
   }
+  if only:
+    variants = {k: v for k, v in variants.items()
+                if k.startswith('dense') or any(s in k for s in only)}
   kb_in, kb_out = ops.num_blocks(i, b), ops.num_blocks(o, b)
   ct_g = (jax.random.normal(ks[1], (kb_in, b, b), dt),
           jax.random.normal(ks[2], (kb_out, b, b), dt))
@@ -164,6 +174,8 @@ def bench_shape(i, o, b, t, iters, key):
   rows = {}
   for name, (fn, args) in variants.items():
     rows[name] = timeit(fn, *args, *consts, iters=iters)
+  if only and not any('cayley' in s for s in only):
+    return rows, checks
   for name, prec in (('default', jax.lax.Precision.DEFAULT),
                      ('highest', jax.lax.Precision.HIGHEST)):
     rows[f'cayley-neumann, {name} (both sides)'] = timeit(
@@ -183,6 +195,9 @@ def main(argv=None):
   p.add_argument('--tokens', type=int, default=8 * 2048)
   p.add_argument('--iters', type=int, default=20)
   p.add_argument('--json', default=None, help='write all figures here')
+  p.add_argument('--only', default='',
+                 help='comma-separated name parts: time only the POET rows that '
+                      'contain one (the dense rows always run), e.g. "xla fast,weight"')
   a = p.parse_args(argv)
   print(f'device: {jax.devices()[0].device_kind}, jax {jax.__version__}, '
         f'T={a.tokens}, bf16', flush=True)
@@ -190,7 +205,8 @@ def main(argv=None):
   for shape in a.shapes.split(','):
     i, o = map(int, shape.split('x'))
     for b in map(int, a.blocks.split(',')):
-      rows, checks = bench_shape(i, o, b, a.tokens, a.iters, jax.random.key(i + o + b))
+      rows, checks = bench_shape(i, o, b, a.tokens, a.iters, jax.random.key(i + o + b),
+                                 tuple(filter(None, a.only.split(','))))
       base = rows['dense (W trained)'][0]
       print(f'\n{i}x{o}  B={b}   (relative errors: ' +
             ', '.join(f"{k}: y {v['y']:.1e}" for k, v in checks.items()) + ')')

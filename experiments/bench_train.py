@@ -11,7 +11,8 @@ reads the device's peak memory. One table at the end; ``--json`` keeps it all.
         --runs poetx:mem:block,adamw --lean-state
     python3 experiments/bench_train.py --model tiny --seq-len 64 --steps 3   # CPU smoke test
 
-A run is ``optimizer[:mode[:remat[:quantize]]]``, e.g. ``poetx:mem:block:int8``.
+A run is ``optimizer[:mode[:remat[:quantize[:form]]]]``, e.g. ``poetx:mem:block:int8``
+or ``poetx:fast:none::weight`` (an empty field keeps its default).
 """
 
 from __future__ import annotations
@@ -56,12 +57,13 @@ def one_run(a, run: str) -> dict:
   from poetx_jax import train as T
   from poetx_jax.models import llama
 
-  parts = run.split(':') + [None] * 3
-  optimizer, mode, remat, quant = parts[0], parts[1] or 'fast', parts[2] or 'none', parts[3]
+  parts = run.split(':') + [None] * 4
+  optimizer, mode, remat = parts[0], parts[1] or 'fast', parts[2] or 'none'
+  quant, form = parts[3] or None, parts[4] or 'input'
   overrides = json.loads(a.model_overrides) if a.model_overrides else {}
   cfg = T.TrainConfig(model=a.model, model_overrides=overrides, seq_len=a.seq_len,
                       batch_size=a.batch_size, steps=1000, optimizer=optimizer,
-                      mode=mode, remat=remat, quantize=quant, lean_state=a.lean_state,
+                      mode=mode, form=form, remat=remat, quantize=quant, lean_state=a.lean_state,
                       dtype=a.dtype, block_size=a.block_size, merge_every=a.merge_every,
                       param_dtype=getattr(a, 'param_dtype', 'float32'))
   cfg.validate()
@@ -73,12 +75,6 @@ def one_run(a, run: str) -> dict:
               'targets': jnp.asarray(rng.integers(0, a.vocab_size, (a.batch_size, a.seq_len)),
                                      jnp.int32)} for _ in range(2)]
   checks = {}
-  if optimizer == 'poetx':  # Q = 0: the POET model computes the dense model
-    dense = poetx_jax.unpoetize(model)
-    probe = batches[0]['inputs'][:1, :min(a.seq_len, 128)]
-    y, y_ref = model(probe), dense(probe)
-    checks['poet_vs_dense'] = float(jnp.linalg.norm(y - y_ref) / jnp.linalg.norm(y_ref))
-    del dense
   opt = T.build_optimizer(cfg, model)
   mesh = None
   strategy = getattr(a, 'strategy', None)
@@ -94,8 +90,7 @@ def one_run(a, run: str) -> dict:
   compile_s = time.perf_counter() - t0
   checks['first_loss'] = loss0
   checks['log_vocab'] = math.log(a.vocab_size)
-  tol = 2e-2 if a.dtype != 'float32' else 1e-4
-  if not (abs(loss0 - math.log(a.vocab_size)) < 1.0 and checks.get('poet_vs_dense', 0) < tol):
+  if not abs(loss0 - math.log(a.vocab_size)) < 1.0:
     raise SystemExit(f'{run}: setup check failed: {checks}')
   collectives = (collective_bytes(step.lower(model, opt, batches[1]).compile().as_text())
                  if mesh is not None else {})
@@ -108,6 +103,15 @@ def one_run(a, run: str) -> dict:
     times.append(time.perf_counter() - t)
   med = statistics.median(times)
   stats = jax.local_devices()[0].memory_stats() or {}
+  if optimizer == 'poetx':
+    # After the peak is read (the dense copy would count): the POET model, its
+    # generators trained and merged a few times, computes its exported model.
+    probe = batches[0]['inputs'][:1, :min(a.seq_len, 128)]
+    y_ref = poetx_jax.unpoetize(model)(probe)
+    y = model(probe)
+    checks['poet_vs_dense'] = float(jnp.linalg.norm(y - y_ref) / jnp.linalg.norm(y_ref))
+    if not checks['poet_vs_dense'] < (2e-2 if a.dtype != 'float32' else 1e-4):
+      raise SystemExit(f'{run}: POET model and its export disagree: {checks}')
   n_train = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
   opt_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(opt)))
   return {'run': run, 'model': a.model, 'seq_len': a.seq_len, 'batch': a.batch_size,

@@ -61,6 +61,9 @@ def _train_parser(sub):
   p.add_argument('--optimizer', choices=('poetx', 'adamw'), default=d.optimizer)
   p.add_argument('--mode', choices=('fast', 'mem'), default=d.mode,
                  help='POET-X fast (keeps activations) or mem (recomputes)')
+  p.add_argument('--form', choices=('input', 'weight'), default=d.form,
+                 help='POET layer product order: rotate the activations (input) or '
+                      'the frozen weight (weight); same function')
   p.add_argument('--remat', choices=('none', 'block', 'attn'), default=d.remat,
                  help='rematerialise each decoder layer: keep only its input (block), '
                       'or its input and attention output (attn)')

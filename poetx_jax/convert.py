@@ -18,7 +18,7 @@ def _path_str(path) -> str:
 
 def poetize(model, *, block_size: int, rngs: nnx.Rngs,
             exclude: tp.Sequence[str] = ('lm_head',), normalize_rows: bool = False,
-            **layer_kwargs):
+            consume: bool = False, **layer_kwargs):
   """Returns a copy of ``model`` with every ``nnx.Linear`` made a ``POETLinear``.
 
   Each replacement keeps the state path of the layer it replaces and starts
@@ -33,10 +33,14 @@ def poetize(model, *, block_size: int, rngs: nnx.Rngs,
       stays an ``nnx.Linear``. Default: ``('lm_head',)``.
     normalize_rows: scale each output row of each W0 to unit norm (the
       published POET-X default on conversion).
+    consume: free each converted layer's kernel (``jax.Array.delete``) as soon
+      as its POETLinear holds the permuted copy, so converting needs one
+      layer's memory beyond the model instead of a second model. The input
+      model is unusable afterwards. Default False.
     **layer_kwargs: passed to :class:`POETLinear` (``terms``, ``mode``, ...).
 
   Returns:
-    The converted model (the input is left unchanged).
+    The converted model (the input is left unchanged unless ``consume``).
 
   Example::
 
@@ -58,11 +62,16 @@ def poetize(model, *, block_size: int, rngs: nnx.Rngs,
     if any(e in name for e in exclude):
       return node
     try:
-      return POETLinear.from_linear(node, block_size=block_size, rngs=rngs,
-                                    normalize_rows=normalize_rows, **layer_kwargs)
+      layer = POETLinear.from_linear(node, block_size=block_size, rngs=rngs,
+                                     normalize_rows=normalize_rows, **layer_kwargs)
     except ValueError as e:
       raise ValueError(f'cannot poetize layer {name!r} '
                        f'(kernel {node.kernel.shape}): {e}') from e
+    if consume:
+      old = node.kernel[...]
+      if all(old is not x for x in jax.tree.leaves(nnx.state(layer))):
+        old.delete()
+    return layer
 
   return nnx.recursive_map(convert, model)
 

@@ -39,9 +39,10 @@ class POETLinear(nnx.Module):
   ``Phi G Phi^T``: ``G`` block-diagonal with B x B blocks from the truncated
   Cayley–Neumann series of skew-symmetric generators (``q_in`` for P, ``q_out``
   for R; zeros at start, so the layer starts equal to its base), ``Phi`` a random
-  permutation redrawn at every :meth:`merge`. The forward is input-centric
-  (permute, rotate blocks, frozen GEMM, rotate blocks, permute); ``R W0 P`` is
-  never formed. The singular values of the effective weight are those of W0, up
+  permutation redrawn at every :meth:`merge`. By default the forward is
+  input-centric (permute, rotate blocks, frozen GEMM, rotate blocks, permute)
+  and ``R W0 P`` is never formed; ``form='weight'`` forms it from block
+  products instead. The singular values of the effective weight are those of W0, up
   to the series' orthogonality error.
 
   It is a drop-in for ``nnx.Linear``: same positional sizes, keyword options and
@@ -64,6 +65,11 @@ class POETLinear(nnx.Module):
     terms: number of Cayley–Neumann powers (default 4).
     mode: ``'fast'`` keeps the activations the backward needs; ``'mem'``
       (POET-Xmem) keeps only the layer input and recomputes the rest.
+    form: the order of the product (same function): ``'input'`` rotates and
+      permutes the activations (no weight-gradient GEMM in the backward);
+      ``'weight'`` rotates and permutes the frozen kernel and runs one dense
+      GEMM (a dense layer's backward, but no activation-sized rotations or
+      gathers). See :func:`poetx_jax.ops.poet_linear`.
     quantize: POET-XQ: store W0 as ``'int8'`` or ``'int4'`` with one float32
       scale per ``group_size`` input rows of each output column (symmetric),
       dequantised on the fly and re-quantised at every merge. None keeps W0
@@ -86,6 +92,7 @@ class POETLinear(nnx.Module):
       block_size: int = 256,
       terms: int = ops.DEFAULT_TERMS,
       mode: str = 'fast',
+      form: str = 'input',
       quantize: str | None = None,
       group_size: int = 128,
       use_bias: bool = True,
@@ -102,6 +109,8 @@ class POETLinear(nnx.Module):
     ops.check_block_size(block_size, in_features, out_features)
     if mode not in MODES:
       raise ValueError(f'mode must be one of {MODES}, got {mode!r}')
+    if form not in ops.FORMS:
+      raise ValueError(f'form must be one of {ops.FORMS}, got {form!r}')
     if not isinstance(terms, int) or terms < 1:
       raise ValueError(f'terms must be an int >= 1, got {terms!r}')
     if quantize is not None and quantize not in ops.QUANT_BITS:
@@ -133,6 +142,7 @@ class POETLinear(nnx.Module):
     self.block_size = block_size
     self.terms = terms
     self.mode = mode
+    self.form = form
     self.use_bias = use_bias
     self.dtype = dtype
     self.precision = precision
@@ -179,14 +189,15 @@ class POETLinear(nnx.Module):
                                  self.in_features)
 
   def __call__(self, inputs: Array) -> Array:
-    """y = inputs @ effective_kernel (+ bias), input-centric."""
+    """y = inputs @ effective_kernel (+ bias)."""
     bias = self.bias[...] if self.bias is not None else None
     x, kernel, bias = dtypes.promote_dtype((inputs, self.base_kernel(), bias),
                                            dtype=self.dtype)
     y = ops.poet_linear(x, kernel, self.q_in[...], self.q_out[...],
                         self.perm_in[...], self.perm_out[...],
                         block_size=self.block_size, terms=self.terms,
-                        remat=self.mode == 'mem', precision=self.precision)
+                        remat=self.mode == 'mem', form=self.form,
+                        precision=self.precision)
     if bias is not None:
       y = y + bias
     return y

@@ -276,19 +276,51 @@ permute.defvjp(_permute_fwd, _permute_bwd)
 
 
 # ------------------------------------------------------------------ the layer
-def _poet_core(x, kernel_IxO, g_in, g_out, perm_in, inv_perm_out, precision):
+FORMS = ('input', 'weight')
+
+
+def _poet_core(x, kernel_IxO, g_in, g_out, perm_in, perm_out, precision):
   u = permute(x, perm_in)
   v = rotate_features(u, g_in, precision=precision)
   w = jnp.matmul(v, jax.lax.stop_gradient(kernel_IxO), precision=precision)
   z = rotate_features(w, g_out, precision=precision)
-  return permute(z, inv_perm_out)
+  return permute(z, invert_permutation(perm_out))
+
+
+def _rotate_kernel(kernel_IxO, g_in, g_out, perm_in, perm_out, precision):
+  """``Phi_I G_P^T kernel G_R^T Phi_O^T``: block products and gathers on the weight."""
+  a = rotate_features(kernel_IxO, g_out, precision=precision)             # kernel G_R^T
+  a = rotate_features(a.T, jnp.swapaxes(g_in, -1, -2), precision=precision)  # (O, I)
+  a = permute(a, invert_permutation(perm_in)).T                           # Phi_I (...)
+  return permute(a, invert_permutation(perm_out))                         # (...) Phi_O^T
+
+
+def _poet_weight_core(x, kernel_IxO, g_in, g_out, perm_in, perm_out, precision,
+                      rot_precision):
+  # The kernel is rotated in float32 and rounded to x's dtype once.
+  kernel = _rotate_kernel(jax.lax.stop_gradient(kernel_IxO).astype(jnp.float32),
+                          g_in, g_out, perm_in, perm_out, rot_precision)
+  return jnp.matmul(x, kernel.astype(x.dtype), precision=precision)
 
 
 def poet_linear(x_TxI: Array, kernel_IxO: Array, q_in_KxP: Array, q_out_KxP: Array,
                 perm_in_I: Array, perm_out_O: Array, *, block_size: int,
                 terms: int = DEFAULT_TERMS, remat: bool = False,
-                precision=None) -> Array:
-  """The POET-X layer ``y = x @ effective_kernel`` computed input-centric.
+                form: str = 'input', precision=None) -> Array:
+  """The POET-X layer ``y = x @ effective_kernel``.
+
+  Two orders of the same product (equal up to rounding):
+
+  * ``form='input'`` (input-centric, the POET-X paper's): permute x, rotate its
+    blocks, frozen GEMM, rotate blocks, permute. The backward has no
+    weight-gradient GEMM, but every rotation and gather is activation-sized
+    (T x I or T x O).
+  * ``form='weight'``: rotate and permute the frozen kernel (I x O, independent
+    of T), then one GEMM. The backward has the weight-gradient GEMM of a dense
+    layer, and all block products and gathers are weight-sized. Cheaper when
+    T is large against the block products' cost; see BENCHMARKS.md. The
+    rotations run in float32 (TF32 products for 16-bit x) and the rotated
+    kernel is rounded to x's dtype once.
 
   Args:
     x_TxI: activations (..., I) in the compute dtype.
@@ -299,22 +331,29 @@ def poet_linear(x_TxI: Array, kernel_IxO: Array, q_in_KxP: Array, q_out_KxP: Arr
     terms: Cayley–Neumann terms.
     remat: POET-Xmem: keep only x (and the small rotation blocks) for the
       backward and recompute the rest. False is POET-Xfast.
+    form: ``'input'`` or ``'weight'`` (above).
     precision: precision of the activation-sized products.
 
   Returns:
     y of shape (..., O) in x's dtype (no bias).
   """
+  if form not in FORMS:
+    raise ValueError(f'form must be one of {FORMS}, got {form!r}')
   i, o = kernel_IxO.shape
   exact = jnp.dtype(x_TxI.dtype).itemsize >= 4
   cn_precision = jax.lax.Precision.HIGHEST if exact else jax.lax.Precision.DEFAULT
   g_in, g_out = rotation_blocks_pair(q_in_KxP, q_out_KxP, i, o, block_size, terms,
                                     cn_precision)
-  g_in, g_out = g_in.astype(x_TxI.dtype), g_out.astype(x_TxI.dtype)
-  core = functools.partial(_poet_core, precision=precision)
+  if form == 'input':
+    g_in, g_out = g_in.astype(x_TxI.dtype), g_out.astype(x_TxI.dtype)
+    core = functools.partial(_poet_core, precision=precision)
+  else:
+    core = functools.partial(_poet_weight_core, precision=precision,
+                             rot_precision=cn_precision)
   if remat:
     core = jax.checkpoint(core, policy=jax.checkpoint_policies.nothing_saveable)
-  return core(x_TxI, kernel_IxO, g_in, g_out, perm_in_I,
-              invert_permutation(perm_out_O))
+  return core(x_TxI, kernel_IxO.astype(x_TxI.dtype), g_in, g_out, perm_in_I,
+              perm_out_O)
 
 
 def effective_kernel(kernel_IxO: Array, q_in_KxP: Array, q_out_KxP: Array,
@@ -325,14 +364,9 @@ def effective_kernel(kernel_IxO: Array, q_in_KxP: Array, q_out_KxP: Array,
   Uses block products only: ``Phi_I G_P^T kernel G_R^T Phi_O^T``.
   """
   i, o = kernel_IxO.shape
-  hi = jax.lax.Precision.HIGHEST
   g_in, g_out = rotation_blocks_pair(q_in_KxP, q_out_KxP, i, o, block_size, terms)
-  g_in_t = jnp.swapaxes(g_in, -1, -2)
-  a = kernel_IxO.astype(jnp.float32)
-  a = rotate_features(a, g_out, precision=hi)                   # kernel G_R^T
-  a = rotate_features(a.T, g_in_t, precision=hi).T              # G_P^T (...)
-  a = jnp.take(a, invert_permutation(perm_in_I), axis=0)        # Phi_I (...)
-  return jnp.take(a, invert_permutation(perm_out_O), axis=1)    # (...) Phi_O^T
+  return _rotate_kernel(kernel_IxO.astype(jnp.float32), g_in, g_out, perm_in_I,
+                        perm_out_O, jax.lax.Precision.HIGHEST)
 
 
 def permute_kernel(kernel_IxO: Array, perm_in_I: Array, perm_out_O: Array) -> Array:

@@ -54,6 +54,7 @@ class TrainConfig:
   merge_every: int = 50
   block_size: int | None = None        # None: the model config's
   mode: str = 'fast'
+  form: str = 'input'                  # POET layer product order: input or weight
   remat: str = 'none'                  # per decoder layer: none, block, attn
   quantize: str | None = None          # POET-XQ base weights: 'int8' or 'int4'
   group_size: int = 128
@@ -77,6 +78,8 @@ class TrainConfig:
       raise ValueError(f'optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}')
     if self.mode not in poetx_jax.linear.MODES:
       raise ValueError(f'mode must be one of {poetx_jax.linear.MODES}, got {self.mode!r}')
+    if self.form not in poetx_jax.ops.FORMS:
+      raise ValueError(f'form must be one of {poetx_jax.ops.FORMS}, got {self.form!r}')
     if self.quantize is not None and self.optimizer != 'poetx':
       raise ValueError(f'quantize={self.quantize!r} needs optimizer poetx (the AdamW '
                        f'baseline trains its weights in full precision)')
@@ -126,8 +129,8 @@ def build_model(cfg: TrainConfig, mc: llama.LlamaConfig):
   if cfg.optimizer == 'poetx':
     block = cfg.block_size or mc.block_size
     model = poetx_jax.poetize(model, block_size=block, rngs=nnx.Rngs(cfg.seed + 1),
-                              mode=cfg.mode, quantize=cfg.quantize,
-                              group_size=cfg.group_size)
+                              mode=cfg.mode, form=cfg.form, quantize=cfg.quantize,
+                              group_size=cfg.group_size, consume=True)
   return model
 
 

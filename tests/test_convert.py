@@ -50,6 +50,16 @@ def test_poetize_replaces_intended_layers(keys):
   assert base_paths <= new_paths
 
 
+def test_poetize_consume_frees_converted_kernels(keys):
+  tokens = jax.random.randint(keys(), (2, 7), 0, 50)
+  want = poetx_jax.poetize(Tiny(nnx.Rngs(0)), block_size=8, rngs=nnx.Rngs(1))(tokens)
+  base = Tiny(nnx.Rngs(0))
+  model = poetx_jax.poetize(base, block_size=8, rngs=nnx.Rngs(1), consume=True)
+  assert all(b[n].kernel[...].is_deleted() for b in base.blocks for n in ('up', 'down'))
+  assert not base.lm_head.kernel[...].is_deleted()  # excluded: shared, kept
+  np.testing.assert_array_equal(model(tokens), want)
+
+
 def test_poetize_options_and_errors():
   base = Tiny(nnx.Rngs(0))
   model = poetx_jax.poetize(base, block_size=8, rngs=nnx.Rngs(1), exclude=('up', 'lm_head'),

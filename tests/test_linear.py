@@ -69,9 +69,10 @@ def test_spectrum_preserved(keys):
 
 
 @pytest.mark.parametrize('mode', ['fast', 'mem'])
+@pytest.mark.parametrize('form', ['input', 'weight'])
 @pytest.mark.parametrize('i,o,b', [(32, 48, 16), (30, 20, 8)])
-def test_gradients_match_naive_float32(keys, mode, i, o, b):
-  layer = POETLinear(i, o, block_size=b, mode=mode, rngs=nnx.Rngs(1),
+def test_gradients_match_naive_float32(keys, mode, form, i, o, b):
+  layer = POETLinear(i, o, block_size=b, mode=mode, form=form, rngs=nnx.Rngs(1),
                      bias_init=nnx.initializers.normal(1.0))
   layer.kernel[...] = jax.random.normal(keys(), (i, o)) / np.sqrt(i)
   _randomize(layer, keys())
@@ -95,9 +96,10 @@ def test_gradients_match_naive_float32(keys, mode, i, o, b):
 
 
 @pytest.mark.parametrize('mode', ['fast', 'mem'])
-def test_gradients_match_naive_bf16(keys, mode):
+@pytest.mark.parametrize('form', ['input', 'weight'])
+def test_gradients_match_naive_bf16(keys, mode, form):
   i, o, b = 64, 40, 16  # 40 = 16 + 16 + 8: a ragged block on the output side
-  layer = POETLinear(i, o, block_size=b, mode=mode, dtype=jnp.bfloat16,
+  layer = POETLinear(i, o, block_size=b, mode=mode, form=form, dtype=jnp.bfloat16,
                      param_dtype=jnp.bfloat16, rngs=nnx.Rngs(2))
   layer.kernel[...] = (jax.random.normal(keys(), (i, o)) / 8).astype(jnp.bfloat16)
   _randomize(layer, keys())
@@ -148,6 +150,13 @@ def test_mem_mode_saves_fewer_residuals(keys):
     np.testing.assert_allclose(g[0][name][...], g[1][name][...], rtol=1e-5, atol=1e-6)
 
 
+def test_weight_form_saves_no_activations(keys):
+  x = jax.random.normal(keys(), (37, 48))
+  layer = POETLinear(48, 32, block_size=16, form='weight', rngs=nnx.Rngs(3))
+  _randomize(layer, jax.random.key(0))
+  assert _activation_residuals(layer, x) == []  # x (an argument) and weight-sized arrays
+
+
 def test_base_weight_gets_no_gradient_and_no_optimizer_state():
   import optax
   layer = POETLinear(32, 16, block_size=8, rngs=nnx.Rngs(0))
@@ -167,6 +176,8 @@ def test_bad_input_errors():
     POETLinear(32, 8, block_size=16, rngs=rngs)
   with pytest.raises(ValueError, match="mode must be one of \\('fast', 'mem'\\), got 'slow'"):
     POETLinear(8, 8, block_size=4, mode='slow', rngs=rngs)
+  with pytest.raises(ValueError, match="form must be one of \\('input', 'weight'\\), got 'w'"):
+    POETLinear(8, 8, block_size=4, form='w', rngs=rngs)
   with pytest.raises(ValueError, match='terms must be an int >= 1'):
     POETLinear(8, 8, block_size=4, terms=0, rngs=rngs)
   conv = nnx.Linear(8, 8, rngs=rngs)

@@ -110,13 +110,14 @@ def _dense_weight(kernel, q_in, q_out, p_in, p_out, b):
 
 @pytest.mark.parametrize('i,o,b', [(16, 24, 8), (21, 10, 4), (12, 30, 8)])
 @pytest.mark.parametrize('remat', [False, True])
-def test_poet_linear_matches_dense_formula(keys, i, o, b, remat):
+@pytest.mark.parametrize('form', ops.FORMS)
+def test_poet_linear_matches_dense_formula(keys, i, o, b, remat, form):
   x, kernel, q_in, q_out, p_in, p_out = _layer_inputs(keys, i, o, b)
   stored = ops.permute_kernel(kernel, p_in, p_out)
 
   def fast(x, q_in, q_out):
     return ops.poet_linear(x, stored, q_in, q_out, p_in, p_out, block_size=b,
-                           remat=remat)
+                           remat=remat, form=form)
 
   def naive(x, q_in, q_out):
     return x @ _dense_weight(kernel, q_in, q_out, p_in, p_out, b).T
@@ -130,7 +131,8 @@ def test_poet_linear_matches_dense_formula(keys, i, o, b, remat):
   check_grads(fast, (x, q_in, q_out), order=1, modes=['rev'], atol=1e-2, rtol=1e-2)
 
 
-def test_poet_linear_bf16(keys):
+@pytest.mark.parametrize('form', ops.FORMS)
+def test_poet_linear_bf16(keys, form):
   i, o, b = 64, 48, 16
   x, kernel, q_in, q_out, p_in, p_out = _layer_inputs(keys, i, o, b, t=32)
   stored = ops.permute_kernel(kernel, p_in, p_out)
@@ -139,7 +141,7 @@ def test_poet_linear_bf16(keys):
   def run(x, q_in, q_out, dtype):
     def f(x, q_in, q_out):
       y = ops.poet_linear(x.astype(dtype), stored.astype(dtype), q_in, q_out, p_in,
-                          p_out, block_size=b)
+                          p_out, block_size=b, form=form)
       assert y.dtype == dtype
       return y.astype(jnp.float32)
     y, pull = jax.vjp(f, x, q_in, q_out)
@@ -160,6 +162,16 @@ def test_effective_kernel_matches_dense(keys):
   assert rel_err(eff, want) < 1e-6
   y = ops.poet_linear(x, stored, q_in, q_out, p_in, p_out, block_size=8)
   assert rel_err(x @ eff, y) < 1e-5
+
+
+def test_forms_agree_and_bad_form(keys):
+  x, kernel, q_in, q_out, p_in, p_out = _layer_inputs(keys, 40, 24, 8)
+  stored = ops.permute_kernel(kernel, p_in, p_out)
+  ys = [ops.poet_linear(x, stored, q_in, q_out, p_in, p_out, block_size=8, form=f)
+        for f in ops.FORMS]
+  assert rel_err(ys[0], ys[1]) < 1e-5
+  with pytest.raises(ValueError, match="form must be one of .*'input'.*got 'rows'"):
+    ops.poet_linear(x, stored, q_in, q_out, p_in, p_out, block_size=8, form='rows')
 
 
 def test_check_block_size_errors():
