@@ -92,7 +92,8 @@ def one_run(a, run: str) -> dict:
   checks['log_vocab'] = math.log(a.vocab_size)
   if not abs(loss0 - math.log(a.vocab_size)) < 1.0:
     raise SystemExit(f'{run}: setup check failed: {checks}')
-  collectives = (collective_bytes(step.lower(model, opt, batches[1]).compile().as_text())
+  collectives = (collective_bytes(getattr(step, "update", step).lower(
+      model, opt, batches[1]).compile().as_text())
                  if mesh is not None else {})
   for i in range(a.warmup):
     jax.block_until_ready(step(model, opt, batches[i % 2]))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import typing as tp
 
 import jax
@@ -88,15 +89,48 @@ def merge(model, *, rngs: nnx.Rngs | Array) -> None:
   ``W0 <- R W0 P``, new random permutations, ``Q <- 0``: the model computes the
   same function before and after (up to rounding into W0's dtype), and the
   rotations restart at the identity. Reset the POET optimizer moments at the
-  same step (``poetx`` does this on its own counter). Works under jit.
+  same step (``poetx`` does this on its own counter).
+
+  Called outside jit, each layer merges in its own compiled program, shared by
+  all layers of the same shape and options (a Llama compiles a handful, however
+  deep), keeping the layer's shardings; a layer's old buffers are released as
+  it is updated, so the merge needs one layer's scratch memory, not a second
+  model. Under jit it traces inline.
 
   Args:
     model: a model containing POETLinear layers.
     rngs: an ``nnx.Rngs`` (its ``params`` stream is used) or a PRNG key.
   """
   key = rngs.params() if isinstance(rngs, nnx.Rngs) else rngs
+  traced = isinstance(key, jax.core.Tracer)
   for i, (_, layer) in enumerate(poet_layers(model)):
-    layer.merge(jax.random.fold_in(key, i))
+    k = jax.random.fold_in(key, i)
+    if traced:
+      layer.merge(k)
+    else:
+      _merge_compiled(layer, k)
+
+
+def _merge_compiled(layer: POETLinear, key: Array) -> None:
+  graphdef, state = nnx.split(layer)
+  shardings = jax.tree.map(lambda x: x.sharding, state)
+  leaves, treedef = jax.tree.flatten(shardings)
+  fn = _merge_program(graphdef, treedef, tuple(leaves))
+  nnx.update(layer, fn(state, key))
+
+
+@functools.lru_cache(maxsize=64)
+def _merge_program(graphdef, treedef, sharding_leaves):
+  def run(state, key):
+    layer = nnx.merge(graphdef, state)
+    layer.merge(key)
+    return nnx.state(layer)
+
+  if all(isinstance(s, jax.sharding.SingleDeviceSharding) for s in sharding_leaves):
+    out = None  # as the update step leaves them: a pinned sharding would retrace it
+  else:
+    out = jax.tree.unflatten(treedef, list(sharding_leaves))
+  return jax.jit(run, out_shardings=out)
 
 
 def unpoetize(model):

@@ -13,15 +13,18 @@ from poetx_jax.optim import merge_due
 
 def make_train_step(loss_fn: tp.Callable, *, seed: int = 0, has_aux: bool = False,
                     donate: bool = True) -> tp.Callable:
-  """Builds ``step(model, optimizer, batch) -> loss`` (jitted, state donated).
+  """Builds ``step(model, optimizer, batch) -> loss`` (state donated).
 
   One call computes ``nnx.value_and_grad(loss_fn)(model, batch)`` (all
   ``nnx.Param``s, POET generators included; the frozen base weights get no
-  gradient), applies ``optimizer.update``, and — when that update completed a
-  merge cycle of the :func:`poetx_jax.poetx` optimizer inside it (see
-  :func:`poetx_jax.merge_due`) — merges every POET layer under ``lax.cond``.
-  The permutation key of each merge is ``fold_in(key(seed), optimizer.step)``,
-  so a resumed run draws the permutations an uninterrupted one would.
+  gradient) and applies ``optimizer.update`` in one jitted program; when that
+  update completed a merge cycle of the :func:`poetx_jax.poetx` optimizer (see
+  :func:`poetx_jax.merge_due`) it then merges every POET layer
+  (:func:`poetx_jax.merge`: one compiled program per layer shape). The merge is kept out of the update program because unrolled over
+  every layer it multiplies the compile time (minutes for a 32-layer Llama);
+  the price is one device-to-host read of a flag per step. The permutation key
+  of each merge is ``fold_in(key(seed), optimizer.step)``, so a resumed run
+  draws the permutations an uninterrupted one would.
 
   Example::
 
@@ -34,24 +37,29 @@ def make_train_step(loss_fn: tp.Callable, *, seed: int = 0, has_aux: bool = Fals
       ``(loss, aux)`` with ``has_aux=True``.
     seed: seeds the merge permutations.
     has_aux: whether ``loss_fn`` returns auxiliary outputs (returned as well).
-    donate: donate model and optimizer buffers to the step.
+    donate: donate model and optimizer buffers to the update.
 
   Returns:
-    The step function; it returns the loss (and aux) before the update.
+    The step function; it returns the loss (and aux) before the update. Its
+    attribute ``update`` is the jitted gradient-and-update program alone
+    (returns ``(out, merge_due, merge_key)``), e.g. for ``.lower``.
   """
   base_key = jax.random.key(seed)
 
-  def step(model, optimizer: nnx.Optimizer, batch):
+  def update(model, optimizer: nnx.Optimizer, batch):
     out, grads = nnx.value_and_grad(loss_fn, has_aux=has_aux)(model, batch)
     old_state = nnx.as_pure(optimizer.opt_state)
     optimizer.update(model, grads)
     due = merge_due(old_state, nnx.as_pure(optimizer.opt_state))
-    key = jax.random.fold_in(base_key, optimizer.step[...])
+    return out, due, jax.random.fold_in(base_key, optimizer.step[...])
 
-    def do_merge(m, k):
-      merge(m, rngs=k)
+  update = nnx.jit(update, donate_argnums=(0, 1) if donate else ())
 
-    nnx.cond(due, do_merge, lambda m, k: None, model, key)
+  def step(model, optimizer: nnx.Optimizer, batch):
+    out, due, key = update(model, optimizer, batch)
+    if bool(due):
+      merge(model, rngs=key)
     return out
 
-  return nnx.jit(step, donate_argnums=(0, 1) if donate else ())
+  step.update = update
+  return step

@@ -22,6 +22,9 @@ cn = pytest.importorskip(
 
 
 INTERPRET = jax.default_backend() == 'cpu'
+# The interpreter multiplies in float32; compiled on Hopper, a float32 WGMMA
+# multiplies in TF32 (measured on the H200: ~2e-5 relative error in G).
+F32_TOL = 1e-5 if INTERPRET else 1e-4
 
 
 @functools.lru_cache(maxsize=None)
@@ -59,7 +62,7 @@ def test_matches_reference_float32(keys, b, terms):
   q = _skew_blocks(keys(), 3, b)
   g = cn.cayley_neumann(q, terms=terms, interpret=INTERPRET)
   assert g.shape == (3, b, b) and g.dtype == jnp.float32
-  assert rel_err(g, ops.cayley_neumann(q, terms)) < 1e-5
+  assert rel_err(g, ops.cayley_neumann(q, terms)) < F32_TOL
 
 
 @needs_interpreter
@@ -76,7 +79,7 @@ def test_block_256_tiled(keys):
   """B = 256 in float32: row tiles of 64 and streamed Q panels."""
   q = _skew_blocks(keys(), 1, 256)
   g = cn.cayley_neumann(q, terms=4, interpret=INTERPRET)
-  assert rel_err(g, ops.cayley_neumann(q, 4)) < 1e-5
+  assert rel_err(g, ops.cayley_neumann(q, 4)) < F32_TOL
 
 
 @needs_interpreter
@@ -84,7 +87,7 @@ def test_config_tiles(keys):
   q = _skew_blocks(keys(), 2, 128)
   g = cn.cayley_neumann(q, terms=3, interpret=INTERPRET,
                         config=cn.Config(tile_m=128, tile_k=16))
-  assert rel_err(g, ops.cayley_neumann(q, 3)) < 1e-5
+  assert rel_err(g, ops.cayley_neumann(q, 3)) < F32_TOL
 
 
 @needs_interpreter
