@@ -3,9 +3,13 @@
 import argparse
 import json
 import pathlib
+import subprocess
 import sys
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / 'experiments'))
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / 'experiments'))
 import bench_layer  # noqa: E402
 import bench_train  # noqa: E402
 
@@ -26,3 +30,16 @@ def test_bench_train_one_run():
   r = bench_train.one_run(a, 'poetx:mem:block:int8')
   assert r['checks']['poet_vs_dense'] < 1e-4 and r['tokens_per_s'] > 0
   assert r['trainable'] < r['dense_params']
+  a.merge_every = 2  # merges during the timed steps; the weight form
+  r = bench_train.one_run(a, 'poetx:fast:none::weight')
+  assert r['checks']['poet_vs_dense'] < 1e-4
+
+
+def test_bench_cayley_interpreted():
+  pytest.importorskip('pallas_kernels.cayley_neumann')
+  out = subprocess.run(
+      [sys.executable, str(ROOT / 'experiments' / 'bench_cayley.py'), '--blocks', '64',
+       '--hidden', '64', '--mlp', '128', '--iters', '1', '--interpret'],
+      capture_output=True, text=True, timeout=600, cwd=ROOT)
+  assert out.returncode == 0, out.stderr[-2000:]
+  assert 'pallas bf16-out' in out.stdout and 'K=3' in out.stdout
