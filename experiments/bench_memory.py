@@ -21,8 +21,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_train  # noqa: E402
 
 # Larger shapes than the named configs, for the size record (vocab 32000).
 LADDER = {
@@ -48,12 +50,12 @@ def run_one(a, model, overrides, seq, run, cap_gib):
          '--param-dtype', a.param_dtype, '--single', run]
   if a.lean_state:
     cmd.append('--lean-state')
-  proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-  if proc.returncode:
-    tail = (proc.stderr or proc.stdout).strip().splitlines()[-2:]
+  rc, out, err = bench_train.run_child(cmd, f'{model} seq {seq} {run}', env=env)
+  if rc:
+    tail = (err or out).strip().splitlines()[-2:]
     return {'run': run, 'model': model, 'seq_len': seq, 'cap_gib': cap_gib,
             'error': ' | '.join(tail)[-300:]}
-  r = json.loads(proc.stdout.strip().splitlines()[-1])
+  r = json.loads(out.strip().splitlines()[-1])
   r.update(model=model, cap_gib=cap_gib)
   return r
 

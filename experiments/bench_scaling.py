@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -58,12 +57,12 @@ def main(argv=None):
       else:
         env['CUDA_VISIBLE_DEVICES'] = ','.join(map(str, range(n)))
       cmd = [sys.executable, __file__] + (argv or sys.argv[1:]) + ['--single', run]
-      proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-      if proc.returncode:
+      rc, out, err = bench_train.run_child(cmd, f'{run} x{n}', env=env)
+      if rc:
         r = {'run': run, 'devices': n,
-             'error': ' | '.join((proc.stderr or proc.stdout).strip().splitlines()[-3:])}
+             'error': ' | '.join((err or out).strip().splitlines()[-3:])}
       else:
-        r = json.loads(proc.stdout.strip().splitlines()[-1])
+        r = json.loads(out.strip().splitlines()[-1])
         r['run'] = run
       results.append(r)
       print(json.dumps(r), flush=True)

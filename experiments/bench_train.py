@@ -26,6 +26,27 @@ import sys
 import time
 
 
+def progress(msg: str) -> None:
+  """A progress line on stderr (the parent shows it live, prefixed)."""
+  print(f'[{time.strftime("%H:%M:%S")}] {msg}', file=sys.stderr, flush=True)
+
+
+def run_child(cmd: list[str], label: str, env=None) -> tuple[int, str, str]:
+  """Runs one benchmark process: its progress lines (stderr) are echoed as
+  they come, prefixed with ``label``; returns (exit code, stdout, last stderr
+  lines). Library warnings are kept out of the echo but not out of the tail."""
+  proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True, env=env)
+  tail = []
+  for line in proc.stderr:
+    line = line.rstrip('\n')
+    tail = (tail + [line])[-20:]
+    if line.startswith('['):
+      print(f'  {label}: {line}', file=sys.stderr, flush=True)
+  out = proc.stdout.read()
+  return proc.wait(), out, '\n'.join(tail)
+
+
 def collective_bytes(hlo_text: str) -> dict[str, int]:
   """Result bytes of each kind of cross-device collective in compiled HLO text."""
   import re
@@ -68,6 +89,8 @@ def one_run(a, run: str) -> dict:
                       param_dtype=getattr(a, 'param_dtype', 'float32'))
   cfg.validate()
   mc = T.model_config(cfg, a.vocab_size)
+  t_setup = time.perf_counter()
+  progress(f'{run}: building {a.model} ({mc.num_params() / 1e6:,.0f}M dense parameters)')
   model = T.build_model(cfg, mc)
   rng = np.random.default_rng(0)
   batches = [{'inputs': jnp.asarray(rng.integers(0, a.vocab_size, (a.batch_size, a.seq_len)),
@@ -85,9 +108,11 @@ def one_run(a, run: str) -> dict:
     sharding.shard_state(opt, mesh, strategy)
     batches = [sharding.shard_batch(b, mesh) for b in batches]
   step = T.make_step(cfg)
+  progress(f'{run}: set up in {time.perf_counter() - t_setup:.0f} s; compiling the step')
   t0 = time.perf_counter()
   loss0 = float(step(model, opt, batches[0]))
   compile_s = time.perf_counter() - t0
+  progress(f'{run}: first step (compilation) {compile_s:.0f} s, loss {loss0:.3f}')
   checks['first_loss'] = loss0
   checks['log_vocab'] = math.log(a.vocab_size)
   if not abs(loss0 - math.log(a.vocab_size)) < 1.0:
@@ -103,6 +128,7 @@ def one_run(a, run: str) -> dict:
     jax.block_until_ready(step(model, opt, batches[i % 2]))
     times.append(time.perf_counter() - t)
   med = statistics.median(times)
+  progress(f'{run}: {a.steps} timed steps, median {1e3 * med:.1f} ms')
   stats = jax.local_devices()[0].memory_stats() or {}
   if optimizer == 'poetx':
     # After the peak is read (the dense copy would count): the POET model, its
@@ -154,12 +180,12 @@ def main(argv=None):
   results = []
   base = [sys.executable, __file__] + [x for x in (argv or sys.argv[1:])]
   for run in a.runs.split(','):
-    proc = subprocess.run(base + ['--single', run], capture_output=True, text=True)
-    if proc.returncode != 0:
-      tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+    rc, out, err = run_child(base + ['--single', run], run)
+    if rc != 0:
+      tail = (err or out).strip().splitlines()[-3:]
       results.append({'run': run, 'error': ' | '.join(tail)})
     else:
-      results.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+      results.append(json.loads(out.strip().splitlines()[-1]))
     print(json.dumps(results[-1]), flush=True)
   print(f'\n{a.model}, seq {a.seq_len}, batch {a.batch_size}'
         f'{", lean state" if a.lean_state else ""}')

@@ -73,8 +73,9 @@ def _train_parser(sub):
                  help='multi-host: call jax.distributed.initialize() first (it reads '
                       'the coordinator and process ids from the cluster environment)')
   p.add_argument('--lean-state', action='store_true',
-                 help='bf16 momentum and factored second moments for the non-POET '
-                      'parameters (embeddings, head, norms; all of them for AdamW)')
+                 help='bf16 momenta; factored second moments for the non-POET '
+                      'parameters (embeddings, head, norms; all of them for AdamW) and '
+                      'one second moment per block for the POET generators')
   p.add_argument('--quantize', choices=('int8', 'int4'), default=None,
                  help='POET-XQ: store the frozen base weights in int8 or int4')
   p.add_argument('--dtype', choices=('auto', 'float32', 'bfloat16'), default=d.dtype,

@@ -60,9 +60,12 @@ class ScaleByPoetxState(tp.NamedTuple):
   nu: optax.Updates
 
 
+SECOND_MOMENTS = ('full', 'block')
+
+
 def scale_by_poetx(*, merge_every: int | None = 200, b1: float = 0.9,
-                   b2: float = 0.999, eps: float = 1e-8,
-                   mu_dtype: tp.Any = None) -> optax.GradientTransformation:
+                   b2: float = 0.999, eps: float = 1e-8, mu_dtype: tp.Any = None,
+                   second_moment: str = 'full') -> optax.GradientTransformation:
   """Adam scaling whose moments restart at every merge of the POET layers.
 
   After a merge the rotations restart at the identity, so moments of the old
@@ -74,11 +77,33 @@ def scale_by_poetx(*, merge_every: int | None = 200, b1: float = 0.9,
     merge_every: updates per merge cycle; ``None`` never resets.
     b1, b2, eps: Adam's decay rates and denominator offset.
     mu_dtype: dtype of the first moment (default: the parameters').
+    second_moment: ``'full'`` (Adam: one per parameter) or ``'block'``: one
+      per row of each parameter array of two or more dimensions, the mean of
+      the squared gradient over its last axis (Adam-mini's idea). A POET
+      layer's generators are ``(K, B(B-1)/2)``, one row per B x B block, so
+      this keeps one second moment per block: the state shrinks from two
+      parameter-sized arrays to one (plus K numbers).
 
   Returns:
     An ``optax.GradientTransformation`` with :class:`ScaleByPoetxState`.
   """
   _check_merge_every(merge_every)
+  if second_moment not in SECOND_MOMENTS:
+    raise ValueError(f'second_moment must be one of {SECOND_MOMENTS}, '
+                     f'got {second_moment!r}')
+  blockwise = second_moment == 'block'
+
+  def nu_like(p):
+    if blockwise and p.ndim >= 2:
+      return jnp.zeros(p.shape[:-1] + (1,), p.dtype)
+    return jnp.zeros_like(p)
+
+  def square(g):
+    g2 = jnp.square(g)
+    if blockwise and g.ndim >= 2:
+      return jnp.mean(g2, axis=-1, keepdims=True)
+    return g2
+
   for name, v in (('b1', b1), ('b2', b2)):
     if _is_number(v) and not 0 <= v < 1:
       raise ValueError(f'{name} must be in [0, 1), got {v!r}')
@@ -86,7 +111,7 @@ def scale_by_poetx(*, merge_every: int | None = 200, b1: float = 0.9,
 
   def init_fn(params):
     mu = optax.tree.zeros_like(params, dtype=mu_dtype)
-    nu = optax.tree.zeros_like(params)
+    nu = jax.tree.map(nu_like, params)
     return ScaleByPoetxState(count=jnp.zeros([], jnp.int32),
                              cycle=jnp.zeros([], jnp.int32), mu=mu, nu=nu)
 
@@ -95,7 +120,8 @@ def scale_by_poetx(*, merge_every: int | None = 200, b1: float = 0.9,
     fresh = state.cycle == 0  # first update of a cycle: forget old moments
     keep = lambda t: jax.tree.map(lambda m: jnp.where(fresh, jnp.zeros_like(m), m), t)
     mu = optax.tree.update_moment(updates, keep(state.mu), b1, 1)
-    nu = optax.tree.update_moment_per_elem_norm(updates, keep(state.nu), b2, 2)
+    nu = jax.tree.map(lambda g, v: None if g is None else (1 - b2) * square(g) + b2 * v,
+                      updates, keep(state.nu), is_leaf=lambda x: x is None)
     t = state.cycle + 1
     mu_hat = optax.tree.bias_correction(mu, b1, t)
     nu_hat = optax.tree.bias_correction(nu, b2, t)
@@ -113,7 +139,8 @@ def scale_by_poetx(*, merge_every: int | None = 200, b1: float = 0.9,
 
 def poetx(learning_rate: ScalarOrSchedule, *, merge_every: int | None = 200,
           poet_scale: float = 0.5, b1: float = 0.9, b2: float = 0.999,
-          eps: float = 1e-8, mu_dtype: tp.Any = None) -> optax.GradientTransformation:
+          eps: float = 1e-8, mu_dtype: tp.Any = None,
+          second_moment: str = 'full') -> optax.GradientTransformation:
   r"""The POET-X optimizer for the skew generators of POET layers.
 
   Adam on the packed skew-symmetric parameters with step
@@ -133,7 +160,7 @@ def poetx(learning_rate: ScalarOrSchedule, *, merge_every: int | None = 200,
     merge_every: updates per merge cycle (the reference uses 200); ``None``
       never resets.
     poet_scale: multiplies the learning rate (0.5 in the reference).
-    b1, b2, eps, mu_dtype: see :func:`scale_by_poetx`.
+    b1, b2, eps, mu_dtype, second_moment: see :func:`scale_by_poetx`.
 
   Returns:
     An ``optax.GradientTransformation``; works with ``optax.chain``,
@@ -150,7 +177,7 @@ def poetx(learning_rate: ScalarOrSchedule, *, merge_every: int | None = 200,
     lr = poet_scale * learning_rate
   return optax.chain(
       scale_by_poetx(merge_every=merge_every, b1=b1, b2=b2, eps=eps,
-                     mu_dtype=mu_dtype),
+                     mu_dtype=mu_dtype, second_moment=second_moment),
       optax.scale_by_learning_rate(lr))
 
 

@@ -58,7 +58,7 @@ class TrainConfig:
   remat: str = 'none'                  # per decoder layer: none, block, attn
   quantize: str | None = None          # POET-XQ base weights: 'int8' or 'int4'
   group_size: int = 128
-  lean_state: bool = False             # bf16 momentum, factored 2nd moments (non-POET)
+  lean_state: bool = False             # bf16 momenta; factored (non-POET) / per-block (POET) 2nd moments
   strategy: str = 'dp'                 # over all devices: dp (replicated) or fsdp
   fsdp: int = 1                        # size of the mesh's fsdp axis
   dtype: str = 'auto'                  # compute dtype: auto = bf16 on GPU, f32 on CPU
@@ -149,8 +149,10 @@ def build_optimizer(cfg: TrainConfig, model) -> nnx.Optimizer:
     adamw = optax.adamw(schedule(cfg.lr, cfg), b1=0.9, b2=0.999,
                         weight_decay=cfg.weight_decay)
   if cfg.optimizer == 'poetx':
+    lean = dict(mu_dtype=jnp.bfloat16, second_moment='block') if cfg.lean_state else {}
     tx = poetx_jax.poetx_partition(
-        model, poetx_jax.poetx(schedule(cfg.poet_lr, cfg), merge_every=cfg.merge_every),
+        model, poetx_jax.poetx(schedule(cfg.poet_lr, cfg), merge_every=cfg.merge_every,
+                               **lean),
         adamw)
   else:
     tx = adamw

@@ -40,6 +40,31 @@ def test_first_cycle_is_adam_with_scaled_lr(keys):
       np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-9)
 
 
+def test_blockwise_second_moment_matches_its_definition(keys):
+  """second_moment='block': Adam with one second moment per row (per POET block)."""
+  params, grads = _params(keys()), _grads(keys(), 4)
+  b1, b2, eps, lr = 0.9, 0.999, 1e-8, 1e-2
+  tx = poetx(lr, merge_every=None, poet_scale=1.0, second_moment='block',
+             mu_dtype=jnp.bfloat16)
+  got, states = _run(tx, params, grads)
+  assert states[-1][0].nu['a'].shape == (4, 1) and states[-1][0].nu['b'].shape == (3,)
+  assert states[-1][0].mu['a'].dtype == jnp.bfloat16
+  m = {k: np.zeros_like(v) for k, v in params.items()}
+  v = {'a': np.zeros((4, 1)), 'b': np.zeros(3)}
+  for t, g in enumerate(grads, start=1):
+    for k in params:
+      gk = np.asarray(g[k], np.float64)
+      b1m = np.asarray(b1 * jnp.asarray(m[k], jnp.bfloat16), np.float64)  # a bf16 product
+      mt = b1m + (1 - b1) * gk  # used unrounded, stored as bf16
+      m[k] = np.asarray(jnp.asarray(mt, jnp.bfloat16), np.float64)
+      sq = (gk ** 2).mean(-1, keepdims=True) if gk.ndim == 2 else gk ** 2
+      v[k] = b2 * v[k] + (1 - b2) * sq
+      want = -lr * (mt / (1 - b1 ** t)) / (np.sqrt(v[k] / (1 - b2 ** t)) + eps)
+      np.testing.assert_allclose(got[t - 1][k], want, rtol=1e-4, atol=1e-7)
+  with pytest.raises(ValueError, match="second_moment must be one of .*got 'row'"):
+    poetx(1e-3, second_moment='row')
+
+
 def test_moments_reset_exactly_at_merge_steps(keys):
   params, grads = _params(keys()), _grads(keys(), 8)
   k = 3
