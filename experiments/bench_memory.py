@@ -12,6 +12,7 @@ Results go to a JSON file and a plot of peak memory against model size.
     python3 experiments/bench_memory.py --models 8b --seqs 1024 --cap-gib 80
     python3 experiments/bench_memory.py --largest --runs adamw,poetx:mem:block:int4
     python3 experiments/bench_memory.py --models tiny --seqs 64 --vocab-size 512 --steps 2   # CPU smoke
+    python3 experiments/bench_memory.py --models 8b --state-only --lean-state   # no GPU: state sizes
 
 Runs are bench_train.py's ``optimizer[:mode[:remat[:quantize]]]``.
 """
@@ -33,6 +34,7 @@ LADDER = {
     '30b': {'hidden': 6656, 'mlp': 17920, 'layers': 60, 'heads': 52, 'kv_heads': 4},
     '70b': {'hidden': 8192, 'mlp': 28672, 'layers': 80, 'heads': 64, 'kv_heads': 8},
 }
+KNOWN = ('tiny', '60m', '130m', '350m', '1b', '3b', '8b', '13b')
 DEFAULT_RUNS = ('adamw,poetx,poetx:mem:block,poetx:mem:block:int8,'
                 'poetx:mem:block:int4')
 
@@ -42,7 +44,7 @@ def run_one(a, model, overrides, seq, run, cap_gib):
   env = dict(os.environ)
   if cap_gib:
     env['XLA_PYTHON_CLIENT_MEM_FRACTION'] = f'{cap_gib / a.device_gib:.4f}'
-  base = model if model in ('tiny', '60m', '130m', '350m', '1b', '3b', '8b', '13b') else '13b'
+  base = model if model in KNOWN else '13b'
   cmd = [sys.executable, os.path.join(here, 'bench_train.py'), '--model', base,
          '--model-overrides', json.dumps(overrides), '--seq-len', str(seq),
          '--batch-size', '1', '--vocab-size', str(a.vocab_size), '--steps', str(a.steps),
@@ -78,6 +80,28 @@ def plot(results, path):
   fig.savefig(path, dpi=110)
 
 
+def state_table(a):
+  names = a.ladder.split(',') if a.largest else a.models.split(',')
+  print(f'{"model":6s} {"run":24s} {"model GiB":>9s} {"trainable":>9s} '
+        f'{"optimizer":>9s} {"model+grads+opt":>15s}')
+  rows = []
+  for name in names:
+    overrides = LADDER.get(name, {}) if a.largest else {}
+    base = name if name in KNOWN else '13b'
+    for run in a.runs.split(','):
+      args = argparse.Namespace(
+          model=base, model_overrides=json.dumps(overrides), seq_len=1024, batch_size=1,
+          vocab_size=a.vocab_size, block_size=None, merge_every=a.merge_every,
+          dtype='bfloat16', param_dtype=a.param_dtype, lean_state=a.lean_state)
+      r = bench_train.resident_state(args, run)
+      r['model'] = name
+      rows.append(r)
+      print(f'{name:6s} {run:24s} {r["model_gib"]:9.2f} {r["trainable_gib"]:9.2f} '
+            f'{r["optimizer_gib"]:9.2f} {r["floor_gib"]:15.2f}', flush=True)
+  with open(a.json, 'w') as f:
+    json.dump(rows, f, indent=1)
+
+
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument('--models', default='3b,8b,13b')
@@ -86,6 +110,9 @@ def main(argv=None):
   p.add_argument('--cap-gib', type=float, default=None)
   p.add_argument('--device-gib', type=float, default=139.8, help='memory of the GPU')
   p.add_argument('--largest', action='store_true', help='climb --ladder at seq 1024')
+  p.add_argument('--state-only', action='store_true',
+                 help='no GPU needed: the resident state (model, gradients, optimizer) '
+                      'of each model and run, from abstract shapes')
   p.add_argument('--ladder', default=','.join(LADDER))
   p.add_argument('--vocab-size', type=int, default=32000)
   p.add_argument('--param-dtype', default='bfloat16', choices=('float32', 'bfloat16'))
@@ -97,6 +124,9 @@ def main(argv=None):
   p.add_argument('--plot', default='bench_memory.png')
   a = p.parse_args(argv)
   results = []
+  if a.state_only:
+    state_table(a)
+    return
   if a.largest:
     for run in a.runs.split(','):
       for name in a.ladder.split(','):

@@ -68,6 +68,53 @@ def collective_bytes(hlo_text: str) -> dict[str, int]:
   return out
 
 
+def run_config(a, run: str):
+  """The TrainConfig of run ``optimizer[:mode[:remat[:quantize[:form]]]]``."""
+  from poetx_jax import train as T
+  parts = run.split(':') + [None] * 4
+  optimizer, mode, remat = parts[0], parts[1] or 'fast', parts[2] or 'none'
+  quant, form = parts[3] or None, parts[4] or 'input'
+  overrides = json.loads(a.model_overrides) if a.model_overrides else {}
+  cfg = T.TrainConfig(model=a.model, model_overrides=overrides, seq_len=a.seq_len,
+                      batch_size=a.batch_size, steps=1000, optimizer=optimizer,
+                      mode=mode, form=form, remat=remat, quantize=quant,
+                      lean_state=a.lean_state, dtype=a.dtype, block_size=a.block_size,
+                      merge_every=a.merge_every,
+                      param_dtype=getattr(a, 'param_dtype', 'float32'))
+  cfg.validate()
+  return cfg
+
+
+def resident_state(a, run: str) -> dict:
+  """GiB the run holds between steps, from abstract shapes (nothing allocated).
+
+  ``model``: every model variable (frozen bases, generators, permutations,
+  scales); ``trainable``: the ``nnx.Param``s (one gradient each during a
+  step); ``optimizer``: the optimizer state. ``model + grads + optimizer`` is
+  a floor for the peak: activations and temporaries come on top. Sizes count
+  each element's dtype at its numpy item size (int4 as one byte).
+  """
+  import jax
+  import numpy as np
+  from flax import nnx
+  from poetx_jax import train as T
+  cfg = run_config(a, run)
+  mc = T.model_config(cfg, a.vocab_size)
+
+  def build():
+    model = T.build_model(cfg, mc)
+    return model, T.build_optimizer(cfg, model)
+
+  model, opt = nnx.eval_shape(build)
+  gib = lambda tree: sum(x.size * np.dtype(x.dtype).itemsize
+                         for x in jax.tree.leaves(tree)) / 2 ** 30
+  r = {'run': run, 'model': a.model, 'dense_params': mc.num_params(),
+       'model_gib': gib(nnx.state(model)), 'trainable_gib': gib(nnx.state(model, nnx.Param)),
+       'optimizer_gib': gib(nnx.state(opt))}
+  r['floor_gib'] = r['model_gib'] + r['trainable_gib'] + r['optimizer_gib']
+  return r
+
+
 def one_run(a, run: str) -> dict:
   import jax
   import jax.numpy as jnp
@@ -78,16 +125,8 @@ def one_run(a, run: str) -> dict:
   from poetx_jax import train as T
   from poetx_jax.models import llama
 
-  parts = run.split(':') + [None] * 4
-  optimizer, mode, remat = parts[0], parts[1] or 'fast', parts[2] or 'none'
-  quant, form = parts[3] or None, parts[4] or 'input'
-  overrides = json.loads(a.model_overrides) if a.model_overrides else {}
-  cfg = T.TrainConfig(model=a.model, model_overrides=overrides, seq_len=a.seq_len,
-                      batch_size=a.batch_size, steps=1000, optimizer=optimizer,
-                      mode=mode, form=form, remat=remat, quantize=quant, lean_state=a.lean_state,
-                      dtype=a.dtype, block_size=a.block_size, merge_every=a.merge_every,
-                      param_dtype=getattr(a, 'param_dtype', 'float32'))
-  cfg.validate()
+  cfg = run_config(a, run)
+  optimizer = cfg.optimizer
   mc = T.model_config(cfg, a.vocab_size)
   t_setup = time.perf_counter()
   progress(f'{run}: building {a.model} ({mc.num_params() / 1e6:,.0f}M dense parameters)')

@@ -8,6 +8,7 @@ summary. ``poetx train`` (cli.py) is a thin shell over it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import pathlib
@@ -123,15 +124,32 @@ def model_config(cfg: TrainConfig, vocab_size: int) -> llama.LlamaConfig:
 
 
 def build_model(cfg: TrainConfig, mc: llama.LlamaConfig):
-  """The Llama (poetized for POET-X) as it is at step 0 of the run."""
-  model = llama.init_model(mc, seed=cfg.seed, dtype=compute_dtype(cfg.dtype),
-                           param_dtype=jnp.dtype(cfg.param_dtype), remat=cfg.remat)
-  if cfg.optimizer == 'poetx':
-    block = cfg.block_size or mc.block_size
-    model = poetx_jax.poetize(model, block_size=block, rngs=nnx.Rngs(cfg.seed + 1),
-                              mode=cfg.mode, form=cfg.form, quantize=cfg.quantize,
-                              group_size=cfg.group_size, consume=True)
-  return model
+  """The Llama (poetized for POET-X) as it is at step 0 of the run.
+
+  For POET-X the dense model is built and converted in one compiled program,
+  so its dense weights are never all resident: XLA frees each layer's dense
+  kernel once its (permuted, possibly quantised) base exists. The result is
+  that of ``poetize(init_model(...), rngs=nnx.Rngs(seed + 1), ...)``.
+  """
+  dtype, param_dtype = compute_dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
+  if cfg.optimizer != 'poetx':
+    return llama.init_model(mc, seed=cfg.seed, dtype=dtype, param_dtype=param_dtype,
+                            remat=cfg.remat)
+  layer_kwargs = (('block_size', cfg.block_size or mc.block_size), ('mode', cfg.mode),
+                  ('form', cfg.form), ('quantize', cfg.quantize),
+                  ('group_size', cfg.group_size))
+  return _build_poet(jnp.asarray(cfg.seed, jnp.uint32),
+                     jnp.asarray(cfg.seed + 1, jnp.uint32), config=mc, dtype=dtype,
+                     param_dtype=param_dtype, remat=cfg.remat, layer_kwargs=layer_kwargs)
+
+
+@functools.partial(nnx.jit, static_argnames=('config', 'dtype', 'param_dtype', 'remat',
+                                             'layer_kwargs'))
+def _build_poet(seed, poet_seed, *, config, dtype, param_dtype, remat, layer_kwargs):
+  model = llama.Llama(config, dtype=dtype, param_dtype=param_dtype, remat=remat,
+                      rngs=nnx.Rngs(jax.random.key(seed)))
+  return poetx_jax.poetize(model, rngs=nnx.Rngs(jax.random.key(poet_seed)),
+                           **dict(layer_kwargs))
 
 
 def schedule(peak: float, cfg: TrainConfig) -> optax.Schedule:

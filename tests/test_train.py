@@ -189,3 +189,24 @@ def test_xq_int4_run_checkpoints_and_resumes(tmp_path, corpus):
   assert step == 4 and layer.kernel.dtype == jax.numpy.int4
   with pytest.raises(ValueError, match='needs optimizer poetx'):
     train(_cfg(tmp_path, corpus, quantize='int8', optimizer='adamw'))
+
+
+@pytest.mark.parametrize('quantize', [None, 'int8'])
+def test_poet_model_is_built_in_one_program_with_the_eager_result(quantize):
+  """build_model converts inside one jit (no dense copy resident) and gives
+  exactly poetize(init_model(...)) with the run's seeds."""
+  import jax.numpy as jnp
+  import poetx_jax
+  from poetx_jax import train as T
+  from poetx_jax.models import llama
+  cfg = TrainConfig(model='tiny', optimizer='poetx', quantize=quantize, seed=3,
+                    model_overrides={'layers': 1})
+  mc = T.model_config(cfg, 512)
+  built = nnx.to_flat_state(nnx.state(T.build_model(cfg, mc)))
+  eager = poetx_jax.poetize(
+      llama.init_model(mc, seed=3, dtype=T.compute_dtype(cfg.dtype), param_dtype=jnp.float32),
+      block_size=mc.block_size, rngs=nnx.Rngs(4), quantize=quantize)
+  eager = nnx.to_flat_state(nnx.state(eager))
+  assert [p for p, _ in built] == [p for p, _ in eager]
+  for (path, a), (_, b) in zip(built, eager):
+    np.testing.assert_array_equal(np.asarray(a[...]), np.asarray(b[...]), err_msg=str(path))
