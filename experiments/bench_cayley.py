@@ -51,7 +51,8 @@ def bench_block(b, k, terms, iters, interpret, key):
   rows, checks = {}, {}
   for name, f in variants.items():
     fwd = jax.jit(f)
-    both = jax.jit(lambda q, ct, f=f: jax.vjp(f, q)[1](ct.astype(f(q).dtype))[0])
+    out_dtype = jax.eval_shape(f, q).dtype
+    both = jax.jit(lambda q, ct, f=f, dt=out_dtype: jax.vjp(f, q)[1](ct.astype(dt))[0])
     err = rel_err(fwd(q), want)
     checks[name] = err
     if not err < (1e-2 if 'bf16' in name else 1e-3):

@@ -317,10 +317,10 @@ def poet_linear(x_TxI: Array, kernel_IxO: Array, q_in_KxP: Array, q_out_KxP: Arr
     (T x I or T x O).
   * ``form='weight'``: rotate and permute the frozen kernel (I x O, independent
     of T), then one GEMM. The backward has the weight-gradient GEMM of a dense
-    layer, and all block products and gathers are weight-sized. Cheaper when
-    T is large against the block products' cost; see BENCHMARKS.md. The
+    layer, and all block products and gathers are weight-sized. The
     rotations run in float32 (TF32 products for 16-bit x) and the rotated
-    kernel is rounded to x's dtype once.
+    kernel is rounded to x's dtype once. Measured on an H200 (BENCHMARKS.md):
+    slower than the input form without remat, faster with it.
 
   Args:
     x_TxI: activations (..., I) in the compute dtype.

@@ -82,7 +82,8 @@ def scale_by_poetx(*, merge_every: int | None = 200, b1: float = 0.9,
       the squared gradient over its last axis (Adam-mini's idea). A POET
       layer's generators are ``(K, B(B-1)/2)``, one row per B x B block, so
       this keeps one second moment per block: the state shrinks from two
-      parameter-sized arrays to one (plus K numbers).
+      parameter-sized arrays to one (plus K numbers). A ragged last block's
+      padding entries (always zero gradient) count in its mean.
 
   Returns:
     An ``optax.GradientTransformation`` with :class:`ScaleByPoetxState`.

@@ -20,9 +20,10 @@ def make_train_step(loss_fn: tp.Callable, *, seed: int = 0, has_aux: bool = Fals
   gradient) and applies ``optimizer.update`` in one jitted program; when that
   update completed a merge cycle of the :func:`poetx_jax.poetx` optimizer (see
   :func:`poetx_jax.merge_due`) it then merges every POET layer
-  (:func:`poetx_jax.merge`: one compiled program per layer shape). The merge is kept out of the update program because unrolled over
-  every layer it multiplies the compile time (minutes for a 32-layer Llama);
-  the price is one device-to-host read of a flag per step. The permutation key
+  (:func:`poetx_jax.merge`: one compiled program per layer shape). The merge
+  is kept out of the update program because, unrolled over every layer, it
+  multiplied the program's compile time (BENCHMARKS.md); the price is one
+  device-to-host read of a flag per step. The permutation key
   of each merge is ``fold_in(key(seed), optimizer.step)``, so a resumed run
   draws the permutations an uninterrupted one would.
 
