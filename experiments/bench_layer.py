@@ -9,6 +9,8 @@ For each shape (I x O) and block size B, bf16 activations of T tokens:
   poetx weight fast   form='weight': rotate and permute the frozen kernel, then
                       one GEMM (a dense layer's backward, weight-sized rotations)
   poetx weight mem    the same with remat
+  poetx pallas-cn     the XLA path with its Cayley–Neumann step on the Pallas
+                      Mosaic GPU kernel (POETLinear(implementation='pallas'))
   poetx no-perm       the same without the two permutation gathers (a different
                       function: its output is not checked, it prices the gathers)
   poetx f32-acc       block products emitting float32, cast back to bf16
@@ -40,6 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from poetx_jax import ops
+from poetx_jax.linear import series_for
 
 
 def timeit(fn, *args, warmup=3, iters=20):
@@ -120,12 +123,12 @@ def bench_shape(i, o, b, t, iters, key, only=()):
   dense_tr = fwd_bwd(lambda x, w2, w, p_in, p_out: x @ w2, 2)
   dense_fr = fwd_bwd(lambda x, w, p_in, p_out: x @ w, 1)
 
-  def layer(remat, form='input', **kw):
+  def layer(remat, form='input', series=None, **kw):
     def f(x, qi, qo, w, p_in, p_out):
       if kw:
         return poet_variant(x, w, qi, qo, p_in, p_out, b=b, **kw)
       return ops.poet_linear(x, w, qi, qo, p_in, p_out, block_size=b, remat=remat,
-                             form=form)
+                             form=form, series=series)
     return fwd_bwd(f, 3)
 
   variants = {
@@ -139,6 +142,11 @@ def bench_shape(i, o, b, t, iters, key, only=()):
       'poetx f32-acc': (layer(False, rot='f32'), (x, q_in, q_out)),
       'poetx grouped-conv': (layer(False, rot='conv'), (x, q_in, q_out)),
   }
+  try:  # B a multiple of 64 and Mosaic GPU importable
+    variants['poetx pallas-cn'] = (layer(False, series=series_for('pallas', b)),
+                                   (x, q_in, q_out))
+  except ValueError as e:
+    print(f'  (no pallas-cn row: {e})')
   if only:
     variants = {k: v for k, v in variants.items()
                 if k.startswith('dense') or any(s in k for s in only)}

@@ -11,8 +11,9 @@ reads the device's peak memory. One table at the end; ``--json`` keeps it all.
         --runs poetx:mem:block,adamw --lean-state
     python3 experiments/bench_train.py --model tiny --seq-len 64 --steps 3   # CPU smoke test
 
-A run is ``optimizer[:mode[:remat[:quantize[:form]]]]``, e.g. ``poetx:mem:block:int8``
-or ``poetx:fast:none::weight`` (an empty field keeps its default).
+A run is ``optimizer[:mode[:remat[:quantize[:form[:implementation]]]]]``, e.g.
+``poetx:mem:block:int8``, ``poetx:fast:none::weight`` or ``poetx:::::pallas``
+(an empty field keeps its default).
 """
 
 from __future__ import annotations
@@ -71,13 +72,14 @@ def collective_bytes(hlo_text: str) -> dict[str, int]:
 def run_config(a, run: str):
   """The TrainConfig of run ``optimizer[:mode[:remat[:quantize[:form]]]]``."""
   from poetx_jax import train as T
-  parts = run.split(':') + [None] * 4
+  parts = run.split(':') + [None] * 5
   optimizer, mode, remat = parts[0], parts[1] or 'fast', parts[2] or 'none'
-  quant, form = parts[3] or None, parts[4] or 'input'
+  quant, form, impl = parts[3] or None, parts[4] or 'input', parts[5] or 'auto'
   overrides = json.loads(a.model_overrides) if a.model_overrides else {}
   cfg = T.TrainConfig(model=a.model, model_overrides=overrides, seq_len=a.seq_len,
                       batch_size=a.batch_size, steps=1000, optimizer=optimizer,
-                      mode=mode, form=form, remat=remat, quantize=quant,
+                      mode=mode, form=form, implementation=impl, remat=remat,
+                      quantize=quant,
                       lean_state=a.lean_state, dtype=a.dtype, block_size=a.block_size,
                       merge_every=a.merge_every,
                       param_dtype=getattr(a, 'param_dtype', 'float32'))

@@ -64,6 +64,10 @@ def _train_parser(sub):
   p.add_argument('--form', choices=('input', 'weight'), default=d.form,
                  help='POET layer product order: rotate the activations (input) or '
                       'the frozen weight (weight); same function')
+  p.add_argument('--implementation', choices=('auto', 'xla', 'pallas'),
+                 default=d.implementation,
+                 help="POET layers' Cayley-Neumann step: XLA, or the Pallas Mosaic GPU "
+                      'kernel (Hopper; block size a multiple of 64); auto = XLA for now')
   p.add_argument('--remat', choices=('none', 'block', 'attn'), default=d.remat,
                  help='rematerialise each decoder layer: keep only its input (block), '
                       'or its input and attention output (attn)')

@@ -17,6 +17,36 @@ from poetx_jax import ops
 
 Array = jax.Array
 MODES = ('fast', 'mem')
+IMPLEMENTATIONS = ('auto', 'xla', 'pallas')
+
+
+def _pallas_series(q_KxBxB, terms):
+  """The Cayley–Neumann step on the Mosaic GPU kernel (interpreted off-GPU)."""
+  from pallas_kernels import cayley_neumann as cn
+  return cn.cayley_neumann(q_KxBxB, terms=terms,
+                           interpret=jax.default_backend() != 'gpu')
+
+
+def series_for(implementation: str, block_size: int):
+  """The ``series`` argument of :func:`poetx_jax.ops.poet_linear` for an
+  implementation: None (XLA) or the Pallas kernel.
+
+  ``'auto'`` is XLA everywhere for now: on the H200 the kernel path is not yet
+  faster than XLA's series (BENCHMARKS.md).
+  """
+  if implementation not in IMPLEMENTATIONS:
+    raise ValueError(f'implementation must be one of {IMPLEMENTATIONS}, '
+                     f'got {implementation!r}')
+  if implementation != 'pallas':
+    return None
+  if block_size % 64:
+    raise ValueError(f"implementation='pallas' needs a block size that is a multiple "
+                     f"of 64, got {block_size}")
+  try:
+    from pallas_kernels import cayley_neumann  # noqa: F401
+  except ImportError as e:
+    raise ValueError(f"implementation='pallas' is unavailable here: {e}") from e
+  return _pallas_series
 
 
 class POETParam(nnx.Param):
@@ -70,6 +100,11 @@ class POETLinear(nnx.Module):
       ``'weight'`` rotates and permutes the frozen kernel and runs one dense
       GEMM (a dense layer's backward, but no activation-sized rotations or
       gathers). See :func:`poetx_jax.ops.poet_linear`.
+    implementation: ``'xla'``, ``'pallas'`` (the Cayley–Neumann step on the
+      Mosaic GPU kernel of ``pallas_kernels``, Hopper GPUs; interpreted on
+      other backends, for tests; B a multiple of 64) or ``'auto'`` (XLA until
+      a kernel path measures faster). Results agree with ``poetx_jax.ops``
+      either way.
     quantize: POET-XQ: store W0 as ``'int8'`` or ``'int4'`` with one float32
       scale per ``group_size`` input rows of each output column (symmetric),
       dequantised on the fly and re-quantised at every merge. None keeps W0
@@ -93,6 +128,7 @@ class POETLinear(nnx.Module):
       terms: int = ops.DEFAULT_TERMS,
       mode: str = 'fast',
       form: str = 'input',
+      implementation: str = 'auto',
       quantize: str | None = None,
       group_size: int = 128,
       use_bias: bool = True,
@@ -111,6 +147,7 @@ class POETLinear(nnx.Module):
       raise ValueError(f'mode must be one of {MODES}, got {mode!r}')
     if form not in ops.FORMS:
       raise ValueError(f'form must be one of {ops.FORMS}, got {form!r}')
+    series_for(implementation, block_size)  # validates
     if not isinstance(terms, int) or terms < 1:
       raise ValueError(f'terms must be an int >= 1, got {terms!r}')
     if quantize is not None and quantize not in ops.QUANT_BITS:
@@ -143,6 +180,7 @@ class POETLinear(nnx.Module):
     self.terms = terms
     self.mode = mode
     self.form = form
+    self.implementation = implementation
     self.use_bias = use_bias
     self.dtype = dtype
     self.precision = precision
@@ -197,7 +235,8 @@ class POETLinear(nnx.Module):
                         self.perm_in[...], self.perm_out[...],
                         block_size=self.block_size, terms=self.terms,
                         remat=self.mode == 'mem', form=self.form,
-                        precision=self.precision)
+                        precision=self.precision,
+                        series=series_for(self.implementation, self.block_size))
     if bias is not None:
       y = y + bias
     return y

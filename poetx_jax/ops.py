@@ -43,6 +43,7 @@ in the activations' dtype with float32 accumulation, as ``nnx.Linear``'s GEMM do
 from __future__ import annotations
 
 import functools
+import typing as tp
 
 import jax
 import jax.numpy as jnp
@@ -186,13 +187,17 @@ def _masked(q_KxP: Array, n: int, block_size: int) -> Array:
 
 def rotation_blocks_pair(q_in_KxP: Array, q_out_KxP: Array, i: int, o: int,
                          block_size: int, terms: int = DEFAULT_TERMS,
-                         precision=jax.lax.Precision.HIGHEST) -> tuple[Array, Array]:
+                         precision=jax.lax.Precision.HIGHEST,
+                         series: tp.Callable | None = None) -> tuple[Array, Array]:
   """rotation_blocks for both sides of a layer as one batched series.
 
   Same values as two ``rotation_blocks`` calls, in half the (small) kernels.
+  ``series(q_KxBxB, terms)``, if given, replaces :func:`cayley_neumann` (a
+  kernel implementation of the same map; ``precision`` is then unused).
   """
   q = jnp.concatenate([_masked(q_in_KxP, i, block_size), _masked(q_out_KxP, o, block_size)])
-  g = cayley_neumann(unpack_skew(q, block_size), terms, precision)
+  q = unpack_skew(q, block_size)
+  g = cayley_neumann(q, terms, precision) if series is None else series(q, terms)
   return g[:q_in_KxP.shape[0]], g[q_in_KxP.shape[0]:]
 
 
@@ -306,7 +311,8 @@ def _poet_weight_core(x, kernel_IxO, g_in, g_out, perm_in, perm_out, precision,
 def poet_linear(x_TxI: Array, kernel_IxO: Array, q_in_KxP: Array, q_out_KxP: Array,
                 perm_in_I: Array, perm_out_O: Array, *, block_size: int,
                 terms: int = DEFAULT_TERMS, remat: bool = False,
-                form: str = 'input', precision=None) -> Array:
+                form: str = 'input', precision=None,
+                series: tp.Callable | None = None) -> Array:
   """The POET-X layer ``y = x @ effective_kernel``.
 
   Two orders of the same product (equal up to rounding):
@@ -333,6 +339,8 @@ def poet_linear(x_TxI: Array, kernel_IxO: Array, q_in_KxP: Array, q_out_KxP: Arr
       backward and recompute the rest. False is POET-Xfast.
     form: ``'input'`` or ``'weight'`` (above).
     precision: precision of the activation-sized products.
+    series: optional kernel for the Cayley–Neumann step, see
+      :func:`rotation_blocks_pair`.
 
   Returns:
     y of shape (..., O) in x's dtype (no bias).
@@ -343,7 +351,7 @@ def poet_linear(x_TxI: Array, kernel_IxO: Array, q_in_KxP: Array, q_out_KxP: Arr
   exact = jnp.dtype(x_TxI.dtype).itemsize >= 4
   cn_precision = jax.lax.Precision.HIGHEST if exact else jax.lax.Precision.DEFAULT
   g_in, g_out = rotation_blocks_pair(q_in_KxP, q_out_KxP, i, o, block_size, terms,
-                                    cn_precision)
+                                    cn_precision, series)
   if form == 'input':
     g_in, g_out = g_in.astype(x_TxI.dtype), g_out.astype(x_TxI.dtype)
     core = functools.partial(_poet_core, precision=precision)

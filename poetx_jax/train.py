@@ -56,6 +56,7 @@ class TrainConfig:
   block_size: int | None = None        # None: the model config's
   mode: str = 'fast'
   form: str = 'input'                  # POET layer product order: input or weight
+  implementation: str = 'auto'         # POET Cayley–Neumann step: auto, xla, pallas
   remat: str = 'none'                  # per decoder layer: none, block, attn
   quantize: str | None = None          # POET-XQ base weights: 'int8' or 'int4'
   group_size: int = 128
@@ -81,6 +82,9 @@ class TrainConfig:
       raise ValueError(f'mode must be one of {poetx_jax.linear.MODES}, got {self.mode!r}')
     if self.form not in poetx_jax.ops.FORMS:
       raise ValueError(f'form must be one of {poetx_jax.ops.FORMS}, got {self.form!r}')
+    if self.implementation not in poetx_jax.linear.IMPLEMENTATIONS:
+      raise ValueError(f'implementation must be one of {poetx_jax.linear.IMPLEMENTATIONS}, '
+                       f'got {self.implementation!r}')
     if self.quantize is not None and self.optimizer != 'poetx':
       raise ValueError(f'quantize={self.quantize!r} needs optimizer poetx (the AdamW '
                        f'baseline trains its weights in full precision)')
@@ -136,7 +140,8 @@ def build_model(cfg: TrainConfig, mc: llama.LlamaConfig):
     return llama.init_model(mc, seed=cfg.seed, dtype=dtype, param_dtype=param_dtype,
                             remat=cfg.remat)
   layer_kwargs = (('block_size', cfg.block_size or mc.block_size), ('mode', cfg.mode),
-                  ('form', cfg.form), ('quantize', cfg.quantize),
+                  ('form', cfg.form), ('implementation', cfg.implementation),
+                  ('quantize', cfg.quantize),
                   ('group_size', cfg.group_size))
   return _build_poet(jnp.asarray(cfg.seed, jnp.uint32),
                      jnp.asarray(cfg.seed + 1, jnp.uint32), config=mc, dtype=dtype,

@@ -184,3 +184,23 @@ def test_bad_input_errors():
   conv.kernel = nnx.Param(jnp.ones((3, 8, 8)))
   with pytest.raises(ValueError, match='2-D kernel'):
     POETLinear.from_linear(conv, block_size=4, rngs=rngs)
+
+
+def test_pallas_implementation_matches_xla(keys):
+  pytest.importorskip('pallas_kernels.cayley_neumann')
+  x = jax.random.normal(keys(), (5, 128))
+  layers = {impl: POETLinear(128, 96, block_size=64, implementation=impl,
+                             rngs=nnx.Rngs(4)) for impl in ('xla', 'pallas')}
+  for layer in layers.values():
+    _randomize(layer, jax.random.key(1))
+  ct = jax.random.normal(keys(), (5, 96))
+  out = {impl: nnx.value_and_grad(lambda m: (m(x) * ct).sum())(layer)
+         for impl, layer in layers.items()}
+  assert rel_err(out['pallas'][0], out['xla'][0]) < 1e-5
+  for name in ('q_in', 'q_out'):
+    assert rel_err(out['pallas'][1][name][...], out['xla'][1][name][...]) < 1e-4
+  assert POETLinear(64, 64, block_size=64, rngs=nnx.Rngs(0)).implementation == 'auto'
+  with pytest.raises(ValueError, match='multiple of 64, got 32'):
+    POETLinear(64, 64, block_size=32, implementation='pallas', rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match="implementation must be one of .*got 'cuda'"):
+    POETLinear(64, 64, block_size=32, implementation='cuda', rngs=nnx.Rngs(0))
