@@ -157,6 +157,12 @@ def _build_poet(seed, poet_seed, *, config, dtype, param_dtype, remat, layer_kwa
                            **dict(layer_kwargs))
 
 
+def _gib(tree) -> str:
+  """Total bytes of a state's arrays, as text ('1.23 GiB' or '456.7 MiB')."""
+  n = sum(x.size * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
+  return f'{n / 2 ** 30:.2f} GiB' if n >= 2 ** 30 else f'{n / 2 ** 20:.1f} MiB'
+
+
 def schedule(peak: float, cfg: TrainConfig) -> optax.Schedule:
   """Linear warmup to ``peak``, cosine decay to ``min_lr_ratio * peak``."""
   total = max(cfg.steps, cfg.warmup + 1)
@@ -372,6 +378,8 @@ def train(cfg: TrainConfig, *, resume: bool = False, log=print,
   log(f'model: {cfg.model} ({n_params:,} trainable parameters, '
       f'{mc.num_params():,} in the dense model), optimizer {cfg.optimizer}, '
       f'dtype {jnp.dtype(compute_dtype(cfg.dtype)).name}')
+  log(f'state: model {_gib(nnx.state(model))}, optimizer {_gib(nnx.state(optimizer))}; '
+      f'gradients {_gib(nnx.state(model, nnx.Param))} during a step')
 
   # Each process reads its own share of the windows and feeds its own rows.
   pc, pi = jax.process_count(), jax.process_index()
