@@ -335,8 +335,9 @@ def poet_linear(x_TxI: Array, kernel_IxO: Array, q_in_KxP: Array, q_out_KxP: Arr
     perm_in_I, perm_out_O: the permutations Phi_I and Phi_O as index arrays.
     block_size: B.
     terms: Cayley–Neumann terms.
-    remat: POET-Xmem: keep only x (and the small rotation blocks) for the
-      backward and recompute the rest. False is POET-Xfast.
+    remat: POET-Xmem: keep only x for the backward and recompute the rest,
+      the Cayley–Neumann series included (its powers, kept by POET-Xfast,
+      are several K x B x B float32 arrays per side). False is POET-Xfast.
     form: ``'input'`` or ``'weight'`` (above).
     precision: precision of the activation-sized products.
     series: optional kernel for the Cayley–Neumann step, see
@@ -350,18 +351,20 @@ def poet_linear(x_TxI: Array, kernel_IxO: Array, q_in_KxP: Array, q_out_KxP: Arr
   i, o = kernel_IxO.shape
   exact = jnp.dtype(x_TxI.dtype).itemsize >= 4
   cn_precision = jax.lax.Precision.HIGHEST if exact else jax.lax.Precision.DEFAULT
-  g_in, g_out = rotation_blocks_pair(q_in_KxP, q_out_KxP, i, o, block_size, terms,
-                                    cn_precision, series)
-  if form == 'input':
-    g_in, g_out = g_in.astype(x_TxI.dtype), g_out.astype(x_TxI.dtype)
-    core = functools.partial(_poet_core, precision=precision)
-  else:
-    core = functools.partial(_poet_weight_core, precision=precision,
-                             rot_precision=cn_precision)
-  if remat:
-    core = jax.checkpoint(core, policy=jax.checkpoint_policies.nothing_saveable)
-  return core(x_TxI, kernel_IxO.astype(x_TxI.dtype), g_in, g_out, perm_in_I,
-              perm_out_O)
+
+  def layer(x, kernel, q_in, q_out, perm_in, perm_out):
+    g_in, g_out = rotation_blocks_pair(q_in, q_out, i, o, block_size, terms,
+                                      cn_precision, series)
+    if form == 'input':
+      return _poet_core(x, kernel, g_in.astype(x.dtype), g_out.astype(x.dtype),
+                        perm_in, perm_out, precision)
+    return _poet_weight_core(x, kernel, g_in, g_out, perm_in, perm_out, precision,
+                             cn_precision)
+
+  if remat:  # the series too: its saved powers are K x B x B float32 arrays per side
+    layer = jax.checkpoint(layer, policy=jax.checkpoint_policies.nothing_saveable)
+  return layer(x_TxI, kernel_IxO.astype(x_TxI.dtype), q_in_KxP, q_out_KxP, perm_in_I,
+               perm_out_O)
 
 
 def effective_kernel(kernel_IxO: Array, q_in_KxP: Array, q_out_KxP: Array,

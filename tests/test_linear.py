@@ -150,6 +150,20 @@ def test_mem_mode_saves_fewer_residuals(keys):
     np.testing.assert_allclose(g[0][name][...], g[1][name][...], rtol=1e-5, atol=1e-6)
 
 
+def test_mem_mode_recomputes_the_series(keys):
+  """POET-Xmem saves only its arguments: no rotation blocks or series powers."""
+  x = jax.random.normal(keys(), (37, 48))
+  layer = POETLinear(48, 32, block_size=16, mode='mem', rngs=nnx.Rngs(3))
+  _randomize(layer, jax.random.key(0))
+  apply = _as_function(layer)
+  buf = io.StringIO()
+  with contextlib.redirect_stdout(buf):
+    print_saved_residuals(lambda x, a, b: apply(x, a, b).sum(), x, layer.q_in[...],
+                          layer.q_out[...])
+  saved = [l for l in buf.getvalue().splitlines() if l and 'from the argument' not in l]
+  assert not [l for l in saved if ',16,16]' in l], saved  # no (K, B, B) blocks
+
+
 def test_weight_form_saves_no_activations(keys):
   x = jax.random.normal(keys(), (37, 48))
   layer = POETLinear(48, 32, block_size=16, form='weight', rngs=nnx.Rngs(3))
