@@ -13,6 +13,7 @@ Results go to a JSON file and a plot of peak memory against model size.
     python3 experiments/bench_memory.py --largest --runs adamw,poetx:mem:block:int4
     python3 experiments/bench_memory.py --models tiny --seqs 64 --vocab-size 512 --steps 2   # CPU smoke
     python3 experiments/bench_memory.py --models 8b --state-only --lean-state   # no GPU: state sizes
+    python3 experiments/bench_memory.py --models 8b --state-only --compiled --runs poetx:mem:block  # + XLA's buffers
 
 Runs are bench_train.py's ``optimizer[:mode[:remat[:quantize]]]``.
 """
@@ -83,21 +84,27 @@ def plot(results, path):
 def state_table(a):
   names = a.ladder.split(',') if a.largest else a.models.split(',')
   print(f'{"model":6s} {"run":24s} {"model GiB":>9s} {"trainable":>9s} '
-        f'{"optimizer":>9s} {"model+grads+opt":>15s}')
+        f'{"optimizer":>9s} {"model+grads+opt":>15s}' +
+        (f' {"compiled args":>13s} {"temporaries":>11s}' if a.compiled else ''))
   rows = []
   for name in names:
     overrides = LADDER.get(name, {}) if a.largest else {}
     base = name if name in KNOWN else '13b'
     for run in a.runs.split(','):
       args = argparse.Namespace(
-          model=base, model_overrides=json.dumps(overrides), seq_len=1024, batch_size=1,
+          model=base, model_overrides=json.dumps(overrides), seq_len=int(a.seqs.split(',')[0]), batch_size=1,
           vocab_size=a.vocab_size, block_size=None, merge_every=a.merge_every,
           dtype='bfloat16', param_dtype=a.param_dtype, lean_state=a.lean_state)
       r = bench_train.resident_state(args, run)
+      extra = ''
+      if a.compiled:
+        c = bench_train.compiled_memory(args, run)
+        r.update(compiled=c)
+        extra = f' {c["arguments_gib"]:13.2f} {c["temporaries_gib"]:11.2f}'
       r['model'] = name
       rows.append(r)
       print(f'{name:6s} {run:24s} {r["model_gib"]:9.2f} {r["trainable_gib"]:9.2f} '
-            f'{r["optimizer_gib"]:9.2f} {r["floor_gib"]:15.2f}', flush=True)
+            f'{r["optimizer_gib"]:9.2f} {r["floor_gib"]:15.2f}{extra}', flush=True)
   with open(a.json, 'w') as f:
     json.dump(rows, f, indent=1)
 
@@ -113,6 +120,9 @@ def main(argv=None):
   p.add_argument('--state-only', action='store_true',
                  help='no GPU needed: the resident state (model, gradients, optimizer) '
                       'of each model and run, from abstract shapes')
+  p.add_argument('--compiled', action='store_true',
+                 help='with --state-only: also compile each update program for this '
+                      "backend and report XLA's arguments and temporaries (slow)")
   p.add_argument('--ladder', default=','.join(LADDER))
   p.add_argument('--vocab-size', type=int, default=32000)
   p.add_argument('--param-dtype', default='bfloat16', choices=('float32', 'bfloat16'))

@@ -117,6 +117,39 @@ def resident_state(a, run: str) -> dict:
   return r
 
 
+def compiled_memory(a, run: str) -> dict:
+  """GiB of the compiled update program for this backend, from abstract state.
+
+  Lowers and compiles the jitted gradient-and-update program of the run on
+  ``nnx.eval_shape`` state (nothing allocated) and reads XLA's buffer
+  assignment: ``arguments`` (model, optimizer state and batch) and
+  ``temporaries`` (everything else live during the step, gradients and saved
+  activations included). Merges run in their own small programs.
+  """
+  import jax
+  import jax.numpy as jnp
+  from flax import nnx
+  from poetx_jax import train as T
+  cfg = run_config(a, run)
+  mc = T.model_config(cfg, a.vocab_size)
+
+  def build():
+    model = T.build_model(cfg, mc)
+    return model, T.build_optimizer(cfg, model)
+
+  model, opt = nnx.eval_shape(build)
+  tokens = jax.ShapeDtypeStruct((a.batch_size, a.seq_len), jnp.int32)
+  step = T.make_step(cfg)
+  t0 = time.perf_counter()
+  compiled = getattr(step, 'update', step).lower(
+      model, opt, {'inputs': tokens, 'targets': tokens}).compile()
+  m = compiled.memory_analysis()
+  return {'run': run, 'model': a.model, 'seq_len': a.seq_len, 'batch': a.batch_size,
+          'backend': jax.default_backend(), 'compile_s': time.perf_counter() - t0,
+          'arguments_gib': m.argument_size_in_bytes / 2 ** 30,
+          'temporaries_gib': m.temp_size_in_bytes / 2 ** 30}
+
+
 def one_run(a, run: str) -> dict:
   import jax
   import jax.numpy as jnp

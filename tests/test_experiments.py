@@ -6,6 +6,7 @@ import pathlib
 import subprocess
 import sys
 
+import jax
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -43,3 +44,28 @@ def test_bench_cayley_interpreted():
       capture_output=True, text=True, timeout=600, cwd=ROOT)
   assert out.returncode == 0, out.stderr[-2000:]
   assert 'pallas bf16-out' in out.stdout and 'K=3' in out.stdout
+
+
+def test_bench_memory_state_only(tmp_path):
+  """Resident state from abstract shapes matches the real arrays' bytes; the
+  compiled program's arguments hold exactly that state plus the batch."""
+  import bench_memory
+  out = tmp_path / 'state.json'
+  bench_memory.main(['--models', 'tiny', '--seqs', '32', '--vocab-size', '256',
+                     '--state-only', '--compiled', '--lean-state',
+                     '--runs', 'poetx:mem:block:int8', '--json', str(out)])
+  (r,) = json.loads(out.read_text())
+  a = argparse.Namespace(model='tiny', model_overrides='', seq_len=32, batch_size=1,
+                         vocab_size=256, block_size=None, merge_every=2,
+                         dtype='bfloat16', param_dtype='bfloat16', lean_state=True)
+  from flax import nnx
+  from poetx_jax import train as T
+  cfg = bench_train.run_config(a, 'poetx:mem:block:int8')
+  model = T.build_model(cfg, T.model_config(cfg, 256))
+  opt = T.build_optimizer(cfg, model)
+  real = lambda t: sum(x.nbytes for x in jax.tree.leaves(t)) / 2 ** 30
+  assert abs(r['model_gib'] - real(nnx.state(model))) < 1e-9
+  assert abs(r['optimizer_gib'] - real(nnx.state(opt))) < 1e-9
+  batch = 2 * 32 * 4 / 2 ** 30
+  assert abs(r['compiled']['arguments_gib'] - (r['model_gib'] + r['optimizer_gib'] + batch)) < 1e-6
+  assert r['compiled']['temporaries_gib'] > 0
