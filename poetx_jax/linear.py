@@ -229,14 +229,21 @@ class POETLinear(nnx.Module):
   def __call__(self, inputs: Array) -> Array:
     """y = inputs @ effective_kernel (+ bias)."""
     bias = self.bias[...] if self.bias is not None else None
-    x, kernel, bias = dtypes.promote_dtype((inputs, self.base_kernel(), bias),
-                                           dtype=self.dtype)
+    if self.quantize is None:
+      x, kernel, bias = dtypes.promote_dtype((inputs, self.kernel[...], bias),
+                                             dtype=self.dtype)
+      scale = None
+    else:  # dequantised inside the layer (recomputed under mode='mem')
+      dtype = self.dtype or jnp.result_type(inputs, jnp.float32)
+      x, bias = dtypes.promote_dtype((inputs, bias), dtype=dtype)
+      kernel, scale = self.kernel[...], self.kernel_scale[...]
     y = ops.poet_linear(x, kernel, self.q_in[...], self.q_out[...],
                         self.perm_in[...], self.perm_out[...],
                         block_size=self.block_size, terms=self.terms,
                         remat=self.mode == 'mem', form=self.form,
                         precision=self.precision,
-                        series=series_for(self.implementation, self.block_size))
+                        series=series_for(self.implementation, self.block_size),
+                        kernel_scale=scale)
     if bias is not None:
       y = y + bias
     return y

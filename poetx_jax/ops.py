@@ -312,7 +312,8 @@ def poet_linear(x_TxI: Array, kernel_IxO: Array, q_in_KxP: Array, q_out_KxP: Arr
                 perm_in_I: Array, perm_out_O: Array, *, block_size: int,
                 terms: int = DEFAULT_TERMS, remat: bool = False,
                 form: str = 'input', precision=None,
-                series: tp.Callable | None = None) -> Array:
+                series: tp.Callable | None = None,
+                kernel_scale: Array | None = None) -> Array:
   """The POET-X layer ``y = x @ effective_kernel``.
 
   Two orders of the same product (equal up to rounding):
@@ -342,17 +343,25 @@ def poet_linear(x_TxI: Array, kernel_IxO: Array, q_in_KxP: Array, q_out_KxP: Arr
     precision: precision of the activation-sized products.
     series: optional kernel for the Cayley–Neumann step, see
       :func:`rotation_blocks_pair`.
+    kernel_scale: POET-XQ: ``kernel_IxO`` is then the quantised base of
+      :func:`quantize_kernel` (rows padded to whole groups) and this its
+      scales; it is dequantised to x's dtype inside the layer, so with
+      ``remat`` only the quantised base is kept.
 
   Returns:
     y of shape (..., O) in x's dtype (no bias).
   """
   if form not in FORMS:
     raise ValueError(f'form must be one of {FORMS}, got {form!r}')
-  i, o = kernel_IxO.shape
+  i, o = x_TxI.shape[-1], kernel_IxO.shape[1]
   exact = jnp.dtype(x_TxI.dtype).itemsize >= 4
   cn_precision = jax.lax.Precision.HIGHEST if exact else jax.lax.Precision.DEFAULT
 
-  def layer(x, kernel, q_in, q_out, perm_in, perm_out):
+  def layer(x, kernel, scale, q_in, q_out, perm_in, perm_out):
+    if scale is None:
+      kernel = kernel.astype(x.dtype)
+    else:
+      kernel = dequantize_kernel(kernel, scale, i, x.dtype)
     g_in, g_out = rotation_blocks_pair(q_in, q_out, i, o, block_size, terms,
                                       cn_precision, series)
     if form == 'input':
@@ -363,7 +372,7 @@ def poet_linear(x_TxI: Array, kernel_IxO: Array, q_in_KxP: Array, q_out_KxP: Arr
 
   if remat:  # the series too: its saved powers are K x B x B float32 arrays per side
     layer = jax.checkpoint(layer, policy=jax.checkpoint_policies.nothing_saveable)
-  return layer(x_TxI, kernel_IxO.astype(x_TxI.dtype), q_in_KxP, q_out_KxP, perm_in_I,
+  return layer(x_TxI, kernel_IxO, kernel_scale, q_in_KxP, q_out_KxP, perm_in_I,
                perm_out_O)
 
 
