@@ -56,3 +56,27 @@ def test_xq_layer_close_to_float_layer_and_merge_requantises(keys, bits):
 def test_bad_quantize_option():
   with pytest.raises(ValueError, match="quantize must be None or one of"):
     POETLinear(8, 8, block_size=4, quantize='fp8', rngs=nnx.Rngs(0))
+
+
+def test_int8_bases_add_no_dequantised_copies_under_remat():
+  """Under model-level remat, the dequantised bases (and rotation blocks) are
+  made layer by layer: the compiled step's temporaries with int8 bases stay
+  within 10% of the bf16 ones (before the fix they were 48% above)."""
+  import jax.numpy as jnp
+  from poetx_jax import train as T
+
+  def temporaries(quantize):
+    cfg = T.TrainConfig(
+        model='tiny', optimizer='poetx', mode='mem', remat='block', quantize=quantize,
+        param_dtype='bfloat16', dtype='bfloat16', seq_len=256, batch_size=1,
+        model_overrides={'layers': 4, 'hidden': 256, 'mlp': 512, 'heads': 4,
+                         'kv_heads': 4, 'max_seq_len': 256, 'block_size': 64})
+    mc = T.model_config(cfg, 512)
+    model, opt = nnx.eval_shape(
+        lambda: (lambda m: (m, T.build_optimizer(cfg, m)))(T.build_model(cfg, mc)))
+    tokens = jax.ShapeDtypeStruct((1, 256), jnp.int32)
+    compiled = T.make_step(cfg).update.lower(
+        model, opt, {'inputs': tokens, 'targets': tokens}).compile()
+    return compiled.memory_analysis().temp_size_in_bytes
+
+  assert temporaries('int8') < 1.1 * temporaries(None)
