@@ -31,7 +31,6 @@ float32) before it is timed. Times are medians of device-synchronised runs.
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import statistics
 import sys

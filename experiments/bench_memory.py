@@ -53,12 +53,10 @@ def run_one(a, model, overrides, seq, run, cap_gib):
          '--param-dtype', a.param_dtype, '--single', run]
   if a.lean_state:
     cmd.append('--lean-state')
-  rc, out, err = bench_train.run_child(cmd, f'{model} seq {seq} {run}', env=env)
-  if rc:
-    tail = (err or out).strip().splitlines()[-2:]
+  r, error = bench_train.run_child(cmd, f'{model} seq {seq} {run}', env=env)
+  if error is not None:
     return {'run': run, 'model': model, 'seq_len': seq, 'cap_gib': cap_gib,
-            'error': ' | '.join(tail)[-300:]}
-  r = json.loads(out.strip().splitlines()[-1])
+            'error': error}
   r.update(model=model, cap_gib=cap_gib)
   return r
 

@@ -57,12 +57,10 @@ def main(argv=None):
       else:
         env['CUDA_VISIBLE_DEVICES'] = ','.join(map(str, range(n)))
       cmd = [sys.executable, __file__] + (argv or sys.argv[1:]) + ['--single', run]
-      rc, out, err = bench_train.run_child(cmd, f'{run} x{n}', env=env)
-      if rc:
-        r = {'run': run, 'devices': n,
-             'error': ' | '.join((err or out).strip().splitlines()[-3:])}
+      r, error = bench_train.run_child(cmd, f'{run} x{n}', env=env)
+      if error is not None:
+        r = {'run': run, 'devices': n, 'error': error}
       else:
-        r = json.loads(out.strip().splitlines()[-1])
         r['run'] = run
       results.append(r)
       print(json.dumps(r), flush=True)
@@ -72,7 +70,7 @@ def main(argv=None):
   base = {}
   for r in results:
     if 'error' in r:
-      print(f'{r["run"]:14s} {r["devices"]:7d} failed: {r["error"][:80]}')
+      print(f'{r["run"]:14s} {r["devices"]:7d} failed: {r["error"][-80:]}')
       continue
     if r['devices'] == 1:
       base[r['run']] = r['tokens_per_s']

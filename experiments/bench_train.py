@@ -24,6 +24,7 @@ import math
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 
@@ -32,20 +33,29 @@ def progress(msg: str) -> None:
   print(f'[{time.strftime("%H:%M:%S")}] {msg}', file=sys.stderr, flush=True)
 
 
-def run_child(cmd: list[str], label: str, env=None) -> tuple[int, str, str]:
-  """Runs one benchmark process: its progress lines (stderr) are echoed as
-  they come, prefixed with ``label``; returns (exit code, stdout, last stderr
-  lines). Library warnings are kept out of the echo but not out of the tail."""
-  proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                          text=True, env=env)
-  tail = []
-  for line in proc.stderr:
-    line = line.rstrip('\n')
-    tail = (tail + [line])[-20:]
-    if line.startswith('['):
-      print(f'  {label}: {line}', file=sys.stderr, flush=True)
-  out = proc.stdout.read()
-  return proc.wait(), out, '\n'.join(tail)
+def run_child(cmd: list[str], label: str, env=None) -> tuple[dict | None, str | None]:
+  """Runs one benchmark process whose last stdout line is its JSON result.
+
+  Its progress lines (stderr) are echoed as they come, prefixed with
+  ``label`` (library warnings are not). Returns ``(result, None)``, or
+  ``(None, error)`` with the last lines of its output when it failed.
+  """
+  with tempfile.TemporaryFile(mode='w+') as stdout:
+    proc = subprocess.Popen(cmd, stdout=stdout, stderr=subprocess.PIPE, text=True,
+                            env=env)
+    tail = []
+    for line in proc.stderr:
+      line = line.rstrip('\n')
+      tail = (tail + [line])[-20:]
+      if line.startswith('['):
+        print(f'  {label}: {line}', file=sys.stderr, flush=True)
+    rc = proc.wait()
+    stdout.seek(0)
+    out = stdout.read().strip()
+  if rc:
+    lines = ('\n'.join(tail) or out).strip().splitlines()
+    return None, ' | '.join(lines[-3:])[-300:]
+  return json.loads(out.splitlines()[-1]), None
 
 
 def collective_bytes(hlo_text: str) -> dict[str, int]:
@@ -102,12 +112,7 @@ def resident_state(a, run: str) -> dict:
   from poetx_jax import train as T
   cfg = run_config(a, run)
   mc = T.model_config(cfg, a.vocab_size)
-
-  def build():
-    model = T.build_model(cfg, mc)
-    return model, T.build_optimizer(cfg, model)
-
-  model, opt = nnx.eval_shape(build)
+  model, opt = T.abstract_state(cfg, mc)
   gib = lambda tree: sum(x.size * np.dtype(x.dtype).itemsize
                          for x in jax.tree.leaves(tree)) / 2 ** 30
   r = {'run': run, 'model': a.model, 'dense_params': mc.num_params(),
@@ -121,23 +126,16 @@ def compiled_memory(a, run: str) -> dict:
   """GiB of the compiled update program for this backend, from abstract state.
 
   Lowers and compiles the jitted gradient-and-update program of the run on
-  ``nnx.eval_shape`` state (nothing allocated) and reads XLA's buffer
+  abstract state (``train.abstract_state``, nothing allocated) and reads XLA's buffer
   assignment: ``arguments`` (model, optimizer state and batch) and
   ``temporaries`` (everything else live during the step, gradients and saved
   activations included). Merges run in their own small programs.
   """
   import jax
   import jax.numpy as jnp
-  from flax import nnx
   from poetx_jax import train as T
   cfg = run_config(a, run)
-  mc = T.model_config(cfg, a.vocab_size)
-
-  def build():
-    model = T.build_model(cfg, mc)
-    return model, T.build_optimizer(cfg, model)
-
-  model, opt = nnx.eval_shape(build)
+  model, opt = T.abstract_state(cfg, T.model_config(cfg, a.vocab_size))
   tokens = jax.ShapeDtypeStruct((a.batch_size, a.seq_len), jnp.int32)
   step = T.make_step(cfg)
   t0 = time.perf_counter()
@@ -158,7 +156,6 @@ def one_run(a, run: str) -> dict:
 
   import poetx_jax
   from poetx_jax import train as T
-  from poetx_jax.models import llama
 
   cfg = run_config(a, run)
   optimizer = cfg.optimizer
@@ -254,12 +251,8 @@ def main(argv=None):
   results = []
   base = [sys.executable, __file__] + [x for x in (argv or sys.argv[1:])]
   for run in a.runs.split(','):
-    rc, out, err = run_child(base + ['--single', run], run)
-    if rc != 0:
-      tail = (err or out).strip().splitlines()[-3:]
-      results.append({'run': run, 'error': ' | '.join(tail)})
-    else:
-      results.append(json.loads(out.strip().splitlines()[-1]))
+    r, error = run_child(base + ['--single', run], run)
+    results.append(r if error is None else {'run': run, 'error': error})
     print(json.dumps(results[-1]), flush=True)
   print(f'\n{a.model}, seq {a.seq_len}, batch {a.batch_size}'
         f'{", lean state" if a.lean_state else ""}')
@@ -267,7 +260,7 @@ def main(argv=None):
         f'{"opt state GiB":>14s}')
   for r in results:
     if 'error' in r:
-      print(f'{r["run"]:28s} failed: {r["error"][:90]}')
+      print(f'{r["run"]:28s} failed: {r["error"][-90:]}')
     else:
       print(f'{r["run"]:28s} {r["tokens_per_s"]:10,.0f} {1e3 * r["step_s"]:9.1f} '
             f'{r["peak_gib"]:9.2f} {r["optimizer_state_gib"]:14.3f}')

@@ -68,10 +68,11 @@ def poetize(model, *, block_size: int, rngs: nnx.Rngs,
     except ValueError as e:
       raise ValueError(f'cannot poetize layer {name!r} '
                        f'(kernel {node.kernel.shape}): {e}') from e
-    old = node.kernel[...]
-    if (consume and not isinstance(old, jax.core.Tracer)  # traced: nothing to free
-        and all(old is not x for x in jax.tree.leaves(nnx.state(layer)))):
-      old.delete()
+    if consume:
+      old = node.kernel[...]
+      if (not isinstance(old, jax.core.Tracer)  # traced: nothing to free
+          and all(old is not x for x in jax.tree.leaves(nnx.state(layer)))):
+        old.delete()
     return layer
 
   return nnx.recursive_map(convert, model)

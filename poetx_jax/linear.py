@@ -43,7 +43,7 @@ def series_for(implementation: str, block_size: int):
     raise ValueError(f"implementation='pallas' needs a block size that is a multiple "
                      f"of 64, got {block_size}")
   try:
-    from pallas_kernels import cayley_neumann  # noqa: F401
+    from pallas_kernels import cayley_neumann  # noqa: F401  (availability check)
   except ImportError as e:
     raise ValueError(f"implementation='pallas' is unavailable here: {e}") from e
   return _pallas_series

@@ -15,7 +15,6 @@ import pathlib
 import signal
 import sys
 import time
-import typing as tp
 
 import jax
 import jax.numpy as jnp
@@ -161,6 +160,17 @@ def _gib(tree) -> str:
   """Total bytes of a state's arrays, as text ('1.23 GiB' or '456.7 MiB')."""
   n = sum(x.size * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
   return f'{n / 2 ** 30:.2f} GiB' if n >= 2 ** 30 else f'{n / 2 ** 20:.1f} MiB'
+
+
+def abstract_state(cfg: TrainConfig, mc: llama.LlamaConfig):
+  """``(model, optimizer)`` of the run as shapes only (``nnx.eval_shape``):
+  for sizing and compiling without allocating anything."""
+
+  def build():
+    model = build_model(cfg, mc)
+    return model, build_optimizer(cfg, model)
+
+  return nnx.eval_shape(build)
 
 
 def schedule(peak: float, cfg: TrainConfig) -> optax.Schedule:

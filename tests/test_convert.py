@@ -8,7 +8,6 @@ from flax import nnx
 
 from conftest import rel_err, skew_params
 import poetx_jax
-from poetx_jax import POETLinear
 
 
 class Tiny(nnx.Module):

@@ -2,7 +2,6 @@
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 from flax import nnx
 
@@ -71,9 +70,7 @@ def test_int8_bases_add_no_dequantised_copies_under_remat():
         param_dtype='bfloat16', dtype='bfloat16', seq_len=256, batch_size=1,
         model_overrides={'layers': 4, 'hidden': 256, 'mlp': 512, 'heads': 4,
                          'kv_heads': 4, 'max_seq_len': 256, 'block_size': 64})
-    mc = T.model_config(cfg, 512)
-    model, opt = nnx.eval_shape(
-        lambda: (lambda m: (m, T.build_optimizer(cfg, m)))(T.build_model(cfg, mc)))
+    model, opt = T.abstract_state(cfg, T.model_config(cfg, 512))
     tokens = jax.ShapeDtypeStruct((1, 256), jnp.int32)
     compiled = T.make_step(cfg).update.lower(
         model, opt, {'inputs': tokens, 'targets': tokens}).compile()

@@ -149,7 +149,6 @@ def test_cli_train_eval_export_plot(tmp_path, corpus, capsys):
 
 
 def test_sigterm_saves_and_resume_continues(tmp_path, corpus):
-  import os
   import signal
   import subprocess
   import sys
