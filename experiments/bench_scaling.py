@@ -1,6 +1,7 @@
 """Data-parallel scaling of POET-X against optax AdamW on one host.
 
-Each (run, device count) is a fresh process that sees the first N devices,
+Each (run, device count) is a fresh process that sees the first N devices
+(of ``CUDA_VISIBLE_DEVICES`` where it is set),
 splits a global batch of ``N * --per-device-batch`` sequences over them (weak
 scaling), checks the setup as bench_train.py does, and times the step. It also
 reads the compiled step's cross-device collectives (result bytes of every
@@ -54,8 +55,13 @@ def main(argv=None):
       if a.cpu_devices:
         env.update(XLA_FLAGS=f'--xla_force_host_platform_device_count={n}',
                    JAX_PLATFORMS='cpu')
-      else:
-        env['CUDA_VISIBLE_DEVICES'] = ','.join(map(str, range(n)))
+      else:  # the first n GPUs this process may use
+        visible = os.environ.get('CUDA_VISIBLE_DEVICES')
+        ids = visible.split(',') if visible else list(map(str, range(n)))
+        if len(ids) < n:
+          raise SystemExit(f'--devices asks for {n} GPUs but CUDA_VISIBLE_DEVICES={visible!r} '
+                           f'lists {len(ids)}')
+        env['CUDA_VISIBLE_DEVICES'] = ','.join(ids[:n])
       cmd = [sys.executable, __file__] + (argv or sys.argv[1:]) + ['--single', run]
       r, error = bench_train.run_child(cmd, f'{run} x{n}', env=env)
       if error is not None:
