@@ -8,7 +8,6 @@ summary. ``poetx train`` (cli.py) is a thin shell over it.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import math
 import pathlib
@@ -129,31 +128,27 @@ def model_config(cfg: TrainConfig, vocab_size: int) -> llama.LlamaConfig:
 def build_model(cfg: TrainConfig, mc: llama.LlamaConfig):
   """The Llama (poetized for POET-X) as it is at step 0 of the run.
 
-  For POET-X the dense model is built and converted in one compiled program,
-  so its dense weights are never all resident: XLA frees each layer's dense
-  kernel once its (permuted, possibly quantised) base exists. The result is
-  that of ``poetize(init_model(...), rngs=nnx.Rngs(seed + 1), ...)``.
+  For POET-X each decoder layer is converted as soon as it is built (its dense
+  kernels freed), so the dense weights of only one layer are resident at a
+  time. The result is that of ``poetize(init_model(...), rngs=nnx.Rngs(seed +
+  1), ...)``. Built op by op, not in one jitted program: a whole-model program
+  compiles its initialisers and permutation draws once per layer (minutes on a
+  GPU for Llama-1B), op by op they compile once per shape.
   """
   dtype, param_dtype = compute_dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
   if cfg.optimizer != 'poetx':
     return llama.init_model(mc, seed=cfg.seed, dtype=dtype, param_dtype=param_dtype,
                             remat=cfg.remat)
-  layer_kwargs = (('block_size', cfg.block_size or mc.block_size), ('mode', cfg.mode),
-                  ('form', cfg.form), ('implementation', cfg.implementation),
-                  ('quantize', cfg.quantize),
-                  ('group_size', cfg.group_size))
-  return _build_poet(jnp.asarray(cfg.seed, jnp.uint32),
-                     jnp.asarray(cfg.seed + 1, jnp.uint32), config=mc, dtype=dtype,
-                     param_dtype=param_dtype, remat=cfg.remat, layer_kwargs=layer_kwargs)
+  poet_rngs = nnx.Rngs(jax.random.key(cfg.seed + 1))
 
+  def convert(layer):
+    return poetx_jax.poetize(layer, rngs=poet_rngs, consume=True,
+                             block_size=cfg.block_size or mc.block_size, mode=cfg.mode,
+                             form=cfg.form, implementation=cfg.implementation,
+                             quantize=cfg.quantize, group_size=cfg.group_size)
 
-@functools.partial(nnx.jit, static_argnames=('config', 'dtype', 'param_dtype', 'remat',
-                                             'layer_kwargs'))
-def _build_poet(seed, poet_seed, *, config, dtype, param_dtype, remat, layer_kwargs):
-  model = llama.Llama(config, dtype=dtype, param_dtype=param_dtype, remat=remat,
-                      rngs=nnx.Rngs(jax.random.key(seed)))
-  return poetx_jax.poetize(model, rngs=nnx.Rngs(jax.random.key(poet_seed)),
-                           **dict(layer_kwargs))
+  return llama.Llama(mc, dtype=dtype, param_dtype=param_dtype, remat=cfg.remat,
+                     rngs=nnx.Rngs(jax.random.key(cfg.seed)), convert_layer=convert)
 
 
 def _gib(tree) -> str:

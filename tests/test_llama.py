@@ -150,16 +150,17 @@ def test_input_errors(model):
     model(jnp.zeros((1, 4), jnp.float32))
 
 
-def test_init_model_matches_eager(model):
-  jitted = llama.init_model(TINY, seed=0)
+def test_init_model_is_the_seeded_model(model):
+  built = llama.init_model(TINY, seed=0)
   a = jax.tree.leaves_with_path(nnx.state(model, nnx.Param))
-  b = jax.tree.leaves_with_path(nnx.state(jitted, nnx.Param))
+  b = jax.tree.leaves_with_path(nnx.state(built, nnx.Param))
   assert [p for p, _ in a] == [p for p, _ in b]
   for (path, x), (_, y) in zip(a, b):
-    # Same random bits; XLA may fuse the scaling by init_std (1-ulp differences).
+    # Same random bits; the scaling by init_std may round differently (1 ulp)
+    # where an initialiser was compiled in another context first.
     np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-9, err_msg=str(path))
   other = llama.init_model(TINY, seed=1)
-  assert not np.allclose(other.lm_head.kernel[...], jitted.lm_head.kernel[...])
+  assert not np.allclose(other.lm_head.kernel[...], built.lm_head.kernel[...])
 
 
 def test_poetize_replaces_projections(model, keys):

@@ -191,15 +191,15 @@ def test_xq_int4_run_checkpoints_and_resumes(tmp_path, corpus):
 
 
 @pytest.mark.parametrize('quantize', [None, 'int8'])
-def test_poet_model_is_built_in_one_program_with_the_eager_result(quantize):
-  """build_model converts inside one jit (no dense copy resident) and gives
-  exactly poetize(init_model(...)) with the run's seeds."""
+def test_poet_model_is_built_layer_by_layer_with_the_whole_model_result(quantize):
+  """build_model converts each decoder layer as it is built (no dense copy
+  resident) and gives exactly poetize(init_model(...)) with the run's seeds."""
   import jax.numpy as jnp
   import poetx_jax
   from poetx_jax import train as T
   from poetx_jax.models import llama
   cfg = TrainConfig(model='tiny', optimizer='poetx', quantize=quantize, seed=3,
-                    model_overrides={'layers': 1})
+                    model_overrides={'layers': 2})
   mc = T.model_config(cfg, 512)
   built = nnx.to_flat_state(nnx.state(T.build_model(cfg, mc)))
   eager = poetx_jax.poetize(
