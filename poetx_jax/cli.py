@@ -38,7 +38,8 @@ def _train_parser(sub):
       ('grad-accum', int, 'micro-batches per optimizer update'),
       ('steps', int, 'optimizer updates'), ('lr', float, 'peak learning rate of AdamW '
                                             '(and of the non-POET parameters)'),
-      ('poet-lr', float, 'peak POET-X learning rate (scaled by 0.5 as in the reference)'),
+      ('poet-lr', float, 'peak POET-X learning rate (scaled by 0.5 as in the reference); '
+                         'default min(1e-2, 0.5 / block size)'),
       ('warmup', int, 'warmup updates'), ('min-lr-ratio', float, 'final/peak learning rate'),
       ('weight-decay', float, 'AdamW weight decay'), ('clip', float, 'global-norm clip (0: off)'),
       ('merge-every', int, 'POET-X merge interval in updates'),
@@ -118,7 +119,10 @@ def cmd_train(a) -> int:
   if 'val_before' in summary and 'val_after' in summary:
     print(f"validation perplexity: {summary['val_before']['ppl']:.2f} -> "
           f"{summary['val_after']['ppl']:.2f}")
-  print(f"{summary['tokens_per_s']:,.0f} tokens/s over {summary['elapsed_s']:.1f} s")
+  print(f"{summary['tokens_per_s']:,.0f} tokens/s over {summary['elapsed_s']:.1f} s "
+        f"({summary['steady_tokens_per_s']:,.0f} tokens/s less compilation, evaluation "
+        f"and checkpoints)" + (f"; peak device memory {summary['peak_gib']:.2f} GiB"
+                               if 'peak_gib' in summary else ''))
   from poetx_jax.plot import plot_runs
   png = a.plot or str(pathlib.Path(summary['out_dir']) / 'loss.png')
   try:

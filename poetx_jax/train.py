@@ -7,6 +7,7 @@ summary. ``poetx train`` (cli.py) is a thin shell over it.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -14,6 +15,7 @@ import pathlib
 import signal
 import sys
 import time
+import typing as tp
 
 import jax
 import jax.numpy as jnp
@@ -45,7 +47,7 @@ class TrainConfig:
   steps: int = 600
   optimizer: str = 'poetx'
   lr: float = 3e-3                     # AdamW, and the non-POET parameters
-  poet_lr: float = 1e-2                # POET generators (times poet_scale 0.5)
+  poet_lr: float | None = None         # POET generators (times poet_scale 0.5); None: default_poet_lr(B)
   warmup: int = 30
   min_lr_ratio: float = 0.1
   weight_decay: float = 0.0
@@ -102,11 +104,28 @@ class TrainConfig:
       v = getattr(self, name)
       if not isinstance(v, int) or v < 1:
         raise ValueError(f'{name} must be an int >= 1, got {v!r}')
-    for name in ('lr', 'poet_lr', 'weight_decay', 'clip'):
+    if self.poet_lr is not None and not self.poet_lr > 0:
+      raise ValueError(f'poet_lr must be > 0 (or None for the block-size default), '
+                       f'got {self.poet_lr!r}')
+    for name in ('lr', 'weight_decay', 'clip'):
       if getattr(self, name) < 0:
         raise ValueError(f'{name} must be >= 0, got {getattr(self, name)!r}')
     if not 0 < self.val_fraction < 1:
       raise ValueError(f'val_fraction must be in (0, 1), got {self.val_fraction!r}')
+
+
+def default_poet_lr(block_size: int) -> float:
+  """The peak POET-X learning rate used when none is given: ``min(1e-2, 0.5 / B)``.
+
+  Adam moves every generator entry by about the learning rate per step, and
+  moves them coherently, so the spectral norm of a block's ``Q`` can grow
+  like ``B`` times that within a merge cycle; the Cayley–Neumann series only
+  converges (and the factors are only orthogonal) while it stays below 1. A
+  rate that suits small blocks therefore diverges for large ones: 1e-2 trains
+  well at B = 16 and leaves the series' region of convergence at B = 256,
+  where 2e-3 trains well (Llama-60M and 1B, BENCHMARKS.md).
+  """
+  return min(1e-2, 0.5 / block_size)
 
 
 def compute_dtype(name: str):
@@ -184,8 +203,11 @@ def build_optimizer(cfg: TrainConfig, model) -> nnx.Optimizer:
                         weight_decay=cfg.weight_decay)
   if cfg.optimizer == 'poetx':
     lean = dict(mu_dtype=jnp.bfloat16, second_moment='block') if cfg.lean_state else {}
+    poet_lr = cfg.poet_lr
+    if poet_lr is None:
+      poet_lr = default_poet_lr(poetx_jax.poet_layers(model)[0][1].block_size)
     tx = poetx_jax.poetx_partition(
-        model, poetx_jax.poetx(schedule(cfg.poet_lr, cfg), merge_every=cfg.merge_every,
+        model, poetx_jax.poetx(schedule(poet_lr, cfg), merge_every=cfg.merge_every,
                                **lean),
         adamw)
   else:
@@ -305,6 +327,62 @@ class _Metrics:
       self._tb.close()
 
 
+# jax.monitoring time spans of tracing, lowering and XLA compilation.
+_COMPILE_EVENTS = frozenset((
+    '/jax/core/compile/jaxpr_trace_duration',
+    '/jax/core/compile/jaxpr_to_mlir_module_duration',
+    '/jax/core/compile/backend_compile_duration',
+))
+
+
+class _TrainClock:
+  """What of the training loop's wall time is not training, and what is compiling.
+
+  ``paused_s`` sums the time spent inside ``paused()`` (evaluation, probes,
+  checkpoints). ``compile_s()`` is the time spent tracing, lowering and
+  compiling programs outside ``paused()``: the union of the jax.monitoring time
+  spans of those events (nested spans, e.g. an inner jit traced inside an
+  outer one, count once). Wall time less ``paused_s`` less ``compile_s()`` is
+  steady-state training time.
+  """
+
+  def __init__(self):
+    self.paused_s = 0.0
+    self._paused = False
+    self._spans = []
+
+  def _on_span(self, event, start, end, **_):
+    if event in _COMPILE_EVENTS and not self._paused:
+      self._spans.append((start, end))
+
+  def __enter__(self):
+    jax.monitoring.register_event_time_span_listener(self._on_span)
+    return self
+
+  def __exit__(self, *exc):
+    jax.monitoring.unregister_event_time_span_listener(self._on_span)
+
+  @contextlib.contextmanager
+  def paused(self, pending=None):
+    """Time inside does not count; ``pending`` (e.g. the last loss) is waited
+    for first, so queued training steps are not counted as paused time."""
+    jax.block_until_ready(pending)
+    t, self._paused = time.perf_counter(), True
+    try:
+      yield
+    finally:
+      self._paused = False
+      self.paused_s += time.perf_counter() - t
+
+  def compile_s(self) -> float:
+    total, end = 0.0, -math.inf
+    for a, b in sorted(self._spans):
+      if b > end:
+        total += b - max(a, end)
+        end = b
+    return total
+
+
 class _StopFlag:
   """Turns SIGTERM / Ctrl-C into a flag checked between steps."""
 
@@ -335,8 +413,20 @@ def load_data(cfg: TrainConfig) -> data_lib.TextData:
 
 
 def train(cfg: TrainConfig, *, resume: bool = False, log=print,
-          stop_after: int | None = None) -> dict:
+          stop_after: int | None = None,
+          probe: tp.Callable[[int, tp.Any], dict] | None = None,
+          probe_every: int | None = None) -> dict:
   """Runs (or resumes) a training run; returns a summary dict.
+
+  ``metrics.jsonl`` gets one JSON record per line, each with its ``'step'``:
+  at every ``log_every`` steps ``loss``, ``tokens_per_s`` and ``elapsed_s``
+  (wall seconds since the loop started, compilation, evaluation and
+  checkpoints included), ``train_s`` (the same less the time spent in
+  evaluation, probes and checkpoints) and ``compile_s`` (the part of
+  ``train_s`` spent tracing and compiling programs: the first step's, the
+  first merge's), so ``train_s - compile_s`` is steady-state training time;
+  at step 0 and every ``eval_every`` steps ``val_loss`` and ``val_ppl``; and
+  the probe's records.
 
   Args:
     cfg: the run's configuration.
@@ -345,8 +435,18 @@ def train(cfg: TrainConfig, *, resume: bool = False, log=print,
     log: where progress messages go.
     stop_after: stop (and checkpoint) after this many steps of this call, as a
       SIGTERM would (used by tests and for time-limited jobs).
+    probe: ``probe(step, model) -> dict`` of numbers or lists, called at step
+      0 (after its evaluation) and after the training step at every
+      ``probe_every`` steps and at the last; each result is written to
+      ``metrics.jsonl`` as ``{'step': step, **result}``. It must not change
+      the model; its time is in ``elapsed_s`` but not in ``train_s``.
+    probe_every: steps between probes (default: ``cfg.eval_every``, the probe
+      then following each evaluation).
   """
   cfg.validate()
+  if probe_every is not None and (not isinstance(probe_every, int) or probe_every < 1):
+    raise ValueError(f'probe_every must be an int >= 1, got {probe_every!r}')
+  probe_every = probe_every or cfg.eval_every
   if cfg.out_dir is None:
     cfg = dataclasses.replace(cfg, out_dir=f'runs/{cfg.model}-{cfg.optimizer}')
   out = pathlib.Path(cfg.out_dir)
@@ -410,6 +510,8 @@ def train(cfg: TrainConfig, *, resume: bool = False, log=print,
     first_val = evaluate(model, val, mesh)
     log(f'step 0: validation loss {first_val[0]:.4f}, perplexity {first_val[1]:.2f}')
     metrics.write({'step': 0, 'val_loss': first_val[0], 'val_ppl': first_val[1]})
+    if probe is not None:
+      metrics.write({'step': 0, **probe(0, model)})
 
   def save(reason):
     meta = {'step': step, 'config': dataclasses.asdict(cfg), 'reason': reason}
@@ -418,7 +520,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, log=print,
   progress = _Progress(total_updates, cfg.log_every)
   start_step, t0, last_val = step, time.perf_counter(), None
   stopped = None
-  with _StopFlag() as stop:
+  with _StopFlag() as stop, _TrainClock() as clock:
     while step < total_updates:
       batch = place_batch(next(it), mesh)
       loss = step_fn(model, optimizer, batch)
@@ -435,12 +537,19 @@ def train(cfg: TrainConfig, *, resume: bool = False, log=print,
         progress.update(step, loss, tok_s,
                         (total_updates - step) * elapsed / (step - start_step))
         metrics.write({'step': step, 'loss': loss, 'tokens_per_s': tok_s,
-                       'elapsed_s': elapsed})
-      if step % cfg.eval_every == 0 or step == total_updates:
-        last_val = evaluate(model, val, mesh)
-        metrics.write({'step': step, 'val_loss': last_val[0], 'val_ppl': last_val[1]})
-      if step % cfg.checkpoint_every == 0 or step == total_updates:
-        save('periodic' if step < total_updates else 'final')
+                       'elapsed_s': elapsed, 'train_s': elapsed - clock.paused_s,
+                       'compile_s': clock.compile_s()})
+      last = step == total_updates
+      if step % cfg.eval_every == 0 or last:
+        with clock.paused(loss):
+          last_val = evaluate(model, val, mesh)
+          metrics.write({'step': step, 'val_loss': last_val[0], 'val_ppl': last_val[1]})
+      if probe is not None and (step % probe_every == 0 or last):
+        with clock.paused(loss):
+          metrics.write({'step': step, **probe(step, model)})
+      if step % cfg.checkpoint_every == 0 or last:
+        with clock.paused(loss):
+          save('periodic' if step < total_updates else 'final')
       if stop.signal or (stop_after is not None and step - start_step >= stop_after):
         stopped = stop.signal or 'stop_after'
         if step % cfg.checkpoint_every:
@@ -450,8 +559,14 @@ def train(cfg: TrainConfig, *, resume: bool = False, log=print,
   ckpt.close()
   metrics.close()
   elapsed = time.perf_counter() - t0
+  tokens = (step - start_step) * tokens_per_step
+  steady_s = elapsed - clock.paused_s - clock.compile_s()
   summary = {'step': step, 'stopped': stopped, 'elapsed_s': elapsed, 'out_dir': str(out),
-             'tokens_per_s': (step - start_step) * tokens_per_step / max(elapsed, 1e-9)}
+             'tokens_per_s': tokens / max(elapsed, 1e-9),
+             'steady_tokens_per_s': tokens / max(steady_s, 1e-9)}
+  stats = jax.local_devices()[0].memory_stats() or {}
+  if 'peak_bytes_in_use' in stats:  # GPUs report it; the CPU does not
+    summary['peak_gib'] = stats['peak_bytes_in_use'] / 2 ** 30
   if first_val:
     summary['val_before'] = {'loss': first_val[0], 'ppl': first_val[1]}
   if last_val:

@@ -92,6 +92,36 @@ def test_clear_errors(tmp_path, corpus):
     train(_cfg(tmp_path, corpus, block_size=64))
   with pytest.raises(ValueError, match="optimizer must be one of"):
     train(_cfg(tmp_path, corpus, optimizer='sgd'))
+  with pytest.raises(ValueError, match='poet_lr must be > 0.*got 0'):
+    train(_cfg(tmp_path, corpus, poet_lr=0.0))
+
+
+def test_default_poet_lr_shrinks_with_the_block_size():
+  """poet_lr=None trains with min(1e-2, 0.5 / B): what an explicit rate of
+  that value gives, not what 1e-2 gives."""
+  import dataclasses
+  import jax.numpy as jnp
+  from poetx_jax import train as T
+  assert T.default_poet_lr(16) == 1e-2 and T.default_poet_lr(256) == 0.5 / 256
+  cfg = TrainConfig(model='tiny', model_overrides={'layers': 1, 'kv_heads': 4}, block_size=64,
+                    warmup=1,
+                    dtype='float32')
+  mc = T.model_config(cfg, 300)
+  tokens = jnp.asarray(np.random.default_rng(0).integers(0, 300, (2, 16)), jnp.int32)
+  batch = {'inputs': tokens, 'targets': tokens}
+
+  def q_after_two_updates(poet_lr):
+    c = dataclasses.replace(cfg, poet_lr=poet_lr)
+    model = T.build_model(c, mc)
+    opt = T.build_optimizer(c, model)
+    for _ in range(2):  # the first update is at learning rate 0 (warmup)
+      opt.update(model, nnx.grad(T.mean_loss)(model, batch))
+    return np.asarray(model.layers[0].mlp.up_proj.q_in[...])
+
+  q = q_after_two_updates(None)
+  assert np.abs(q).max() > 0
+  np.testing.assert_array_equal(q, q_after_two_updates(0.5 / 64))
+  assert not np.allclose(q, q_after_two_updates(1e-2))
 
 
 def test_incompatible_and_corrupt_checkpoints(tmp_path, corpus):
@@ -209,3 +239,53 @@ def test_poet_model_is_built_layer_by_layer_with_the_whole_model_result(quantize
   assert [p for p, _ in built] == [p for p, _ in eager]
   for (path, a), (_, b) in zip(built, eager):
     np.testing.assert_array_equal(np.asarray(a[...]), np.asarray(b[...]), err_msg=str(path))
+
+
+def _spectrum_probe(calls):
+  """A probe recording the singular values of layer 0's down projection."""
+  import poetx_jax
+
+  def probe(step, model):
+    calls.append(step)
+    layer = model.layers[0].mlp.down_proj
+    w = (poetx_jax.effective_kernel(layer) if isinstance(layer, poetx_jax.POETLinear)
+         else layer.kernel[...])
+    return {'sv': np.linalg.svd(np.asarray(w, np.float64), compute_uv=False).tolist()}
+
+  return probe
+
+
+def test_probe_hook_records_without_changing_training(tmp_path, corpus):
+  """train(probe=...) calls the probe at step 0 and after each evaluation (or
+  every probe_every steps), writes its records to metrics.jsonl and leaves the
+  run unchanged. POET-X keeps the initial weights' singular values across its
+  merges (step 12 is right after the third); AdamW's move."""
+  calls = []
+  probed = _cfg(tmp_path / 'a', corpus)  # poetx: merge every 4, evaluate every 6
+  train(probed, log=lambda *_: None, probe=_spectrum_probe(calls))
+  assert calls == [0, 6, 12]
+  plain = _cfg(tmp_path / 'b', corpus)
+  train(plain, log=lambda *_: None)
+  assert _losses(probed.out_dir) == _losses(plain.out_dir)
+  for x, y in zip(jax.tree.leaves(_params(probed.out_dir)), jax.tree.leaves(_params(plain.out_dir))):
+    np.testing.assert_array_equal(x, y)
+
+  def records(run):
+    lines = (pathlib.Path(run) / 'metrics.jsonl').read_text().splitlines()
+    return [json.loads(l) for l in lines]
+
+  recs = records(probed.out_dir)
+  sv = {r['step']: np.array(r['sv']) for r in recs if 'sv' in r}
+  assert sorted(sv) == [0, 6, 12]
+  for step in (6, 12):
+    np.testing.assert_allclose(sv[step], sv[0], rtol=1e-4, err_msg=f'step {step}')
+  logs = [r for r in recs if 'loss' in r]
+  assert all(0 < r['compile_s'] < r['train_s'] <= r['elapsed_s'] for r in logs)
+
+  calls = []
+  adamw = _cfg(tmp_path / 'c', corpus, optimizer='adamw')
+  train(adamw, log=lambda *_: None, probe=_spectrum_probe(calls), probe_every=4)
+  assert calls == [0, 4, 8, 12]
+  sv_adamw = {r['step']: np.array(r['sv']) for r in records(adamw.out_dir) if 'sv' in r}
+  np.testing.assert_allclose(sv_adamw[0], sv[0], rtol=1e-6)  # the same initial weights
+  assert np.linalg.norm(sv_adamw[12] - sv[0]) > 1e-2 * np.linalg.norm(sv[0])
