@@ -6,6 +6,7 @@ import functools
 import typing as tp
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from poetx_jax.linear import POETLinear
@@ -84,7 +85,7 @@ def poet_layers(model) -> list[tuple[str, POETLinear]]:
           if isinstance(n, POETLinear)]
 
 
-def merge(model, *, rngs: nnx.Rngs | Array) -> None:
+def merge(model, *, rngs: nnx.Rngs | Array) -> Array:
   """Merge-then-reinitialise every POET layer of ``model`` in place.
 
   ``W0 <- R W0 P``, new random permutations, ``Q <- 0``: the model computes the
@@ -101,36 +102,46 @@ def merge(model, *, rngs: nnx.Rngs | Array) -> None:
   Args:
     model: a model containing POETLinear layers.
     rngs: an ``nnx.Rngs`` (its ``params`` stream is used) or a PRNG key.
+
+  Returns:
+    The largest :meth:`POETLinear.orthogonality_error` of the merged factors
+    (a float32 scalar array; reading it waits for the merge). Well under 1e-2
+    while training is healthy; near or above 1 the generators have left the
+    Cayley–Neumann series' region of convergence (a learning rate too large
+    for the block size).
   """
   key = rngs.params() if isinstance(rngs, nnx.Rngs) else rngs
   traced = isinstance(key, jax.core.Tracer)
+  errors = []
   for i, (_, layer) in enumerate(poet_layers(model)):
     k = jax.random.fold_in(key, i)
-    if traced:
-      layer.merge(k)
-    else:
-      _merge_compiled(layer, k)
+    errors.append(layer.merge(k) if traced else _merge_compiled(layer, k))
+  return jnp.max(jnp.stack(errors)) if errors else jnp.zeros((), jnp.float32)
 
 
-def _merge_compiled(layer: POETLinear, key: Array) -> None:
+def _merge_compiled(layer: POETLinear, key: Array) -> Array:
   graphdef, state = nnx.split(layer)
   shardings = jax.tree.map(lambda x: x.sharding, state)
   leaves, treedef = jax.tree.flatten(shardings)
   fn = _merge_program(graphdef, treedef, tuple(leaves))
-  nnx.update(layer, fn(state, key))
+  state, error = fn(state, key)
+  nnx.update(layer, state)
+  return error
 
 
 @functools.lru_cache(maxsize=64)
 def _merge_program(graphdef, treedef, sharding_leaves):
   def run(state, key):
     layer = nnx.merge(graphdef, state)
-    layer.merge(key)
-    return nnx.state(layer)
+    error = layer.merge(key)
+    return nnx.state(layer), error
 
   if all(isinstance(s, jax.sharding.SingleDeviceSharding) for s in sharding_leaves):
     out = None  # as the update step leaves them: a pinned sharding would retrace it
   else:
-    out = jax.tree.unflatten(treedef, list(sharding_leaves))
+    shardings = jax.tree.unflatten(treedef, list(sharding_leaves))
+    mesh = next(s.mesh for s in sharding_leaves if isinstance(s, jax.sharding.NamedSharding))
+    out = (shardings, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
   return jax.jit(run, out_shardings=out)
 
 

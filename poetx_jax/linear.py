@@ -254,8 +254,22 @@ class POETLinear(nnx.Module):
                                 self.perm_in[...], self.perm_out[...],
                                 block_size=self.block_size, terms=self.terms)
 
-  def merge(self, key: Array) -> None:
-    """Merge-then-reinitialise: W0 <- R W0 P, fresh permutations, Q <- 0."""
+  def orthogonality_error(self) -> Array:
+    """How far the factors are from orthogonal: the larger over R and P of
+    :func:`ops.orthogonality_error` (max over blocks of ``||G^T G - I||_F /
+    sqrt(B)``), float32. 0 at Q = 0; the truncated series' error otherwise,
+    which grows quickly once a block's ``||Q||`` nears 1."""
+    g_in, g_out = ops.rotation_blocks_pair(self.q_in[...], self.q_out[...], self.in_features,
+                                           self.out_features, self.block_size, self.terms)
+    return jnp.maximum(ops.orthogonality_error(g_in), ops.orthogonality_error(g_out))
+
+  def merge(self, key: Array) -> Array:
+    """Merge-then-reinitialise: W0 <- R W0 P, fresh permutations, Q <- 0.
+
+    Returns the merged factors' :meth:`orthogonality_error` (what the merge
+    folds into W0 beyond a rotation).
+    """
+    error = self.orthogonality_error()
     k_in, k_out = jax.random.split(key)
     merged = self.effective_kernel()
     perm_in = ops.random_permutation(k_in, self.in_features)
@@ -268,6 +282,7 @@ class POETLinear(nnx.Module):
     self.perm_out[...] = perm_out
     self.q_in[...] = jnp.zeros_like(self.q_in[...])
     self.q_out[...] = jnp.zeros_like(self.q_out[...])
+    return error
 
   def to_linear(self, *, rngs: nnx.Rngs | None = None) -> nnx.Linear:
     """A plain ``nnx.Linear`` holding the effective kernel (in the base's dtype)."""

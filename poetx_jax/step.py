@@ -12,7 +12,9 @@ from poetx_jax.optim import merge_due
 
 
 def make_train_step(loss_fn: tp.Callable, *, seed: int = 0, has_aux: bool = False,
-                    donate: bool = True) -> tp.Callable:
+                    donate: bool = True,
+                    on_merge: tp.Callable[[int, jax.Array], None] | None = None
+                    ) -> tp.Callable:
   """Builds ``step(model, optimizer, batch) -> loss`` (state donated).
 
   One call computes ``nnx.value_and_grad(loss_fn)(model, batch)`` (all
@@ -39,6 +41,10 @@ def make_train_step(loss_fn: tp.Callable, *, seed: int = 0, has_aux: bool = Fals
     seed: seeds the merge permutations.
     has_aux: whether ``loss_fn`` returns auxiliary outputs (returned as well).
     donate: donate model and optimizer buffers to the update.
+    on_merge: called after each merge as ``on_merge(optimizer_step,
+      orthogonality_error)`` with what :func:`poetx_jax.merge` returns (the
+      merged factors' largest orthogonality error), e.g. to log it or to warn
+      when the POET learning rate is too large for the block size.
 
   Returns:
     The step function; it returns the loss (and aux) before the update. Its
@@ -59,7 +65,9 @@ def make_train_step(loss_fn: tp.Callable, *, seed: int = 0, has_aux: bool = Fals
   def step(model, optimizer: nnx.Optimizer, batch):
     out, due, key = update(model, optimizer, batch)
     if bool(due):
-      merge(model, rngs=key)
+      error = merge(model, rngs=key)
+      if on_merge is not None:
+        on_merge(int(optimizer.step[...]), error)
     return out
 
   step.update = update

@@ -234,9 +234,14 @@ def mean_loss(model, batch):
   return total / jnp.maximum(count, 1)
 
 
-def make_step(cfg: TrainConfig):
+# A merge whose factors are further than this from orthogonal is reported:
+# healthy runs stay near 1e-2 and below; the series diverges past about 1.
+ORTHOGONALITY_WARNING = 0.1
+
+
+def make_step(cfg: TrainConfig, on_merge=None):
   if cfg.optimizer == 'poetx':
-    return poetx_jax.make_train_step(mean_loss, seed=cfg.seed)
+    return poetx_jax.make_train_step(mean_loss, seed=cfg.seed, on_merge=on_merge)
 
   def step(model, optimizer, batch):
     loss, grads = nnx.value_and_grad(mean_loss)(model, batch)
@@ -425,8 +430,10 @@ def train(cfg: TrainConfig, *, resume: bool = False, log=print,
   evaluation, probes and checkpoints) and ``compile_s`` (the part of
   ``train_s`` spent tracing and compiling programs: the first step's, the
   first merge's), so ``train_s - compile_s`` is steady-state training time;
-  at step 0 and every ``eval_every`` steps ``val_loss`` and ``val_ppl``; and
-  the probe's records.
+  at step 0 and every ``eval_every`` steps ``val_loss`` and ``val_ppl``; at
+  every POET-X merge ``merge_orthogonality_error`` (what
+  :func:`poetx_jax.merge` returns; above ``ORTHOGONALITY_WARNING`` a warning
+  is logged too); and the probe's records.
 
   Args:
     cfg: the run's configuration.
@@ -501,7 +508,8 @@ def train(cfg: TrainConfig, *, resume: bool = False, log=print,
     it.set_state(data_state)
     log(f'resumed from step {step}')
   metrics = _Metrics(out, step)
-  step_fn = make_step(cfg)
+  merged = []  # orthogonality errors of the merges of the last step_fn call
+  step_fn = make_step(cfg, on_merge=lambda _, error: merged.append(error))
   tokens_per_step = cfg.batch_size * cfg.seq_len
   total_updates = cfg.steps * cfg.grad_accum  # one iteration = one micro-batch
 
@@ -525,6 +533,17 @@ def train(cfg: TrainConfig, *, resume: bool = False, log=print,
       batch = place_batch(next(it), mesh)
       loss = step_fn(model, optimizer, batch)
       step += 1
+      for error in merged:
+        error = float(error)
+        metrics.write({'step': step, 'merge_orthogonality_error': error})
+        if not error <= ORTHOGONALITY_WARNING:
+          log(f'warning: at the merge of step {step} the POET factors were far from '
+              f'orthogonal (error {error:.3g} > {ORTHOGONALITY_WARNING}): the '
+              f'Cayley–Neumann series has left its region of convergence, which '
+              f'the weights now carry. Lower --poet-lr (this run: '
+              f'{cfg.poet_lr or default_poet_lr(cfg.block_size or mc.block_size):g}) '
+              f'or merge more often (--merge-every {cfg.merge_every}).')
+      merged.clear()
       if step % cfg.log_every == 0 or step == total_updates:
         loss = float(loss)
         if not math.isfinite(loss):

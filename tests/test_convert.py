@@ -87,6 +87,31 @@ def test_merge_preserves_function_and_resets(keys):
     assert rel_err(l.effective_kernel(), k) < 1e-6
 
 
+def test_merge_reports_the_factors_orthogonality_error(keys):
+  """merge returns the largest ||G^T G - I||_F / sqrt(B) of the factors it
+  merged, over every block of every layer: 0 at Q = 0, the series' small
+  truncation error for small Q, large once ||Q|| nears 1; also under jit."""
+  model = poetx_jax.poetize(Tiny(nnx.Rngs(0)), block_size=8, rngs=nnx.Rngs(1))
+  layers = [l for _, l in poetx_jax.poet_layers(model)]
+  assert float(poetx_jax.merge(model, rngs=jax.random.key(0))) == 0.0
+  _randomize_all(model, keys(), scale=0.3)  # truncation error well above rounding
+  want = max(float(l.orthogonality_error()) for l in layers)
+  g_in, g_out = (np.asarray(g, np.float64) for g in poetx_jax.ops.rotation_blocks_pair(
+      layers[2].q_in[...], layers[2].q_out[...], layers[2].in_features,
+      layers[2].out_features, 8, layers[2].terms))
+  direct = max(np.linalg.norm(g.swapaxes(-1, -2) @ g - np.eye(8), axis=(-2, -1)).max()
+               for g in (g_in, g_out)) / np.sqrt(8)
+  np.testing.assert_allclose(float(layers[2].orthogonality_error()), direct, rtol=1e-2)
+  twin = nnx.clone(model)
+  got = float(poetx_jax.merge(model, rngs=jax.random.key(1)))
+  assert 1e-4 < got < 1e-1 and got == pytest.approx(want, rel=1e-3)
+  assert float(nnx.jit(lambda m: poetx_jax.merge(m, rngs=jax.random.key(1)))(twin)) == (
+      pytest.approx(want, rel=1e-3))
+  for l in layers:  # generators far outside the series' convergence region
+    l.q_in[...] = 5 * jnp.ones_like(l.q_in[...])
+  assert float(poetx_jax.merge(model, rngs=jax.random.key(2))) > 1.0
+
+
 def test_merge_under_jit_matches_eager(keys):
   model = poetx_jax.poetize(Tiny(nnx.Rngs(0)), block_size=8, rngs=nnx.Rngs(1))
   _randomize_all(model, keys())

@@ -96,6 +96,30 @@ def test_clear_errors(tmp_path, corpus):
     train(_cfg(tmp_path, corpus, poet_lr=0.0))
 
 
+def test_merges_record_orthogonality_and_warn_when_it_is_lost(tmp_path, corpus):
+  """Every merge writes its factors' orthogonality error to metrics.jsonl; a
+  POET learning rate far too large for the block size gets a warning naming
+  the remedy."""
+  def merge_errors(cfg):
+    lines = (pathlib.Path(cfg.out_dir) / 'metrics.jsonl').read_text().splitlines()
+    return {r['step']: r['merge_orthogonality_error'] for r in map(json.loads, lines)
+            if 'merge_orthogonality_error' in r}
+
+  messages = []
+  ok = _cfg(tmp_path / 'ok', corpus)  # merge every 4 of 12 steps
+  train(ok, log=messages.append)
+  errors = merge_errors(ok)
+  assert sorted(errors) == [4, 8, 12] and all(0 < e < 1e-2 for e in errors.values())
+  assert not [m for m in messages if 'warning' in m]
+
+  messages = []
+  bad = _cfg(tmp_path / 'bad', corpus, poet_lr=0.5, steps=4)
+  train(bad, log=messages.append)
+  assert merge_errors(bad)[4] > 1.0
+  warning, = [m for m in messages if m.startswith('warning')]
+  assert 'merge of step 4' in warning and '--poet-lr (this run: 0.5)' in warning
+
+
 def test_default_poet_lr_shrinks_with_the_block_size():
   """poet_lr=None trains with min(1e-2, 0.5 / B): what an explicit rate of
   that value gives, not what 1e-2 gives."""
