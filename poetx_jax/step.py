@@ -1,4 +1,4 @@
-"""A ready train step: gradients, optimizer update and merge-when-due in one jit."""
+"""A ready train step: gradients and optimizer update in one jit, then a merge when due."""
 
 from __future__ import annotations
 
