@@ -178,7 +178,7 @@ def one_run(a, run: str) -> dict:
     sharding.shard_state(model, mesh, strategy)
     sharding.shard_state(opt, mesh, strategy)
     batches = [sharding.shard_batch(b, mesh) for b in batches]
-  step = T.make_step(cfg)
+  step = T.make_step(cfg, mesh=mesh if strategy == 'dp' else None)
   progress(f'{run}: set up in {time.perf_counter() - t_setup:.0f} s; compiling the step')
   t0 = time.perf_counter()
   loss0 = float(step(model, opt, batches[0]))

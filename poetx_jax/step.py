@@ -13,8 +13,8 @@ from poetx_jax.optim import merge_due
 
 def make_train_step(loss_fn: tp.Callable, *, seed: int = 0, has_aux: bool = False,
                     donate: bool = True,
-                    on_merge: tp.Callable[[int, jax.Array], None] | None = None
-                    ) -> tp.Callable:
+                    on_merge: tp.Callable[[int, jax.Array], None] | None = None,
+                    data_parallel: jax.sharding.Mesh | None = None) -> tp.Callable:
   """Builds ``step(model, optimizer, batch) -> loss`` (state donated).
 
   One call computes ``nnx.value_and_grad(loss_fn)(model, batch)`` (all
@@ -45,6 +45,13 @@ def make_train_step(loss_fn: tp.Callable, *, seed: int = 0, has_aux: bool = Fals
       orthogonality_error)`` with what :func:`poetx_jax.merge` returns (the
       merged factors' largest orthogonality error), e.g. to log it or to warn
       when the POET learning rate is too large for the block size.
+    data_parallel: the mesh when the training state is replicated over it and
+      each batch split over all its axes. Each device then computes the
+      gradients of its own rows and one all-reduce averages them, exactly the
+      trainable arrays (the compiler's own partitioning reduces the POET
+      generators' gradients as full B x B blocks, twice their size). The loss
+      must be a mean over rows, and the rows split evenly. Not with
+      ``has_aux``.
 
   Returns:
     The step function; it returns the loss (and aux) before the update. Its
@@ -52,9 +59,15 @@ def make_train_step(loss_fn: tp.Callable, *, seed: int = 0, has_aux: bool = Fals
     (returns ``(out, merge_due, merge_key)``), e.g. for ``.lower``.
   """
   base_key = jax.random.key(seed)
+  value_and_grad = nnx.value_and_grad(loss_fn, has_aux=has_aux)
+  if data_parallel is not None:
+    if has_aux:
+      raise ValueError('data_parallel does not take has_aux=True (auxiliary outputs '
+                       'cannot be averaged over devices in general)')
+    value_and_grad = _per_device_grads(loss_fn, data_parallel)
 
   def update(model, optimizer: nnx.Optimizer, batch):
-    out, grads = nnx.value_and_grad(loss_fn, has_aux=has_aux)(model, batch)
+    out, grads = value_and_grad(model, batch)
     old_state = nnx.as_pure(optimizer.opt_state)
     optimizer.update(model, grads)
     due = merge_due(old_state, nnx.as_pure(optimizer.opt_state))
@@ -72,3 +85,21 @@ def make_train_step(loss_fn: tp.Callable, *, seed: int = 0, has_aux: bool = Fals
 
   step.update = update
   return step
+
+
+def _per_device_grads(loss_fn: tp.Callable, mesh: jax.sharding.Mesh) -> tp.Callable:
+  """``value_and_grad(loss_fn)`` with each device on its rows, then one ``pmean``."""
+  from jax.sharding import PartitionSpec as P
+  axes = tuple(mesh.axis_names)
+
+  def value_and_grad(model, batch):
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+    def local(params, rest, batch):
+      loss, grads = nnx.value_and_grad(loss_fn)(nnx.merge(graphdef, params, rest), batch)
+      return jax.lax.pmean((loss, grads), axes)
+
+    return jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), P(axes)), out_specs=P(),
+                         check_vma=False)(params, rest, batch)
+
+  return value_and_grad

@@ -239,9 +239,12 @@ def mean_loss(model, batch):
 ORTHOGONALITY_WARNING = 0.1
 
 
-def make_step(cfg: TrainConfig, on_merge=None):
+def make_step(cfg: TrainConfig, on_merge=None, mesh=None):
+  """The run's train step; ``mesh``: the training mesh, if any."""
   if cfg.optimizer == 'poetx':
-    return poetx_jax.make_train_step(mean_loss, seed=cfg.seed, on_merge=on_merge)
+    dp = mesh if mesh is not None and cfg.strategy == 'dp' else None
+    return poetx_jax.make_train_step(mean_loss, seed=cfg.seed, on_merge=on_merge,
+                                     data_parallel=dp)
 
   def step(model, optimizer, batch):
     loss, grads = nnx.value_and_grad(mean_loss)(model, batch)
@@ -509,7 +512,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, log=print,
     log(f'resumed from step {step}')
   metrics = _Metrics(out, step)
   merged = []  # orthogonality errors of the merges of the last step_fn call
-  step_fn = make_step(cfg, on_merge=lambda _, error: merged.append(error))
+  step_fn = make_step(cfg, on_merge=lambda _, error: merged.append(error), mesh=mesh)
   tokens_per_step = cfg.batch_size * cfg.seq_len
   total_updates = cfg.steps * cfg.grad_accum  # one iteration = one micro-batch
 

@@ -1,6 +1,7 @@
 """Run by tests/test_sharding.py in a process with 8 CPU devices."""
 
 import json
+import re
 import sys
 
 import jax
@@ -38,16 +39,34 @@ def batches():
 
 
 def run(mesh=None, strategy=None):
+  """5 updates (merges after the 2nd and 4th); strategy 'dp_per_device' is
+  'dp' with make_train_step(data_parallel=mesh). Also returns the bytes the
+  update program all-reduces and the trainable bytes."""
   model, opt = build()
   if mesh is not None:
-    sharding.shard_state(model, mesh, strategy)
-    sharding.shard_state(opt, mesh, strategy)
-  step = poetx_jax.make_train_step(loss_fn, seed=0)
+    sharding.shard_state(model, mesh, 'fsdp' if strategy == 'fsdp' else 'dp')
+    sharding.shard_state(opt, mesh, 'fsdp' if strategy == 'fsdp' else 'dp')
+  step = poetx_jax.make_train_step(
+      loss_fn, seed=0, data_parallel=mesh if strategy == 'dp_per_device' else None)
   losses = []
-  for b in batches():  # 5 updates: merges after updates 2 and 4
+  for b in batches():
     b = sharding.shard_batch(b, mesh) if mesh is not None else jax.tree.map(jnp.asarray, b)
     losses.append(float(step(model, opt, b)))
-  return model, opt, losses
+  reduced = None
+  if mesh is not None:
+    hlo = step.update.lower(model, opt, b).compile().as_text()
+    reduced = sum(_all_reduce_bytes(line) for line in hlo.splitlines())
+  trainable = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+  return model, opt, losses, reduced, trainable
+
+
+def _all_reduce_bytes(line):
+  m = re.search(r'=\s*(.*?)\sall-reduce(-start)?\(', line)
+  if not m:
+    return 0
+  size = {'f32': 4, 's32': 4, 'u32': 4, 'bf16': 2}
+  return sum(size[dt] * int(np.prod([int(d) for d in dims.split(',') if d]))
+             for dt, dims in re.findall(r'(\w+)\[([\d,]*)\]', m.group(1)))
 
 
 def flat(node):
@@ -56,17 +75,18 @@ def flat(node):
 
 def main(ckpt_dir):
   out = {}
-  ref_model, _, ref_losses = run()
+  ref_model, _, ref_losses, _, _ = run()
   ref = flat(ref_model)
-  for strategy, (d, f) in (('dp', (8, 1)), ('fsdp', (2, 4))):
+  for strategy, (d, f) in (('dp', (8, 1)), ('dp_per_device', (4, 2)), ('fsdp', (2, 4))):
     mesh = sharding.make_mesh(d, f)
-    model, opt, losses = run(mesh, strategy)
+    model, opt, losses, reduced, trainable = run(mesh, strategy)
     kernel = model.layers[0].mlp.up_proj.kernel[...]
     out[strategy] = {
         'loss_diff': max(abs(a - b) for a, b in zip(losses, ref_losses)),
         'param_diff': max(float(np.max(np.abs(a.astype(np.float64) - b)))
                           for a, b in zip(flat(model), ref)),
         'kernel_shards': len({s.index for s in kernel.addressable_shards}),
+        'all_reduce_bytes': reduced, 'trainable_bytes': trainable,
         'perm_equal': bool(all(np.array_equal(a, b) for a, b in zip(
             [x for x in flat(model) if x.dtype == np.int32],
             [x for x in ref if x.dtype == np.int32]))),

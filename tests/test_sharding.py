@@ -30,7 +30,7 @@ def eight(tmp_path_factory):
   return _run(8, ckpt), ckpt
 
 
-@pytest.mark.parametrize('strategy', ['dp', 'fsdp'])
+@pytest.mark.parametrize('strategy', ['dp', 'dp_per_device', 'fsdp'])
 def test_sharded_steps_equal_single_device(eight, strategy):
   r = eight[0][strategy]
   # Five updates with merges after the 2nd and 4th: the same losses, the same
@@ -43,10 +43,26 @@ def test_sharded_steps_equal_single_device(eight, strategy):
   assert r['kernel_shards'] == (4 if strategy == 'fsdp' else 1), r
 
 
+def test_per_device_gradients_all_reduce_only_the_trainable_arrays(eight):
+  """make_train_step(data_parallel=mesh) all-reduces the gradients as they
+  are, plus the loss; left to the compiler, data parallelism reduces the POET
+  generators' gradients as full B x B blocks."""
+  per_device, auto = eight[0]['dp_per_device'], eight[0]['dp']
+  assert per_device['all_reduce_bytes'] == per_device['trainable_bytes'] + 4, per_device
+  assert auto['all_reduce_bytes'] > 1.2 * auto['trainable_bytes'], auto
+
+
 @pytest.mark.parametrize('devices,fsdp', [(1, 1), (4, 4)])
 def test_checkpoint_from_8_devices_restores_on_fewer(eight, devices, fsdp):
   r = _run(devices, 'restore', eight[1], fsdp)
   assert r == {'step': 5, 'exact': True, 'devices': devices}, r
+
+
+def test_per_device_gradients_refuse_aux():
+  import poetx_jax
+  with pytest.raises(ValueError, match='data_parallel does not take has_aux'):
+    poetx_jax.make_train_step(lambda m, b: (0.0, {}), has_aux=True,
+                              data_parallel=sharding.make_mesh())
 
 
 def test_mesh_and_spec_rules():
@@ -60,7 +76,8 @@ def test_mesh_and_spec_rules():
     sharding.make_mesh(fsdp=3)
 
 
-def test_poetx_train_fsdp_on_8_devices(tmp_path):
+@pytest.mark.parametrize('strategy,fsdp', [('fsdp', 4), ('dp', 1)])
+def test_poetx_train_on_8_devices(tmp_path, strategy, fsdp):
   corpus = tmp_path / 'c.txt'
   corpus.write_text(' '.join(f'word{i % 37} and more text' for i in range(3000)))
   env = dict(os.environ, XLA_FLAGS='--xla_force_host_platform_device_count=8',
@@ -69,9 +86,9 @@ def test_poetx_train_fsdp_on_8_devices(tmp_path):
          '--model-overrides', 'layers=1,hidden=32,mlp=64,heads=2,kv_heads=1',
          '--data', str(corpus), '--vocab-size', '300', '--seq-len', '32',
          '--batch-size', '8', '--steps', '4', '--block-size', '8', '--dtype', 'float32',
-         '--strategy', 'fsdp', '--fsdp', '4', '--cache-dir', str(tmp_path / 'cache'),
+         '--strategy', strategy, '--fsdp', str(fsdp), '--cache-dir', str(tmp_path / 'cache'),
          '--out-dir', str(tmp_path / 'run')]
   proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
   assert proc.returncode == 0, proc.stderr[-3000:]
-  assert "mesh: {'data': 2, 'fsdp': 4}, strategy fsdp" in proc.stdout
+  assert f"mesh: {{'data': {8 // fsdp}, 'fsdp': {fsdp}}}, strategy {strategy}" in proc.stdout
   assert 'validation perplexity:' in proc.stdout
