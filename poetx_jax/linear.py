@@ -49,6 +49,10 @@ def series_for(implementation: str, block_size: int):
   return _pallas_series
 
 
+def _orthogonality_error(g_in: Array, g_out: Array) -> Array:
+  return jnp.maximum(ops.orthogonality_error(g_in), ops.orthogonality_error(g_out))
+
+
 class POETParam(nnx.Param):
   """Packed skew-symmetric generators of a POET rotation, (K, B(B-1)/2) float32."""
 
@@ -250,18 +254,24 @@ class POETLinear(nnx.Module):
 
   def effective_kernel(self) -> Array:
     """(R W0 P)^T in (in, out) layout, float32. For merges, export and tests."""
-    return ops.effective_kernel(self.base_kernel(), self.q_in[...], self.q_out[...],
-                                self.perm_in[...], self.perm_out[...],
-                                block_size=self.block_size, terms=self.terms)
+    return self._kernel_from(*self._blocks())
+
+  def _kernel_from(self, g_in: Array, g_out: Array) -> Array:
+    """:func:`ops.effective_kernel` given the blocks."""
+    return ops.rotate_kernel(self.base_kernel().astype(jnp.float32), g_in, g_out,
+                             self.perm_in[...], self.perm_out[...], jax.lax.Precision.HIGHEST)
 
   def orthogonality_error(self) -> Array:
     """How far the factors are from orthogonal: the larger over R and P of
     :func:`ops.orthogonality_error` (max over blocks of ``||G^T G - I||_F /
     sqrt(B)``), float32. 0 at Q = 0; the truncated series' error otherwise,
     which grows quickly once a block's ``||Q||`` nears 1."""
-    g_in, g_out = ops.rotation_blocks_pair(self.q_in[...], self.q_out[...], self.in_features,
-                                           self.out_features, self.block_size, self.terms)
-    return jnp.maximum(ops.orthogonality_error(g_in), ops.orthogonality_error(g_out))
+    return _orthogonality_error(*self._blocks())
+
+  def _blocks(self) -> tuple[Array, Array]:
+    """The float32 Cayley–Neumann blocks of P and R (full precision)."""
+    return ops.rotation_blocks_pair(self.q_in[...], self.q_out[...], self.in_features,
+                                    self.out_features, self.block_size, self.terms)
 
   def merge(self, key: Array) -> Array:
     """Merge-then-reinitialise: W0 <- R W0 P, fresh permutations, Q <- 0.
@@ -269,9 +279,10 @@ class POETLinear(nnx.Module):
     Returns the merged factors' :meth:`orthogonality_error` (what the merge
     folds into W0 beyond a rotation).
     """
-    error = self.orthogonality_error()
+    g_in, g_out = self._blocks()  # one series for the error and the merged kernel
+    error = _orthogonality_error(g_in, g_out)
     k_in, k_out = jax.random.split(key)
-    merged = self.effective_kernel()
+    merged = self._kernel_from(g_in, g_out)
     perm_in = ops.random_permutation(k_in, self.in_features)
     perm_out = ops.random_permutation(k_out, self.out_features)
     base, scale = self._encode_base(ops.permute_kernel(merged, perm_in, perm_out))

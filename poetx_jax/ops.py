@@ -292,8 +292,9 @@ def _poet_core(x, kernel_IxO, g_in, g_out, perm_in, perm_out, precision):
   return permute(z, invert_permutation(perm_out))
 
 
-def _rotate_kernel(kernel_IxO, g_in, g_out, perm_in, perm_out, precision):
-  """``Phi_I G_P^T kernel G_R^T Phi_O^T``: block products and gathers on the weight."""
+def rotate_kernel(kernel_IxO, g_in, g_out, perm_in, perm_out, precision=None):
+  """``Phi_I G_P^T kernel G_R^T Phi_O^T`` from the blocks of both factors: block
+  products and gathers on the weight."""
   a = rotate_features(kernel_IxO, g_out, precision=precision)             # kernel G_R^T
   a = rotate_features(a.T, jnp.swapaxes(g_in, -1, -2), precision=precision)  # (O, I)
   a = permute(a, invert_permutation(perm_in)).T                           # Phi_I (...)
@@ -303,7 +304,7 @@ def _rotate_kernel(kernel_IxO, g_in, g_out, perm_in, perm_out, precision):
 def _poet_weight_core(x, kernel_IxO, g_in, g_out, perm_in, perm_out, precision,
                       rot_precision):
   # The kernel is rotated in float32 and rounded to x's dtype once.
-  kernel = _rotate_kernel(jax.lax.stop_gradient(kernel_IxO).astype(jnp.float32),
+  kernel = rotate_kernel(jax.lax.stop_gradient(kernel_IxO).astype(jnp.float32),
                           g_in, g_out, perm_in, perm_out, rot_precision)
   return jnp.matmul(x, kernel.astype(x.dtype), precision=precision)
 
@@ -392,7 +393,7 @@ def effective_kernel(kernel_IxO: Array, q_in_KxP: Array, q_out_KxP: Array,
   """
   i, o = kernel_IxO.shape
   g_in, g_out = rotation_blocks_pair(q_in_KxP, q_out_KxP, i, o, block_size, terms)
-  return _rotate_kernel(kernel_IxO.astype(jnp.float32), g_in, g_out, perm_in_I,
+  return rotate_kernel(kernel_IxO.astype(jnp.float32), g_in, g_out, perm_in_I,
                         perm_out_O, jax.lax.Precision.HIGHEST)
 
 

@@ -64,6 +64,9 @@ def test_spectrum_preserved(keys):
   _randomize(layer, keys(), 0.1)
   eff = layer.effective_kernel()
   assert rel_err(eff, layer.kernel[...]) > 1e-2  # it did rotate
+  np.testing.assert_array_equal(eff, ops.effective_kernel(  # the layer's is the oracle's
+      layer.kernel[...], layer.q_in[...], layer.q_out[...], layer.perm_in[...],
+      layer.perm_out[...], block_size=32))
   sv = np.linalg.svd(np.asarray(eff), compute_uv=False)
   np.testing.assert_allclose(sv, sv0, rtol=1e-4)
 
