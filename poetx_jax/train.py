@@ -128,6 +128,11 @@ def default_poet_lr(block_size: int) -> float:
   return min(1e-2, 0.5 / block_size)
 
 
+def poet_lr(cfg: TrainConfig, block_size: int) -> float:
+  """The run's peak POET-X learning rate: ``cfg.poet_lr``, else the default."""
+  return default_poet_lr(block_size) if cfg.poet_lr is None else cfg.poet_lr
+
+
 def compute_dtype(name: str):
   if name == 'auto':
     return jnp.bfloat16 if jax.default_backend() == 'gpu' else jnp.float32
@@ -203,11 +208,9 @@ def build_optimizer(cfg: TrainConfig, model) -> nnx.Optimizer:
                         weight_decay=cfg.weight_decay)
   if cfg.optimizer == 'poetx':
     lean = dict(mu_dtype=jnp.bfloat16, second_moment='block') if cfg.lean_state else {}
-    poet_lr = cfg.poet_lr
-    if poet_lr is None:
-      poet_lr = default_poet_lr(poetx_jax.poet_layers(model)[0][1].block_size)
+    peak = poet_lr(cfg, poetx_jax.poet_layers(model)[0][1].block_size)
     tx = poetx_jax.poetx_partition(
-        model, poetx_jax.poetx(schedule(poet_lr, cfg), merge_every=cfg.merge_every,
+        model, poetx_jax.poetx(schedule(peak, cfg), merge_every=cfg.merge_every,
                                **lean),
         adamw)
   else:
@@ -544,7 +547,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, log=print,
               f'orthogonal (error {error:.3g} > {ORTHOGONALITY_WARNING}): the '
               f'Cayley–Neumann series has left its region of convergence, which '
               f'the weights now carry. Lower --poet-lr (this run: '
-              f'{cfg.poet_lr or default_poet_lr(cfg.block_size or mc.block_size):g}) '
+              f'{poet_lr(cfg, cfg.block_size or mc.block_size):g}) '
               f'or merge more often (--merge-every {cfg.merge_every}).')
       merged.clear()
       if step % cfg.log_every == 0 or step == total_updates:
