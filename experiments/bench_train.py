@@ -58,27 +58,6 @@ def run_child(cmd: list[str], label: str, env=None) -> tuple[dict | None, str | 
   return json.loads(out.splitlines()[-1]), None
 
 
-def collective_bytes(hlo_text: str) -> dict[str, int]:
-  """Result bytes of each kind of cross-device collective in compiled HLO text."""
-  import re
-  sizes = {'f32': 4, 'bf16': 2, 'f16': 2, 's32': 4, 'u32': 4, 'f64': 8, 's8': 1, 'u8': 1,
-           'pred': 1, 's64': 8, 'u64': 8}
-  out = {}
-  for line in hlo_text.splitlines():
-    m = re.search(r'=\s*(.*?)\s(all-reduce|all-gather|reduce-scatter|all-to-all|'
-                  r'collective-permute)(-start)?\(', line)
-    if not m:
-      continue
-    total = 0
-    for dt, dims in re.findall(r'(\w+)\[([\d,]*)\]', m.group(1)):
-      n = 1
-      for d in filter(None, dims.split(',')):
-        n *= int(d)
-      total += n * sizes.get(dt, 4)
-    out[m.group(2)] = out.get(m.group(2), 0) + total
-  return out
-
-
 def run_config(a, run: str):
   """The TrainConfig of run ``optimizer[:mode[:remat[:quantize[:form]]]]``."""
   from poetx_jax import train as T
@@ -92,7 +71,8 @@ def run_config(a, run: str):
                       quantize=quant,
                       lean_state=a.lean_state, dtype=a.dtype, block_size=a.block_size,
                       merge_every=a.merge_every,
-                      param_dtype=getattr(a, 'param_dtype', 'float32'))
+                      param_dtype=getattr(a, 'param_dtype', 'float32'),
+                      strategy=getattr(a, 'strategy', None) or 'dp')
   cfg.validate()
   return cfg
 
@@ -178,7 +158,7 @@ def one_run(a, run: str) -> dict:
     sharding.shard_state(model, mesh, strategy)
     sharding.shard_state(opt, mesh, strategy)
     batches = [sharding.shard_batch(b, mesh) for b in batches]
-  step = T.make_step(cfg, mesh=mesh if strategy == 'dp' else None)
+  step = T.make_step(cfg, mesh=mesh)
   progress(f'{run}: set up in {time.perf_counter() - t_setup:.0f} s; compiling the step')
   t0 = time.perf_counter()
   loss0 = float(step(model, opt, batches[0]))
@@ -188,7 +168,7 @@ def one_run(a, run: str) -> dict:
   checks['log_vocab'] = math.log(a.vocab_size)
   if not abs(loss0 - math.log(a.vocab_size)) < 1.0:
     raise SystemExit(f'{run}: setup check failed: {checks}')
-  collectives = (collective_bytes(getattr(step, "update", step).lower(
+  collectives = (sharding.collective_bytes(getattr(step, "update", step).lower(
       model, opt, batches[1]).compile().as_text())
                  if mesh is not None else {})
   for i in range(a.warmup):

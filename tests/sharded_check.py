@@ -1,7 +1,6 @@
 """Run by tests/test_sharding.py in a process with 8 CPU devices."""
 
 import json
-import re
 import sys
 
 import jax
@@ -55,18 +54,9 @@ def run(mesh=None, strategy=None):
   reduced = None
   if mesh is not None:
     hlo = step.update.lower(model, opt, b).compile().as_text()
-    reduced = sum(_all_reduce_bytes(line) for line in hlo.splitlines())
+    reduced = sharding.collective_bytes(hlo).get('all-reduce', 0)
   trainable = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
   return model, opt, losses, reduced, trainable
-
-
-def _all_reduce_bytes(line):
-  m = re.search(r'=\s*(.*?)\sall-reduce(-start)?\(', line)
-  if not m:
-    return 0
-  size = {'f32': 4, 's32': 4, 'u32': 4, 'bf16': 2}
-  return sum(size[dt] * int(np.prod([int(d) for d in dims.split(',') if d]))
-             for dt, dims in re.findall(r'(\w+)\[([\d,]*)\]', m.group(1)))
 
 
 def flat(node):
