@@ -38,3 +38,16 @@ def skew_params(key, k, block_size, spectral_norm):
   blocks = ops.unpack_skew(q, block_size)
   norms = jnp.linalg.norm(blocks, ord=2, axis=(-2, -1))
   return q * (spectral_norm / norms)[:, None]
+
+
+WORDS = ('the orthogonal factors rotate every weight while its singular values stay '
+         'fixed and a merge folds them into the frozen base then new permutations '
+         'are drawn').split()
+
+
+def write_corpus(directory, *, docs=40, words=120):
+  """``docs`` text files of ``words`` random WORDS each (seed 0) in ``directory``."""
+  rng = np.random.default_rng(0)
+  for i in range(docs):
+    (directory / f'doc{i:02d}.txt').write_text(' '.join(rng.choice(WORDS, size=words)) + '.\n')
+  return directory

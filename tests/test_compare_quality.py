@@ -11,19 +11,12 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / 'experiments'))
 import compare_quality  # noqa: E402
-
-WORDS = ('the orthogonal factors rotate every weight while its singular values stay '
-         'fixed and a merge folds them into the frozen base then new permutations '
-         'are drawn').split()
+from conftest import write_corpus
 
 
 @pytest.fixture(scope='module')
 def corpus(tmp_path_factory):
-  d = tmp_path_factory.mktemp('corpus')
-  rng = np.random.default_rng(0)
-  for i in range(40):
-    (d / f'doc{i:02d}.txt').write_text(' '.join(rng.choice(WORDS, size=200)) + '.\n')
-  return d
+  return write_corpus(tmp_path_factory.mktemp('corpus'), words=200)
 
 
 def _args(tmp, corpus, *extra):

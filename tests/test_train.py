@@ -12,20 +12,12 @@ from flax import nnx
 from poetx_jax import cli
 from poetx_jax.checkpoint import CheckpointError, Checkpointer
 from poetx_jax.train import TrainConfig, load_run, train
-
-WORDS = ('the orthogonal factors rotate every weight while its singular values stay '
-         'fixed and a merge folds them into the frozen base then new permutations '
-         'are drawn').split()
+from conftest import write_corpus
 
 
 @pytest.fixture(scope='module')
 def corpus(tmp_path_factory):
-  d = tmp_path_factory.mktemp('corpus')
-  rng = np.random.default_rng(0)
-  for i in range(40):
-    text = ' '.join(rng.choice(WORDS, size=120)) + '.\n'
-    (d / f'doc{i:02d}.txt').write_text(text)
-  return d
+  return write_corpus(tmp_path_factory.mktemp('corpus'))
 
 
 def _cfg(tmp, corpus, **kw):
