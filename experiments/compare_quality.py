@@ -34,8 +34,9 @@ kernel), computed in float64 from the float32 kernel; their top and bottom
 ``-sum_i p_i log p_i`` with ``p_i = s_i / sum_j s_j`` (natural log; the
 effective-rank entropy of Roy and Vetterli, 2007 — the POET paper's own
 definition was not available to check against); and for POET-X the
-orthogonality error of its Cayley–Neumann factors, ``max |G^T G - I|`` over
-every block of both sides (blocks from ``poetx_jax.ops.rotation_blocks_pair``).
+orthogonality error of its Cayley–Neumann factors,
+``POETLinear.orthogonality_error()`` (the largest ``||G^T G - I||_F / sqrt(B)``
+over the blocks of both sides; what ``poetx train`` logs at each merge).
 A probe at a multiple of ``--merge-every`` sees freshly merged weights (Q = 0,
 so that error is exactly 0); the default probe points fall mid-cycle too.
 Expected: within a merge cycle POET-X's singular values stay those at the
@@ -220,20 +221,11 @@ def svd_entropy(s) -> float:
 def make_probe(paths: list[str]):
   """``probe(step, model)`` for ``train``: spectrum of each path's effective
   weight against the first call's, and the POET factors' orthogonality error."""
-  import functools
-  import jax
-  import jax.numpy as jnp
   import numpy as np
   from flax import nnx
   import poetx_jax
-  from poetx_jax import ops
 
-  @functools.partial(jax.jit, static_argnames=('i', 'o', 'b', 'terms'))
-  def orth_err(q_in, q_out, *, i, o, b, terms):
-    g = jnp.concatenate(ops.rotation_blocks_pair(q_in, q_out, i, o, b, terms))
-    gtg = jnp.matmul(jnp.swapaxes(g, -1, -2), g, precision=jax.lax.Precision.HIGHEST)
-    return jnp.max(jnp.abs(gtg - jnp.eye(b, dtype=gtg.dtype)))
-
+  orth_err = nnx.jit(lambda layer: layer.orthogonality_error())
   kernel_of = nnx.jit(poetx_jax.effective_kernel)
   first = {}
 
@@ -243,9 +235,7 @@ def make_probe(paths: list[str]):
       layer = _module_at(model, path)
       if isinstance(layer, poetx_jax.POETLinear):
         w = kernel_of(layer)
-        rec[f'{path}/orth_err'] = float(orth_err(
-            layer.q_in[...], layer.q_out[...], i=layer.in_features, o=layer.out_features,
-            b=layer.block_size, terms=layer.terms))
+        rec[f'{path}/orth_err'] = float(orth_err(layer))
       else:
         w = layer.kernel[...]
       s = np.linalg.svd(np.asarray(w, np.float64), compute_uv=False)
@@ -378,7 +368,7 @@ def plot_spectrum(runs: list[dict], best: dict[str, str], paths: list[str],
   ax_d.set(xlabel='step', ylabel='||s - s0|| / ||s0||', yscale='log',
            title='singular-value drift from step 0')
   ax_e.set(xlabel='step', ylabel='entropy of s / sum(s) (nats)', title='SVD entropy')
-  ax_o.set(xlabel='step (dotted: POET-X merges)', ylabel='max |G^T G - I|', yscale='log',
+  ax_o.set(xlabel='step (dotted: POET-X merges)', ylabel='max ||G^T G - I||_F / sqrt(B)', yscale='log',
            title='POET-X orthogonality error (exactly 0 after a merge)')
   from matplotlib.lines import Line2D
   handles = ([Line2D([], [], color=c, label=f'{g} ({best[g]})') for g, c in colors.items()]
@@ -448,7 +438,8 @@ def report(res: dict) -> str:
             f"Probed: {', '.join(h['probed_layers'])}, at steps {h['probe_steps']}. "
             'max sv drift = max over probes and layers of ||s - s0|| / ||s0|| (s the '
             "effective weight's singular values, s0 at step 0); max orth err = max over "
-            'probes, layers and blocks of |G^T G - I| of the Cayley–Neumann factors. SVD '
+            'probes, layers and blocks of ||G^T G - I||_F / sqrt(B) of the Cayley–Neumann '
+            'factors. SVD '
             'entropy (p = s / sum s, nats) of the best run of each group, first and last probe:',
             '']
   for r in runs:
