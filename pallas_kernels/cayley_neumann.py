@@ -30,8 +30,9 @@ transposed (K-major) right operand. The interpreter (``interpret=True``, CPU)
 multiplies in full float32.
 
 Status: checked against the reference in the Mosaic GPU interpreter on CPU and
-compiled on an H200 (tests/test_pallas_cayley.py); not yet timed, and not
-used by ``POETLinear``.
+compiled on an H200 (tests/test_pallas_cayley.py); timed against XLA's series
+by experiments/bench_cayley.py (BENCHMARKS.md); used by
+``POETLinear(implementation='pallas')``.
 
 Gradients: ``cayley_neumann`` is a ``jax.custom_vjp`` whose backward is
 autodiff of the reference ``poetx_jax.ops.cayley_neumann`` (exact; a fused
