@@ -84,17 +84,14 @@ def resident_state(a, run: str) -> dict:
   scales); ``trainable``: the ``nnx.Param``s (one gradient each during a
   step); ``optimizer``: the optimizer state. ``model + grads + optimizer`` is
   a floor for the peak: activations and temporaries come on top. Sizes count
-  each element's dtype at its numpy item size (int4 as one byte).
+  each element's dtype at its numpy item size (``train.state_bytes``).
   """
-  import jax
-  import numpy as np
   from flax import nnx
   from poetx_jax import train as T
   cfg = run_config(a, run)
   mc = T.model_config(cfg, a.vocab_size)
   model, opt = T.abstract_state(cfg, mc)
-  gib = lambda tree: sum(x.size * np.dtype(x.dtype).itemsize
-                         for x in jax.tree.leaves(tree)) / 2 ** 30
+  gib = lambda tree: T.state_bytes(tree) / 2 ** 30
   r = {'run': run, 'model': a.model, 'dense_params': mc.num_params(),
        'model_gib': gib(nnx.state(model)), 'trainable_gib': gib(nnx.state(model, nnx.Param)),
        'optimizer_gib': gib(nnx.state(opt))}

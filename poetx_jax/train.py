@@ -175,9 +175,15 @@ def build_model(cfg: TrainConfig, mc: llama.LlamaConfig):
                      rngs=nnx.Rngs(jax.random.key(cfg.seed)), convert_layer=convert)
 
 
+def state_bytes(tree) -> int:
+  """Bytes of a state's arrays (concrete or abstract), each element at its
+  numpy item size (int4 counts one byte)."""
+  return sum(x.size * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
+
+
 def _gib(tree) -> str:
-  """Total bytes of a state's arrays, as text ('1.23 GiB' or '456.7 MiB')."""
-  n = sum(x.size * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
+  """:func:`state_bytes` as text ('1.23 GiB' or '456.7 MiB')."""
+  n = state_bytes(tree)
   return f'{n / 2 ** 30:.2f} GiB' if n >= 2 ** 30 else f'{n / 2 ** 20:.1f} MiB'
 
 
