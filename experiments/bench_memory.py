@@ -14,6 +14,7 @@ Results go to a JSON file and a plot of peak memory against model size.
     python3 experiments/bench_memory.py --models tiny --seqs 64 --vocab-size 512 --steps 2   # CPU smoke
     python3 experiments/bench_memory.py --models 8b --state-only --lean-state   # no GPU: state sizes
     python3 experiments/bench_memory.py --models 8b --state-only --compiled --runs poetx:mem:block  # + XLA's buffers
+    python3 experiments/bench_memory.py --largest --scan-layers --lean-state   # deep models compile fast
 
 Runs are bench_train.py's ``optimizer[:mode[:remat[:quantize]]]``.
 """
@@ -53,6 +54,8 @@ def run_one(a, model, overrides, seq, run, cap_gib):
          '--param-dtype', a.param_dtype, '--single', run]
   if a.lean_state:
     cmd.append('--lean-state')
+  if a.scan_layers:
+    cmd.append('--scan-layers')
   r, error = bench_train.run_child(cmd, f'{model} seq {seq} {run}', env=env)
   if error is not None:
     return {'run': run, 'model': model, 'seq_len': seq, 'cap_gib': cap_gib,
@@ -92,7 +95,8 @@ def state_table(a):
       args = argparse.Namespace(
           model=base, model_overrides=json.dumps(overrides), seq_len=int(a.seqs.split(',')[0]), batch_size=1,
           vocab_size=a.vocab_size, block_size=None, merge_every=a.merge_every,
-          dtype='bfloat16', param_dtype=a.param_dtype, lean_state=a.lean_state)
+          dtype='bfloat16', param_dtype=a.param_dtype, lean_state=a.lean_state,
+          scan_layers=a.scan_layers)
       r = bench_train.resident_state(args, run)
       extra = ''
       if a.compiled:
@@ -125,6 +129,9 @@ def main(argv=None):
   p.add_argument('--vocab-size', type=int, default=32000)
   p.add_argument('--param-dtype', default='bfloat16', choices=('float32', 'bfloat16'))
   p.add_argument('--lean-state', action='store_true')
+  p.add_argument('--scan-layers', action='store_true',
+                 help='decoder layers stacked and run by lax.scan: the compile time of '
+                      'one layer, whatever the depth (needed on GPU past about 8B)')
   p.add_argument('--merge-every', type=int, default=2, help='small, so a merge runs')
   p.add_argument('--warmup', type=int, default=2)
   p.add_argument('--steps', type=int, default=3)

@@ -72,6 +72,7 @@ def run_config(a, run: str):
                       lean_state=a.lean_state, dtype=a.dtype, block_size=a.block_size,
                       merge_every=a.merge_every,
                       param_dtype=getattr(a, 'param_dtype', 'float32'),
+                      scan_layers=getattr(a, 'scan_layers', False),
                       strategy=getattr(a, 'strategy', None) or 'dp')
   cfg.validate()
   return cfg
@@ -188,7 +189,7 @@ def one_run(a, run: str) -> dict:
       y_ref = poetx_jax.unpoetize(model)(probe)
       y = model(probe)
     else:
-      layer = poetx_jax.poet_layers(model)[0][1]
+      layer = poetx_jax.poet_layers(model.layers[0])[0][1]  # a copy when stacked
       x = jax.random.normal(jax.random.key(1), (8, layer.in_features),
                             layer.dtype or jnp.float32)
       y = layer(x).astype(jnp.float32)
@@ -223,6 +224,9 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
   p.add_argument('--dtype', default='auto')
   p.add_argument('--param-dtype', default='float32', choices=('float32', 'bfloat16'))
   p.add_argument('--lean-state', action='store_true')
+  p.add_argument('--scan-layers', action='store_true',
+                 help='decoder layers stacked and run by lax.scan (compile time '
+                      'independent of depth)')
   p.add_argument('--warmup', type=int, default=3)
   p.add_argument('--steps', type=int, default=10)
   p.add_argument('--json', default=None)

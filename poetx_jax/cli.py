@@ -72,6 +72,9 @@ def _train_parser(sub):
   p.add_argument('--remat', choices=('none', 'block', 'attn'), default=d.remat,
                  help='rematerialise each decoder layer: keep only its input (block), '
                       'or its input and attention output (attn)')
+  p.add_argument('--scan-layers', action='store_true',
+                 help='store the decoder layers stacked and run them with lax.scan: '
+                      'compile time independent of depth (for large models)')
   p.add_argument('--strategy', choices=('dp', 'fsdp'), default=d.strategy,
                  help='on several devices: replicate the state (dp) or shard it (fsdp)')
   p.add_argument('--distributed', action='store_true',

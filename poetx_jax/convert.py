@@ -97,7 +97,10 @@ def merge(model, *, rngs: nnx.Rngs | Array) -> Array:
   all layers of the same shape and options (a Llama compiles a handful, however
   deep), keeping the layer's shardings; a layer's old buffers are released as
   it is updated, so the merge needs one layer's scratch memory, not a second
-  model. Under jit it traces inline.
+  model. The layers of a ``StackedLayers`` merge one after another inside one
+  program that updates the stack in place: its old buffers are donated, so
+  arrays read from a stacked layer before the merge are invalid after it.
+  Under jit it traces inline.
 
   Args:
     model: a model containing POETLinear layers.
@@ -123,14 +126,14 @@ def _merge_compiled(layer: POETLinear, key: Array) -> Array:
   graphdef, state = nnx.split(layer)
   shardings = jax.tree.map(lambda x: x.sharding, state)
   leaves, treedef = jax.tree.flatten(shardings)
-  fn = _merge_program(graphdef, treedef, tuple(leaves))
+  fn = _merge_program(graphdef, treedef, tuple(leaves), bool(layer.stack_shape))
   state, error = fn(state, key)
   nnx.update(layer, state)
   return error
 
 
 @functools.lru_cache(maxsize=64)
-def _merge_program(graphdef, treedef, sharding_leaves):
+def _merge_program(graphdef, treedef, sharding_leaves, donate):
   def run(state, key):
     layer = nnx.merge(graphdef, state)
     error = layer.merge(key)
@@ -142,7 +145,9 @@ def _merge_program(graphdef, treedef, sharding_leaves):
     shardings = jax.tree.unflatten(treedef, list(sharding_leaves))
     mesh = next(s.mesh for s in sharding_leaves if isinstance(s, jax.sharding.NamedSharding))
     out = (shardings, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
-  return jax.jit(run, out_shardings=out)
+  # A stack of layers is donated and updated in place, one layer's scratch at
+  # a time (not donated, it would need a second copy of its base weights).
+  return jax.jit(run, out_shardings=out, donate_argnums=0 if donate else ())
 
 
 def unpoetize(model):

@@ -230,8 +230,56 @@ class POETLinear(nnx.Module):
     return ops.dequantize_kernel(self.kernel[...], self.kernel_scale[...],
                                  self.in_features)
 
+  @property
+  def stack_shape(self) -> tuple[int, ...]:
+    """The leading axes when this module holds a stack of layers (inside a
+    ``StackedLayers``, each variable has a leading layer axis); () for one layer."""
+    return tuple(self.q_in.shape[:-2])
+
+  def _each(self, fn: tp.Callable, *args, update: bool = False):
+    """``fn(layer, *args)`` on each layer of a stack in turn, or on self.
+
+    One layer at a time (a loop, not vmap), so the scratch memory is one
+    layer's. ``args`` are stacked like the layers. With ``update``, fn may
+    change the layer and self takes the new state, written into the stack in
+    place (when the caller's buffers are donated). Returns fn's outputs,
+    stacked.
+    """
+    if not self.stack_shape:
+      return fn(self, *args)
+    if len(self.stack_shape) != 1:
+      raise ValueError(f'one stacked layer axis is supported, got {self.stack_shape}')
+    graphdef, state = nnx.split(self)
+    at = lambda tree, i: jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(
+        x, i, 0, keepdims=False), tree)
+
+    def one(layer_state, a):
+      layer = nnx.merge(graphdef, layer_state)
+      out = fn(layer, *a)
+      return nnx.state(layer), out
+
+    if not update:
+      return jax.lax.map(lambda xs: one(*xs)[1], (state, args))
+    n = self.stack_shape[0]
+    out_shape = jax.eval_shape(lambda: one(at(state, 0), at(args, 0))[1])
+    outs = jax.tree.map(lambda s: jnp.zeros((n,) + s.shape, s.dtype), out_shape)
+
+    def body(i, carry):
+      state, outs = carry
+      new, out = one(at(state, i), at(args, i))
+      put = lambda t, x: jax.tree.map(
+          lambda s, v: jax.lax.dynamic_update_index_in_dim(s, v, i, 0), t, x)
+      return put(state, new), put(outs, out)
+
+    state, outs = jax.lax.fori_loop(0, n, body, (state, outs))
+    nnx.update(self, state)
+    return outs
+
   def __call__(self, inputs: Array) -> Array:
     """y = inputs @ effective_kernel (+ bias)."""
+    if self.stack_shape:
+      raise ValueError(f'this POETLinear holds a stack of {self.stack_shape} layers '
+                       f'(StackedLayers runs them one at a time); call one layer')
     bias = self.bias[...] if self.bias is not None else None
     if self.quantize is None:
       x, kernel, bias = dtypes.promote_dtype((inputs, self.kernel[...], bias),
@@ -253,8 +301,9 @@ class POETLinear(nnx.Module):
     return y
 
   def effective_kernel(self) -> Array:
-    """(R W0 P)^T in (in, out) layout, float32. For merges, export and tests."""
-    return self._kernel_from(*self._blocks())
+    """(R W0 P)^T in (in, out) layout, float32 (with :attr:`stack_shape`
+    leading). For merges, export and tests."""
+    return self._each(lambda layer: layer._kernel_from(*layer._blocks()))
 
   def _kernel_from(self, g_in: Array, g_out: Array) -> Array:
     """:func:`ops.effective_kernel` given the blocks."""
@@ -265,8 +314,9 @@ class POETLinear(nnx.Module):
     """How far the factors are from orthogonal: the larger over R and P of
     :func:`ops.orthogonality_error` (max over blocks of ``||G^T G - I||_F /
     sqrt(B)``), float32. 0 at Q = 0; the truncated series' error otherwise,
-    which grows quickly once a block's ``||Q||`` nears 1."""
-    return _orthogonality_error(*self._blocks())
+    which grows quickly once a block's ``||Q||`` nears 1. The largest over a
+    stack of layers."""
+    return jnp.max(self._each(lambda layer: _orthogonality_error(*layer._blocks())))
 
   def _blocks(self) -> tuple[Array, Array]:
     """The float32 Cayley–Neumann blocks of P and R (full precision)."""
@@ -277,8 +327,12 @@ class POETLinear(nnx.Module):
     """Merge-then-reinitialise: W0 <- R W0 P, fresh permutations, Q <- 0.
 
     Returns the merged factors' :meth:`orthogonality_error` (what the merge
-    folds into W0 beyond a rotation).
+    folds into W0 beyond a rotation). A stack of layers merges each layer
+    with its own key, split from ``key``.
     """
+    if self.stack_shape:
+      keys = jax.random.split(key, self.stack_shape)
+      return jnp.max(self._each(lambda layer, k: layer.merge(k), keys, update=True))
     g_in, g_out = self._blocks()  # one series for the error and the merged kernel
     error = _orthogonality_error(g_in, g_out)
     k_in, k_out = jax.random.split(key)
@@ -296,7 +350,8 @@ class POETLinear(nnx.Module):
     return error
 
   def to_linear(self, *, rngs: nnx.Rngs | None = None) -> nnx.Linear:
-    """A plain ``nnx.Linear`` holding the effective kernel (in the base's dtype)."""
+    """A plain ``nnx.Linear`` holding the effective kernel (in the base's dtype);
+    a stack of layers gives a stacked Linear (kernel with the same leading axes)."""
     kernel = self.effective_kernel().astype(self.param_dtype)
     bias = self.bias[...] if self.bias is not None else None
     return nnx.Linear(

@@ -58,6 +58,7 @@ class TrainConfig:
   form: str = 'input'                  # POET layer product order: input or weight
   implementation: str = 'auto'         # POET Cayley–Neumann step: auto, xla, pallas
   remat: str = 'none'                  # per decoder layer: none, block, attn
+  scan_layers: bool = False            # decoder layers stacked and run by lax.scan
   quantize: str | None = None          # POET-XQ base weights: 'int8' or 'int4'
   group_size: int = 128
   lean_state: bool = False             # bf16 momenta; factored (non-POET) / per-block (POET) 2nd moments
@@ -91,6 +92,8 @@ class TrainConfig:
     if self.remat not in llama.REMAT_POLICIES:
       raise ValueError(f'remat must be one of {tuple(llama.REMAT_POLICIES)}, '
                        f'got {self.remat!r}')
+    if not isinstance(self.scan_layers, bool):
+      raise ValueError(f'scan_layers must be a bool, got {self.scan_layers!r}')
     if self.strategy not in sharding.STRATEGIES:
       raise ValueError(f'strategy must be one of {sharding.STRATEGIES}, '
                        f'got {self.strategy!r}')
@@ -162,7 +165,7 @@ def build_model(cfg: TrainConfig, mc: llama.LlamaConfig):
   dtype, param_dtype = compute_dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
   if cfg.optimizer != 'poetx':
     return llama.init_model(mc, seed=cfg.seed, dtype=dtype, param_dtype=param_dtype,
-                            remat=cfg.remat)
+                            remat=cfg.remat, scan_layers=cfg.scan_layers)
   poet_rngs = nnx.Rngs(jax.random.key(cfg.seed + 1))
 
   def convert(layer):
@@ -172,7 +175,8 @@ def build_model(cfg: TrainConfig, mc: llama.LlamaConfig):
                              quantize=cfg.quantize, group_size=cfg.group_size)
 
   return llama.Llama(mc, dtype=dtype, param_dtype=param_dtype, remat=cfg.remat,
-                     rngs=nnx.Rngs(jax.random.key(cfg.seed)), convert_layer=convert)
+                     rngs=nnx.Rngs(jax.random.key(cfg.seed)), convert_layer=convert,
+                     scan_layers=cfg.scan_layers)
 
 
 def state_bytes(tree) -> int:

@@ -31,7 +31,9 @@ def test_bench_train_one_run():
   r = bench_train.one_run(a, 'poetx:mem:block:int8')
   assert r['checks']['poet_vs_dense'] < 1e-4 and r['tokens_per_s'] > 0
   assert r['trainable'] < r['dense_params']
-  a.merge_every = 2  # merges during the timed steps; the weight form
+  a.merge_every = 2  # merges during the timed steps; the weight form; scanned layers
+  a.scan_layers = True
+  a.model_overrides = '{"layers": 2}'
   r = bench_train.one_run(a, 'poetx:fast:none::weight')
   assert r['checks']['poet_vs_dense'] < 1e-4
 

@@ -257,3 +257,125 @@ def test_remat_policies_save_only_named_residuals():
     assert sum('DecoderLayer.__call__' in l for l in saved[remat]) == cfg.layers
   with pytest.raises(ValueError, match='remat must be one of'):
     Llama(cfg, remat='some', rngs=nnx.Rngs(0))
+
+
+def _per_layer(tree_a, tree_b_stacked, n):
+  """Pairs (layer i of an unrolled state, slice i of a stacked one) as flat leaves."""
+  for i in range(n):
+    for x, y in zip(jax.tree.leaves(tree_a[i]), jax.tree.leaves(tree_b_stacked)):
+      yield np.asarray(x), np.asarray(y[i])
+
+
+@pytest.mark.parametrize('remat', ['none', 'block'])
+def test_scanned_layers_are_the_same_model(keys, remat):
+  """scan_layers=True stores the same weights (drawn in the same order) with a
+  leading layer axis and computes the same logits and gradients."""
+  cfg = get_config('tiny', layers=3)
+  unrolled = Llama(cfg, remat=remat, rngs=nnx.Rngs(0))
+  scanned = Llama(cfg, remat=remat, rngs=nnx.Rngs(0), scan_layers=True)
+  assert isinstance(scanned.layers, llama.StackedLayers) and len(scanned.layers) == 3
+  assert scanned.layers.layer.mlp.up_proj.kernel.shape == (3, cfg.hidden, cfg.mlp)
+  sd_a, sd_b = llama.hf_state_dict(unrolled), llama.hf_state_dict(scanned)
+  assert sd_a.keys() == sd_b.keys()
+  for k in sd_a:
+    np.testing.assert_array_equal(sd_a[k], sd_b[k], err_msg=k)
+  tokens = _tokens(keys(), 2, 16, cfg.vocab_size)
+  assert rel_err(_forward(scanned, tokens), _forward(unrolled, tokens)) < 1e-6
+  loss = lambda m: (m(tokens) ** 2).mean()
+  ga, gb = nnx.grad(loss)(unrolled), nnx.grad(loss)(scanned)
+  pairs = list(_per_layer(ga['layers'], gb['layers']['layer'], 3))
+  assert len(pairs) == 3 * len(jax.tree.leaves(gb['layers']['layer']))
+  for x, y in pairs:
+    assert rel_err(y, x) < 1e-5
+  assert rel_err(gb['lm_head']['kernel'][...], ga['lm_head']['kernel'][...]) < 1e-5
+  # Indexing gives copies of single layers.
+  np.testing.assert_array_equal(scanned.layers[-1].mlp.down_proj.kernel[...],
+                                unrolled.layers[2].mlp.down_proj.kernel[...])
+  with pytest.raises(IndexError, match='out of range for 3 layers'):
+    scanned.layers[3]
+
+
+def test_scanned_remat_block_saves_only_layer_inputs():
+  cfg = get_config('tiny', layers=2, vocab_size=97)
+  tokens = jnp.arange(2 * 12, dtype=jnp.int32).reshape(2, 12) % 97
+  saved = {r: _saved(Llama(cfg, remat=r, rngs=nnx.Rngs(0), scan_layers=True), tokens)
+           for r in ('none', 'block')}
+  inside = lambda lines: [l for l in lines if any(
+      k in l for k in ('Attention.__call__', 'MLP.__call__'))]
+  assert inside(saved['none']) and not inside(saved['block']), saved['block']
+
+
+def test_stacked_layers_errors():
+  cfg = get_config('tiny')
+  shapes = iter([cfg, get_config('tiny', mlp=64)])
+  with pytest.raises(ValueError, match='layer 1 differs'):
+    llama.StackedLayers(lambda i: llama.DecoderLayer(next(shapes), rngs=nnx.Rngs(i)), 2)
+  with pytest.raises(ValueError, match='length must be a positive int'):
+    llama.StackedLayers(lambda i: llama.DecoderLayer(cfg, rngs=nnx.Rngs(i)), 0)
+
+
+@pytest.mark.parametrize('quantize', [None, 'int4'])
+def test_scanned_poet_model_trains_merges_and_exports(keys, quantize):
+  """POET layers converted as built and stacked: the same function as the
+  unrolled POET model; a merge keeps the function, gives every layer its own
+  permutations, resets the generators and reports the largest error; export
+  (unpoetize, hf_state_dict) equals the unrolled model's."""
+  cfg = get_config('tiny', layers=2)
+  opts = dict(block_size=16, quantize=quantize, group_size=16)
+
+  def build(scan):
+    rngs = nnx.Rngs(7)
+    return Llama(cfg, rngs=nnx.Rngs(0), scan_layers=scan, convert_layer=lambda l:
+                 poetx_jax.poetize(l, rngs=rngs, consume=True, **opts))
+
+  unrolled, scanned = build(False), build(True)
+  tokens = _tokens(keys(), 2, 16, cfg.vocab_size)
+  by_path = dict(poetx_jax.poet_layers(unrolled))
+  for path, layer in poetx_jax.poet_layers(scanned):  # the same rotations in both
+    per_layer = [by_path[path.replace('layers/layer/', f'layers/{i}/')] for i in range(2)]
+    for one in per_layer:
+      one.q_out[...] = 3e-2 * jax.random.normal(keys(), one.q_out.shape)
+    layer.q_out[...] = jnp.stack([one.q_out[...] for one in per_layer])
+  stacked = scanned.layers.layer.mlp.down_proj
+  assert stacked.stack_shape == (2,)
+  np.testing.assert_array_equal(stacked.q_out[...][1], unrolled.layers[1].mlp.down_proj.q_out[...])
+  before = _forward(scanned, tokens)
+  assert rel_err(before, _forward(unrolled, tokens)) < 1e-6
+  sd_a = llama.hf_state_dict(poetx_jax.unpoetize(unrolled))
+  sd_b = llama.hf_state_dict(poetx_jax.unpoetize(scanned))
+  for k in sd_a:
+    np.testing.assert_allclose(sd_b[k], sd_a[k], atol=1e-6, err_msg=k)
+  errors = [float(scanned.layers[i].mlp.down_proj.orthogonality_error()) for i in range(2)]
+  assert float(stacked.orthogonality_error()) == pytest.approx(max(errors), rel=1e-4)
+  assert max(errors) > 0
+  with pytest.raises(ValueError, match='holds a stack of'):
+    stacked(jnp.ones((1, cfg.mlp)))
+
+  perms = np.asarray(stacked.perm_in[...])
+  error = poetx_jax.merge(scanned, rngs=nnx.Rngs(1))
+  assert float(error) >= max(errors) * (1 - 1e-4)  # the largest over every POET layer
+  tol = 1e-5 if quantize is None else 0.2  # int4 re-quantises the merged W0
+  assert rel_err(_forward(scanned, tokens), before) < tol
+  new = np.asarray(stacked.perm_in[...])
+  assert not np.array_equal(new, perms) and not np.array_equal(new[0], new[1])
+  assert all(np.array_equal(np.sort(p), np.arange(cfg.mlp)) for p in new)
+  assert float(jnp.abs(stacked.q_out[...]).max()) == 0.0
+
+
+def test_stacked_merge_updates_in_place_one_layer_at_a_time():
+  """The merge program of a stack of 8 layers aliases every input buffer to
+  its output (donated, in place) and its scratch is a few layers' worth, not
+  a copy of the stack."""
+  from poetx_jax import convert
+  cfg = get_config('tiny', layers=8, hidden=128, mlp=256)
+  rngs = nnx.Rngs(1)
+  model = Llama(cfg, rngs=nnx.Rngs(0), scan_layers=True, convert_layer=lambda l:
+                poetx_jax.poetize(l, rngs=rngs, block_size=32))
+  layer = model.layers.layer.mlp.up_proj
+  graphdef, state = nnx.split(layer)
+  leaves, treedef = jax.tree.flatten(jax.tree.map(lambda x: x.sharding, state))
+  program = convert._merge_program(graphdef, treedef, tuple(leaves), True)
+  mem = program.lower(state, jax.random.key(0)).compile().memory_analysis()
+  stack = sum(x.nbytes for x in jax.tree.leaves(state))
+  assert mem.alias_size_in_bytes >= stack - 64
+  assert mem.temp_size_in_bytes < 0.5 * stack

@@ -305,3 +305,27 @@ def test_probe_hook_records_without_changing_training(tmp_path, corpus):
   sv_adamw = {r['step']: np.array(r['sv']) for r in records(adamw.out_dir) if 'sv' in r}
   np.testing.assert_allclose(sv_adamw[0], sv[0], rtol=1e-6)  # the same initial weights
   assert np.linalg.norm(sv_adamw[12] - sv[0]) > 1e-2 * np.linalg.norm(sv[0])
+
+
+def test_scanned_layers_train_as_unrolled_and_resume_exactly(tmp_path, corpus):
+  """scan_layers=True: the losses of the unrolled run up to the first merge
+  (4; later merges draw other permutations), and a resume equal to an
+  uninterrupted run, merges included."""
+  two = {'layers': 2, 'hidden': 32, 'mlp': 64, 'heads': 2, 'kv_heads': 1}
+  unrolled = _cfg(tmp_path / 'u', corpus, model_overrides=two, steps=8)
+  straight = _cfg(tmp_path / 'a', corpus, model_overrides=two, steps=8, scan_layers=True)
+  train(unrolled, log=lambda *_: None)
+  train(straight, log=lambda *_: None)
+  lu, ls = _losses(unrolled.out_dir), _losses(straight.out_dir)
+  assert [s for s, _ in lu] == [s for s, _ in ls]
+  np.testing.assert_allclose([l for _, l in ls[:4]], [l for _, l in lu[:4]], rtol=1e-5)
+  split = _cfg(tmp_path / 'b', corpus, model_overrides=two, steps=8, scan_layers=True)
+  train(split, log=lambda *_: None, stop_after=6)
+  train(split, resume=True, log=lambda *_: None)
+  assert _losses(straight.out_dir) == _losses(split.out_dir)
+  (step_a, pa), (step_b, pb) = _params(straight.out_dir), _params(split.out_dir)
+  assert step_a == step_b == 8
+  for x, y in zip(jax.tree.leaves(pa), jax.tree.leaves(pb)):
+    np.testing.assert_array_equal(x, y)
+  with pytest.raises(ValueError, match='scan_layers must be a bool'):
+    train(_cfg(tmp_path / 'c', corpus, scan_layers='yes'))

@@ -250,6 +250,77 @@ class DecoderLayer(nnx.Module):
     return x + self.mlp(self.post_attention_layernorm(x))
 
 
+@functools.partial(jax.jit, donate_argnums=0)
+def _write_layer(stacked: list, leaves: list, i) -> list:
+  """``stacked[j][i] = leaves[j]`` for every j, in place (donated)."""
+  return [jax.lax.dynamic_update_index_in_dim(s, x.astype(s.dtype), i, 0)
+          for s, x in zip(stacked, leaves)]
+
+
+class StackedLayers(nnx.Module):
+  """Identical decoder layers stored as one module and run with ``jax.lax.scan``.
+
+  Every variable of :attr:`layer` carries a leading axis of ``length``: entry
+  i is layer i. The forward scans over that axis, so a compiled program holds
+  one layer however deep the model (an unrolled Llama's compile time grows
+  with its depth: minutes on an H200 for 8B). Indexing and iterating give each
+  layer as its own module (a copy), e.g. for export.
+
+  Args:
+    make_layer: ``make_layer(i)`` builds layer i; called once per layer, in
+      order. Each layer is copied into the stack and its arrays freed before
+      the next is built, so building needs one layer's memory beyond the stack.
+      Every layer must have the same structure, shapes and dtypes.
+    length: number of layers.
+  """
+
+  def __init__(self, make_layer: tp.Callable[[int], nnx.Module], length: int):
+    if not isinstance(length, (int, np.integer)) or length < 1:
+      raise ValueError(f'length must be a positive int, got {length!r}')
+    graphdef = treedef = stacked = None
+    for i in range(length):
+      g, state = nnx.split(make_layer(i))
+      leaves, t = jax.tree.flatten(state)
+      if graphdef is None:
+        graphdef, treedef = g, t
+        stacked = [jnp.zeros((length,) + x.shape, x.dtype) for x in leaves]
+      elif g != graphdef or t != treedef or any(
+          x.shape != s.shape[1:] or x.dtype != s.dtype for x, s in zip(leaves, stacked)):
+        raise ValueError(f'layer {i} differs in structure, shape or dtype from layer 0; '
+                         f'StackedLayers needs identical layers')
+      stacked = _write_layer(stacked, leaves, i)
+      for x in leaves:
+        if not isinstance(x, jax.core.Tracer) and not x.is_deleted():
+          x.delete()
+    self.layer = nnx.merge(graphdef, jax.tree.unflatten(treedef, stacked))
+    self.length = int(length)
+
+  def __len__(self) -> int:
+    return self.length
+
+  def __getitem__(self, i: int) -> nnx.Module:
+    if not -self.length <= i < self.length:
+      raise IndexError(f'layer {i} out of range for {self.length} layers')
+    graphdef, state = nnx.split(self.layer)
+    return nnx.merge(graphdef, jax.tree.map(lambda x: x[i], state))
+
+  def __iter__(self):
+    return (self[i] for i in range(self.length))
+
+  def __call__(self, h: Array, *args, policy=None) -> Array:
+    """``h = layer_i(h, *args)`` for i = 0 .. length-1; ``policy``: a
+    ``jax.checkpoint`` policy per layer (None: no rematerialisation)."""
+    graphdef, state = nnx.split(self.layer)
+
+    def body(h, layer_state):
+      return nnx.merge(graphdef, layer_state)(h, *args), None
+
+    if policy is not None:
+      body = jax.checkpoint(body, policy=policy, prevent_cse=False)
+    h, _ = jax.lax.scan(body, h, state)
+    return h
+
+
 class Llama(nnx.Module):
   """Llama causal language model: tokens (B, T) int -> logits (B, T, V) float32.
 
@@ -263,6 +334,10 @@ class Llama(nnx.Module):
       result kept in its place (e.g. a POET conversion: then the dense
       weights of only one layer exist at a time). The weights drawn are those
       of the unconverted model.
+    scan_layers: store the decoder layers as one :class:`StackedLayers`
+      (each variable with a leading layer axis) and run them with
+      ``jax.lax.scan``: the same function and weights, a compile time that
+      does not grow with depth. ``model.layers[i]`` is then a copy of layer i.
 
   Example::
 
@@ -276,7 +351,8 @@ class Llama(nnx.Module):
 
   def __init__(self, config: LlamaConfig, *, dtype: tp.Any = jnp.float32,
                param_dtype: tp.Any = jnp.float32, remat: str = 'none', rngs: nnx.Rngs,
-               convert_layer: tp.Callable[[nnx.Module], nnx.Module] | None = None):
+               convert_layer: tp.Callable[[nnx.Module], nnx.Module] | None = None,
+               scan_layers: bool = False):
     if not isinstance(config, LlamaConfig):
       raise ValueError(f'config must be a LlamaConfig, got {type(config).__name__}')
     if remat not in REMAT_POLICIES:
@@ -288,9 +364,16 @@ class Llama(nnx.Module):
                                   embedding_init=initializers.normal(config.init_std),
                                   rngs=rngs)
     convert_layer = convert_layer or (lambda layer: layer)
-    self.layers = nnx.List([
-        convert_layer(DecoderLayer(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs))
-        for _ in range(config.layers)])
+
+    def make_layer(i):
+      del i
+      return convert_layer(DecoderLayer(config, dtype=dtype, param_dtype=param_dtype,
+                                        rngs=rngs))
+
+    if scan_layers:
+      self.layers = StackedLayers(make_layer, config.layers)
+    else:
+      self.layers = nnx.List([make_layer(i) for i in range(config.layers)])
     self.norm = RMSNorm(config.hidden, eps=config.norm_eps, param_dtype=param_dtype,
                         rngs=rngs)
     if not config.tie_embeddings:
@@ -309,11 +392,15 @@ class Llama(nnx.Module):
                        f'{self.config.max_seq_len}')
     positions = jnp.arange(t)[None]
     h = self.embed_tokens(tokens)
-    call = DecoderLayer.__call__
-    if self.remat != 'none':
-      call = nnx.remat(call, policy=REMAT_POLICIES[self.remat])
-    for layer in self.layers:
-      h = call(layer, h, positions)
+    policy = REMAT_POLICIES[self.remat] if self.remat != 'none' else None
+    if isinstance(self.layers, StackedLayers):
+      h = self.layers(h, positions, policy=policy)
+    else:
+      call = DecoderLayer.__call__
+      if policy is not None:
+        call = nnx.remat(call, policy=policy)
+      for layer in self.layers:
+        h = call(layer, h, positions)
     h = self.norm(h)
     if self.config.tie_embeddings:
       logits = self.embed_tokens.attend(h)
@@ -323,7 +410,8 @@ class Llama(nnx.Module):
 
 
 def init_model(config: LlamaConfig, *, seed: int = 0, dtype: tp.Any = jnp.float32,
-               param_dtype: tp.Any = jnp.float32, remat: str = 'none') -> Llama:
+               param_dtype: tp.Any = jnp.float32, remat: str = 'none',
+               scan_layers: bool = False) -> Llama:
   """``Llama(config, ..., rngs=nnx.Rngs(seed))``, its parameters drawn on the device.
 
   Built op by op rather than in one jitted program: each initialiser is one
@@ -336,7 +424,7 @@ def init_model(config: LlamaConfig, *, seed: int = 0, dtype: tp.Any = jnp.float3
   if not isinstance(seed, (int, np.integer)) or isinstance(seed, bool):
     raise ValueError(f'seed must be an int, got {seed!r}')
   return Llama(config, dtype=dtype, param_dtype=param_dtype, remat=remat,
-               rngs=nnx.Rngs(jax.random.key(int(seed))))
+               rngs=nnx.Rngs(jax.random.key(int(seed))), scan_layers=scan_layers)
 
 
 def hf_config(config: LlamaConfig) -> dict:
