@@ -12,7 +12,15 @@ all-reduce / all-gather / reduce-scatter per step). Scaling efficiency is
     python3 experiments/bench_scaling.py --model 8b --runs poetx:dp,poetx:fsdp,adamw:fsdp
     python3 experiments/bench_scaling.py --model tiny --seq-len 64 --cpu-devices --devices 1,8
 
-A run is ``optimizer:strategy`` (strategy dp or fsdp).
+A run is ``optimizer:strategy[:mode[:remat[:quantize]]]`` (strategy dp or
+fsdp; the rest as bench_train.py's runs). With ``--scan-layers`` and fsdp the
+stacked layers are built straight into their shards, so a model too large for
+one GPU trains on several::
+
+    python3 experiments/bench_scaling.py --model 13b --model-overrides \
+        '{"hidden": 8192, "mlp": 28672, "layers": 80, "heads": 64, "kv_heads": 8}' \
+        --devices 2 --per-device-batch 1 --runs poetx:fsdp:mem:block --scan-layers \
+        --lean-state --param-dtype bfloat16 --merge-every 2 --warmup 2 --steps 3
 """
 
 from __future__ import annotations
@@ -27,11 +35,11 @@ import bench_train  # noqa: E402
 
 
 def child(a):
-  opt, strategy = (a.single.split(':') + ['dp'])[:2]
+  opt, strategy, *rest = a.single.split(':') + ['dp'] * (':' not in a.single)
   import jax
   a.batch_size = a.per_device_batch * jax.device_count()
-  a.strategy = strategy
-  return bench_train.one_run(a, opt)
+  a.strategy = strategy or 'dp'
+  return bench_train.one_run(a, ':'.join([opt] + rest))
 
 
 def main(argv=None):

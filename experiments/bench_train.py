@@ -140,7 +140,12 @@ def one_run(a, run: str) -> dict:
   mc = T.model_config(cfg, a.vocab_size)
   t_setup = time.perf_counter()
   progress(f'{run}: building {a.model} ({mc.num_params() / 1e6:,.0f}M dense parameters)')
-  model = T.build_model(cfg, mc)
+  mesh = None
+  strategy = getattr(a, 'strategy', None)
+  if strategy and jax.device_count() > 1:
+    from poetx_jax import sharding
+    mesh = sharding.make_mesh(fsdp=jax.device_count() if strategy == 'fsdp' else 1)
+  model = T.build_model(cfg, mc, mesh)  # fsdp + scan: built into its shards
   rng = np.random.default_rng(0)
   batches = [{'inputs': jnp.asarray(rng.integers(0, a.vocab_size, (a.batch_size, a.seq_len)),
                                     jnp.int32),
@@ -148,11 +153,7 @@ def one_run(a, run: str) -> dict:
                                      jnp.int32)} for _ in range(2)]
   checks = {}
   opt = T.build_optimizer(cfg, model)
-  mesh = None
-  strategy = getattr(a, 'strategy', None)
-  if strategy and jax.device_count() > 1:
-    from poetx_jax import sharding
-    mesh = sharding.make_mesh(fsdp=jax.device_count() if strategy == 'fsdp' else 1)
+  if mesh is not None:
     sharding.shard_state(model, mesh, strategy)
     sharding.shard_state(opt, mesh, strategy)
     batches = [sharding.shard_batch(b, mesh) for b in batches]
@@ -164,7 +165,9 @@ def one_run(a, run: str) -> dict:
   progress(f'{run}: first step (compilation) {compile_s:.0f} s, loss {loss0:.3f}')
   checks['first_loss'] = loss0
   checks['log_vocab'] = math.log(a.vocab_size)
-  if not abs(loss0 - math.log(a.vocab_size)) < 1.0:
+  # Random logits of variance s^2 give about log V + s^2 / 2: wide models start
+  # above log V (70B-class shapes at init_std 0.02: +1.6), a broken setup far off.
+  if not abs(loss0 - math.log(a.vocab_size)) < 0.25 * math.log(a.vocab_size):
     raise SystemExit(f'{run}: setup check failed: {checks}')
   collectives = (sharding.collective_bytes(getattr(step, "update", step).lower(
       model, opt, batches[1]).compile().as_text())
@@ -196,7 +199,9 @@ def one_run(a, run: str) -> dict:
       y_ref = x.astype(jnp.float32) @ poetx_jax.effective_kernel(layer).astype(jnp.float32)
       checks['export_check'] = 'one layer'
     checks['poet_vs_dense'] = float(jnp.linalg.norm(y - y_ref) / jnp.linalg.norm(y_ref))
-    if not checks['poet_vs_dense'] < (2e-2 if a.dtype != 'float32' else 1e-4):
+    # bf16 rounding compounds with depth: 0.04 for Llama-8B (32 layers) after
+    # two merges; a wrong rotation, permutation or layer order gives O(1).
+    if not checks['poet_vs_dense'] < (0.1 if a.dtype != 'float32' else 1e-4):
       raise SystemExit(f'{run}: POET model and its export disagree: {checks}')
   n_train = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
   opt_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(opt)))

@@ -10,7 +10,9 @@ Two strategies place the training state:
 * ``'fsdp'`` — fully sharded: every array whose largest dimension the
   ``fsdp`` axis size divides (frozen bases, generators, embeddings, optimizer
   moments) is split along it; the rest is replicated. For models whose W0 does
-  not fit on one device.
+  not fit on one device: with ``scan_layers`` the stacked layers are built
+  straight into their shards (:func:`placement`, :func:`stacked_spec`: the
+  layer axis whole, the most major divisible dimension split).
 
 With ``'dp'``, ``make_train_step(data_parallel=mesh)`` has each device compute
 its rows' gradients and averages them with one all-reduce of the trainable
@@ -66,14 +68,52 @@ def array_spec(shape, strategy: str, fsdp_size: int) -> P:
   return P(*spec)
 
 
-def shard_state(node, mesh: jax.sharding.Mesh, strategy: str) -> None:
-  """Places every array of an NNX object (model or optimizer) on ``mesh``."""
+def stacked_spec(shape, strategy: str, fsdp_size: int) -> P:
+  """The PartitionSpec of a stacked array (a leading layer axis, as in
+  ``StackedLayers``) under ``strategy``: the layer axis whole, the first
+  other dimension that the ``fsdp`` axis divides split (the most major one:
+  each layer's all-gather inside the scan then needs no transpose, which XLA
+  on GPU would otherwise hoist out of the loop as a transposed copy of the
+  whole stack); replicated when none does."""
+  if strategy not in STRATEGIES:
+    raise ValueError(f'strategy must be one of {STRATEGIES}, got {strategy!r}')
+  if strategy == 'dp' or fsdp_size == 1 or len(shape) < 2:
+    return P()
+  for d in range(1, len(shape)):
+    if shape[d] % fsdp_size == 0:
+      return P(*[('fsdp' if i == d else None) for i in range(len(shape))])
+  return P()
+
+
+def placement(mesh: jax.sharding.Mesh, strategy: str):
+  """``place(shape) -> NamedSharding`` of a stacked array under ``strategy``
+  (:func:`stacked_spec`), for ``Llama(scan_layers=True, place=...)``."""
   fsdp = mesh.shape['fsdp']
-  state = nnx.state(node)
-  placed = jax.tree.map(
-      lambda x: jax.device_put(x, NamedSharding(mesh, array_spec(x.shape, strategy, fsdp))),
-      state)
-  nnx.update(node, placed)
+  return lambda shape: NamedSharding(mesh, stacked_spec(shape, strategy, fsdp))
+
+
+def shard_state(node, mesh: jax.sharding.Mesh, strategy: str) -> None:
+  """Places every array of an NNX object (model or optimizer) on ``mesh``.
+
+  Under ``'fsdp'``, arrays already split over this mesh's ``fsdp`` axis keep
+  their sharding (stacked layers built with :func:`placement`, and optimizer
+  moments made like them), and the activations between stacked decoder
+  layers (``StackedLayers``) are pinned to the batch sharding.
+  """
+  from poetx_jax.models.llama import StackedLayers
+  fsdp = mesh.shape['fsdp']
+  if strategy == 'fsdp':
+    for _, sub in nnx.iter_graph(node):
+      if isinstance(sub, StackedLayers):
+        sub.carry_sharding = batch_sharding(mesh)
+
+  def put(x):
+    if (strategy == 'fsdp' and isinstance(x.sharding, NamedSharding)
+        and x.sharding.mesh == mesh and 'fsdp' in jax.tree.leaves(tuple(x.sharding.spec))):
+      return x  # split already (stacked layers built into their shards)
+    return jax.device_put(x, NamedSharding(mesh, array_spec(x.shape, strategy, fsdp)))
+
+  nnx.update(node, jax.tree.map(put, nnx.state(node)))
 
 
 def batch_sharding(mesh: jax.sharding.Mesh) -> NamedSharding:
@@ -116,7 +156,9 @@ def local_rows(batch):
 def collective_bytes(hlo_text: str) -> dict[str, int]:
   """Result bytes of each kind of cross-device collective in compiled HLO text
   (``jit(f).lower(...).compile().as_text()``), by kind: what one call sends
-  between devices, as the program states it."""
+  between devices, as the program states it. Each instruction counts once: a
+  collective inside a loop body (the layers of a ``StackedLayers`` scan) is
+  counted for one iteration, not times the trip count."""
   sizes = {'f32': 4, 'bf16': 2, 'f16': 2, 's32': 4, 'u32': 4, 'f64': 8, 's8': 1, 'u8': 1,
            'pred': 1, 's64': 8, 'u64': 8}
   out = {}

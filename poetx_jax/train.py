@@ -152,7 +152,7 @@ def model_config(cfg: TrainConfig, vocab_size: int) -> llama.LlamaConfig:
   return mc
 
 
-def build_model(cfg: TrainConfig, mc: llama.LlamaConfig):
+def build_model(cfg: TrainConfig, mc: llama.LlamaConfig, mesh=None):
   """The Llama (poetized for POET-X) as it is at step 0 of the run.
 
   For POET-X each decoder layer is converted as soon as it is built (its dense
@@ -161,11 +161,21 @@ def build_model(cfg: TrainConfig, mc: llama.LlamaConfig):
   1), ...)``. Built op by op, not in one jitted program: a whole-model program
   compiles its initialisers and permutation draws once per layer (minutes on a
   GPU for Llama-1B), op by op they compile once per shape.
+
+  With ``mesh``, ``cfg.strategy == 'fsdp'`` and ``cfg.scan_layers``, the
+  stacked decoder layers are allocated sharded and each layer is written into
+  its shards as it is built: a model whose weights do not fit on one device
+  is never gathered on one (the rest, embeddings and head, start on the
+  default device; :func:`poetx_jax.sharding.shard_state` places them).
   """
   dtype, param_dtype = compute_dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
+  place = None
+  if mesh is not None and cfg.strategy == 'fsdp' and cfg.scan_layers:
+    place = sharding.placement(mesh, cfg.strategy)
   if cfg.optimizer != 'poetx':
-    return llama.init_model(mc, seed=cfg.seed, dtype=dtype, param_dtype=param_dtype,
-                            remat=cfg.remat, scan_layers=cfg.scan_layers)
+    return llama.Llama(mc, dtype=dtype, param_dtype=param_dtype, remat=cfg.remat,
+                       rngs=nnx.Rngs(jax.random.key(cfg.seed)),
+                       scan_layers=cfg.scan_layers, place=place)
   poet_rngs = nnx.Rngs(jax.random.key(cfg.seed + 1))
 
   def convert(layer):
@@ -176,7 +186,7 @@ def build_model(cfg: TrainConfig, mc: llama.LlamaConfig):
 
   return llama.Llama(mc, dtype=dtype, param_dtype=param_dtype, remat=cfg.remat,
                      rngs=nnx.Rngs(jax.random.key(cfg.seed)), convert_layer=convert,
-                     scan_layers=cfg.scan_layers)
+                     scan_layers=cfg.scan_layers, place=place)
 
 
 def state_bytes(tree) -> int:
@@ -492,9 +502,9 @@ def train(cfg: TrainConfig, *, resume: bool = False, log=print,
   data = load_data(cfg)
   log(f'data: {data.description}')
   mc = model_config(cfg, data.tokenizer.vocab_size)
-  model = build_model(cfg, mc)
-  optimizer = build_optimizer(cfg, model)
   mesh = make_training_mesh(cfg)
+  model = build_model(cfg, mc, mesh)
+  optimizer = build_optimizer(cfg, model)
   if mesh is not None:
     if cfg.batch_size % mesh.size:
       raise ValueError(f'batch_size={cfg.batch_size} must be divisible by the '

@@ -43,6 +43,17 @@ def test_sharded_steps_equal_single_device(eight, strategy):
   assert r['kernel_shards'] == (4 if strategy == 'fsdp' else 1), r
 
 
+def test_stacked_layers_built_into_shards_train_as_on_one_device(eight):
+  """scan_layers + FSDP: the stacked layers are allocated sharded and each
+  layer written into its shards as built; five updates with two merges equal
+  the same model on one device, and no collective gathers more than one
+  layer's kernel (here half the stack: two layers)."""
+  r = eight[0]['fsdp_scan']
+  assert r['loss_diff'] < 1e-5 and r['perm_equal'] and r['min_close_fraction'] > 0.99, r
+  assert r['built_shards'] == r['kernel_shards'] == 4, r
+  assert 0 < r['largest_gather_bytes'] <= r['stack_bytes'] // 2, r
+
+
 def test_per_device_gradients_all_reduce_only_the_trainable_arrays(eight):
   """make_train_step(data_parallel=mesh) all-reduces the gradients as they
   are, plus the loss; left to the compiler, data parallelism reduces the POET
@@ -72,6 +83,13 @@ def test_mesh_and_spec_rules():
   assert sharding.array_spec((64, 128), 'dp', 4) == sharding.P()
   with pytest.raises(ValueError, match='strategy must be one of'):
     sharding.array_spec((4,), 'tp', 2)
+  # Stacked arrays: the layer axis whole, the most major divisible dimension split.
+  assert sharding.stacked_spec((80, 8192, 28672), 'fsdp', 2) == sharding.P(None, 'fsdp', None)
+  assert sharding.stacked_spec((8, 6, 128), 'fsdp', 4) == sharding.P(None, None, 'fsdp')
+  assert sharding.stacked_spec((8, 6), 'fsdp', 4) == sharding.P()
+  assert sharding.stacked_spec((8, 64), 'dp', 4) == sharding.P()
+  with pytest.raises(ValueError, match='strategy must be one of'):
+    sharding.stacked_spec((4, 4), 'tp', 2)
   with pytest.raises(ValueError, match='fsdp=3 must be >= 1 and divide'):
     sharding.make_mesh(fsdp=3)
 

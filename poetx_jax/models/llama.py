@@ -272,9 +272,14 @@ class StackedLayers(nnx.Module):
       the next is built, so building needs one layer's memory beyond the stack.
       Every layer must have the same structure, shapes and dtypes.
     length: number of layers.
+    place: ``place(shape)`` gives the sharding of a stacked array of that
+      shape, allocated there from the start (a model too large for one device
+      is built one layer at a time straight into its shards). None: the
+      default device.
   """
 
-  def __init__(self, make_layer: tp.Callable[[int], nnx.Module], length: int):
+  def __init__(self, make_layer: tp.Callable[[int], nnx.Module], length: int, *,
+               place: tp.Callable[[tuple], jax.sharding.Sharding] | None = None):
     if not isinstance(length, (int, np.integer)) or length < 1:
       raise ValueError(f'length must be a positive int, got {length!r}')
     graphdef = treedef = stacked = None
@@ -283,7 +288,9 @@ class StackedLayers(nnx.Module):
       leaves, t = jax.tree.flatten(state)
       if graphdef is None:
         graphdef, treedef = g, t
-        stacked = [jnp.zeros((length,) + x.shape, x.dtype) for x in leaves]
+        stacked = [jnp.zeros((length,) + x.shape, x.dtype,
+                             device=place((length,) + x.shape) if place else None)
+                   for x in leaves]
       elif g != graphdef or t != treedef or any(
           x.shape != s.shape[1:] or x.dtype != s.dtype for x, s in zip(leaves, stacked)):
         raise ValueError(f'layer {i} differs in structure, shape or dtype from layer 0; '
@@ -294,6 +301,10 @@ class StackedLayers(nnx.Module):
           x.delete()
     self.layer = nnx.merge(graphdef, jax.tree.unflatten(treedef, stacked))
     self.length = int(length)
+    # The sharding of the activations between layers, pinned in the scan
+    # when set (poetx_jax.sharding.shard_state sets it for FSDP: without it
+    # XLA 0.11's partitioner fails on the POET layers' backward in the loop).
+    self.carry_sharding = None
 
   def __len__(self) -> int:
     return self.length
@@ -312,8 +323,11 @@ class StackedLayers(nnx.Module):
     ``jax.checkpoint`` policy per layer (None: no rematerialisation)."""
     graphdef, state = nnx.split(self.layer)
 
+    pin = ((lambda x: jax.lax.with_sharding_constraint(x, self.carry_sharding))
+           if self.carry_sharding is not None else (lambda x: x))
+
     def body(h, layer_state):
-      return nnx.merge(graphdef, layer_state)(h, *args), None
+      return pin(nnx.merge(graphdef, layer_state)(pin(h), *args)), None
 
     if policy is not None:
       body = jax.checkpoint(body, policy=policy, prevent_cse=False)
@@ -338,6 +352,9 @@ class Llama(nnx.Module):
       (each variable with a leading layer axis) and run them with
       ``jax.lax.scan``: the same function and weights, a compile time that
       does not grow with depth. ``model.layers[i]`` is then a copy of layer i.
+    place: with ``scan_layers``, the sharding of each stacked array by shape
+      (see :class:`StackedLayers`); the other arrays start on the default
+      device.
 
   Example::
 
@@ -352,7 +369,8 @@ class Llama(nnx.Module):
   def __init__(self, config: LlamaConfig, *, dtype: tp.Any = jnp.float32,
                param_dtype: tp.Any = jnp.float32, remat: str = 'none', rngs: nnx.Rngs,
                convert_layer: tp.Callable[[nnx.Module], nnx.Module] | None = None,
-               scan_layers: bool = False):
+               scan_layers: bool = False,
+               place: tp.Callable[[tuple], jax.sharding.Sharding] | None = None):
     if not isinstance(config, LlamaConfig):
       raise ValueError(f'config must be a LlamaConfig, got {type(config).__name__}')
     if remat not in REMAT_POLICIES:
@@ -370,8 +388,10 @@ class Llama(nnx.Module):
       return convert_layer(DecoderLayer(config, dtype=dtype, param_dtype=param_dtype,
                                         rngs=rngs))
 
+    if place is not None and not scan_layers:
+      raise ValueError('place needs scan_layers=True (it shards the stacked layers)')
     if scan_layers:
-      self.layers = StackedLayers(make_layer, config.layers)
+      self.layers = StackedLayers(make_layer, config.layers, place=place)
     else:
       self.layers = nnx.List([make_layer(i) for i in range(config.layers)])
     self.norm = RMSNorm(config.hidden, eps=config.norm_eps, param_dtype=param_dtype,
