@@ -64,7 +64,7 @@ def run_one(a, model, overrides, seq, run, cap_gib):
   return r
 
 
-def plot(results, path):
+def plot(results, path, device_gib=None):
   import matplotlib
   matplotlib.use('Agg')
   import matplotlib.pyplot as plt
@@ -74,6 +74,9 @@ def plot(results, path):
                  if r['run'] == run and 'error' not in r)
     if pts:
       ax.plot(*zip(*pts), marker='o', label=run)
+  if device_gib:
+    ax.axhline(device_gib, color='k', linestyle='--', linewidth=1,
+               label=f'device memory ({device_gib:.0f} GiB)')
   ax.set(xlabel='model parameters (billions)', ylabel='peak memory (GiB)',
          title='peak memory vs model size (batch 1)')
   ax.grid(alpha=0.3)
@@ -167,7 +170,7 @@ def main(argv=None):
   with open(a.json, 'w') as f:
     json.dump(results, f, indent=1)
   try:
-    plot(results, a.plot)
+    plot(results, a.plot, a.device_gib)
   except ImportError:
     print('no plot: matplotlib is not installed')
 

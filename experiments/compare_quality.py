@@ -59,6 +59,16 @@ built-in corpus's 3.07 M training tokens); 2 AdamW + 2 POET-X runs::
         --steps 400 --eval-every 50 --probe-every 50 --merge-every 100 \\
         --block-sizes 256 --adamw-lrs 1e-3,3e-3 --poet-lrs 1e-3,2e-3 --out runs/quality
 
+Llama-130M, B = 128 and 256, on two GPUs side by side (BENCHMARKS.md; each
+command about 7.5 minutes on an H200)::
+
+    Q="--model 130m --seq-len 256 --batch-size 64 --steps 400 --eval-every 50 \\
+       --probe-every 50 --merge-every 100 --poet-other-lr 3e-3"
+    python3 experiments/compare_quality.py $Q --adamw-lrs 1e-3,3e-3 --block-sizes 256 \\
+        --poet-lrs 2e-3 --out runs/q130-b256
+    python3 experiments/compare_quality.py $Q --adamw-lrs 6e-4 --block-sizes 128 \\
+        --poet-lrs 2e-3,4e-3 --out runs/q130-b128
+
 Short runs are dominated by compilation (each run's learning rates are
 constants of its update program, so every run compiles its own); the measured
 costs and a first H200 comparison are in BENCHMARKS.md. The POET-X
