@@ -312,6 +312,8 @@ def test_stacked_layers_errors():
     llama.StackedLayers(lambda i: llama.DecoderLayer(next(shapes), rngs=nnx.Rngs(i)), 2)
   with pytest.raises(ValueError, match='length must be a positive int'):
     llama.StackedLayers(lambda i: llama.DecoderLayer(cfg, rngs=nnx.Rngs(i)), 0)
+  with pytest.raises(ValueError, match='place needs scan_layers=True'):
+    Llama(cfg, rngs=nnx.Rngs(0), place=lambda shape: None)
 
 
 @pytest.mark.parametrize('quantize', [None, 'int4'])

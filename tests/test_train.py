@@ -327,5 +327,14 @@ def test_scanned_layers_train_as_unrolled_and_resume_exactly(tmp_path, corpus):
   assert step_a == step_b == 8
   for x, y in zip(jax.tree.leaves(pa), jax.tree.leaves(pb)):
     np.testing.assert_array_equal(x, y)
+  # The export of a stacked run holds each layer's own merged kernel.
+  assert cli.main(['export', straight.out_dir, '--out', str(tmp_path / 'exp')]) == 0
+  from safetensors.numpy import load_file
+  w = load_file(str(tmp_path / 'exp' / 'model.safetensors'))
+  _, _, model, _ = load_run(straight.out_dir)
+  for i in range(2):
+    eff = model.layers[i].self_attn.q_proj.effective_kernel()
+    np.testing.assert_allclose(w[f'model.layers.{i}.self_attn.q_proj.weight'],
+                               np.asarray(eff).T, rtol=1e-6, atol=1e-7)
   with pytest.raises(ValueError, match='scan_layers must be a bool'):
     train(_cfg(tmp_path / 'c', corpus, scan_layers='yes'))
