@@ -95,10 +95,11 @@ def placement(mesh: jax.sharding.Mesh, strategy: str):
 def shard_state(node, mesh: jax.sharding.Mesh, strategy: str) -> None:
   """Places every array of an NNX object (model or optimizer) on ``mesh``.
 
-  Under ``'fsdp'``, arrays already split over this mesh's ``fsdp`` axis keep
-  their sharding (stacked layers built with :func:`placement`, and optimizer
-  moments made like them), and the activations between stacked decoder
-  layers (``StackedLayers``) are pinned to the batch sharding.
+  Arrays of stacked layers (variables with ``layer_axis`` metadata, set by
+  ``StackedLayers`` and copied to their optimizer moments) follow
+  :func:`stacked_spec`, the others :func:`array_spec`. Under ``'fsdp'`` the
+  activations between stacked decoder layers are also pinned to the batch
+  sharding.
   """
   from poetx_jax.models.llama import StackedLayers
   fsdp = mesh.shape['fsdp']
@@ -107,13 +108,13 @@ def shard_state(node, mesh: jax.sharding.Mesh, strategy: str) -> None:
       if isinstance(sub, StackedLayers):
         sub.carry_sharding = batch_sharding(mesh)
 
-  def put(x):
-    if (strategy == 'fsdp' and isinstance(x.sharding, NamedSharding)
-        and x.sharding.mesh == mesh and 'fsdp' in jax.tree.leaves(tuple(x.sharding.spec))):
-      return x  # split already (stacked layers built into their shards)
-    return jax.device_put(x, NamedSharding(mesh, array_spec(x.shape, strategy, fsdp)))
+  def put(v: nnx.Variable):
+    x = v.get_value()
+    rule = stacked_spec if v.get_metadata().get('layer_axis') == 0 else array_spec
+    return jax.device_put(x, NamedSharding(mesh, rule(x.shape, strategy, fsdp)))
 
-  nnx.update(node, jax.tree.map(put, nnx.state(node)))
+  nnx.update(node, jax.tree.map(put, nnx.state(node),
+                                is_leaf=lambda v: isinstance(v, nnx.Variable)))
 
 
 def batch_sharding(mesh: jax.sharding.Mesh) -> NamedSharding:

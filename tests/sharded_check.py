@@ -122,6 +122,18 @@ def main(ckpt_dir):
       'kernel_shards': len({s.index for s in stack.addressable_shards}),
       'largest_gather_bytes': run.largest_gather, 'stack_bytes': stack.nbytes,
   }
+  # Built unsharded, then placed: stacked arrays and their optimizer moments
+  # split like a build with placement (the layer axis whole).
+  mesh = sharding.make_mesh(2, 4)
+  model, opt = build(scan=True)
+  sharding.shard_state(model, mesh, 'fsdp')
+  sharding.shard_state(opt, mesh, 'fsdp')
+  norm = model.layers.layer.input_layernorm.weight
+  mu = dict(nnx.iter_graph(opt))[('opt_state', 'inner_states', 'other', 'inner_state', 0, 'mu',
+                                  'layers', 'layer', 'input_layernorm', 'weight')]
+  out['fsdp_scan']['placed_specs'] = [
+      list(x.sharding.spec) for x in (model.layers.layer.mlp.up_proj.kernel[...], norm[...],
+                                      mu[...])]
   json.dump(out, sys.stdout)
 
 

@@ -52,6 +52,8 @@ def test_stacked_layers_built_into_shards_train_as_on_one_device(eight):
   assert r['loss_diff'] < 1e-5 and r['perm_equal'] and r['min_close_fraction'] > 0.99, r
   assert r['built_shards'] == r['kernel_shards'] == 4, r
   assert 0 < r['largest_gather_bytes'] <= r['stack_bytes'] // 2, r
+  # A stacked model placed after building: the layer axis whole, its moments alike.
+  assert r['placed_specs'] == [[None, 'fsdp', None], [None, 'fsdp'], [None, 'fsdp']], r
 
 
 def test_per_device_gradients_all_reduce_only_the_trainable_arrays(eight):

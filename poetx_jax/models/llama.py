@@ -300,6 +300,9 @@ class StackedLayers(nnx.Module):
         if not isinstance(x, jax.core.Tracer) and not x.is_deleted():
           x.delete()
     self.layer = nnx.merge(graphdef, jax.tree.unflatten(treedef, stacked))
+    for _, v in nnx.iter_graph(self.layer):
+      if isinstance(v, nnx.Variable):
+        v.set_metadata(layer_axis=0)  # read by poetx_jax.sharding (copied to opt. moments)
     self.length = int(length)
     # The sharding of the activations between layers, pinned in the scan
     # when set (poetx_jax.sharding.shard_state sets it for FSDP: without it
@@ -313,7 +316,11 @@ class StackedLayers(nnx.Module):
     if not -self.length <= i < self.length:
       raise IndexError(f'layer {i} out of range for {self.length} layers')
     graphdef, state = nnx.split(self.layer)
-    return nnx.merge(graphdef, jax.tree.map(lambda x: x[i], state))
+    layer = nnx.merge(graphdef, jax.tree.map(lambda x: x[i], state))
+    for _, v in nnx.iter_graph(layer):
+      if isinstance(v, nnx.Variable) and v.has_metadata('layer_axis'):
+        v.del_metadata('layer_axis')
+    return layer
 
   def __iter__(self):
     return (self[i] for i in range(self.length))
