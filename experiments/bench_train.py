@@ -200,7 +200,7 @@ def one_run(a, run: str) -> dict:
       checks['export_check'] = 'one layer'
     checks['poet_vs_dense'] = float(jnp.linalg.norm(y - y_ref) / jnp.linalg.norm(y_ref))
     # bf16 rounding compounds with depth: 0.04 for Llama-8B (32 layers) after
-    # two merges; a wrong rotation, permutation or layer order gives O(1).
+    # three merges; a wrong rotation, permutation or layer order gives O(1).
     if not checks['poet_vs_dense'] < (0.1 if a.dtype != 'float32' else 1e-4):
       raise SystemExit(f'{run}: POET model and its export disagree: {checks}')
   n_train = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
