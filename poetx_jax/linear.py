@@ -250,8 +250,6 @@ class POETLinear(nnx.Module):
     if len(self.stack_shape) != 1:
       raise ValueError(f'one stacked layer axis is supported, got {self.stack_shape}')
     graphdef, state = nnx.split(self)
-    at = lambda tree, i: jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(
-        x, i, 0, keepdims=False), tree)
 
     def one(layer_state, a):
       layer = nnx.merge(graphdef, layer_state)
@@ -260,18 +258,15 @@ class POETLinear(nnx.Module):
 
     if not update:
       return jax.lax.map(lambda xs: one(*xs)[1], (state, args))
-    n = self.stack_shape[0]
-    out_shape = jax.eval_shape(lambda: one(at(state, 0), at(args, 0))[1])
-    outs = jax.tree.map(lambda s: jnp.zeros((n,) + s.shape, s.dtype), out_shape)
 
-    def body(i, carry):
-      state, outs = carry
-      new, out = one(at(state, i), at(args, i))
-      put = lambda t, x: jax.tree.map(
-          lambda s, v: jax.lax.dynamic_update_index_in_dim(s, v, i, 0), t, x)
-      return put(state, new), put(outs, out)
+    def body(state, xs):  # the stack is the carry: each layer written back in place
+      i, a = xs
+      new, out = one(jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(
+          x, i, 0, keepdims=False), state), a)
+      return jax.tree.map(lambda s, v: jax.lax.dynamic_update_index_in_dim(s, v, i, 0),
+                          state, new), out
 
-    state, outs = jax.lax.fori_loop(0, n, body, (state, outs))
+    state, outs = jax.lax.scan(body, state, (jnp.arange(self.stack_shape[0]), args))
     nnx.update(self, state)
     return outs
 

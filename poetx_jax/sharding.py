@@ -11,8 +11,8 @@ Two strategies place the training state:
   ``fsdp`` axis size divides (frozen bases, generators, embeddings, optimizer
   moments) is split along it; the rest is replicated. For models whose W0 does
   not fit on one device: with ``scan_layers`` the stacked layers are built
-  straight into their shards (:func:`placement`, :func:`stacked_spec`: the
-  layer axis whole, the most major divisible dimension split).
+  straight into their shards (:func:`placement`; :func:`array_spec` with
+  ``stacked``: the layer axis whole, the most major divisible dimension split).
 
 With ``'dp'``, ``make_train_step(data_parallel=mesh)`` has each device compute
 its rows' gradients and averages them with one all-reduce of the trainable
@@ -51,53 +51,51 @@ def make_mesh(data: int | None = None, fsdp: int = 1, devices=None) -> jax.shard
                            axis_types=(AxisType.Auto, AxisType.Auto))
 
 
-def array_spec(shape, strategy: str, fsdp_size: int) -> P:
-  """The PartitionSpec of one state array under ``strategy``."""
+def array_spec(shape, strategy: str, fsdp_size: int, *, stacked: bool = False) -> P:
+  """The PartitionSpec of one state array under ``strategy``.
+
+  Under ``'fsdp'`` one dimension that the ``fsdp`` axis size divides is
+  split; an array no rule can split is replicated.
+
+  * Plain arrays: the largest dimension (the first of equals), and only that
+    one: a vocabulary that the axis does not divide keeps its embedding
+    replicated rather than split along the features, which XLA's partitioner
+    (0.11) fails to compile.
+  * ``stacked`` arrays (a leading layer axis, as in ``StackedLayers``): the
+    layer axis whole, the first other dimension the axis divides. The most
+    major one: each layer's all-gather inside the scan then needs no
+    transpose, which XLA on GPU would otherwise hoist out of the loop as a
+    transposed copy of the whole stack (17.5 GiB per array for a 70B-class
+    model on two GPUs).
+  """
   if strategy not in STRATEGIES:
     raise ValueError(f'strategy must be one of {STRATEGIES}, got {strategy!r}')
-  if strategy == 'dp' or fsdp_size == 1 or not shape:
+  if strategy == 'dp' or fsdp_size == 1 or len(shape) < 1 + stacked:
     return P()
-  # Only the largest dimension is split (the first of equals): a vocabulary
-  # that the axis does not divide keeps its embedding replicated rather than
-  # split along the features, which XLA's partitioner (0.11) fails to compile.
-  d = max(range(len(shape)), key=lambda i: (shape[i], -i))
-  if shape[d] % fsdp_size:
+  if stacked:
+    d = next((d for d in range(1, len(shape)) if shape[d] % fsdp_size == 0), None)
+  else:
+    d = max(range(len(shape)), key=lambda i: (shape[i], -i))
+    d = None if shape[d] % fsdp_size else d
+  if d is None:
     return P()
-  spec = [None] * len(shape)
-  spec[d] = 'fsdp'
-  return P(*spec)
-
-
-def stacked_spec(shape, strategy: str, fsdp_size: int) -> P:
-  """The PartitionSpec of a stacked array (a leading layer axis, as in
-  ``StackedLayers``) under ``strategy``: the layer axis whole, the first
-  other dimension that the ``fsdp`` axis divides split (the most major one:
-  each layer's all-gather inside the scan then needs no transpose, which XLA
-  on GPU would otherwise hoist out of the loop as a transposed copy of the
-  whole stack); replicated when none does."""
-  if strategy not in STRATEGIES:
-    raise ValueError(f'strategy must be one of {STRATEGIES}, got {strategy!r}')
-  if strategy == 'dp' or fsdp_size == 1 or len(shape) < 2:
-    return P()
-  for d in range(1, len(shape)):
-    if shape[d] % fsdp_size == 0:
-      return P(*[('fsdp' if i == d else None) for i in range(len(shape))])
-  return P()
+  return P(*[('fsdp' if i == d else None) for i in range(len(shape))])
 
 
 def placement(mesh: jax.sharding.Mesh, strategy: str):
   """``place(shape) -> NamedSharding`` of a stacked array under ``strategy``
-  (:func:`stacked_spec`), for ``Llama(scan_layers=True, place=...)``."""
+  (:func:`array_spec` with ``stacked``), for ``Llama(scan_layers=True,
+  place=...)``."""
   fsdp = mesh.shape['fsdp']
-  return lambda shape: NamedSharding(mesh, stacked_spec(shape, strategy, fsdp))
+  return lambda shape: NamedSharding(mesh, array_spec(shape, strategy, fsdp, stacked=True))
 
 
 def shard_state(node, mesh: jax.sharding.Mesh, strategy: str) -> None:
   """Places every array of an NNX object (model or optimizer) on ``mesh``.
 
-  Arrays of stacked layers (variables with ``layer_axis`` metadata, set by
-  ``StackedLayers`` and copied to their optimizer moments) follow
-  :func:`stacked_spec`, the others :func:`array_spec`. Under ``'fsdp'`` the
+  Every array follows :func:`array_spec`, ``stacked`` for those of stacked
+  layers (variables with ``layer_axis`` metadata, set by ``StackedLayers`` and
+  copied to their optimizer moments). Under ``'fsdp'`` the
   activations between stacked decoder layers are also pinned to the batch
   sharding.
   """
@@ -110,8 +108,9 @@ def shard_state(node, mesh: jax.sharding.Mesh, strategy: str) -> None:
 
   def put(v: nnx.Variable):
     x = v.get_value()
-    rule = stacked_spec if v.get_metadata().get('layer_axis') == 0 else array_spec
-    return jax.device_put(x, NamedSharding(mesh, rule(x.shape, strategy, fsdp)))
+    spec = array_spec(x.shape, strategy, fsdp,
+                      stacked=v.get_metadata().get('layer_axis') == 0)
+    return jax.device_put(x, NamedSharding(mesh, spec))
 
   nnx.update(node, jax.tree.map(put, nnx.state(node),
                                 is_leaf=lambda v: isinstance(v, nnx.Variable)))

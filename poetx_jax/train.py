@@ -172,17 +172,15 @@ def build_model(cfg: TrainConfig, mc: llama.LlamaConfig, mesh=None):
   place = None
   if mesh is not None and cfg.strategy == 'fsdp' and cfg.scan_layers:
     place = sharding.placement(mesh, cfg.strategy)
-  if cfg.optimizer != 'poetx':
-    return llama.Llama(mc, dtype=dtype, param_dtype=param_dtype, remat=cfg.remat,
-                       rngs=nnx.Rngs(jax.random.key(cfg.seed)),
-                       scan_layers=cfg.scan_layers, place=place)
-  poet_rngs = nnx.Rngs(jax.random.key(cfg.seed + 1))
+  convert = None
+  if cfg.optimizer == 'poetx':
+    poet_rngs = nnx.Rngs(jax.random.key(cfg.seed + 1))
 
-  def convert(layer):
-    return poetx_jax.poetize(layer, rngs=poet_rngs, consume=True,
-                             block_size=cfg.block_size or mc.block_size, mode=cfg.mode,
-                             form=cfg.form, implementation=cfg.implementation,
-                             quantize=cfg.quantize, group_size=cfg.group_size)
+    def convert(layer):
+      return poetx_jax.poetize(layer, rngs=poet_rngs, consume=True,
+                               block_size=cfg.block_size or mc.block_size, mode=cfg.mode,
+                               form=cfg.form, implementation=cfg.implementation,
+                               quantize=cfg.quantize, group_size=cfg.group_size)
 
   return llama.Llama(mc, dtype=dtype, param_dtype=param_dtype, remat=cfg.remat,
                      rngs=nnx.Rngs(jax.random.key(cfg.seed)), convert_layer=convert,

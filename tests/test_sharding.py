@@ -86,12 +86,12 @@ def test_mesh_and_spec_rules():
   with pytest.raises(ValueError, match='strategy must be one of'):
     sharding.array_spec((4,), 'tp', 2)
   # Stacked arrays: the layer axis whole, the most major divisible dimension split.
-  assert sharding.stacked_spec((80, 8192, 28672), 'fsdp', 2) == sharding.P(None, 'fsdp', None)
-  assert sharding.stacked_spec((8, 6, 128), 'fsdp', 4) == sharding.P(None, None, 'fsdp')
-  assert sharding.stacked_spec((8, 6), 'fsdp', 4) == sharding.P()
-  assert sharding.stacked_spec((8, 64), 'dp', 4) == sharding.P()
+  spec = lambda shape, strategy='fsdp': sharding.array_spec(shape, strategy, 4, stacked=True)
+  assert spec((80, 8192, 28672)) == sharding.P(None, 'fsdp', None)  # not the largest
+  assert spec((8, 6, 128)) == sharding.P(None, None, 'fsdp')
+  assert spec((8, 6)) == spec((8,)) == spec((8, 64), 'dp') == sharding.P()
   with pytest.raises(ValueError, match='strategy must be one of'):
-    sharding.stacked_spec((4, 4), 'tp', 2)
+    spec((4, 4), 'tp')
   with pytest.raises(ValueError, match='fsdp=3 must be >= 1 and divide'):
     sharding.make_mesh(fsdp=3)
 

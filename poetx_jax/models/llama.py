@@ -253,7 +253,7 @@ class DecoderLayer(nnx.Module):
 @functools.partial(jax.jit, donate_argnums=0)
 def _write_layer(stacked: list, leaves: list, i) -> list:
   """``stacked[j][i] = leaves[j]`` for every j, in place (donated)."""
-  return [jax.lax.dynamic_update_index_in_dim(s, x.astype(s.dtype), i, 0)
+  return [jax.lax.dynamic_update_index_in_dim(s, x, i, 0)
           for s, x in zip(stacked, leaves)]
 
 
@@ -419,7 +419,7 @@ class Llama(nnx.Module):
                        f'{self.config.max_seq_len}')
     positions = jnp.arange(t)[None]
     h = self.embed_tokens(tokens)
-    policy = REMAT_POLICIES[self.remat] if self.remat != 'none' else None
+    policy = REMAT_POLICIES[self.remat]
     if isinstance(self.layers, StackedLayers):
       h = self.layers(h, positions, policy=policy)
     else:
