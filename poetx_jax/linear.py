@@ -20,33 +20,55 @@ MODES = ('fast', 'mem')
 IMPLEMENTATIONS = ('auto', 'xla', 'pallas')
 
 
+def _interpret() -> bool:
+  """Kernels compile on GPUs and run in their interpreters elsewhere (tests)."""
+  return jax.default_backend() != 'gpu'
+
+
 def _pallas_series(q_KxBxB, terms):
-  """The Cayley–Neumann step on the Mosaic GPU kernel (interpreted off-GPU)."""
+  """The Cayley–Neumann step on the Mosaic GPU kernel."""
   from pallas_kernels import cayley_neumann as cn
-  return cn.cayley_neumann(q_KxBxB, terms=terms,
-                           interpret=jax.default_backend() != 'gpu')
+  return cn.cayley_neumann(q_KxBxB, terms=terms, interpret=_interpret())
 
 
-def series_for(implementation: str, block_size: int):
-  """The ``series`` argument of :func:`poetx_jax.ops.poet_linear` for an
-  implementation: None (XLA) or the Pallas kernel.
+def _pallas_rotate(x, g_KxBxB):
+  """Block products on the Mosaic GPU kernels for 16-bit activations; the jnp
+  product otherwise (the kernels multiply 16-bit operands only)."""
+  from pallas_kernels import block_rotate as br
+  if jnp.dtype(x.dtype) not in br.DTYPES:
+    return ops.block_rotate(x, g_KxBxB)
+  return br.block_rotate(x, g_KxBxB, interpret=_interpret())
 
-  ``'auto'`` is XLA everywhere for now: on the H200 the kernel path is not yet
-  faster than XLA's series (BENCHMARKS.md).
+
+def _pallas_permute(x, perm_N):
+  """The column gather on the Pallas kernel."""
+  from pallas_kernels import permute as pm
+  return pm.permute(x, perm_N, interpret=_interpret())
+
+
+def kernels_for(implementation: str, block_size: int) -> ops.Kernels | None:
+  """The ``kernels`` argument of :func:`poetx_jax.ops.poet_linear` for an
+  implementation: None (XLA) or the Pallas set.
+
+  ``'pallas'`` runs the Cayley–Neumann step, the activations' block products
+  (forward and backward) and the permutation gathers on the kernels of
+  ``pallas_kernels``. ``'auto'`` is XLA everywhere: on the H200 the kernel path
+  is not faster than XLA's (BENCHMARKS.md).
   """
   if implementation not in IMPLEMENTATIONS:
     raise ValueError(f'implementation must be one of {IMPLEMENTATIONS}, '
                      f'got {implementation!r}')
   if implementation != 'pallas':
     return None
-  if block_size % 64:
-    raise ValueError(f"implementation='pallas' needs a block size that is a multiple "
-                     f"of 64, got {block_size}")
+  if block_size % 64 or block_size > 512:
+    raise ValueError(f"implementation='pallas' needs a block size of 64, 128, 256 "
+                     f"or 512 (a multiple of 64, at most 512), got {block_size}")
   try:
-    from pallas_kernels import cayley_neumann  # noqa: F401  (availability check)
+    from pallas_kernels import block_rotate, cayley_neumann, permute  # noqa: F401
   except ImportError as e:
     raise ValueError(f"implementation='pallas' is unavailable here: {e}") from e
-  return _pallas_series
+  return ops.Kernels(series=_pallas_series, rotate=_pallas_rotate,
+                     permute=_pallas_permute)
 
 
 def _orthogonality_error(g_in: Array, g_out: Array) -> Array:
@@ -104,11 +126,12 @@ class POETLinear(nnx.Module):
       ``'weight'`` rotates and permutes the frozen kernel and runs one dense
       GEMM (a dense layer's backward, but no activation-sized rotations or
       gathers). See :func:`poetx_jax.ops.poet_linear`.
-    implementation: ``'xla'``, ``'pallas'`` (the Cayley–Neumann step on the
-      Mosaic GPU kernel of ``pallas_kernels``, Hopper GPUs; interpreted on
-      other backends, for tests; B a multiple of 64) or ``'auto'`` (XLA until
-      a kernel path measures faster). Results agree with ``poetx_jax.ops``
-      either way.
+    implementation: ``'xla'``, ``'pallas'`` (the Cayley–Neumann step, the
+      block products and the gathers on the kernels of ``pallas_kernels``:
+      Mosaic GPU on Hopper GPUs, the gather in Pallas Triton; interpreted on
+      other backends, for tests; B in 64/128/256/512) or ``'auto'`` (XLA
+      until a kernel path measures faster, see :func:`kernels_for`). Results
+      agree with ``poetx_jax.ops`` either way.
     quantize: POET-XQ: store W0 as ``'int8'`` or ``'int4'`` with one float32
       scale per ``group_size`` input rows of each output column (symmetric),
       dequantised on the fly and re-quantised at every merge. None keeps W0
@@ -151,7 +174,7 @@ class POETLinear(nnx.Module):
       raise ValueError(f'mode must be one of {MODES}, got {mode!r}')
     if form not in ops.FORMS:
       raise ValueError(f'form must be one of {ops.FORMS}, got {form!r}')
-    series_for(implementation, block_size)  # validates
+    kernels_for(implementation, block_size)  # validates
     if not isinstance(terms, int) or terms < 1:
       raise ValueError(f'terms must be an int >= 1, got {terms!r}')
     if quantize is not None and quantize not in ops.QUANT_BITS:
@@ -289,7 +312,7 @@ class POETLinear(nnx.Module):
                         block_size=self.block_size, terms=self.terms,
                         remat=self.mode == 'mem', form=self.form,
                         precision=self.precision,
-                        series=series_for(self.implementation, self.block_size),
+                        kernels=kernels_for(self.implementation, self.block_size),
                         kernel_scale=scale)
     if bias is not None:
       y = y + bias

@@ -54,6 +54,21 @@ Array = jax.Array
 DEFAULT_TERMS = 4
 
 
+class Kernels(tp.NamedTuple):
+  """Replacements for pieces of :func:`poet_linear`, each computing the same map.
+
+  Every field is a callable with the signature of the function it replaces,
+  or None for the jnp version here: ``series`` for :func:`cayley_neumann`
+  (``series(q_KxBxB, terms)``), ``rotate`` for :func:`block_rotate`
+  (``rotate(x, g_KxBxB)``), ``permute`` for :func:`permute`
+  (``permute(x, perm_N)``). ``poetx_jax.linear.kernels_for`` builds the Pallas
+  set.
+  """
+  series: tp.Callable | None = None
+  rotate: tp.Callable | None = None
+  permute: tp.Callable | None = None
+
+
 # --------------------------------------------------------------------------- sizes
 def num_blocks(n: int, block_size: int) -> int:
   """K = ceil(n / B): the number of B x B blocks that cover n features."""
@@ -234,11 +249,19 @@ def pad_features(x_TxN: Array, n_padded: int) -> Array:
   return jnp.pad(x_TxN, [(0, 0)] * (x_TxN.ndim - 1) + [(0, n_padded - n)])
 
 
-def rotate_features(x_TxN: Array, g_KxBxB: Array, *, precision=None) -> Array:
-  """block_rotate for any width N <= K*B: pads, rotates, slices back to N."""
+def rotate_features(x_TxN: Array, g_KxBxB: Array, *, precision=None,
+                    rotate: tp.Callable | None = None) -> Array:
+  """block_rotate for any width N <= K*B: pads, rotates, slices back to N.
+
+  ``rotate(x, g)``, if given, replaces :func:`block_rotate` (``precision`` is
+  then unused)."""
   n = x_TxN.shape[-1]
   k, b, _ = g_KxBxB.shape
-  y = block_rotate(pad_features(x_TxN, k * b), g_KxBxB, precision=precision)
+  x_TxN = pad_features(x_TxN, k * b)
+  if rotate is None:
+    y = block_rotate(x_TxN, g_KxBxB, precision=precision)
+  else:
+    y = rotate(x_TxN, g_KxBxB)
   return y[..., :n]
 
 
@@ -284,12 +307,15 @@ permute.defvjp(_permute_fwd, _permute_bwd)
 FORMS = ('input', 'weight')
 
 
-def _poet_core(x, kernel_IxO, g_in, g_out, perm_in, perm_out, precision):
-  u = permute(x, perm_in)
-  v = rotate_features(u, g_in, precision=precision)
+def _poet_core(x, kernel_IxO, g_in, g_out, perm_in, perm_out, precision,
+               kernels=Kernels()):
+  perm = kernels.permute or permute
+  rot = functools.partial(rotate_features, precision=precision, rotate=kernels.rotate)
+  u = perm(x, perm_in)
+  v = rot(u, g_in)
   w = jnp.matmul(v, jax.lax.stop_gradient(kernel_IxO), precision=precision)
-  z = rotate_features(w, g_out, precision=precision)
-  return permute(z, invert_permutation(perm_out))
+  z = rot(w, g_out)
+  return perm(z, invert_permutation(perm_out))
 
 
 def rotate_kernel(kernel_IxO, g_in, g_out, perm_in, perm_out, precision=None):
@@ -313,7 +339,7 @@ def poet_linear(x_TxI: Array, kernel_IxO: Array, q_in_KxP: Array, q_out_KxP: Arr
                 perm_in_I: Array, perm_out_O: Array, *, block_size: int,
                 terms: int = DEFAULT_TERMS, remat: bool = False,
                 form: str = 'input', precision=None,
-                series: tp.Callable | None = None,
+                kernels: Kernels | None = None,
                 kernel_scale: Array | None = None) -> Array:
   """The POET-X layer ``y = x @ effective_kernel``.
 
@@ -342,8 +368,8 @@ def poet_linear(x_TxI: Array, kernel_IxO: Array, q_in_KxP: Array, q_out_KxP: Arr
       are several K x B x B float32 arrays per side). False is POET-Xfast.
     form: ``'input'`` or ``'weight'`` (above).
     precision: precision of the activation-sized products.
-    series: optional kernel for the Cayley–Neumann step, see
-      :func:`rotation_blocks_pair`.
+    kernels: optional replacements (:class:`Kernels`) for the Cayley–Neumann
+      step, and, in the input form, the block products and the gathers.
     kernel_scale: POET-XQ: ``kernel_IxO`` is then the quantised base of
       :func:`quantize_kernel` (rows padded to whole groups) and this its
       scales; it is dequantised to x's dtype inside the layer, so with
@@ -356,6 +382,7 @@ def poet_linear(x_TxI: Array, kernel_IxO: Array, q_in_KxP: Array, q_out_KxP: Arr
     raise ValueError(f'form must be one of {FORMS}, got {form!r}')
   i, o = x_TxI.shape[-1], kernel_IxO.shape[1]
   exact = jnp.dtype(x_TxI.dtype).itemsize >= 4
+  kernels = Kernels() if kernels is None else kernels
   cn_precision = jax.lax.Precision.HIGHEST if exact else jax.lax.Precision.DEFAULT
 
   def layer(x, kernel, scale, q_in, q_out, perm_in, perm_out):
@@ -371,10 +398,10 @@ def poet_linear(x_TxI: Array, kernel_IxO: Array, q_in_KxP: Array, q_out_KxP: Arr
     else:
       kernel = dequantize_kernel(kernel, scale, i, x.dtype)
     g_in, g_out = rotation_blocks_pair(q_in, q_out, i, o, block_size, terms,
-                                      cn_precision, series)
+                                      cn_precision, kernels.series)
     if form == 'input':
       return _poet_core(x, kernel, g_in.astype(x.dtype), g_out.astype(x.dtype),
-                        perm_in, perm_out, precision)
+                        perm_in, perm_out, precision, kernels)
     return _poet_weight_core(x, kernel, g_in, g_out, perm_in, perm_out, precision,
                              cn_precision)
 

@@ -1,0 +1,100 @@
+"""Column permutation of activations, ``y = x[:, perm]``, as a Pallas kernel.
+
+Notation: T tokens, N features; R rows and C output columns per program.
+
+The one kernel here that is not Mosaic GPU: an arbitrary column gather needs a
+per-element address, which TMA (the only bulk copy Mosaic GPU exposes on Hopper)
+cannot express, and Mosaic GPU has no per-lane indexed load from global memory.
+It therefore uses the Pallas Triton lowering (deprecated in jax 0.11, still
+supported; it warns once per kernel), where a load from a pointer tensor is the
+natural gather. Each program copies an (R, C) output tile whose source rows
+are R whole rows of x; rows are read once from DRAM and the scattered reads are
+served by the caches.
+
+``permute`` is a ``jax.custom_vjp`` whose backward gathers the cotangent by the
+inverse permutation (a gather's autodiff transpose would be a scatter-add),
+exactly like ``poetx_jax.ops.permute``.
+
+Status: checked against ``poetx_jax.ops.permute`` on CPU (interpret mode, the
+generic Pallas interpreter) in tests/test_pallas_block_rotate.py; timed inside
+the POET-X layer by experiments/bench_layer.py (BENCHMARKS.md).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from poetx_jax import ops
+
+Array = jax.Array
+
+TILE_ELEMENTS = 8192  # R * C per program
+
+
+def _tiles(t: int, n: int) -> tuple[int, int]:
+  """(R, C): C the largest power of two dividing N, at most 2048; R = 8192 / C."""
+  c = 1
+  while n % (2 * c) == 0 and 2 * c <= 2048:
+    c *= 2
+  r = max(1, TILE_ELEMENTS // c)
+  while r > 1 and r > t:
+    r //= 2
+  return r, c
+
+
+def gather_kernel(x_TxN: Array, idx_N: Array, *, interpret=False) -> Array:
+  """y[:, c] = x[:, idx[c]] for a 2-D x (no custom VJP); idx must be in range."""
+  if x_TxN.ndim != 2:
+    raise ValueError(f'x must be 2-D (T, N), got shape {x_TxN.shape}')
+  t, n = x_TxN.shape
+  if idx_N.shape != (n,):
+    raise ValueError(f'idx must have shape ({n},) for x of width {n}, got {idx_N.shape}')
+  r, c = _tiles(t, n)
+  tp = -(-t // r) * r
+  xp = x_TxN if tp == t else jnp.pad(x_TxN, ((0, tp - t), (0, 0)))
+
+  def body(idx_ref, x_ref, y_ref):
+    i = pl.program_id(0)
+    rows = i * r + jax.lax.broadcasted_iota(jnp.int32, (r, c), 0)
+    cols = jnp.broadcast_to(idx_ref[...][None, :], (r, c))
+    y_ref[...] = x_ref[rows, cols]
+
+  y = pl.pallas_call(
+      body,
+      out_shape=jax.ShapeDtypeStruct((tp, n), x_TxN.dtype),
+      grid=(tp // r, n // c),
+      in_specs=[pl.BlockSpec((c,), lambda i, j: (j,)),
+                pl.BlockSpec(memory_space=pl.ANY)],
+      out_specs=pl.BlockSpec((r, c), lambda i, j: (i, j)),
+      interpret=interpret,
+      name='poetx_permute',
+  )(idx_N.astype(jnp.int32), xp)
+  return y[:t]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _permute(x_TxN, perm_N, interpret):
+  return gather_kernel(x_TxN, perm_N, interpret=interpret)
+
+
+def _permute_fwd(x_TxN, perm_N, interpret):
+  return _permute(x_TxN, perm_N, interpret), perm_N
+
+
+def _permute_bwd(interpret, perm_N, g_TxN):
+  return gather_kernel(g_TxN, ops.invert_permutation(perm_N), interpret=interpret), None
+
+
+_permute.defvjp(_permute_fwd, _permute_bwd)
+
+
+def permute(x_TxN: Array, perm_N: Array, *, interpret=False) -> Array:
+  """``x[..., perm]`` on the kernel; backward is the inverse-permutation gather."""
+  if isinstance(interpret, bool) or interpret is None:
+    interpret = bool(interpret)
+  y = _permute(x_TxN.reshape(-1, x_TxN.shape[-1]), perm_N, interpret)
+  return y.reshape(x_TxN.shape)
