@@ -35,8 +35,8 @@ experiments/bench_layer.py (BENCHMARKS.md).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -47,7 +47,6 @@ Array = jax.Array
 
 SMEM_LIMIT_BYTES = 227 * 1024  # H100 / H200 dynamic shared memory per block
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-TILE_M = 64          # token rows per WGMMA (one warpgroup's M)
 GRAM_TILE_T = 64     # tokens per step of the dG reduction
 TARGET_PROGRAMS = 264  # two waves of an H100/H200's 132 SMs
 
@@ -103,27 +102,57 @@ def _pad_tokens(x_TxN: Array, tile: int) -> Array:
   return x_TxN if tp == t else jnp.pad(x_TxN, ((0, tp - t), (0, 0)))
 
 
-def _column_tile(b: int, itemsize: int) -> int:
-  """Largest column tile C of G whose buffers fit in shared memory."""
-  for c in (256, 128, 64):
-    if b % c:
-      continue
-    need = (c * b * itemsize                  # rows C of G_k
-            + 2 * TILE_M * b * itemsize       # double-buffered x tiles
-            + 2 * TILE_M * c * itemsize)      # double-buffered y tiles
-    if need <= SMEM_LIMIT_BYTES:
-      return c
-  raise ValueError(f'no column tile fits B={b} in shared memory')
+@dataclasses.dataclass(frozen=True)
+class Config:
+  """Tile choices of ``rotate_kernel``.
+
+  Attrs:
+    tile_m: token rows per step (64 or 128: one warpgroup's WGMMA M).
+    tile_c: rows of G_k (output columns) per program, a multiple of 64 that
+      divides B; None picks the largest whose buffers fit.
+    stages: token tiles in flight (TMA pipeline depth, >= 2).
+    out_buffers: y tiles being stored while the next is computed (1 or 2).
+  """
+  tile_m: int = 64
+  tile_c: int | None = None
+  stages: int = 2
+  out_buffers: int = 2
+
+  def smem_bytes(self, b: int, c: int, itemsize: int) -> int:
+    return itemsize * (c * b + self.stages * self.tile_m * b
+                       + self.out_buffers * self.tile_m * c)
+
+  def resolve(self, b: int, itemsize: int) -> int:
+    """The column tile C for block size B, with clear errors for tiles that do not fit."""
+    if self.tile_m not in (64, 128):
+      raise ValueError(f'Config.tile_m={self.tile_m} must be 64 or 128')
+    if self.stages < 2 or self.out_buffers not in (1, 2):
+      raise ValueError(f'Config.stages={self.stages} must be >= 2 and '
+                       f'Config.out_buffers={self.out_buffers} 1 or 2')
+    choices = (256, 128, 64) if self.tile_c is None else (self.tile_c,)
+    for c in choices:
+      if c % 64 or b % c or c > 256:
+        if self.tile_c is not None:
+          raise ValueError(f'Config.tile_c={c} must be a multiple of 64, at most 256, '
+                           f'that divides B={b}')
+        continue
+      if self.smem_bytes(b, c, itemsize) <= SMEM_LIMIT_BYTES:
+        return c
+    raise ValueError(f'{self} does not fit B={b} in {SMEM_LIMIT_BYTES} bytes of shared '
+                     f'memory; use fewer stages, a smaller tile_m or tile_c')
 
 
-def rotate_kernel(x_TxN: Array, m_KxBxB: Array, *, interpret=False) -> Array:
+def rotate_kernel(x_TxN: Array, m_KxBxB: Array, *, interpret=False,
+                  config: Config | None = None) -> Array:
   """y[:, kB:(k+1)B] = x[:, kB:(k+1)B] @ M_k^T, no custom VJP (x 16-bit, M its dtype)."""
   t, k, b = _check(x_TxN, m_KxBxB)
+  config = Config() if config is None else config
   dtype = jnp.dtype(x_TxN.dtype)
-  x_TxN = _pad_tokens(x_TxN, TILE_M)
+  c = config.resolve(b, dtype.itemsize)
+  tm, nbuf = config.tile_m, config.out_buffers
+  x_TxN = _pad_tokens(x_TxN, tm)
   tp = x_TxN.shape[0]
-  c = _column_tile(b, dtype.itemsize)
-  tiles = tp // TILE_M
+  tiles = tp // tm
   s = _splits(tiles, k * (b // c))
   per_split = tiles // s
   in_t = _swizzle(b, dtype.itemsize)
@@ -138,30 +167,30 @@ def rotate_kernel(x_TxN: Array, m_KxBxB: Array, *, interpret=False) -> Array:
     first = ss * per_split
 
     # The inputs stream through emit_pipeline; the outputs are stored by hand
-    # from two alternating buffers (at most one store in flight while the next
-    # tile is computed).
+    # from ``nbuf`` alternating buffers (at most nbuf - 1 stores in flight
+    # while the next tile is computed).
     def step(idx, x_smem):
       (i,) = idx
-      slot = jax.lax.rem(i, 2)
+      slot = jax.lax.rem(i, nbuf)
 
       def mm(acc):
         plgpu.wgmma(acc, x_smem, m_smem.T)  # (M, B) @ (B, C)
         plgpu.wgmma_wait(0)
         return acc[...]
-      y = pl.run_scoped(mm, plgpu.ACC((TILE_M, c), jnp.float32)).astype(dtype)
-      plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+      y = pl.run_scoped(mm, plgpu.ACC((tm, c), jnp.float32)).astype(dtype)
+      plgpu.wait_smem_to_gmem(nbuf - 1, wait_read_only=True)
       y_smem[slot] = y
       plgpu.commit_smem()
       plgpu.copy_smem_to_gmem(
           y_smem.at[slot],
-          y_gmem.at[pl.ds((first + i) * TILE_M, TILE_M), pl.ds(kk * b + cc * c, c)])
+          y_gmem.at[pl.ds((first + i) * tm, tm), pl.ds(kk * b + cc * c, c)])
 
-    rows = pl.ds(first * TILE_M, per_split * TILE_M)
+    rows = pl.ds(first * tm, per_split * tm)
     plgpu.emit_pipeline(
         step,
         grid=(per_split,),
-        in_specs=[plgpu.BlockSpec((TILE_M, b), lambda i: (i, 0), transforms=in_t)],
-        max_concurrent_steps=2,
+        in_specs=[plgpu.BlockSpec((tm, b), lambda i: (i, 0), transforms=in_t)],
+        max_concurrent_steps=config.stages,
     )(x_gmem.at[rows, pl.ds(kk * b, b)])
     plgpu.wait_smem_to_gmem(0)
 
@@ -169,7 +198,7 @@ def rotate_kernel(x_TxN: Array, m_KxBxB: Array, *, interpret=False) -> Array:
       body,
       out_type=jax.ShapeDtypeStruct((tp, k * b), dtype),
       scratch_types=(plgpu.SMEM((c, b), dtype, transforms=in_t),
-                     plgpu.SMEM((2, TILE_M, c), dtype, transforms=out_t),
+                     plgpu.SMEM((nbuf, tm, c), dtype, transforms=out_t),
                      plgpu.Barrier(num_barriers=1)),
       grid=(k, b // c, s),
       grid_names=('k', 'c', 's'),

@@ -213,11 +213,13 @@ def test_pallas_implementation_matches_xla(keys):
   ct = jax.random.normal(keys(), (5, 96))
   out = {impl: nnx.value_and_grad(lambda m: (m(x) * ct).sum())(layer)
          for impl, layer in layers.items()}
-  assert rel_err(out['pallas'][0], out['xla'][0]) < 1e-5
+  # On GPUs both paths multiply float32 in TF32, each rounding in its own order.
+  tol = 1e-5 if jax.default_backend() != 'gpu' else 2e-3
+  assert rel_err(out['pallas'][0], out['xla'][0]) < tol
   for name in ('q_in', 'q_out'):
-    assert rel_err(out['pallas'][1][name][...], out['xla'][1][name][...]) < 1e-4
+    assert rel_err(out['pallas'][1][name][...], out['xla'][1][name][...]) < 10 * tol
   assert POETLinear(64, 64, block_size=64, rngs=nnx.Rngs(0)).implementation == 'auto'
-  with pytest.raises(ValueError, match='multiple of 64, at most 512\), got 32'):
+  with pytest.raises(ValueError, match=r'multiple of 64, at most 512\), got 32'):
     POETLinear(64, 64, block_size=32, implementation='pallas', rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match="implementation must be one of .*got 'cuda'"):
     POETLinear(64, 64, block_size=32, implementation='cuda', rngs=nnx.Rngs(0))

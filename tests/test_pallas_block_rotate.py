@@ -26,6 +26,9 @@ pm = pytest.importorskip('pallas_kernels.permute')
 INTERPRET = jax.default_backend() != 'gpu'
 # One bf16 rounding of y (or of the cotangents) against a float32 product.
 BF16_TOL = 1e-2
+# float32 layers: on GPUs both paths multiply in TF32 (XLA's default precision,
+# and the Cayley–Neumann kernel's WGMMA), each rounding in its own order.
+F32_TOL = 1e-5 if INTERPRET else 2e-3
 
 
 def _blocks(key, k, b, dtype):
@@ -117,7 +120,7 @@ def _randomize(layer, key):
   layer.q_out[...] = 0.2 * jax.random.normal(k2, layer.q_out.shape) / layer.block_size
 
 
-@pytest.mark.parametrize('dtype, tol', [(jnp.bfloat16, 2e-2), (jnp.float32, 1e-5)])
+@pytest.mark.parametrize('dtype, tol', [(jnp.bfloat16, 2e-2), (jnp.float32, F32_TOL)])
 def test_layer_on_kernels_matches_xla(keys, dtype, tol):
   """implementation='pallas' against 'xla': ragged widths (160 = 2.5 blocks),
   leading batch dims, values and all gradients, in bf16 and float32."""

@@ -1,0 +1,127 @@
+"""Each Pallas kernel alone against the XLA op it replaces, with tile variants.
+
+For activations of T tokens by N features (bf16) and block size B:
+
+  copy                x + 1: one read and one write of x, the memory floor of
+                      every row below except gram (which writes K B x B)
+  rotate xla          poetx_jax.ops.block_rotate (a batched einsum)
+  rotate kernel ...   pallas_kernels.block_rotate.rotate_kernel, per Config
+  gram xla            the blocks' gradient dy_k^T x_k as an einsum (float32 out)
+  gram kernel         pallas_kernels.block_rotate.block_gram
+  gather xla          poetx_jax.ops.permute (a column gather)
+  gather kernel ...   pallas_kernels.permute.gather_kernel, per tiling
+
+Every kernel's output is compared with its XLA row before timing (exact for
+the gathers). Times are medians of device-synchronised runs, forward only.
+
+    python3 experiments/bench_kernels.py                       # N in 4096/14336, B = 256
+    python3 experiments/bench_kernels.py --widths 4096 --blocks 128,256
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from bench_layer import rel_err, timeit
+from pallas_kernels import block_rotate as br
+from pallas_kernels import permute as pm
+from poetx_jax import ops
+
+ROTATE_CONFIGS = {
+    'default': br.Config(),
+    'stages 3': br.Config(stages=3),
+    'C 128 stages 4': br.Config(tile_c=128, stages=4),
+    'C 256 one out buffer': br.Config(tile_c=256, out_buffers=1),
+    'M 128 C 64': br.Config(tile_m=128, tile_c=64),
+    'M 128 C 64 stages 3': br.Config(tile_m=128, tile_c=64, stages=3),
+}
+INTERPRET = jax.default_backend() != 'gpu'  # the kernels' interpreters off-GPU (smoke tests)
+GATHER_VARIANTS = {
+    'tiles C 2048': {},
+    'tiles C 512': {'cols': 512},
+    'whole rows C 2048': {'whole_rows': True},
+    'whole rows C 1024': {'whole_rows': True, 'cols': 1024},
+    'whole rows C 512': {'whole_rows': True, 'cols': 512},
+}
+
+
+def bench(t, n, b, iters, key):
+  k = n // b
+  ks = jax.random.split(key, 4)
+  x = jax.random.normal(ks[0], (t, n), jnp.bfloat16)
+  dy = jax.random.normal(ks[1], (t, n), jnp.bfloat16)
+  g = (jnp.eye(b) + 0.1 * jax.random.normal(ks[2], (k, b, b)) / np.sqrt(b)).astype(jnp.bfloat16)
+  perm = ops.random_permutation(ks[3], n)
+  rows, errs = {}, {}
+
+  def run(name, fn, args, ref=None, exact=False):
+    try:
+      out = jax.block_until_ready(fn(*args))
+    except Exception as e:  # pylint: disable=broad-except
+      print(f'  {name}: failed to run: {type(e).__name__}: {str(e).splitlines()[0][:200]}',
+            flush=True)
+      return None
+    if ref is not None:
+      err = float(np.max(np.abs(np.asarray(out, np.float32) - np.asarray(ref, np.float32)))) \
+          if exact else rel_err(out, ref)
+      errs[name] = err
+      if (exact and err != 0) or (not exact and not err < 1e-2):
+        print(f'  {name}: wrong result (error {err:.2e}); not timed', flush=True)
+        return out
+    rows[name] = timeit(fn, *args, iters=iters)
+    return out
+
+  run('copy', jax.jit(lambda x: x + 1), (x,))
+  y_ref = run('rotate xla', jax.jit(ops.block_rotate), (x, g))
+  for name, cfg in ROTATE_CONFIGS.items():
+    try:
+      cfg.resolve(b, 2)
+    except ValueError as e:
+      print(f'  rotate kernel {name}: skipped at B={b}: {e}')
+      continue
+    run(f'rotate kernel {name}', jax.jit(lambda x, g, cfg=cfg: br.rotate_kernel(
+        x, g, config=cfg, interpret=INTERPRET)), (x, g), y_ref)
+  gram_ref = run('gram xla', jax.jit(lambda dy, x: jnp.einsum(
+      'tki,tkj->kij', dy.reshape(t, k, b), x.reshape(t, k, b),
+      preferred_element_type=jnp.float32)), (dy, x))
+  run('gram kernel', jax.jit(lambda dy, x: br.block_gram(dy, x, b, interpret=INTERPRET)), (dy, x), gram_ref)
+  p_ref = run('gather xla', jax.jit(ops.permute), (x, perm))
+  for name, kw in GATHER_VARIANTS.items():
+    run(f'gather kernel {name}', jax.jit(lambda x, p, kw=kw: pm.gather_kernel(x, p, interpret=INTERPRET, **kw)),
+        (x, perm), p_ref, exact=True)
+  return rows, errs
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument('--widths', default='4096,14336')
+  p.add_argument('--blocks', default='256')
+  p.add_argument('--tokens', type=int, default=8 * 2048)
+  p.add_argument('--iters', type=int, default=20)
+  p.add_argument('--json', default=None)
+  a = p.parse_args(argv)
+  print(f'device: {jax.devices()[0].device_kind}, jax {jax.__version__}, T={a.tokens}, bf16',
+        flush=True)
+  results = []
+  for n in map(int, a.widths.split(',')):
+    for b in map(int, a.blocks.split(',')):
+      rows, errs = bench(a.tokens, n, b, a.iters, jax.random.key(n + b))
+      base = rows.get('copy', (float('nan'),))[0]
+      print(f'\nT={a.tokens} N={n} B={b}')
+      for name, (ms, sd) in rows.items():
+        print(f'  {name:34s} {ms:8.3f} ms  ±{sd:6.3f}  {ms / base:5.2f}x copy')
+      results.append({'width': n, 'block': b, 'ms': rows, 'errors': errs})
+      sys.stdout.flush()
+  if a.json:
+    with open(a.json, 'w') as f:
+      json.dump(results, f, indent=1)
+
+
+if __name__ == '__main__':
+  main()
