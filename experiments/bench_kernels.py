@@ -35,8 +35,8 @@ from poetx_jax import ops
 
 ROTATE_CONFIGS = {
     'default': br.Config(),
-    'stages 3': br.Config(stages=3),
-    'C 128 stages 4': br.Config(tile_c=128, stages=4),
+    'stages 2': br.Config(stages=2),
+    'C 128 stages 2': br.Config(tile_c=128, stages=2),
     'C 256 one out buffer': br.Config(tile_c=256, out_buffers=1),
     'M 128 C 64': br.Config(tile_m=128, tile_c=64),
     'M 128 C 64 stages 3': br.Config(tile_m=128, tile_c=64, stages=3),

@@ -9,13 +9,13 @@ For each shape (I x O) and block size B, bf16 activations of T tokens:
   poetx weight fast   form='weight': rotate and permute the frozen kernel, then
                       one GEMM (a dense layer's backward, weight-sized rotations)
   poetx weight mem    the same with remat
-  poetx pallas fast   POETLinear(implementation='pallas'): the Cayley–Neumann
-                      step, the block products and the gathers on the kernels
-                      of pallas_kernels
+  poetx pallas fast   POETLinear(implementation='pallas'): the block products,
+                      forward and backward, on the Mosaic GPU kernels
   poetx pallas mem    the same with remat
+  poetx all-kernels   every kernel: also the Cayley–Neumann step (Mosaic GPU)
+                      and the gathers (Pallas Triton)
   poetx pallas-cn     the XLA path with only its Cayley–Neumann step on the
-                      kernel; pallas-rot: only the block products; pallas-perm:
-                      only the gathers (these three price each kernel alone)
+                      kernel; pallas-perm: only the gathers on the kernel
   poetx no-perm       the same without the two permutation gathers (a different
                       function: its output is not checked, it prices the gathers)
   poetx f32-acc       block products emitting float32, cast back to bf16
@@ -46,7 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from poetx_jax import ops
-from poetx_jax.linear import kernels_for
+from poetx_jax.linear import all_kernels, kernels_for
 
 
 def timeit(fn, *args, warmup=3, iters=20):
@@ -147,14 +147,16 @@ def bench_shape(i, o, b, t, iters, key, only=()):
       'poetx grouped-conv': (layer(False, rot='conv'), (x, q_in, q_out)),
   }
   try:  # B in 64..512 and the kernels importable
-    ks_all = kernels_for('pallas', b)
+    ks_pallas = kernels_for('pallas', b)
   except ValueError as e:
     print(f'  (no pallas rows: {e})')
   else:
-    variants['poetx pallas fast'] = (layer(False, kernels=ks_all), (x, q_in, q_out))
+    variants['poetx pallas fast'] = (layer(False, kernels=ks_pallas), (x, q_in, q_out))
     if jax.default_backend() == 'gpu':  # the CPU interpreter's callbacks cannot be rematerialised
-      variants['poetx pallas mem'] = (layer(True, kernels=ks_all), (x, q_in, q_out))
-    for name, field in (('cn', 'series'), ('rot', 'rotate'), ('perm', 'permute')):
+      variants['poetx pallas mem'] = (layer(True, kernels=ks_pallas), (x, q_in, q_out))
+    ks_all = all_kernels()
+    variants['poetx all-kernels'] = (layer(False, kernels=ks_all), (x, q_in, q_out))
+    for name, field in (('cn', 'series'), ('perm', 'permute')):
       one = ops.Kernels(**{field: getattr(ks_all, field)})
       variants[f'poetx pallas-{name}'] = (layer(False, kernels=one), (x, q_in, q_out))
   if only:
@@ -212,9 +214,10 @@ def bench_shape(i, o, b, t, iters, key, only=()):
   rows['cayley-neumann, default, one batch'] = timeit(pair, q_in, q_out, ct_g,
                                                       iters=iters)
   try:
-    series = kernels_for('pallas', b).series
+    kernels_for('pallas', b)  # B in 64..512 and the kernels importable
   except ValueError:
     return rows, checks
+  series = all_kernels().series
   pair_k = jax.jit(lambda qi, qo, ct_g: jax.vjp(
       lambda a, c: tuple(g.astype(dt) for g in ops.rotation_blocks_pair(
           a, c, i, o, b, series=series)), qi, qo)[1](ct_g))

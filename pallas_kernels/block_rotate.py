@@ -23,14 +23,17 @@ places around a batched einsum. Two kernels:
 
 Operands are 16-bit (bf16 or fp16) and WGMMA accumulates in float32; y is
 rounded to x's dtype once, dG stays float32. ``block_rotate`` is the
-differentiable entry point (a ``jax.custom_vjp`` built from the two kernels).
+differentiable entry point (a ``jax.custom_vjp`` built from the two kernels;
+for B > GRAM_KERNEL_MAX_B its dG is XLA's einsum, which measured faster).
 
 Token counts that are not a multiple of the tile M are padded with zero rows
 (which add nothing to dG) and the result sliced back.
 
-Status: checked against the reference in the Mosaic GPU interpreter on CPU
-(tests/test_pallas_block_rotate.py); timed inside the POET-X layer by
-experiments/bench_layer.py (BENCHMARKS.md).
+Status: checked against the reference in the Mosaic GPU interpreter on CPU and
+compiled on an H200 (tests/test_pallas_block_rotate.py); timed alone by
+experiments/bench_kernels.py and inside the POET-X layer by
+experiments/bench_layer.py (BENCHMARKS.md). ``POETLinear(implementation=
+'pallas')`` runs its block products on these kernels.
 """
 
 from __future__ import annotations
@@ -49,6 +52,11 @@ SMEM_LIMIT_BYTES = 227 * 1024  # H100 / H200 dynamic shared memory per block
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 GRAM_TILE_T = 64     # tokens per step of the dG reduction
 TARGET_PROGRAMS = 264  # two waves of an H100/H200's 132 SMs
+# block_rotate's backward reduces dG on the kernel up to this block size and
+# with XLA's einsum above it: on the H200 the kernel measured 0.16 against
+# 0.19 ms at B = 128 but 0.29 against 0.17 ms at B = 256 (T = 16384, N = 4096;
+# BENCHMARKS.md).
+GRAM_KERNEL_MAX_B = 128
 
 
 def _interpret_params(interpret):
@@ -106,40 +114,45 @@ def _pad_tokens(x_TxN: Array, tile: int) -> Array:
 class Config:
   """Tile choices of ``rotate_kernel``.
 
+  The defaults are the fastest measured on the H200 (BENCHMARKS.md,
+  experiments/bench_kernels.py): the largest column tile that fits with up to
+  four token tiles in flight (C = 128 at B = 256, C = 64 at B = 512).
+
   Attrs:
     tile_m: token rows per step (64 or 128: one warpgroup's WGMMA M).
     tile_c: rows of G_k (output columns) per program, a multiple of 64 that
-      divides B; None picks the largest whose buffers fit.
-    stages: token tiles in flight (TMA pipeline depth, >= 2).
+      divides B, at most 256; None picks the largest whose buffers fit.
+    stages: the most token tiles in flight (TMA pipeline depth, >= 2); fewer
+      are used where shared memory runs out.
     out_buffers: y tiles being stored while the next is computed (1 or 2).
   """
   tile_m: int = 64
   tile_c: int | None = None
-  stages: int = 2
+  stages: int = 4
   out_buffers: int = 2
 
-  def smem_bytes(self, b: int, c: int, itemsize: int) -> int:
-    return itemsize * (c * b + self.stages * self.tile_m * b
-                       + self.out_buffers * self.tile_m * c)
+  def smem_bytes(self, b: int, c: int, stages: int, itemsize: int) -> int:
+    return itemsize * (c * b + stages * self.tile_m * b + self.out_buffers * self.tile_m * c)
 
-  def resolve(self, b: int, itemsize: int) -> int:
-    """The column tile C for block size B, with clear errors for tiles that do not fit."""
+  def resolve(self, b: int, itemsize: int) -> tuple[int, int]:
+    """(C, stages) for block size B, with clear errors for tiles that do not fit."""
     if self.tile_m not in (64, 128):
       raise ValueError(f'Config.tile_m={self.tile_m} must be 64 or 128')
     if self.stages < 2 or self.out_buffers not in (1, 2):
       raise ValueError(f'Config.stages={self.stages} must be >= 2 and '
                        f'Config.out_buffers={self.out_buffers} 1 or 2')
+    if self.tile_c is not None and (self.tile_c % 64 or b % self.tile_c or self.tile_c > 256):
+      raise ValueError(f'Config.tile_c={self.tile_c} must be a multiple of 64, at most 256, '
+                       f'that divides B={b}')
     choices = (256, 128, 64) if self.tile_c is None else (self.tile_c,)
     for c in choices:
-      if c % 64 or b % c or c > 256:
-        if self.tile_c is not None:
-          raise ValueError(f'Config.tile_c={c} must be a multiple of 64, at most 256, '
-                           f'that divides B={b}')
+      if b % c:
         continue
-      if self.smem_bytes(b, c, itemsize) <= SMEM_LIMIT_BYTES:
-        return c
+      for stages in range(self.stages, 1, -1):
+        if self.smem_bytes(b, c, stages, itemsize) <= SMEM_LIMIT_BYTES:
+          return c, stages
     raise ValueError(f'{self} does not fit B={b} in {SMEM_LIMIT_BYTES} bytes of shared '
-                     f'memory; use fewer stages, a smaller tile_m or tile_c')
+                     f'memory; use a smaller tile_m or tile_c')
 
 
 def rotate_kernel(x_TxN: Array, m_KxBxB: Array, *, interpret=False,
@@ -148,7 +161,7 @@ def rotate_kernel(x_TxN: Array, m_KxBxB: Array, *, interpret=False,
   t, k, b = _check(x_TxN, m_KxBxB)
   config = Config() if config is None else config
   dtype = jnp.dtype(x_TxN.dtype)
-  c = config.resolve(b, dtype.itemsize)
+  c, stages = config.resolve(b, dtype.itemsize)
   tm, nbuf = config.tile_m, config.out_buffers
   x_TxN = _pad_tokens(x_TxN, tm)
   tp = x_TxN.shape[0]
@@ -190,7 +203,7 @@ def rotate_kernel(x_TxN: Array, m_KxBxB: Array, *, interpret=False,
         step,
         grid=(per_split,),
         in_specs=[plgpu.BlockSpec((tm, b), lambda i: (i, 0), transforms=in_t)],
-        max_concurrent_steps=config.stages,
+        max_concurrent_steps=stages,
     )(x_gmem.at[rows, pl.ds(kk * b, b)])
     plgpu.wait_smem_to_gmem(0)
 
@@ -288,7 +301,12 @@ def _rotate_bwd(interpret, res, dy_TxN):
   x_TxN, g_KxBxB = res
   dy_TxN = dy_TxN.astype(x_TxN.dtype)
   dx = rotate_kernel(dy_TxN, jnp.swapaxes(g_KxBxB, 1, 2), interpret=interpret)
-  dg = block_gram(dy_TxN, x_TxN, g_KxBxB.shape[-1], interpret=interpret)
+  k, b, _ = g_KxBxB.shape
+  if b <= GRAM_KERNEL_MAX_B:
+    dg = block_gram(dy_TxN, x_TxN, b, interpret=interpret)
+  else:
+    dg = jnp.einsum('tki,tkj->kij', dy_TxN.reshape(-1, k, b), x_TxN.reshape(-1, k, b),
+                    preferred_element_type=jnp.float32)
   return dx, dg.astype(g_KxBxB.dtype)
 
 

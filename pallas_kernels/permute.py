@@ -15,9 +15,11 @@ served by the caches.
 inverse permutation (a gather's autodiff transpose would be a scatter-add),
 exactly like ``poetx_jax.ops.permute``.
 
-Status: checked against ``poetx_jax.ops.permute`` on CPU (interpret mode, the
-generic Pallas interpreter) in tests/test_pallas_block_rotate.py; timed inside
-the POET-X layer by experiments/bench_layer.py (BENCHMARKS.md).
+Status: checked against ``poetx_jax.ops.permute`` on CPU (the generic Pallas
+interpreter) and compiled on an H200 (tests/test_pallas_block_rotate.py).
+**Not used by POETLinear**: on the H200 every tiling measured 2-4x slower
+than XLA's own gather (experiments/bench_kernels.py, BENCHMARKS.md); it stays
+as the measured alternative, selectable through ``poetx_jax.ops.Kernels``.
 """
 
 from __future__ import annotations

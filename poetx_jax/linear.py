@@ -50,10 +50,12 @@ def kernels_for(implementation: str, block_size: int) -> ops.Kernels | None:
   """The ``kernels`` argument of :func:`poetx_jax.ops.poet_linear` for an
   implementation: None (XLA) or the Pallas set.
 
-  ``'pallas'`` runs the Cayley–Neumann step, the activations' block products
-  (forward and backward) and the permutation gathers on the kernels of
-  ``pallas_kernels``. ``'auto'`` is XLA everywhere: on the H200 the kernel path
-  is not faster than XLA's (BENCHMARKS.md).
+  ``'pallas'`` runs the activations' block products, forward and backward, on
+  the Mosaic GPU kernels of ``pallas_kernels.block_rotate`` (16-bit
+  activations; float32 ones keep XLA's product). The Cayley–Neumann kernel
+  and the gather kernel are not part of it: on the H200 both measured slower
+  than XLA (BENCHMARKS.md); pass them through ``ops.Kernels`` to experiment.
+  ``'auto'`` is XLA everywhere (see BENCHMARKS.md for why).
   """
   if implementation not in IMPLEMENTATIONS:
     raise ValueError(f'implementation must be one of {IMPLEMENTATIONS}, '
@@ -64,11 +66,17 @@ def kernels_for(implementation: str, block_size: int) -> ops.Kernels | None:
     raise ValueError(f"implementation='pallas' needs a block size of 64, 128, 256 "
                      f"or 512 (a multiple of 64, at most 512), got {block_size}")
   try:
-    from pallas_kernels import block_rotate, cayley_neumann, permute  # noqa: F401
+    from pallas_kernels import block_rotate  # noqa: F401  (availability check)
   except ImportError as e:
     raise ValueError(f"implementation='pallas' is unavailable here: {e}") from e
-  return ops.Kernels(series=_pallas_series, rotate=_pallas_rotate,
-                     permute=_pallas_permute)
+  return ops.Kernels(rotate=_pallas_rotate)
+
+
+def all_kernels() -> ops.Kernels:
+  """Every Pallas kernel of the layer, the slower ones included: the
+  Cayley–Neumann series, the block products and the gathers (for benchmarks
+  and tests; B a multiple of 64, at most 512)."""
+  return ops.Kernels(series=_pallas_series, rotate=_pallas_rotate, permute=_pallas_permute)
 
 
 def _orthogonality_error(g_in: Array, g_out: Array) -> Array:
@@ -126,12 +134,10 @@ class POETLinear(nnx.Module):
       ``'weight'`` rotates and permutes the frozen kernel and runs one dense
       GEMM (a dense layer's backward, but no activation-sized rotations or
       gathers). See :func:`poetx_jax.ops.poet_linear`.
-    implementation: ``'xla'``, ``'pallas'`` (the Cayley–Neumann step, the
-      block products and the gathers on the kernels of ``pallas_kernels``:
-      Mosaic GPU on Hopper GPUs, the gather in Pallas Triton; interpreted on
-      other backends, for tests; B in 64/128/256/512) or ``'auto'`` (XLA
-      until a kernel path measures faster, see :func:`kernels_for`). Results
-      agree with ``poetx_jax.ops`` either way.
+    implementation: ``'xla'``, ``'pallas'`` (the block products on the Mosaic
+      GPU kernels of ``pallas_kernels``, Hopper GPUs; interpreted on other
+      backends, for tests; B in 64/128/256/512) or ``'auto'`` (XLA, see
+      :func:`kernels_for`). Results agree with ``poetx_jax.ops`` either way.
     quantize: POET-XQ: store W0 as ``'int8'`` or ``'int4'`` with one float32
       scale per ``group_size`` input rows of each output column (symmetric),
       dequantised on the fly and re-quantised at every merge. None keeps W0
