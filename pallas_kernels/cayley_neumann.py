@@ -31,8 +31,10 @@ multiplies in full float32.
 
 Status: checked against the reference in the Mosaic GPU interpreter on CPU and
 compiled on an H200 (tests/test_pallas_cayley.py); timed against XLA's series
-by experiments/bench_cayley.py (BENCHMARKS.md); used by
-``POETLinear(implementation='pallas')``.
+by experiments/bench_cayley.py and, inside the layer, by
+experiments/bench_layer.py (BENCHMARKS.md). **Not used by POETLinear**: with
+the reference backward it measured slower than XLA's series on the H200;
+``poetx_jax.linear.all_kernels()`` selects it for experiments.
 
 Gradients: ``cayley_neumann`` is a ``jax.custom_vjp`` whose backward is
 autodiff of the reference ``poetx_jax.ops.cayley_neumann`` (exact; a fused

@@ -67,8 +67,9 @@ def _train_parser(sub):
                       'the frozen weight (weight); same function')
   p.add_argument('--implementation', choices=('auto', 'xla', 'pallas'),
                  default=d.implementation,
-                 help="POET layers' Cayley-Neumann step: XLA, or the Pallas Mosaic GPU "
-                      'kernel (Hopper; block size a multiple of 64); auto = XLA for now')
+                 help="POET layers' block products: XLA, or the Pallas Mosaic GPU "
+                      'kernels (Hopper, 16-bit activations; block size 64/128/256/512); '
+                      'auto = XLA')
   p.add_argument('--remat', choices=('none', 'block', 'attn'), default=d.remat,
                  help='rematerialise each decoder layer: keep only its input (block), '
                       'or its input and attention output (attn)')

@@ -56,7 +56,7 @@ class TrainConfig:
   block_size: int | None = None        # None: the model config's
   mode: str = 'fast'
   form: str = 'input'                  # POET layer product order: input or weight
-  implementation: str = 'auto'         # POET Cayley–Neumann step: auto, xla, pallas
+  implementation: str = 'auto'         # POET block products: auto (= xla), xla, pallas
   remat: str = 'none'                  # per decoder layer: none, block, attn
   scan_layers: bool = False            # decoder layers stacked and run by lax.scan
   quantize: str | None = None          # POET-XQ base weights: 'int8' or 'int4'

@@ -48,6 +48,20 @@ def test_bench_cayley_interpreted():
   assert 'pallas bf16-out' in out.stdout and 'K=3' in out.stdout
 
 
+def test_bench_kernels_checks_every_kernel(tmp_path):
+  """Every kernel variant runs (interpreted) and matches its XLA row before timing."""
+  pytest.importorskip('pallas_kernels.block_rotate')
+  import bench_kernels
+  out = tmp_path / 'kernels.json'
+  bench_kernels.main(['--widths', '128', '--blocks', '64', '--tokens', '64', '--iters', '1',
+                      '--json', str(out)])
+  (r,) = json.loads(out.read_text())
+  kernels = [name for name in r['ms'] if 'kernel' in name]
+  assert set(kernels) == set(r['errors']) and len(kernels) >= 8
+  assert all(r['errors'][n] == 0 for n in kernels if n.startswith('gather'))
+  assert all(r['errors'][n] < 1e-2 for n in kernels)
+
+
 def test_bench_memory_state_only(tmp_path):
   """Resident state from abstract shapes matches the real arrays' bytes; the
   compiled program's arguments hold exactly that state plus the batch."""
