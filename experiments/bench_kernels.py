@@ -12,7 +12,11 @@ For activations of T tokens by N features (bf16) and block size B:
   gather kernel ...   pallas_kernels.permute.gather_kernel, per tiling
 
 Every kernel's output is compared with its XLA row before timing (exact for
-the gathers). Times are medians of device-synchronised runs, forward only.
+the gathers). Forward only. Each time is the median over device-synchronised
+runs of one program that applies the op ``--chain`` times in a row (each
+application consuming the last one's output), divided by ``--chain``: a
+single op of ~0.1 ms timed from the host would mostly measure the launch and
+the synchronisation.
 
     python3 experiments/bench_kernels.py                       # N in 4096/14336, B = 256
     python3 experiments/bench_kernels.py --widths 4096 --blocks 128,256
@@ -33,6 +37,25 @@ from pallas_kernels import block_rotate as br
 from pallas_kernels import permute as pm
 from poetx_jax import ops
 
+
+def chained(op, n, reduce=False):
+  """jit of ``n`` applications of op in one program. Each application consumes
+  the last one's output (``y = op(y, *rest)``); for a reduction (``reduce``:
+  op's output is not its first input's shape) the sums of its outputs are
+  accumulated and an optimization barrier ties the input to that sum, so that
+  the compiler cannot hoist the loop-invariant op out of the loop."""
+  def run(first, *rest):
+    if not reduce:
+      return jax.lax.fori_loop(0, n, lambda _, y: op(y, *rest), first)
+
+    def body(_, acc):
+      y, acc = jax.lax.optimization_barrier((first, acc))
+      return acc + jnp.sum(op(y, *rest))
+    return jax.lax.fori_loop(0, n, body, jnp.zeros((), jnp.float32))
+  return jax.jit(run)
+
+
+INTERPRET = jax.default_backend() != 'gpu'  # the kernels' interpreters off-GPU (smoke tests)
 ROTATE_CONFIGS = {
     'default': br.Config(),
     'stages 2': br.Config(stages=2),
@@ -41,7 +64,6 @@ ROTATE_CONFIGS = {
     'M 128 C 64': br.Config(tile_m=128, tile_c=64),
     'M 128 C 64 stages 3': br.Config(tile_m=128, tile_c=64, stages=3),
 }
-INTERPRET = jax.default_backend() != 'gpu'  # the kernels' interpreters off-GPU (smoke tests)
 GATHER_VARIANTS = {
     'tiles C 2048': {},
     'tiles C 512': {'cols': 512},
@@ -51,7 +73,7 @@ GATHER_VARIANTS = {
 }
 
 
-def bench(t, n, b, iters, key):
+def bench(t, n, b, iters, chain, key):
   k = n // b
   ks = jax.random.split(key, 4)
   x = jax.random.normal(ks[0], (t, n), jnp.bfloat16)
@@ -60,9 +82,10 @@ def bench(t, n, b, iters, key):
   perm = ops.random_permutation(ks[3], n)
   rows, errs = {}, {}
 
-  def run(name, fn, args, ref=None, exact=False):
+  def run(name, op, args, ref=None, exact=False, reduce=False):
+    """Checks op(*args) against ref, then times ``chain`` chained applications."""
     try:
-      out = jax.block_until_ready(fn(*args))
+      out = jax.block_until_ready(jax.jit(op)(*args))
     except Exception as e:  # pylint: disable=broad-except
       print(f'  {name}: failed to run: {type(e).__name__}: {str(e).splitlines()[0][:200]}',
             flush=True)
@@ -74,27 +97,30 @@ def bench(t, n, b, iters, key):
       if (exact and err != 0) or (not exact and not err < 1e-2):
         print(f'  {name}: wrong result (error {err:.2e}); not timed', flush=True)
         return out
-    rows[name] = timeit(fn, *args, iters=iters)
+    ms, sd = timeit(chained(op, chain, reduce), *args, iters=iters)
+    rows[name] = (ms / chain, sd / chain)
     return out
 
-  run('copy', jax.jit(lambda x: x + 1), (x,))
-  y_ref = run('rotate xla', jax.jit(ops.block_rotate), (x, g))
+  run('copy', lambda x: x + 1, (x,))
+  y_ref = run('rotate xla', ops.block_rotate, (x, g))
   for name, cfg in ROTATE_CONFIGS.items():
     try:
       cfg.resolve(b, 2)
     except ValueError as e:
       print(f'  rotate kernel {name}: skipped at B={b}: {e}')
       continue
-    run(f'rotate kernel {name}', jax.jit(lambda x, g, cfg=cfg: br.rotate_kernel(
-        x, g, config=cfg, interpret=INTERPRET)), (x, g), y_ref)
-  gram_ref = run('gram xla', jax.jit(lambda dy, x: jnp.einsum(
+    run(f'rotate kernel {name}', lambda x, g, cfg=cfg: br.rotate_kernel(
+        x, g, config=cfg, interpret=INTERPRET), (x, g), y_ref)
+  gram_xla = lambda dy, x: jnp.einsum(  # noqa: E731
       'tki,tkj->kij', dy.reshape(t, k, b), x.reshape(t, k, b),
-      preferred_element_type=jnp.float32)), (dy, x))
-  run('gram kernel', jax.jit(lambda dy, x: br.block_gram(dy, x, b, interpret=INTERPRET)), (dy, x), gram_ref)
-  p_ref = run('gather xla', jax.jit(ops.permute), (x, perm))
+      preferred_element_type=jnp.float32)
+  gram_ref = run('gram xla', gram_xla, (dy, x), reduce=True)
+  run('gram kernel', lambda dy, x: br.block_gram(dy, x, b, interpret=INTERPRET), (dy, x),
+      gram_ref, reduce=True)
+  p_ref = run('gather xla', ops.permute, (x, perm))
   for name, kw in GATHER_VARIANTS.items():
-    run(f'gather kernel {name}', jax.jit(lambda x, p, kw=kw: pm.gather_kernel(x, p, interpret=INTERPRET, **kw)),
-        (x, perm), p_ref, exact=True)
+    run(f'gather kernel {name}', lambda x, p, kw=kw: pm.gather_kernel(
+        x, p, interpret=INTERPRET, **kw), (x, perm), p_ref, exact=True)
   return rows, errs
 
 
@@ -104,6 +130,7 @@ def main(argv=None):
   p.add_argument('--blocks', default='256')
   p.add_argument('--tokens', type=int, default=8 * 2048)
   p.add_argument('--iters', type=int, default=20)
+  p.add_argument('--chain', type=int, default=10, help='applications per timed program')
   p.add_argument('--json', default=None)
   a = p.parse_args(argv)
   print(f'device: {jax.devices()[0].device_kind}, jax {jax.__version__}, T={a.tokens}, bf16',
@@ -111,7 +138,7 @@ def main(argv=None):
   results = []
   for n in map(int, a.widths.split(',')):
     for b in map(int, a.blocks.split(',')):
-      rows, errs = bench(a.tokens, n, b, a.iters, jax.random.key(n + b))
+      rows, errs = bench(a.tokens, n, b, a.iters, a.chain, jax.random.key(n + b))
       base = rows.get('copy', (float('nan'),))[0]
       print(f'\nT={a.tokens} N={n} B={b}')
       for name, (ms, sd) in rows.items():
