@@ -20,7 +20,6 @@ Times are medians of device-synchronised runs.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -29,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_layer import rel_err, timeit  # noqa: E402
+from bench_layer import dump_json, rel_err, timeit  # noqa: E402
 from pallas_kernels import cayley_neumann as cn  # noqa: E402
 from poetx_jax import ops  # noqa: E402
 
@@ -83,9 +82,7 @@ def main(argv=None):
       print(f'  {name:18s} fwd {r["fwd"][0]:8.3f} ms   fwd+bwd {r["fwd+bwd"][0]:8.3f} ms')
     results.append({'block': b, 'k': k, 'ms': rows, 'checks': checks})
     sys.stdout.flush()
-  if a.json:
-    with open(a.json, 'w') as f:
-      json.dump(results, f, indent=1)
+  dump_json(a.json, results)
 
 
 if __name__ == '__main__':

@@ -25,14 +25,13 @@ the synchronisation.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bench_layer import rel_err, timeit
+from bench_layer import dump_json, print_rows, rel_err, timeit
 from pallas_kernels import block_rotate as br
 from pallas_kernels import permute as pm
 from poetx_jax import ops
@@ -141,13 +140,10 @@ def main(argv=None):
       rows, errs = bench(a.tokens, n, b, a.iters, a.chain, jax.random.key(n + b))
       base = rows.get('copy', (float('nan'),))[0]
       print(f'\nT={a.tokens} N={n} B={b}')
-      for name, (ms, sd) in rows.items():
-        print(f'  {name:34s} {ms:8.3f} ms  ±{sd:6.3f}  {ms / base:5.2f}x copy')
+      print_rows(rows, base, 'copy', width=34)
       results.append({'width': n, 'block': b, 'ms': rows, 'errors': errs})
       sys.stdout.flush()
-  if a.json:
-    with open(a.json, 'w') as f:
-      json.dump(results, f, indent=1)
+  dump_json(a.json, results)
 
 
 if __name__ == '__main__':

@@ -61,6 +61,19 @@ def timeit(fn, *args, warmup=3, iters=20):
   return statistics.median(times), statistics.pstdev(times)
 
 
+def print_rows(rows, base, baseline, width=38):
+  """One line per timed row: median, spread and the ratio to ``base`` ms."""
+  for name, (ms, sd) in rows.items():
+    print(f'  {name:{width}s} {ms:8.3f} ms  ±{sd:6.3f}  {ms / base:5.2f}x {baseline}')
+
+
+def dump_json(path, results):
+  """Writes the results where --json asked (nothing when it is None)."""
+  if path:
+    with open(path, 'w') as f:
+      json.dump(results, f, indent=1)
+
+
 def rel_err(a, b):
   a = jnp.asarray(a, jnp.float32)
   b = jnp.asarray(b, jnp.float32)
@@ -248,13 +261,10 @@ def main(argv=None):
       base = rows['dense (W trained)'][0]
       print(f'\n{i}x{o}  B={b}   (relative errors: ' +
             ', '.join(f"{k}: y {v['y']:.1e}" for k, v in checks.items()) + ')')
-      for name, (ms, sd) in rows.items():
-        print(f'  {name:38s} {ms:8.3f} ms  ±{sd:6.3f}  {ms / base:5.2f}x dense')
+      print_rows(rows, base, 'dense')
       results.append({'shape': shape, 'block': b, 'ms': rows, 'checks': checks})
       sys.stdout.flush()
-  if a.json:
-    with open(a.json, 'w') as f:
-      json.dump(results, f, indent=1)
+  dump_json(a.json, results)
 
 
 if __name__ == '__main__':
