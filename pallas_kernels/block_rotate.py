@@ -14,9 +14,10 @@ places around a batched einsum. Two kernels:
 
 * ``rotate_kernel``: one program per (block k, column tile c, token split s)
   loads rows c of G_k into shared memory once and streams its share of the
-  token tiles through a double-buffered TMA pipeline; one WGMMA per tile. The
+  token tiles through a TMA pipeline (up to ``Config.stages`` tiles in
+  flight); one WGMMA per tile. The
   backward's input cotangent is the same kernel with the blocks transposed.
-* ``gram_kernel``: the blocks' gradient ``dG_k = dy_k^T x_k``, a reduction over
+* ``block_gram``: the blocks' gradient ``dG_k = dy_k^T x_k``, a reduction over
   tokens. Program (k, row tile i, split s) accumulates rows i of its split's
   partial sum in registers across a pipeline over token tiles; the S partials
   are summed by XLA (S * K * B * B float32 numbers).
@@ -53,9 +54,9 @@ DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 GRAM_TILE_T = 64     # tokens per step of the dG reduction
 TARGET_PROGRAMS = 264  # two waves of an H100/H200's 132 SMs
 # block_rotate's backward reduces dG on the kernel up to this block size and
-# with XLA's einsum above it: on the H200 the kernel measured 0.16 against
-# 0.19 ms at B = 128 but 0.29 against 0.17 ms at B = 256 (T = 16384, N = 4096;
-# BENCHMARKS.md).
+# with XLA's einsum above it: on the H200 the kernel measured 0.089 against
+# 0.097 ms at B = 128 but 0.137 against 0.118 ms at B = 256 (T = 16384,
+# N = 4096; BENCHMARKS.md).
 GRAM_KERNEL_MAX_B = 128
 
 
@@ -84,8 +85,8 @@ def _check(x_TxN, g_KxBxB, what='x'):
     raise ValueError(f'{what} must have shape (T, K*B) = (T, {k * b}) for {k} '
                      f'blocks of {b}, got {xshape}')
   if b % 64 or b > 512:
-    raise ValueError(f'block size B={b} is not supported by the kernels: use 64, '
-                     f'128, 256 or 512')
+    raise ValueError(f'block size B={b} is not supported by the kernels: it must be '
+                     f'a multiple of 64, at most 512')
   dtype = jnp.dtype(x_TxN.dtype)
   if dtype not in DTYPES:
     raise ValueError(f'{what} must be bfloat16 or float16, got {dtype}')

@@ -68,7 +68,7 @@ def _train_parser(sub):
   p.add_argument('--implementation', choices=('auto', 'xla', 'pallas'),
                  default=d.implementation,
                  help="POET layers' block products: XLA, or the Pallas Mosaic GPU "
-                      'kernels (Hopper, 16-bit activations; block size 64/128/256/512); '
+                      'kernels (Hopper, 16-bit activations; block size a multiple of 64, <= 512); '
                       'auto = XLA')
   p.add_argument('--remat', choices=('none', 'block', 'attn'), default=d.remat,
                  help='rematerialise each decoder layer: keep only its input (block), '

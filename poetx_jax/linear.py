@@ -31,12 +31,13 @@ def _pallas_series(q_KxBxB, terms):
   return cn.cayley_neumann(q_KxBxB, terms=terms, interpret=_interpret())
 
 
-def _pallas_rotate(x, g_KxBxB):
-  """Block products on the Mosaic GPU kernels for 16-bit activations; the jnp
-  product otherwise (the kernels multiply 16-bit operands only)."""
+def _pallas_rotate(x, g_KxBxB, precision=None):
+  """Block products on the Mosaic GPU kernels for 16-bit activations (which
+  accumulate in float32 whatever ``precision`` says); the jnp product at
+  ``precision`` otherwise (the kernels multiply 16-bit operands only)."""
   from pallas_kernels import block_rotate as br
   if jnp.dtype(x.dtype) not in br.DTYPES:
-    return ops.block_rotate(x, g_KxBxB)
+    return ops.block_rotate(x, g_KxBxB, precision=precision)
   return br.block_rotate(x, g_KxBxB, interpret=_interpret())
 
 
@@ -55,7 +56,10 @@ def kernels_for(implementation: str, block_size: int) -> ops.Kernels | None:
   activations; float32 ones keep XLA's product). The Cayley–Neumann kernel
   and the gather kernel are not part of it: on the H200 both measured slower
   than XLA (BENCHMARKS.md); pass them through ``ops.Kernels`` to experiment.
-  ``'auto'`` is XLA everywhere (see BENCHMARKS.md for why).
+  ``'auto'`` is XLA everywhere (see BENCHMARKS.md for why). Off GPUs the
+  kernels run in their interpreters (for tests), which ``jax.checkpoint``
+  cannot recompute: there, ``mode='mem'`` and rematerialised models need
+  ``'xla'``.
   """
   if implementation not in IMPLEMENTATIONS:
     raise ValueError(f'implementation must be one of {IMPLEMENTATIONS}, '
@@ -63,8 +67,8 @@ def kernels_for(implementation: str, block_size: int) -> ops.Kernels | None:
   if implementation != 'pallas':
     return None
   if block_size % 64 or block_size > 512:
-    raise ValueError(f"implementation='pallas' needs a block size of 64, 128, 256 "
-                     f"or 512 (a multiple of 64, at most 512), got {block_size}")
+    raise ValueError(f"implementation='pallas' needs a block size that is a multiple "
+                     f"of 64, at most 512, got {block_size}")
   try:
     from pallas_kernels import block_rotate  # noqa: F401  (availability check)
   except ImportError as e:
@@ -136,7 +140,7 @@ class POETLinear(nnx.Module):
       gathers). See :func:`poetx_jax.ops.poet_linear`.
     implementation: ``'xla'``, ``'pallas'`` (the block products on the Mosaic
       GPU kernels of ``pallas_kernels``, Hopper GPUs; interpreted on other
-      backends, for tests; B in 64/128/256/512) or ``'auto'`` (XLA, see
+      backends, for tests; B a multiple of 64, at most 512) or ``'auto'`` (XLA, see
       :func:`kernels_for`). Results agree with ``poetx_jax.ops`` either way.
     quantize: POET-XQ: store W0 as ``'int8'`` or ``'int4'`` with one float32
       scale per ``group_size`` input rows of each output column (symmetric),
@@ -181,6 +185,12 @@ class POETLinear(nnx.Module):
     if form not in ops.FORMS:
       raise ValueError(f'form must be one of {ops.FORMS}, got {form!r}')
     kernels_for(implementation, block_size)  # validates
+    if implementation == 'pallas' and mode == 'mem' and _interpret():
+      raise ValueError(
+          f"implementation='pallas' with mode='mem' needs a GPU: on the "
+          f"{jax.default_backend()!r} backend the kernels run in an interpreter whose "
+          f"callbacks jax.checkpoint cannot recompute; use mode='fast' or "
+          f"implementation='xla' here")
     if not isinstance(terms, int) or terms < 1:
       raise ValueError(f'terms must be an int >= 1, got {terms!r}')
     if quantize is not None and quantize not in ops.QUANT_BITS:

@@ -60,9 +60,9 @@ class Kernels(tp.NamedTuple):
   Every field is a callable with the signature of the function it replaces,
   or None for the jnp version here: ``series`` for :func:`cayley_neumann`
   (``series(q_KxBxB, terms)``), ``rotate`` for :func:`block_rotate`
-  (``rotate(x, g_KxBxB)``), ``permute`` for :func:`permute`
-  (``permute(x, perm_N)``). ``poetx_jax.linear.kernels_for`` builds the Pallas
-  set.
+  (``rotate(x, g_KxBxB, precision)``), ``permute`` for :func:`permute`
+  (``permute(x, perm_N)``). ``poetx_jax.linear.kernels_for`` builds the set an
+  ``implementation`` uses, ``poetx_jax.linear.all_kernels`` every kernel.
   """
   series: tp.Callable | None = None
   rotate: tp.Callable | None = None
@@ -253,15 +253,14 @@ def rotate_features(x_TxN: Array, g_KxBxB: Array, *, precision=None,
                     rotate: tp.Callable | None = None) -> Array:
   """block_rotate for any width N <= K*B: pads, rotates, slices back to N.
 
-  ``rotate(x, g)``, if given, replaces :func:`block_rotate` (``precision`` is
-  then unused)."""
+  ``rotate(x, g, precision)``, if given, replaces :func:`block_rotate`."""
   n = x_TxN.shape[-1]
   k, b, _ = g_KxBxB.shape
   x_TxN = pad_features(x_TxN, k * b)
   if rotate is None:
     y = block_rotate(x_TxN, g_KxBxB, precision=precision)
   else:
-    y = rotate(x_TxN, g_KxBxB)
+    y = rotate(x_TxN, g_KxBxB, precision)
   return y[..., :n]
 
 

@@ -219,7 +219,7 @@ def test_pallas_implementation_matches_xla(keys):
   for name in ('q_in', 'q_out'):
     assert rel_err(out['pallas'][1][name][...], out['xla'][1][name][...]) < 10 * tol
   assert POETLinear(64, 64, block_size=64, rngs=nnx.Rngs(0)).implementation == 'auto'
-  with pytest.raises(ValueError, match=r'multiple of 64, at most 512\), got 32'):
+  with pytest.raises(ValueError, match='multiple of 64, at most 512, got 32'):
     POETLinear(64, 64, block_size=32, implementation='pallas', rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match="implementation must be one of .*got 'cuda'"):
     POETLinear(64, 64, block_size=32, implementation='cuda', rngs=nnx.Rngs(0))

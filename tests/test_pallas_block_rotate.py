@@ -46,6 +46,7 @@ def _f32(a):
     (64, 2, 256, jnp.bfloat16),
     (70, 1, 512, jnp.bfloat16),      # column-tiled G
     (64, 3, 64, jnp.float16),
+    (64, 1, 192, jnp.bfloat16),      # a block size that is not a power of two
 ])
 def test_rotate_matches_reference(keys, t, k, b, dtype):
   x = jax.random.normal(keys(), (t, k * b)).astype(dtype)
@@ -100,7 +101,7 @@ def test_permute_is_exact(keys, t, n, dtype):
 @pytest.mark.parametrize('x_shape, g_shape, dtype, match', [
     ((64, 128), (2, 64, 64), jnp.float32, 'bfloat16 or float16'),
     ((64, 100), (2, 64, 64), jnp.bfloat16, r'\(T, K\*B\) = \(T, 128\)'),
-    ((64, 96), (2, 48, 48), jnp.bfloat16, 'B=48 is not supported'),
+    ((64, 96), (2, 48, 48), jnp.bfloat16, 'B=48 is not supported.*multiple of 64'),
     ((64, 128), (2, 64, 32), jnp.bfloat16, r'\(K, B, B\)'),
 ])
 def test_bad_arguments(x_shape, g_shape, dtype, match):
@@ -164,3 +165,10 @@ def test_layer_on_every_kernel_matches_reference(keys):
   assert abs(float(v) - float(v_ref)) < 2e-2 * abs(float(v_ref)) + 1e-2
   for a, r in zip(g, g_ref):
     assert rel_err(a, r) < 2e-2
+
+
+@pytest.mark.skipif(not INTERPRET, reason='on a GPU the kernels compile and mem mode works')
+def test_mem_mode_on_the_interpreter_is_refused_clearly():
+  with pytest.raises(ValueError, match="mode='mem' needs a GPU"):
+    POETLinear(128, 128, block_size=64, implementation='pallas', mode='mem',
+               rngs=nnx.Rngs(0))
