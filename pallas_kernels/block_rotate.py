@@ -47,9 +47,10 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels._mosaic import SMEM_LIMIT_BYTES, interpret_params, static_interpret, swizzle
+
 Array = jax.Array
 
-SMEM_LIMIT_BYTES = 227 * 1024  # H100 / H200 dynamic shared memory per block
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 GRAM_TILE_T = 64     # tokens per step of the dG reduction
 TARGET_PROGRAMS = 264  # two waves of an H100/H200's 132 SMs
@@ -58,20 +59,6 @@ TARGET_PROGRAMS = 264  # two waves of an H100/H200's 132 SMs
 # 0.097 ms at B = 128 but 0.137 against 0.118 ms at B = 256 (T = 16384,
 # N = 4096; BENCHMARKS.md).
 GRAM_KERNEL_MAX_B = 128
-
-
-def _interpret_params(interpret):
-  if interpret is True:
-    return plgpu.InterpretGPUParams()
-  if interpret is False or interpret is None:
-    return None
-  return interpret
-
-
-def _swizzle(cols: int, itemsize: int):
-  swizzle = plgpu.find_swizzle(cols * itemsize * 8)
-  return (plgpu.TilingTransform((8, swizzle // itemsize)),
-          plgpu.SwizzleTransform(swizzle))
 
 
 def _check(x_TxN, g_KxBxB, what='x'):
@@ -115,9 +102,10 @@ def _pad_tokens(x_TxN: Array, tile: int) -> Array:
 class Config:
   """Tile choices of ``rotate_kernel``.
 
-  The defaults are the fastest measured on the H200 (BENCHMARKS.md,
-  experiments/bench_kernels.py): the largest column tile that fits with up to
-  four token tiles in flight (C = 128 at B = 256, C = 64 at B = 512).
+  The defaults pick the largest column tile that fits with up to four token
+  tiles in flight (C = 128 at B = 256, C = 64 at B = 512): the fastest
+  measured on the H200 at B = 256, within 20% of the fastest elsewhere
+  (BENCHMARKS.md, experiments/bench_kernels.py).
 
   Attrs:
     tile_m: token rows per step (64 or 128: one warpgroup's WGMMA M).
@@ -169,8 +157,8 @@ def rotate_kernel(x_TxN: Array, m_KxBxB: Array, *, interpret=False,
   tiles = tp // tm
   s = _splits(tiles, k * (b // c))
   per_split = tiles // s
-  in_t = _swizzle(b, dtype.itemsize)
-  out_t = _swizzle(c, dtype.itemsize)
+  in_t = swizzle(b, dtype.itemsize)
+  out_t = swizzle(c, dtype.itemsize)
 
   def body(x_gmem, m_gmem, y_gmem, m_smem, y_smem, bar):
     kk = jax.lax.axis_index('k')
@@ -216,7 +204,7 @@ def rotate_kernel(x_TxN: Array, m_KxBxB: Array, *, interpret=False,
                      plgpu.Barrier(num_barriers=1)),
       grid=(k, b // c, s),
       grid_names=('k', 'c', 's'),
-      interpret=_interpret_params(interpret),
+      interpret=interpret_params(interpret),
   )
   return run(x_TxN, m_KxBxB)[:t]
 
@@ -230,7 +218,7 @@ def block_gram(dy_TxN: Array, x_TxN: Array, block_size: int, *,
     raise ValueError(f'dy {dy_TxN.shape} and x {x_TxN.shape} must have one shape '
                      f'whose width is a multiple of B={b}')
   k = n // b
-  _check(x_TxN, jnp.zeros((k, b, b), x_TxN.dtype))
+  _check(x_TxN, jax.ShapeDtypeStruct((k, b, b), x_TxN.dtype))
   if dy_TxN.dtype != x_TxN.dtype:
     raise ValueError(f'dy ({dy_TxN.dtype}) and x ({x_TxN.dtype}) must share a dtype')
   dtype = jnp.dtype(x_TxN.dtype)
@@ -241,8 +229,8 @@ def block_gram(dy_TxN: Array, x_TxN: Array, block_size: int, *,
   cn = min(b, 256)                         # WGMMA N at most 256
   s = _splits(tiles, k * (b // ri) * (b // cn))
   per_split = tiles // s
-  lhs_t = _swizzle(ri, dtype.itemsize)
-  rhs_t = _swizzle(cn, dtype.itemsize)
+  lhs_t = swizzle(ri, dtype.itemsize)
+  rhs_t = swizzle(cn, dtype.itemsize)
 
   def body(dy_gmem, x_gmem, out_gmem, out_smem):
     kk = jax.lax.axis_index('k')
@@ -280,7 +268,7 @@ def block_gram(dy_TxN: Array, x_TxN: Array, block_size: int, *,
       scratch_types=(plgpu.SMEM((ri, cn), jnp.float32),),
       grid=(k, b // ri, b // cn, s),
       grid_names=('k', 'i', 'j', 's'),
-      interpret=_interpret_params(interpret),
+      interpret=interpret_params(interpret),
   )
   return run(dy_TxN, x_TxN).sum(0)
 
@@ -300,7 +288,6 @@ def _rotate_fwd(x_TxN, g_KxBxB, interpret):
 
 def _rotate_bwd(interpret, res, dy_TxN):
   x_TxN, g_KxBxB = res
-  dy_TxN = dy_TxN.astype(x_TxN.dtype)
   dx = rotate_kernel(dy_TxN, jnp.swapaxes(g_KxBxB, 1, 2), interpret=interpret)
   k, b, _ = g_KxBxB.shape
   if b <= GRAM_KERNEL_MAX_B:
@@ -329,9 +316,6 @@ def block_rotate(x_TxN: Array, g_KxBxB: Array, *, interpret=False) -> Array:
     transposed, dG by the token reduction (float32 partial sums, rounded to G's
     dtype once).
   """
-  t, _, _ = _check(_flat(x_TxN), g_KxBxB)
-  del t
-  if isinstance(interpret, bool) or interpret is None:
-    interpret = bool(interpret)
-  y = _rotate(_flat(x_TxN), g_KxBxB, interpret)
+  _check(_flat(x_TxN), g_KxBxB)
+  y = _rotate(_flat(x_TxN), g_KxBxB, static_interpret(interpret))
   return y.reshape(x_TxN.shape)

@@ -52,12 +52,12 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels._mosaic import SMEM_LIMIT_BYTES, interpret_params, static_interpret, swizzle
 from poetx_jax import ops
 
 Array = jax.Array
 
 DEFAULT_TERMS = ops.DEFAULT_TERMS
-SMEM_LIMIT_BYTES = 227 * 1024  # H100 / H200 dynamic shared memory per block
 OUT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 
 
@@ -94,12 +94,6 @@ def _smem_bytes(block_size, tm, tk, out_dtype) -> int:
   return (block_size * tk * f32           # Q column panel
           + 2 * tm * block_size * f32     # A rows and Q rows
           + tm * block_size * jnp.dtype(out_dtype).itemsize)
-
-
-def _swizzled(tk: int):
-  swizzle = plgpu.find_swizzle(tk * 4 * 8)
-  return (plgpu.TilingTransform((8, swizzle // 4)),
-          plgpu.SwizzleTransform(swizzle))
 
 
 def _check(q_KxBxB, terms, out_dtype, config):
@@ -177,14 +171,6 @@ def _kernel_body(q_gmem, out_gmem, panel, a_rows, q_rows, out_smem, bar,
   plgpu.wait_smem_to_gmem(0)
 
 
-def _interpret_params(interpret):
-  if interpret is True:
-    return plgpu.InterpretGPUParams()
-  if interpret is False or interpret is None:
-    return None
-  return interpret  # an InterpretGPUParams instance
-
-
 def cayley_neumann_fwd_kernel(q_KxBxB: Array, *, terms: int = DEFAULT_TERMS,
                               out_dtype=jnp.float32, interpret=False,
                               config: Config | None = None) -> Array:
@@ -192,7 +178,7 @@ def cayley_neumann_fwd_kernel(q_KxBxB: Array, *, terms: int = DEFAULT_TERMS,
   k, b, tm, tk, out_dtype = _check(q_KxBxB, terms, out_dtype, config)
   body = functools.partial(_kernel_body, b=b, tm=tm, tk=tk, terms=terms,
                            out_dtype=out_dtype)
-  swz = _swizzled(tk)
+  swz = swizzle(tk, 4)
   run = plgpu.kernel(
       body,
       out_type=jax.ShapeDtypeStruct((k, b, b), out_dtype),
@@ -205,7 +191,7 @@ def cayley_neumann_fwd_kernel(q_KxBxB: Array, *, terms: int = DEFAULT_TERMS,
       ),
       grid=(k, b // tm),
       grid_names=('k', 'r'),
-      interpret=_interpret_params(interpret),
+      interpret=interpret_params(interpret),
   )
   return run(q_KxBxB)
 
@@ -247,6 +233,4 @@ def cayley_neumann(q_KxBxB: Array, *, terms: int = DEFAULT_TERMS,
     autodiff of ``poetx_jax.ops.cayley_neumann``.
   """
   _check(q_KxBxB, terms, out_dtype, config)
-  if isinstance(interpret, bool) or interpret is None:
-    interpret = bool(interpret)
-  return _cn(q_KxBxB, int(terms), jnp.dtype(out_dtype), interpret, config)
+  return _cn(q_KxBxB, int(terms), jnp.dtype(out_dtype), static_interpret(interpret), config)

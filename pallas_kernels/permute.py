@@ -125,7 +125,5 @@ _permute.defvjp(_permute_fwd, _permute_bwd)
 
 def permute(x_TxN: Array, perm_N: Array, *, interpret=False) -> Array:
   """``x[..., perm]`` on the kernel; backward is the inverse-permutation gather."""
-  if isinstance(interpret, bool) or interpret is None:
-    interpret = bool(interpret)
-  y = _permute(x_TxN.reshape(-1, x_TxN.shape[-1]), perm_N, interpret)
+  y = _permute(x_TxN.reshape(-1, x_TxN.shape[-1]), perm_N, bool(interpret))
   return y.reshape(x_TxN.shape)

@@ -48,6 +48,14 @@ def skew_params(key, k, block_size, spectral_norm):
   return q * (spectral_norm / norms)[:, None]
 
 
+def randomize_generators(layer, key, scale=0.1):
+  """Gives a POETLinear generators with blocks of spectral norm ``scale``."""
+  k1, k2 = jax.random.split(key)
+  b = layer.block_size
+  layer.q_in[...] = skew_params(k1, layer.q_in.shape[0], b, scale)
+  layer.q_out[...] = skew_params(k2, layer.q_out.shape[0], b, scale)
+
+
 WORDS = ('the orthogonal factors rotate every weight while its singular values stay '
          'fixed and a merge folds them into the frozen base then new permutations '
          'are drawn').split()

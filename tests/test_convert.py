@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from conftest import rel_err, skew_params
+from conftest import randomize_generators, rel_err
 import poetx_jax
 
 
@@ -29,9 +29,7 @@ class Tiny(nnx.Module):
 
 def _randomize_all(model, key, scale=0.1):
   for i, (_, layer) in enumerate(poetx_jax.poet_layers(model)):
-    k1, k2 = jax.random.split(jax.random.fold_in(key, i))
-    layer.q_in[...] = skew_params(k1, layer.q_in.shape[0], layer.block_size, scale)
-    layer.q_out[...] = skew_params(k2, layer.q_out.shape[0], layer.block_size, scale)
+    randomize_generators(layer, jax.random.fold_in(key, i), scale)
 
 
 def test_poetize_replaces_intended_layers(keys):
