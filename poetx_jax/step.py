@@ -5,6 +5,7 @@ from __future__ import annotations
 import typing as tp
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from poetx_jax.convert import merge
@@ -14,7 +15,8 @@ from poetx_jax.optim import merge_due
 def make_train_step(loss_fn: tp.Callable, *, seed: int = 0, has_aux: bool = False,
                     donate: bool = True,
                     on_merge: tp.Callable[[int, jax.Array], None] | None = None,
-                    data_parallel: jax.sharding.Mesh | None = None) -> tp.Callable:
+                    data_parallel: jax.sharding.Mesh | None = None,
+                    loss_weight: tp.Callable | None = None) -> tp.Callable:
   """Builds ``step(model, optimizer, batch) -> loss`` (state donated).
 
   One call computes ``nnx.value_and_grad(loss_fn)(model, batch)`` (all
@@ -50,8 +52,13 @@ def make_train_step(loss_fn: tp.Callable, *, seed: int = 0, has_aux: bool = Fals
       gradients of its own rows and one all-reduce averages them, exactly the
       trainable arrays (the compiler's own partitioning reduces the POET
       generators' gradients as full B x B blocks, twice their size). The loss
-      must be a mean over rows, and the rows split evenly. Not with
-      ``has_aux``.
+      must be a mean (over rows, or over what ``loss_weight`` counts) and the
+      rows split evenly. Not with ``has_aux``.
+    loss_weight: with ``data_parallel``: ``loss_weight(batch)`` is how many
+      items a device's loss averages over on its rows (e.g. its unmasked
+      tokens). The devices' losses and gradients are then averaged with these
+      weights, which is the global mean however unevenly the items fall. None
+      weighs the devices equally (a mean over rows).
 
   Returns:
     The step function; it returns the loss (and aux) before the update. Its
@@ -64,7 +71,7 @@ def make_train_step(loss_fn: tp.Callable, *, seed: int = 0, has_aux: bool = Fals
     if has_aux:
       raise ValueError('data_parallel does not take has_aux=True (auxiliary outputs '
                        'cannot be averaged over devices in general)')
-    value_and_grad = _per_device_grads(loss_fn, data_parallel)
+    value_and_grad = _per_device_grads(loss_fn, data_parallel, loss_weight)
 
   def update(model, optimizer: nnx.Optimizer, batch):
     out, grads = value_and_grad(model, batch)
@@ -87,8 +94,10 @@ def make_train_step(loss_fn: tp.Callable, *, seed: int = 0, has_aux: bool = Fals
   return step
 
 
-def _per_device_grads(loss_fn: tp.Callable, mesh: jax.sharding.Mesh) -> tp.Callable:
-  """``value_and_grad(loss_fn)`` with each device on its rows, then one ``pmean``."""
+def _per_device_grads(loss_fn: tp.Callable, mesh: jax.sharding.Mesh,
+                      loss_weight: tp.Callable | None) -> tp.Callable:
+  """``value_and_grad(loss_fn)`` with each device on its rows, then one mean
+  over devices (weighted by ``loss_weight`` of their rows, if given)."""
   from jax.sharding import PartitionSpec as P
   axes = tuple(mesh.axis_names)
 
@@ -96,8 +105,12 @@ def _per_device_grads(loss_fn: tp.Callable, mesh: jax.sharding.Mesh) -> tp.Calla
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
 
     def local(params, rest, batch):
-      loss, grads = nnx.value_and_grad(loss_fn)(nnx.merge(graphdef, params, rest), batch)
-      return jax.lax.pmean((loss, grads), axes)
+      out = nnx.value_and_grad(loss_fn)(nnx.merge(graphdef, params, rest), batch)
+      if loss_weight is None:
+        return jax.lax.pmean(out, axes)
+      w = jnp.asarray(loss_weight(batch), jnp.float32)
+      share = w / jnp.maximum(jax.lax.psum(w, axes), 1e-30)  # this device's share
+      return jax.lax.psum(jax.tree.map(lambda a: a * share.astype(a.dtype), out), axes)
 
     return jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), P(axes)), out_specs=P(),
                          check_vma=False)(params, rest, batch)

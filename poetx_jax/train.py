@@ -218,6 +218,12 @@ def schedule(peak: float, cfg: TrainConfig) -> optax.Schedule:
       end_value=peak * cfg.min_lr_ratio)
 
 
+def model_poet_lr(cfg: TrainConfig, model) -> float:
+  """The peak POET learning rate of a converted model (its block size's default
+  unless ``cfg.poet_lr`` is set)."""
+  return poet_lr(cfg, poetx_jax.poet_layers(model)[0][1].block_size)
+
+
 def build_optimizer(cfg: TrainConfig, model) -> nnx.Optimizer:
   if cfg.lean_state:
     adamw = lean_adamw(schedule(cfg.lr, cfg), weight_decay=cfg.weight_decay)
@@ -226,7 +232,7 @@ def build_optimizer(cfg: TrainConfig, model) -> nnx.Optimizer:
                         weight_decay=cfg.weight_decay)
   if cfg.optimizer == 'poetx':
     lean = dict(mu_dtype=jnp.bfloat16, second_moment='block') if cfg.lean_state else {}
-    peak = poet_lr(cfg, poetx_jax.poet_layers(model)[0][1].block_size)
+    peak = model_poet_lr(cfg, model)
     tx = poetx_jax.poetx_partition(
         model, poetx_jax.poetx(schedule(peak, cfg), merge_every=cfg.merge_every,
                                **lean),
@@ -250,13 +256,18 @@ def token_loss(model, batch):
   return jnp.sum(losses * mask), jnp.sum(mask)
 
 
+def target_count(batch):
+  """The unmasked targets of a batch: what :func:`mean_loss` averages over."""
+  return jnp.sum(batch['targets'] >= 0)
+
+
 def mean_loss(model, batch):
   total, count = token_loss(model, batch)
   return total / jnp.maximum(count, 1)
 
 
 # A merge whose factors are further than this from orthogonal is reported:
-# healthy runs stay near 1e-2 and below; the series diverges past about 1.
+# healthy runs stay well under 1e-2; the series diverges past about 1.
 ORTHOGONALITY_WARNING = 0.1
 
 
@@ -265,7 +276,7 @@ def make_step(cfg: TrainConfig, on_merge=None, mesh=None):
   if cfg.optimizer == 'poetx':
     dp = mesh if mesh is not None and cfg.strategy == 'dp' else None
     return poetx_jax.make_train_step(mean_loss, seed=cfg.seed, on_merge=on_merge,
-                                     data_parallel=dp)
+                                     data_parallel=dp, loss_weight=target_count)
 
   def step(model, optimizer, batch):
     loss, grads = nnx.value_and_grad(mean_loss)(model, batch)
@@ -532,8 +543,19 @@ def train(cfg: TrainConfig, *, resume: bool = False, log=print,
     it.set_state(data_state)
     log(f'resumed from step {step}')
   metrics = _Metrics(out, step)
-  merged = []  # orthogonality errors of the merges of the last step_fn call
-  step_fn = make_step(cfg, on_merge=lambda _, error: merged.append(error), mesh=mesh)
+
+  def report_merge(merge_step, error):
+    error = float(error)
+    metrics.write({'step': merge_step, 'merge_orthogonality_error': error})
+    if not error <= ORTHOGONALITY_WARNING:
+      log(f'warning: at the merge of step {merge_step} the POET factors were far from '
+          f'orthogonal (error {error:.3g} > {ORTHOGONALITY_WARNING}): the '
+          f'Cayley–Neumann series has left its region of convergence, which '
+          f'the weights now carry. Lower --poet-lr (this run: '
+          f'{model_poet_lr(cfg, model):g}) '
+          f'or merge more often (--merge-every {cfg.merge_every}).')
+
+  step_fn = make_step(cfg, on_merge=report_merge, mesh=mesh)
   tokens_per_step = cfg.batch_size * cfg.seq_len
   total_updates = cfg.steps * cfg.grad_accum  # one iteration = one micro-batch
 
@@ -557,17 +579,6 @@ def train(cfg: TrainConfig, *, resume: bool = False, log=print,
       batch = place_batch(next(it), mesh)
       loss = step_fn(model, optimizer, batch)
       step += 1
-      for error in merged:
-        error = float(error)
-        metrics.write({'step': step, 'merge_orthogonality_error': error})
-        if not error <= ORTHOGONALITY_WARNING:
-          log(f'warning: at the merge of step {step} the POET factors were far from '
-              f'orthogonal (error {error:.3g} > {ORTHOGONALITY_WARNING}): the '
-              f'Cayley–Neumann series has left its region of convergence, which '
-              f'the weights now carry. Lower --poet-lr (this run: '
-              f'{poet_lr(cfg, cfg.block_size or mc.block_size):g}) '
-              f'or merge more often (--merge-every {cfg.merge_every}).')
-      merged.clear()
       if step % cfg.log_every == 0 or step == total_updates:
         loss = float(loss)
         if not math.isfinite(loss):
@@ -596,14 +607,17 @@ def train(cfg: TrainConfig, *, resume: bool = False, log=print,
       if stop.signal or (stop_after is not None and step - start_step >= stop_after):
         stopped = stop.signal or 'stop_after'
         if step % cfg.checkpoint_every:
-          save(stopped)
+          with clock.paused(loss):
+            save(stopped)
         break
   progress.close()
-  ckpt.close()
+  closing = time.perf_counter()
+  ckpt.close()  # waits for the asynchronous checkpoint writes
+  closing = time.perf_counter() - closing
   metrics.close()
   elapsed = time.perf_counter() - t0
   tokens = (step - start_step) * tokens_per_step
-  steady_s = elapsed - clock.paused_s - clock.compile_s()
+  steady_s = elapsed - clock.paused_s - clock.compile_s() - closing
   summary = {'step': step, 'stopped': stopped, 'elapsed_s': elapsed, 'out_dir': str(out),
              'tokens_per_s': tokens / max(elapsed, 1e-9),
              'steady_tokens_per_s': tokens / max(steady_s, 1e-9)}

@@ -11,7 +11,7 @@ import optax
 from flax import nnx
 
 import poetx_jax
-from poetx_jax import sharding
+from poetx_jax import sharding, train
 from poetx_jax.checkpoint import Checkpointer
 from poetx_jax.models import llama
 
@@ -36,14 +36,21 @@ def build(scan=False, place=None):
 
 
 def loss_fn(m, b):
-  logits = m(b['inputs'])
-  return optax.softmax_cross_entropy_with_integer_labels(logits, b['targets']).mean()
+  """The mean over unmasked (>= 0) targets, as ``poetx train`` computes it."""
+  total, count = train.token_loss(m, b)
+  return total / count
 
 
 def batches():
+  """Random tokens; rows 0 and 1 have most of their targets masked, so the
+  devices' rows hold unequal numbers of targets."""
   rng = np.random.default_rng(0)
-  return [{k: rng.integers(0, 128, (8, 16)).astype(np.int32) for k in ('inputs', 'targets')}
-          for _ in range(5)]
+  out = []
+  for _ in range(5):
+    b = {k: rng.integers(0, 128, (8, 16)).astype(np.int32) for k in ('inputs', 'targets')}
+    b['targets'][:2, 3:] = -1
+    out.append(b)
+  return out
 
 
 def run(mesh=None, strategy=None, scan=False):
@@ -59,8 +66,9 @@ def run(mesh=None, strategy=None, scan=False):
   if mesh is not None:
     sharding.shard_state(model, mesh, 'fsdp' if strategy == 'fsdp' else 'dp')
     sharding.shard_state(opt, mesh, 'fsdp' if strategy == 'fsdp' else 'dp')
-  step = poetx_jax.make_train_step(
-      loss_fn, seed=0, data_parallel=mesh if strategy == 'dp_per_device' else None)
+  per_device = strategy == 'dp_per_device'
+  step = poetx_jax.make_train_step(loss_fn, seed=0, data_parallel=mesh if per_device else None,
+                                   loss_weight=train.target_count if per_device else None)
   losses = []
   for b in batches():
     b = sharding.shard_batch(b, mesh) if mesh is not None else jax.tree.map(jnp.asarray, b)
