@@ -153,25 +153,32 @@ def local_rows(batch):
   return jax.tree.map(take, batch)
 
 
+def _array_bytes(dtype: str, dims: str) -> int:
+  """Bytes of an HLO array type such as ``bf16[8,128]`` (``pred`` one byte,
+  sub-byte types packed, ``token`` none)."""
+  n = 1
+  for d in filter(None, dims.split(',')):
+    n *= int(d)
+  digits = re.search(r'\d+', dtype)
+  bits = 8 if dtype == 'pred' else int(digits.group()) if digits else 0  # token: 0
+  return -(-n * bits // 8)
+
+
 def collective_bytes(hlo_text: str) -> dict[str, int]:
   """Result bytes of each kind of cross-device collective in compiled HLO text
   (``jit(f).lower(...).compile().as_text()``), by kind: what one call sends
-  between devices, as the program states it. Each instruction counts once: a
-  collective inside a loop body (the layers of a ``StackedLayers`` scan) is
-  counted for one iteration, not times the trip count."""
-  sizes = {'f32': 4, 'bf16': 2, 'f16': 2, 's32': 4, 'u32': 4, 'f64': 8, 's8': 1, 'u8': 1,
-           'pred': 1, 's64': 8, 'u64': 8}
+  between devices, as the program states it. An asynchronous collective is
+  counted at its ``-done``, whose result is the output alone (a ``-start``'s
+  tuple also holds the operands). Each instruction counts once: a collective
+  inside a loop body (the layers of a ``StackedLayers`` scan) is counted for
+  one iteration, not times the trip count."""
   out = {}
   for line in hlo_text.splitlines():
     m = re.search(r'=\s*(.*?)\s(all-reduce|all-gather|reduce-scatter|all-to-all|'
-                  r'collective-permute)(-start)?\(', line)
-    if not m:
+                  r'collective-permute)(-start|-done)?\(', line)
+    if not m or m.group(3) == '-start':
       continue
-    total = 0
-    for dt, dims in re.findall(r'(\w+)\[([\d,]*)\]', m.group(1)):
-      n = 1
-      for d in filter(None, dims.split(',')):
-        n *= int(d)
-      total += n * sizes.get(dt, 4)
+    total = sum(_array_bytes(dt, dims)
+                for dt, dims in re.findall(r'([a-z]\w*)\[([\d,]*)\]', m.group(1)))
     out[m.group(2)] = out.get(m.group(2), 0) + total
   return out

@@ -113,3 +113,19 @@ def test_poetx_train_on_8_devices(tmp_path, strategy, fsdp):
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert f"mesh: {{'data': {8 // fsdp}, 'fsdp': {fsdp}}}, strategy {strategy}" in proc.stdout
   assert 'validation perplexity:' in proc.stdout
+
+
+def test_collective_bytes_counts_outputs_once():
+  """An asynchronous collective counts at its -done (the -start tuple holds the
+  operand too); sizes follow the element width, sub-byte types packed."""
+  hlo = '''
+  %ags = (f32[1,8]{1,0}, f32[8,8]{1,0}) all-gather-start(f32[1,8]{1,0} %p), dimensions={0}
+  %agd = f32[8,8]{1,0} all-gather-done((f32[1,8]{1,0}, f32[8,8]{1,0}) %ags)
+  %ar = bf16[16]{0} all-reduce(bf16[16]{0} %x), to_apply=%add
+  %cps = (s4[64]{0}, s4[64]{0}, u32[], u32[]) collective-permute-start(s4[64]{0} %y)
+  %cpd = s4[64]{0} collective-permute-done((s4[64]{0}, s4[64]{0}, u32[], u32[]) %cps)
+  %rs = pred[10]{0} reduce-scatter(pred[80]{0} %z), dimensions={0}
+  %add.1 = f32[8]{0} add(f32[8]{0} %a, f32[8]{0} %b)'''
+  assert sharding.collective_bytes(hlo) == {
+      'all-gather': 8 * 8 * 4, 'all-reduce': 16 * 2, 'collective-permute': 64 // 2,
+      'reduce-scatter': 10}
