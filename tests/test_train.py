@@ -115,7 +115,6 @@ def test_merges_record_orthogonality_and_warn_when_it_is_lost(tmp_path, corpus):
 def test_default_poet_lr_shrinks_with_the_block_size():
   """poet_lr=None trains with min(1e-2, 0.5 / B): what an explicit rate of
   that value gives, not what 1e-2 gives."""
-  import dataclasses
   import jax.numpy as jnp
   from poetx_jax import train as T
   assert T.default_poet_lr(16) == 1e-2 and T.default_poet_lr(256) == 0.5 / 256

@@ -361,7 +361,10 @@ class Llama(nnx.Module):
       does not grow with depth. ``model.layers[i]`` is then a copy of layer i.
     place: with ``scan_layers``, the sharding of each stacked array by shape
       (see :class:`StackedLayers`); the other arrays start on the default
-      device.
+      device. Train such a model after ``poetx_jax.sharding.shard_state``:
+      it places the other arrays and, under FSDP, pins the activations
+      between the stacked layers (``StackedLayers.carry_sharding``), without
+      which XLA's partitioner fails on the scanned POET backward.
 
   Example::
 
