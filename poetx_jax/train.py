@@ -267,7 +267,8 @@ def mean_loss(model, batch):
 
 
 # A merge whose factors are further than this from orthogonal is reported:
-# healthy runs stay well under 1e-2; the series diverges past about 1.
+# healthy runs stay at a few 1e-2 or less (docs/quality.md); the series
+# diverges past about 1.
 ORTHOGONALITY_WARNING = 0.1
 
 
