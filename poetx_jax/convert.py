@@ -110,10 +110,9 @@ def merge(model, *, rngs: nnx.Rngs | Array) -> Array:
     The largest :meth:`POETLinear.orthogonality_error` of the merged factors
     (a float32 scalar array; reading it waits for the merge). A few 1e-2 or
     less while training is healthy (largest per run: 9e-3 to 3.5e-2 in the
-    Llama-130M runs of docs/quality.md; ``poetx train`` warns above 0.1); near
-    or above 1 the
-    generators have left the Cayley–Neumann series' region of convergence (a
-    learning rate too large for the block size).
+    Llama-130M runs of docs/quality.md; ``poetx train`` warns above 0.1);
+    near or above 1 the generators have left the Cayley–Neumann series'
+    region of convergence (a learning rate too large for the block size).
   """
   key = rngs.params() if isinstance(rngs, nnx.Rngs) else rngs
   traced = isinstance(key, jax.core.Tracer)
