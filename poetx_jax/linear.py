@@ -185,7 +185,8 @@ class POETLinear(nnx.Module):
     if form not in ops.FORMS:
       raise ValueError(f'form must be one of {ops.FORMS}, got {form!r}')
     kernels_for(implementation, block_size)  # validates
-    if implementation == 'pallas' and mode == 'mem' and _interpret():
+    if (implementation == 'pallas' and mode == 'mem' and _interpret() and dtype is not None
+        and jnp.dtype(dtype).itemsize == 2):  # 16-bit: the kernels run (float32 falls back)
       raise ValueError(
           f"implementation='pallas' with mode='mem' needs a GPU: on the "
           f"{jax.default_backend()!r} backend the kernels run in an interpreter whose "
@@ -340,9 +341,8 @@ class POETLinear(nnx.Module):
     return self._each(lambda layer: layer._kernel_from(*layer._blocks()))
 
   def _kernel_from(self, g_in: Array, g_out: Array) -> Array:
-    """:func:`ops.effective_kernel` given the blocks."""
-    return ops.rotate_kernel(self.base_kernel().astype(jnp.float32), g_in, g_out,
-                             self.perm_in[...], self.perm_out[...], jax.lax.Precision.HIGHEST)
+    return ops.kernel_from_blocks(self.base_kernel(), g_in, g_out, self.perm_in[...],
+                                  self.perm_out[...])
 
   def orthogonality_error(self) -> Array:
     """How far the factors are from orthogonal: the larger over R and P of
@@ -388,9 +388,14 @@ class POETLinear(nnx.Module):
     a stack of layers gives a stacked Linear (kernel with the same leading axes)."""
     kernel = self.effective_kernel().astype(self.param_dtype)
     bias = self.bias[...] if self.bias is not None else None
-    return nnx.Linear(
+    linear = nnx.Linear(
         self.in_features, self.out_features, use_bias=bias is not None,
         dtype=self.dtype, param_dtype=kernel.dtype, precision=self.precision,
         kernel_init=lambda *_: kernel,
         bias_init=(lambda *_: bias) if bias is not None else initializers.zeros_init(),
         rngs=rngs if rngs is not None else nnx.Rngs(0))
+    if self.stack_shape:  # keep the stack's tag (read by poetx_jax.sharding)
+      for v in (linear.kernel, linear.bias):
+        if v is not None:
+          v.set_metadata(layer_axis=self.kernel.get_metadata().get('layer_axis', 0))
+    return linear

@@ -306,8 +306,7 @@ permute.defvjp(_permute_fwd, _permute_bwd)
 FORMS = ('input', 'weight')
 
 
-def _poet_core(x, kernel_IxO, g_in, g_out, perm_in, perm_out, precision,
-               kernels=Kernels()):
+def _poet_core(x, kernel_IxO, g_in, g_out, perm_in, perm_out, precision, kernels):
   perm = kernels.permute or permute
   rot = functools.partial(rotate_features, precision=precision, rotate=kernels.rotate)
   u = perm(x, perm_in)
@@ -419,6 +418,12 @@ def effective_kernel(kernel_IxO: Array, q_in_KxP: Array, q_out_KxP: Array,
   """
   i, o = kernel_IxO.shape
   g_in, g_out = rotation_blocks_pair(q_in_KxP, q_out_KxP, i, o, block_size, terms)
+  return kernel_from_blocks(kernel_IxO, g_in, g_out, perm_in_I, perm_out_O)
+
+
+def kernel_from_blocks(kernel_IxO: Array, g_in: Array, g_out: Array, perm_in_I: Array,
+                       perm_out_O: Array) -> Array:
+  """:func:`effective_kernel` from the rotation blocks (float32, full precision)."""
   return rotate_kernel(kernel_IxO.astype(jnp.float32), g_in, g_out, perm_in_I,
                         perm_out_O, jax.lax.Precision.HIGHEST)
 

@@ -349,7 +349,9 @@ def test_scanned_poet_model_merges_and_exports(keys, quantize):
   before = _forward(scanned, tokens)
   assert rel_err(before, _forward(unrolled, tokens)) < 1e-6
   sd_a = llama.hf_state_dict(poetx_jax.unpoetize(unrolled))
-  sd_b = llama.hf_state_dict(poetx_jax.unpoetize(scanned))
+  exported = poetx_jax.unpoetize(scanned)
+  assert exported.layers.layer.mlp.down_proj.kernel.get_metadata()['layer_axis'] == 0
+  sd_b = llama.hf_state_dict(exported)
   for k in sd_a:
     np.testing.assert_allclose(sd_b[k], sd_a[k], atol=1e-6, err_msg=k)
   errors = [float(scanned.layers[i].mlp.down_proj.orthogonality_error()) for i in range(2)]

@@ -385,6 +385,8 @@ class Llama(nnx.Module):
       raise ValueError(f'config must be a LlamaConfig, got {type(config).__name__}')
     if remat not in REMAT_POLICIES:
       raise ValueError(f'remat must be one of {tuple(REMAT_POLICIES)}, got {remat!r}')
+    if place is not None and not scan_layers:
+      raise ValueError('place needs scan_layers=True (it shards the stacked layers)')
     self.config = config
     self.remat = remat
     self.embed_tokens = nnx.Embed(config.vocab_size, config.hidden, dtype=dtype,
@@ -398,8 +400,6 @@ class Llama(nnx.Module):
       return convert_layer(DecoderLayer(config, dtype=dtype, param_dtype=param_dtype,
                                         rngs=rngs))
 
-    if place is not None and not scan_layers:
-      raise ValueError('place needs scan_layers=True (it shards the stacked layers)')
     if scan_layers:
       self.layers = StackedLayers(make_layer, config.layers, place=place)
     else:
