@@ -35,10 +35,10 @@ import bench_train  # noqa: E402
 
 
 def child(a):
-  opt, strategy, *rest = a.single.split(':') + ['dp'] * (':' not in a.single)
+  opt, *rest = a.single.split(':')
   import jax
   a.batch_size = a.per_device_batch * jax.device_count()
-  a.strategy = strategy or 'dp'
+  a.strategy = (rest.pop(0) if rest else '') or 'dp'
   return bench_train.one_run(a, ':'.join([opt] + rest))
 
 
@@ -79,12 +79,13 @@ def main(argv=None):
       results.append(r)
       print(json.dumps(r), flush=True)
   print(f'\n{a.model}, seq {a.seq_len}, {a.per_device_batch} sequences per device')
-  print(f'{"run":14s} {"devices":>7s} {"tokens/s":>10s} {"efficiency":>10s} '
+  width = max([14] + [len(r['run']) for r in results])
+  print(f'{"run":{width}s} {"devices":>7s} {"tokens/s":>10s} {"efficiency":>10s} '
         f'{"peak GiB":>9s} {"collective MiB/step":>20s}')
   base = {}
   for r in results:
     if 'error' in r:
-      print(f'{r["run"]:14s} {r["devices"]:7d} failed: {r["error"][-80:]}')
+      print(f'{r["run"]:{width}s} {r["devices"]:7d} failed: {r["error"][-80:]}')
       continue
     if r['devices'] == 1:
       base[r['run']] = r['tokens_per_s']
@@ -92,7 +93,7 @@ def main(argv=None):
            if r['run'] in base else float('nan'))
     r['efficiency'] = eff
     mib = sum(r['collective_bytes'].values()) / 2 ** 20
-    print(f'{r["run"]:14s} {r["devices"]:7d} {r["tokens_per_s"]:10,.0f} {eff:10.3f} '
+    print(f'{r["run"]:{width}s} {r["devices"]:7d} {r["tokens_per_s"]:10,.0f} {eff:10.3f} '
           f'{r["peak_gib"]:9.2f} {mib:20.2f}')
   if a.json:
     with open(a.json, 'w') as f:

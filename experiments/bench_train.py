@@ -19,6 +19,7 @@ A run is ``optimizer[:mode[:remat[:quantize[:form[:implementation]]]]]``, e.g.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import statistics
@@ -74,6 +75,9 @@ def run_config(a, run: str):
                       param_dtype=getattr(a, 'param_dtype', 'float32'),
                       scan_layers=getattr(a, 'scan_layers', False),
                       strategy=getattr(a, 'strategy', None) or 'dp')
+  if cfg.strategy == 'fsdp':  # FSDP over every device
+    import jax
+    cfg = dataclasses.replace(cfg, fsdp=jax.device_count())
   cfg.validate()
   return cfg
 
@@ -133,6 +137,7 @@ def one_run(a, run: str) -> dict:
   from flax import nnx
 
   import poetx_jax
+  from poetx_jax import sharding
   from poetx_jax import train as T
 
   cfg = run_config(a, run)
@@ -140,11 +145,8 @@ def one_run(a, run: str) -> dict:
   mc = T.model_config(cfg, a.vocab_size)
   t_setup = time.perf_counter()
   progress(f'{run}: building {a.model} ({mc.num_params() / 1e6:,.0f}M dense parameters)')
-  mesh = None
-  strategy = getattr(a, 'strategy', None)
-  if strategy and jax.device_count() > 1:
-    from poetx_jax import sharding
-    mesh = sharding.make_mesh(fsdp=jax.device_count() if strategy == 'fsdp' else 1)
+  # A mesh only where a strategy was asked for (bench_scaling), over every device.
+  mesh = T.make_training_mesh(cfg) if getattr(a, 'strategy', None) else None
   model = T.build_model(cfg, mc, mesh)  # fsdp + scan: built into its shards
   rng = np.random.default_rng(0)
   batches = [{'inputs': jnp.asarray(rng.integers(0, a.vocab_size, (a.batch_size, a.seq_len)),
@@ -154,8 +156,8 @@ def one_run(a, run: str) -> dict:
   checks = {}
   opt = T.build_optimizer(cfg, model)
   if mesh is not None:
-    sharding.shard_state(model, mesh, strategy)
-    sharding.shard_state(opt, mesh, strategy)
+    sharding.shard_state(model, mesh, cfg.strategy)
+    sharding.shard_state(opt, mesh, cfg.strategy)
     batches = [sharding.shard_batch(b, mesh) for b in batches]
   step = T.make_step(cfg, mesh=mesh)
   progress(f'{run}: set up in {time.perf_counter() - t_setup:.0f} s; compiling the step')
@@ -211,7 +213,7 @@ def one_run(a, run: str) -> dict:
           'peak_gib': stats.get('peak_bytes_in_use', float('nan')) / 2 ** 30,
           'trainable': n_train, 'dense_params': mc.num_params(),
           'optimizer_state_gib': opt_bytes / 2 ** 30, 'checks': checks,
-          'devices': jax.device_count(), 'strategy': strategy,
+          'devices': jax.device_count(), 'strategy': cfg.strategy if mesh is not None else None,
           'collective_bytes': collectives}
 
 

@@ -92,15 +92,13 @@ import statistics
 import sys
 import time
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from bench_train import progress  # noqa: E402
+
 MODELS = ('tiny', '60m', '130m')
 TOP_K = 4            # singular values kept at each end of the spectrum
 SPIKE_FACTOR = 1.5   # a logged loss above this times the running median is a spike
 SPIKE_WINDOW = 10    # logged losses in that running median
-
-
-def progress(msg: str) -> None:
-  """A progress line on stderr."""
-  print(f'[{time.strftime("%H:%M:%S")}] {msg}', file=sys.stderr, flush=True)
 
 
 # --------------------------------------------------------------------- arguments
@@ -162,8 +160,7 @@ def parse_args(argv=None):
     a.overrides = cli._parse_overrides(a.model_overrides)  # pylint: disable=protected-access
   except ValueError as e:
     p.error(str(e))
-  for flag in ('seq_len', 'batch_size', 'steps', 'eval_every', 'eval_batches', 'log_every',
-               'merge_every', 'vocab_size'):
+  for flag in ('eval_batches', 'vocab_size', 'log_every', 'eval_every'):  # the rest: below
     if getattr(a, flag) < 1:
       p.error(f'--{flag.replace("_", "-")} must be >= 1, got {getattr(a, flag)}')
   if a.eval_every % a.log_every:
@@ -176,8 +173,6 @@ def parse_args(argv=None):
     a.warmup = max(1, a.steps // 20)
   if not 0 <= a.warmup < a.steps:
     p.error(f'--warmup must be in [0, --steps), got {a.warmup}')
-  if a.dtype not in ('auto', 'float32', 'bfloat16'):
-    p.error(f"--dtype {a.dtype!r} is not one of auto, float32, bfloat16")
   a.block_sizes = _numbers(p, '--block-sizes', a.block_sizes, int)
   a.adamw_lrs = _numbers(p, '--adamw-lrs', a.adamw_lrs, float)
   a.poet_lrs = _numbers(p, '--poet-lrs', a.poet_lrs, float)
@@ -188,19 +183,22 @@ def parse_args(argv=None):
       p.error(f"--poet-other-lr wants a number or 'best', got {a.poet_other_lr!r}")
     if not a.poet_other_lr > 0:
       p.error(f'--poet-other-lr must be > 0, got {a.poet_other_lr}')
-  from poetx_jax.models import llama
+  # Every run's configuration, checked by poetx train's own rules before the
+  # first run starts (the POET-X runs come after the AdamW ones).
+  from poetx_jax import ops
+  from poetx_jax import train as train_lib
   try:
-    mc = llama.get_config(a.model, **a.overrides)
+    for spec in run_specs(a):
+      if spec['lr'] == 'best':  # an AdamW run's rate, known later: any valid one here
+        spec = dict(spec, lr=a.adamw_lrs[0] if a.adamw_lrs else 1e-3)
+      cfg = run_config(a, spec)
+      cfg.validate()
+    mc = train_lib.model_config(cfg, a.vocab_size)
+    for b in a.block_sizes:
+      ops.check_block_size(b, mc.hidden, mc.mlp, mc.kv_heads * mc.head_dim,
+                           what='--block-sizes')
   except (ValueError, TypeError) as e:
     p.error(str(e))
-  for b in a.block_sizes:
-    smallest = min(mc.hidden, mc.mlp, mc.kv_heads * mc.head_dim)
-    if not 1 < b <= smallest:
-      p.error(f'--block-sizes: {b} does not fit model {a.model!r}; valid block sizes '
-              f'are 2..{smallest} (its smallest projection dimension)')
-  if a.seq_len > mc.max_seq_len:
-    p.error(f'--seq-len {a.seq_len} is longer than model {a.model!r} supports '
-            f'(max_seq_len={mc.max_seq_len})')
   return a
 
 
@@ -474,6 +472,19 @@ def run_specs(a) -> list[dict]:
   return specs
 
 
+def run_config(a, spec: dict):
+  """The ``poetx train`` configuration of one run."""
+  from poetx_jax import train as train_lib
+  return train_lib.TrainConfig(
+      model=a.model, model_overrides=a.overrides, data=a.data, tokenizer=a.tokenizer,
+      vocab_size=a.vocab_size, seq_len=a.seq_len, batch_size=a.batch_size,
+      steps=a.steps, optimizer=spec['optimizer'], lr=spec['lr'], poet_lr=spec['poet_lr'],
+      warmup=a.warmup, clip=a.clip, merge_every=a.merge_every,
+      block_size=spec['block_size'], dtype=a.dtype, seed=a.seed, eval_every=a.eval_every,
+      eval_batches=a.eval_batches, log_every=a.log_every, checkpoint_every=a.steps, keep=1,
+      out_dir=str(pathlib.Path(a.out) / 'runs' / spec['name']), cache_dir=a.cache_dir)
+
+
 def main(argv=None):
   a = parse_args(argv)
   import jax
@@ -490,20 +501,9 @@ def main(argv=None):
     shutil.rmtree(runs_dir / name)
   out.mkdir(parents=True, exist_ok=True)
 
-  def config(spec):
-    return train_lib.TrainConfig(
-        model=a.model, model_overrides=a.overrides, data=a.data, tokenizer=a.tokenizer,
-        vocab_size=a.vocab_size, seq_len=a.seq_len, batch_size=a.batch_size,
-        steps=a.steps, optimizer=spec['optimizer'], lr=spec['lr'],
-        poet_lr=spec['poet_lr'] or train_lib.TrainConfig.poet_lr, warmup=a.warmup,
-        clip=a.clip, merge_every=a.merge_every, block_size=spec['block_size'],
-        dtype=a.dtype, seed=a.seed, eval_every=a.eval_every, eval_batches=a.eval_batches,
-        log_every=a.log_every, checkpoint_every=a.steps, keep=1,
-        out_dir=str(runs_dir / spec['name']), cache_dir=a.cache_dir)
-
-  data = train_lib.load_data(config(specs[0]))
+  data = train_lib.load_data(run_config(a, specs[0]))
   print(f'data: {data.description}', flush=True)
-  mc = train_lib.model_config(config(specs[0]), data.tokenizer.vocab_size)
+  mc = train_lib.model_config(run_config(a, specs[0]), data.tokenizer.vocab_size)
   paths = probed_layers(mc.layers)
   tokens_per_step = a.batch_size * a.seq_len
   val_windows = min(len(data.val_windows), a.eval_batches * a.batch_size)
@@ -519,7 +519,7 @@ def main(argv=None):
       spec['lr'] = min(adamw, key=lambda r: r['val_ppl_final'])['lr']
     progress(f'run {k + 1}/{len(specs)}: {spec["name"]} (lr {spec["lr"]:g}'
              + (f', POET lr {spec["poet_lr"]:g}' if spec['poet_lr'] else '') + ')')
-    cfg = config(spec)
+    cfg = run_config(a, spec)
     summary = train_lib.train(cfg, log=lambda m, n=spec['name']: progress(f'{n}: {m}'),
                               probe=make_probe(paths), probe_every=a.probe_every)
     r = summarise(spec, pathlib.Path(summary['out_dir']), tokens_per_step)
@@ -552,7 +552,7 @@ def main(argv=None):
       'probe_steps': [p['step'] for p in results[0]['probes']],
       'spike_rule': f'loss > {SPIKE_FACTOR} x median of the previous {SPIKE_WINDOW} logged',
   }
-  res = {'header': header, 'args': {k: v for k, v in vars(a).items()},
+  res = {'header': header, 'args': vars(a),
          'equal_time_s': budget, 'best': best, 'runs': results}
   (out / 'results.json').write_text(json.dumps(res, indent=1))
   md = report(res)

@@ -92,7 +92,10 @@ def test_bad_flags_are_named(capsys):
   for argv, msg in ((['--model', '1b'], "--model '1b' is not one of tiny, 60m, 130m"),
                     (['--block-sizes', '128,x'], '--block-sizes wants comma-separated ints'),
                     (['--model', 'tiny', '--block-sizes', '128'],
-                     "128 does not fit model 'tiny'; valid block sizes are 2..32"),
+                     '--block-sizes=128 is larger than the dimension 64; valid block '
+                     'sizes are 2..32'),
+                    (['--model', 'tiny', '--seq-len', '4096'], 'is longer than model'),
+                    (['--batch-size', '0'], 'batch_size must be an int >= 1'),
                     (['--eval-every', '25', '--log-every', '10'], 'must divide --eval-every'),
                     (['--poet-other-lr', 'fast'], "a number or 'best', got 'fast'"),
                     (['--adamw-lrs', '1e-3,-1'], 'values must be > 0')):

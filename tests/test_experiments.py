@@ -24,7 +24,7 @@ def test_bench_layer_checks_and_times(tmp_path):
   assert row['ms']['dense (W trained)'][0] > 0
 
 
-def test_bench_train_one_run():
+def test_bench_train_one_run(monkeypatch):
   a = argparse.Namespace(model='tiny', model_overrides='{"layers": 1}', seq_len=32,
                          batch_size=2, vocab_size=256, block_size=None, merge_every=200,
                          dtype='float32', lean_state=True, warmup=1, steps=2)
@@ -36,6 +36,10 @@ def test_bench_train_one_run():
   a.model_overrides = '{"layers": 2}'
   r = bench_train.one_run(a, 'poetx:fast:none::weight')
   assert r['checks']['poet_vs_dense'] < 1e-4
+  # Models too large for a dense copy check one stacked layer instead.
+  monkeypatch.setattr(bench_train, 'EXPORT_CHECK_MAX_PARAMS', 0)
+  r = bench_train.one_run(a, 'poetx:fast')
+  assert r['checks']['export_check'] == 'one layer' and r['checks']['poet_vs_dense'] < 1e-4
 
 
 def test_bench_cayley_interpreted():
@@ -56,10 +60,11 @@ def test_bench_kernels_checks_every_kernel(tmp_path):
   bench_kernels.main(['--widths', '128', '--blocks', '64', '--tokens', '64', '--iters', '1',
                       '--json', str(out)])
   (r,) = json.loads(out.read_text())
-  kernels = [name for name in r['ms'] if 'kernel' in name]
-  assert set(kernels) == set(r['errors']) and len(kernels) >= 8
-  assert all(r['errors'][n] == 0 for n in kernels if n.startswith('gather'))
-  assert all(r['errors'][n] < 1e-2 for n in kernels)
+  want = ({f'rotate kernel {n}' for n, c in bench_kernels.ROTATE_CONFIGS.items()
+           if c.tile_c in (None, 64)} | {'gram kernel'}
+          | {f'gather kernel {n}' for n in bench_kernels.GATHER_VARIANTS})
+  # timed (bench_kernels times only a kernel that ran and matched its XLA row)
+  assert {name for name in r['ms'] if 'kernel' in name} == want
 
 
 def test_bench_memory_state_only(tmp_path):
