@@ -61,7 +61,7 @@ def run_child(cmd: list[str], label: str, env=None) -> tuple[dict | None, str | 
 
 def run_config(a, run: str):
   """The TrainConfig of run ``optimizer[:mode[:remat[:quantize[:form]]]]``."""
-  from poetx_jax import train as T
+  from poetx_jax.pretrain import train as T
   parts = run.split(':') + [None] * 5
   optimizer, mode, remat = parts[0], parts[1] or 'fast', parts[2] or 'none'
   quant, form, impl = parts[3] or None, parts[4] or 'input', parts[5] or 'auto'
@@ -92,7 +92,7 @@ def resident_state(a, run: str) -> dict:
   each element's dtype at its numpy item size (``train.state_bytes``).
   """
   from flax import nnx
-  from poetx_jax import train as T
+  from poetx_jax.pretrain import train as T
   cfg = run_config(a, run)
   mc = T.model_config(cfg, a.vocab_size)
   model, opt = T.abstract_state(cfg, mc)
@@ -115,7 +115,7 @@ def compiled_memory(a, run: str) -> dict:
   """
   import jax
   import jax.numpy as jnp
-  from poetx_jax import train as T
+  from poetx_jax.pretrain import train as T
   cfg = run_config(a, run)
   model, opt = T.abstract_state(cfg, T.model_config(cfg, a.vocab_size))
   tokens = jax.ShapeDtypeStruct((a.batch_size, a.seq_len), jnp.int32)
@@ -138,7 +138,7 @@ def one_run(a, run: str) -> dict:
 
   import poetx_jax
   from poetx_jax import sharding
-  from poetx_jax import train as T
+  from poetx_jax.pretrain import train as T
 
   cfg = run_config(a, run)
   optimizer = cfg.optimizer

@@ -1,6 +1,6 @@
 """Training quality: POET-X against optax AdamW on the same tokens in the same order.
 
-Every run is ``poetx_jax.train.train`` with one ``TrainConfig`` that differs
+Every run is ``poetx_jax.pretrain.train.train`` with one ``TrainConfig`` that differs
 only in the optimizer and its learning rates: the same ``--seed`` gives the same
 initial dense model (POET-X poetizes it, so both start from the same function
 and the same singular values) and the same order of training batches. The grid
@@ -155,7 +155,7 @@ def parse_args(argv=None):
 
   if a.model not in MODELS:
     p.error(f'--model {a.model!r} is not one of {", ".join(MODELS)}')
-  from poetx_jax import cli
+  from poetx_jax.pretrain import cli
   try:
     a.overrides = cli._parse_overrides(a.model_overrides)  # pylint: disable=protected-access
   except ValueError as e:
@@ -186,7 +186,7 @@ def parse_args(argv=None):
   # Every run's configuration, checked by poetx train's own rules before the
   # first run starts (the POET-X runs come after the AdamW ones).
   from poetx_jax import ops
-  from poetx_jax import train as train_lib
+  from poetx_jax.pretrain import train as train_lib
   try:
     for spec in run_specs(a):
       if spec['lr'] == 'best':  # an AdamW run's rate, known later: any valid one here
@@ -282,7 +282,7 @@ def ppl_at_time(points: list[dict], t: float) -> float | None:
 
 def summarise(spec: dict, out_dir: pathlib.Path, tokens_per_step: int) -> dict:
   """One run's results from its metrics.jsonl."""
-  from poetx_jax.plot import read_metrics
+  from poetx_jax.pretrain.plot import read_metrics
   recs = read_metrics(out_dir)
   logs = {r['step']: r for r in recs if 'loss' in r}
   steady = {s: r['train_s'] - r['compile_s'] for s, r in logs.items()}
@@ -474,7 +474,7 @@ def run_specs(a) -> list[dict]:
 
 def run_config(a, spec: dict):
   """The ``poetx train`` configuration of one run."""
-  from poetx_jax import train as train_lib
+  from poetx_jax.pretrain import train as train_lib
   return train_lib.TrainConfig(
       model=a.model, model_overrides=a.overrides, data=a.data, tokenizer=a.tokenizer,
       vocab_size=a.vocab_size, seq_len=a.seq_len, batch_size=a.batch_size,
@@ -488,7 +488,7 @@ def run_config(a, spec: dict):
 def main(argv=None):
   a = parse_args(argv)
   import jax
-  from poetx_jax import train as train_lib
+  from poetx_jax.pretrain import train as train_lib
 
   out = pathlib.Path(a.out)
   runs_dir = out / 'runs'

@@ -61,7 +61,7 @@ def array_spec(shape, strategy: str, fsdp_size: int, *, stacked: bool = False) -
     one: a vocabulary that the axis does not divide keeps its embedding
     replicated rather than split along the features, which XLA's partitioner
     (0.11) fails to compile.
-  * ``stacked`` arrays (a leading layer axis, as in ``StackedLayers``): the
+  * ``stacked`` arrays (a leading layer axis, as in a scanned layer stack): the
     layer axis whole, the first other dimension the axis divides. The most
     major one: each layer's all-gather inside the scan then needs no
     transpose, which XLA on GPU would otherwise hoist out of the loop as a
@@ -94,16 +94,16 @@ def shard_state(node, mesh: jax.sharding.Mesh, strategy: str) -> None:
   """Places every array of an NNX object (model or optimizer) on ``mesh``.
 
   Every array follows :func:`array_spec`, ``stacked`` for those of stacked
-  layers (variables with ``layer_axis`` metadata, set by ``StackedLayers`` and
-  copied to their optimizer moments). Under ``'fsdp'`` the
-  activations between stacked decoder layers are also pinned to the batch
-  sharding.
+  layers (variables with ``layer_axis`` metadata 0, as a model's scanned layer
+  stack sets them; optimizer moments copy it). Under ``'fsdp'`` every
+  submodule with a ``carry_sharding`` attribute (a stack of layers run by
+  ``lax.scan``, e.g. ``models.llama.StackedLayers``) gets the batch sharding
+  there, to pin the activations it carries between layers.
   """
-  from poetx_jax.models.llama import StackedLayers
   fsdp = mesh.shape['fsdp']
   if strategy == 'fsdp':
     for _, sub in nnx.iter_graph(node):
-      if isinstance(sub, StackedLayers):
+      if hasattr(sub, 'carry_sharding'):
         sub.carry_sharding = batch_sharding(mesh)
 
   def put(v: nnx.Variable):
@@ -170,7 +170,7 @@ def collective_bytes(hlo_text: str) -> dict[str, int]:
   between devices, as the program states it. An asynchronous collective is
   counted at its ``-done``, whose result is the output alone (a ``-start``'s
   tuple also holds the operands). Each instruction counts once: a collective
-  inside a loop body (the layers of a ``StackedLayers`` scan) is counted for
+  inside a loop body (the layers of a scanned stack) is counted for
   one iteration, not times the trip count."""
   out = {}
   for line in hlo_text.splitlines():

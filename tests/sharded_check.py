@@ -11,8 +11,9 @@ import optax
 from flax import nnx
 
 import poetx_jax
-from poetx_jax import sharding, train
-from poetx_jax.checkpoint import Checkpointer
+from poetx_jax import sharding
+from poetx_jax.pretrain import train
+from poetx_jax.pretrain.checkpoint import Checkpointer
 from poetx_jax.models import llama
 
 CFG = llama.get_config('tiny', layers=1, hidden=64, mlp=128, heads=4, kv_heads=2,

@@ -8,7 +8,7 @@ import sys
 import numpy as np
 import pytest
 
-from poetx_jax import data
+from poetx_jax.pretrain import data
 
 DOCS = [
     'The quick brown fox jumps over the lazy dog.\n',

@@ -80,7 +80,7 @@ def test_bench_memory_state_only(tmp_path):
                          vocab_size=256, block_size=None, merge_every=2,
                          dtype='bfloat16', param_dtype='bfloat16', lean_state=True)
   from flax import nnx
-  from poetx_jax import train as T
+  from poetx_jax.pretrain import train as T
   cfg = bench_train.run_config(a, 'poetx:mem:block:int8')
   model = T.build_model(cfg, T.model_config(cfg, 256))
   opt = T.build_optimizer(cfg, model)

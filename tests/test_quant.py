@@ -61,7 +61,7 @@ def test_int8_bases_add_no_dequantised_copies_under_remat():
   """Under model-level remat, the dequantised bases (and rotation blocks) are
   made layer by layer: the compiled step's temporaries with int8 bases stay
   within 10% of the bf16 ones (before the fix they were 48% above)."""
-  from poetx_jax import train as T
+  from poetx_jax.pretrain import train as T
 
   def temporaries(quantize):
     cfg = T.TrainConfig(

@@ -103,7 +103,7 @@ def test_poetx_train_on_8_devices(tmp_path, strategy, fsdp):
   corpus.write_text(' '.join(f'word{i % 37} and more text' for i in range(3000)))
   env = dict(os.environ, XLA_FLAGS='--xla_force_host_platform_device_count=8',
              JAX_PLATFORMS='cpu')
-  cmd = [sys.executable, '-m', 'poetx_jax.cli', 'train', '--model', 'tiny',
+  cmd = [sys.executable, '-m', 'poetx_jax.pretrain.cli', 'train', '--model', 'tiny',
          '--model-overrides', 'layers=1,hidden=32,mlp=64,heads=2,kv_heads=1',
          '--data', str(corpus), '--vocab-size', '300', '--seq-len', '32',
          '--batch-size', '8', '--steps', '4', '--block-size', '8', '--dtype', 'float32',

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from poetx_jax import cli
-from poetx_jax.checkpoint import CheckpointError, Checkpointer
-from poetx_jax.train import TrainConfig, load_run, train
+from poetx_jax.pretrain import cli
+from poetx_jax.pretrain.checkpoint import CheckpointError, Checkpointer
+from poetx_jax.pretrain.train import TrainConfig, load_run, train
 from conftest import write_corpus
 
 
@@ -116,7 +116,7 @@ def test_default_poet_lr_shrinks_with_the_block_size():
   """poet_lr=None trains with min(1e-2, 0.5 / B): what an explicit rate of
   that value gives, not what 1e-2 gives."""
   import jax.numpy as jnp
-  from poetx_jax import train as T
+  from poetx_jax.pretrain import train as T
   assert T.default_poet_lr(16) == 1e-2 and T.default_poet_lr(256) == 0.5 / 256
   cfg = TrainConfig(model='tiny', model_overrides={'layers': 1, 'kv_heads': 4}, block_size=64,
                     warmup=1,
@@ -199,7 +199,7 @@ def test_sigterm_saves_and_resume_continues(tmp_path, corpus):
   import sys
   import time
   run = tmp_path / 'sig'
-  args = [sys.executable, '-m', 'poetx_jax.cli', 'train', '--model', 'tiny',
+  args = [sys.executable, '-m', 'poetx_jax.pretrain.cli', 'train', '--model', 'tiny',
           '--model-overrides', 'layers=1,hidden=32,mlp=64,heads=2,kv_heads=1',
           '--data', str(corpus), '--vocab-size', '300', '--seq-len', '32',
           '--batch-size', '4', '--steps', '100000', '--block-size', '8',
@@ -241,7 +241,7 @@ def test_poet_model_is_built_layer_by_layer_with_the_whole_model_result(quantize
   resident) and gives exactly poetize(init_model(...)) with the run's seeds."""
   import jax.numpy as jnp
   import poetx_jax
-  from poetx_jax import train as T
+  from poetx_jax.pretrain import train as T
   from poetx_jax.models import llama
   cfg = TrainConfig(model='tiny', optimizer='poetx', quantize=quantize, seed=3,
                     model_overrides={'layers': 2})

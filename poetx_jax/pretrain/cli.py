@@ -16,11 +16,11 @@ import json
 import pathlib
 import sys
 
-from poetx_jax.checkpoint import CheckpointError
+from poetx_jax.pretrain.checkpoint import CheckpointError
 
 
 def _train_parser(sub):
-  from poetx_jax.train import TrainConfig
+  from poetx_jax.pretrain.train import TrainConfig
   d = TrainConfig()
   p = sub.add_parser('train', help='train a Llama with POET-X (or AdamW)')
   p.add_argument('--model', default=d.model,
@@ -115,7 +115,7 @@ def cmd_train(a) -> int:
   if a.distributed:
     import jax
     jax.distributed.initialize()
-  from poetx_jax.train import TrainConfig, train
+  from poetx_jax.pretrain.train import TrainConfig, train
   fields = {f.name for f in dataclasses.fields(TrainConfig)}
   cfg = TrainConfig(**{k: v for k, v in vars(a).items() if k in fields and k != 'model_overrides'},
                     model_overrides=_parse_overrides(a.model_overrides))
@@ -127,7 +127,7 @@ def cmd_train(a) -> int:
         f"({summary['steady_tokens_per_s']:,.0f} tokens/s less compilation, evaluation "
         f"and checkpoints)" + (f"; peak device memory {summary['peak_gib']:.2f} GiB"
                                if 'peak_gib' in summary else ''))
-  from poetx_jax.plot import plot_runs
+  from poetx_jax.pretrain.plot import plot_runs
   png = a.plot or str(pathlib.Path(summary['out_dir']) / 'loss.png')
   try:
     plot_runs([summary['out_dir']], png)
@@ -138,8 +138,8 @@ def cmd_train(a) -> int:
 
 
 def cmd_eval(a) -> int:
-  from poetx_jax import data as data_lib
-  from poetx_jax.train import evaluate, load_run
+  from poetx_jax.pretrain import data as data_lib
+  from poetx_jax.pretrain.train import evaluate, load_run
   cfg, data, model, step = load_run(a.run, step=a.step)
   batches = data_lib.eval_batches(data.val_windows, batch_size=cfg.batch_size)
   loss, ppl = evaluate(model, batches)
@@ -149,14 +149,14 @@ def cmd_eval(a) -> int:
 
 
 def cmd_export(a) -> int:
-  from poetx_jax.export import export_run
+  from poetx_jax.pretrain.export import export_run
   path = export_run(a.run, a.out, step=a.step)
   print(f'wrote {path}')
   return 0
 
 
 def cmd_plot(a) -> int:
-  from poetx_jax.plot import plot_runs
+  from poetx_jax.pretrain.plot import plot_runs
   plot_runs(a.runs, a.out)
   print(f'wrote {a.out}')
   return 0

@@ -33,7 +33,7 @@ def export_model(model, mc: llama.LlamaConfig, out_dir: str | pathlib.Path,
 def export_run(run: str | pathlib.Path, out_dir: str | pathlib.Path,
                step: int | None = None) -> pathlib.Path:
   """Exports the newest (or given) checkpoint of a run directory."""
-  from poetx_jax.train import load_run, model_config
+  from poetx_jax.pretrain.train import load_run, model_config
   cfg, data, model, _ = load_run(run, step=step)
   mc = model_config(cfg, data.tokenizer.vocab_size)
   return export_model(model, mc, out_dir, data.tokenizer.path)

@@ -24,8 +24,8 @@ import optax
 from flax import nnx
 
 import poetx_jax
-from poetx_jax import data as data_lib
-from poetx_jax.checkpoint import CheckpointError, Checkpointer
+from poetx_jax.pretrain import data as data_lib
+from poetx_jax.pretrain.checkpoint import CheckpointError, Checkpointer
 from poetx_jax.lean import lean_adamw
 from poetx_jax import sharding
 from poetx_jax.models import llama
