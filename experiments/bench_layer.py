@@ -46,7 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from poetx_jax import ops
-from poetx_jax.linear import all_kernels, kernels_for
+import pallas_kernels
 
 
 def timeit(fn, *args, warmup=3, iters=20):
@@ -140,12 +140,12 @@ def bench_shape(i, o, b, t, iters, key, only=()):
   dense_tr = fwd_bwd(lambda x, w2, w, p_in, p_out: x @ w2, 2)
   dense_fr = fwd_bwd(lambda x, w, p_in, p_out: x @ w, 1)
 
-  def layer(remat, form='input', kernels=None, **kw):
+  def layer(remat, form='input', impl=None, **kw):
     def f(x, qi, qo, w, p_in, p_out):
       if kw:
         return poet_variant(x, w, qi, qo, p_in, p_out, b=b, **kw)
       return ops.poet_linear(x, w, qi, qo, p_in, p_out, block_size=b, remat=remat,
-                             form=form, kernels=kernels)
+                             form=form, implementation=impl)
     return fwd_bwd(f, 3)
 
   variants = {
@@ -159,19 +159,19 @@ def bench_shape(i, o, b, t, iters, key, only=()):
       'poetx f32-acc': (layer(False, rot='f32'), (x, q_in, q_out)),
       'poetx grouped-conv': (layer(False, rot='conv'), (x, q_in, q_out)),
   }
-  try:  # B in 64..512 and the kernels importable
-    ks_pallas = kernels_for('pallas', b)
+  try:  # B in 64..512
+    ks_pallas = ops.Implementation(**pallas_kernels.layer_kernels(b))
   except ValueError as e:
     print(f'  (no pallas rows: {e})')
   else:
-    variants['poetx pallas fast'] = (layer(False, kernels=ks_pallas), (x, q_in, q_out))
+    variants['poetx pallas fast'] = (layer(False, impl=ks_pallas), (x, q_in, q_out))
     if jax.default_backend() == 'gpu':  # the CPU interpreter's callbacks cannot be rematerialised
-      variants['poetx pallas mem'] = (layer(True, kernels=ks_pallas), (x, q_in, q_out))
-    ks_all = all_kernels()
-    variants['poetx all-kernels'] = (layer(False, kernels=ks_all), (x, q_in, q_out))
+      variants['poetx pallas mem'] = (layer(True, impl=ks_pallas), (x, q_in, q_out))
+    ks_all = ops.Implementation(**pallas_kernels.layer_kernels(b, every_kernel=True))
+    variants['poetx all-kernels'] = (layer(False, impl=ks_all), (x, q_in, q_out))
     for name, field in (('cn', 'series'), ('perm', 'permute')):
-      one = ops.Kernels(**{field: getattr(ks_all, field)})
-      variants[f'poetx pallas-{name}'] = (layer(False, kernels=one), (x, q_in, q_out))
+      one = ops.Implementation(**{field: getattr(ks_all, field)})
+      variants[f'poetx pallas-{name}'] = (layer(False, impl=one), (x, q_in, q_out))
   if only:
     variants = {k: v for k, v in variants.items()
                 if k.startswith('dense') or any(s in k for s in only)}
@@ -226,11 +226,9 @@ def bench_shape(i, o, b, t, iters, key, only=()):
           a, c, i, o, b, precision=jax.lax.Precision.DEFAULT)), qi, qo)[1](ct_g))
   rows['cayley-neumann, default, one batch'] = timeit(pair, q_in, q_out, ct_g,
                                                       iters=iters)
-  try:
-    kernels_for('pallas', b)  # B in 64..512 and the kernels importable
-  except ValueError:
+  if not pallas_kernels.supports_block_size(b):
     return rows, checks
-  series = all_kernels().series
+  series = pallas_kernels.layer_kernels(b, every_kernel=True)['series']
   pair_k = jax.jit(lambda qi, qo, ct_g: jax.vjp(
       lambda a, c: tuple(g.astype(dt) for g in ops.rotation_blocks_pair(
           a, c, i, o, b, series=series)), qi, qo)[1](ct_g))

@@ -64,7 +64,7 @@ def run_config(a, run: str):
   from poetx_jax.pretrain import train as T
   parts = run.split(':') + [None] * 5
   optimizer, mode, remat = parts[0], parts[1] or 'fast', parts[2] or 'none'
-  quant, form, impl = parts[3] or None, parts[4] or 'input', parts[5] or 'auto'
+  quant, form, impl = parts[3] or None, parts[4] or 'input', parts[5] or 'xla'
   overrides = json.loads(a.model_overrides) if a.model_overrides else {}
   cfg = T.TrainConfig(model=a.model, model_overrides=overrides, seq_len=a.seq_len,
                       batch_size=a.batch_size, steps=1000, optimizer=optimizer,

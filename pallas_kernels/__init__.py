@@ -1,0 +1,68 @@
+"""Pallas GPU kernels for the POET-X layer, one op per module, each checked
+against its ``poetx_jax.ops`` counterpart by the tests:
+
+* ``block_rotate`` — the block products ``x_k G_k^T`` and their gradient
+  (Mosaic GPU, Hopper WGMMA);
+* ``cayley_neumann`` — the truncated Cayley–Neumann series (Mosaic GPU);
+* ``permute`` — a column gather (Pallas Triton: Mosaic GPU has no per-lane
+  indexed load on Hopper).
+
+Off GPUs every kernel runs in its interpreter. :func:`layer_kernels` is the
+choice of kernels that ``POETLinear(implementation='pallas')`` runs.
+"""
+
+from __future__ import annotations
+
+import typing as tp
+
+import jax
+
+# The pieces of poetx_jax.ops.poet_linear a kernel can replace.
+PIECES = ('series', 'rotate', 'permute')
+
+
+def supports_block_size(block_size: int) -> bool:
+  """Whether the Mosaic kernels take blocks of this size: a multiple of 64, at most 512."""
+  return block_size % 64 == 0 and 0 < block_size <= 512
+
+
+def default_interpret() -> bool:
+  """Kernels compile on GPUs and run in their interpreters elsewhere (tests)."""
+  return jax.default_backend() != 'gpu'
+
+
+def layer_kernels(block_size: int, *, every_kernel: bool = False,
+                  interpret: bool | None = None) -> dict[str, tp.Callable]:
+  """The kernels of a POET layer, keyed by the piece of
+  ``poetx_jax.ops.poet_linear`` each replaces (``PIECES``), each with the
+  signature of the ``poetx_jax.ops`` function it stands for.
+
+  By default only the block products (``'rotate'``: forward and backward on
+  the Mosaic kernels for 16-bit activations, XLA's einsum for float32): the
+  series and gather kernels measured slower than XLA on the H200
+  (BENCHMARKS.md), so they are included only with ``every_kernel`` (for
+  benchmarks and tests).
+
+  Args:
+    block_size: B; a multiple of 64, at most 512.
+    every_kernel: also the Cayley–Neumann and gather kernels.
+    interpret: run in the interpreters (default: off GPUs). The interpreter's
+      callbacks cannot be recomputed by ``jax.checkpoint``, so there the
+      layer needs ``mode='fast'`` and no rematerialisation around it.
+
+  Raises:
+    ValueError: the block size is not supported.
+  """
+  if not supports_block_size(block_size):
+    raise ValueError(f'the Pallas kernels need a block size that is a multiple of 64, '
+                     f'at most 512, got {block_size}')
+  from pallas_kernels import block_rotate
+  interpret = default_interpret() if interpret is None else interpret
+  kernels = {'rotate': lambda x, g, precision=None: block_rotate.rotate(
+      x, g, precision, interpret=interpret)}
+  if every_kernel:
+    from pallas_kernels import cayley_neumann, permute
+    kernels['series'] = lambda q, terms: cayley_neumann.cayley_neumann(
+        q, terms=terms, interpret=interpret)
+    kernels['permute'] = lambda x, perm: permute.permute(x, perm, interpret=interpret)
+  return kernels

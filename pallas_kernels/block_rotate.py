@@ -28,13 +28,9 @@ differentiable entry point (a ``jax.custom_vjp`` built from the two kernels;
 for B > GRAM_KERNEL_MAX_B its dG is XLA's einsum, which measured faster).
 
 Token counts that are not a multiple of the tile M are padded with zero rows
-(which add nothing to dG) and the result sliced back.
-
-Status: checked against the reference in the Mosaic GPU interpreter on CPU and
-compiled on an H200 (tests/test_pallas_block_rotate.py); timed alone by
-experiments/bench_kernels.py and inside the POET-X layer by
-experiments/bench_layer.py (BENCHMARKS.md). ``POETLinear(implementation=
-'pallas')`` runs its block products on these kernels.
+(which add nothing to dG) and the result sliced back. :func:`rotate` is the
+piece ``implementation='pallas'`` runs: the kernels for 16-bit activations,
+:func:`reference` (XLA) otherwise.
 """
 
 from __future__ import annotations
@@ -55,9 +51,7 @@ DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 GRAM_TILE_T = 64     # tokens per step of the dG reduction
 TARGET_PROGRAMS = 264  # two waves of an H100/H200's 132 SMs
 # block_rotate's backward reduces dG on the kernel up to this block size and
-# with XLA's einsum above it: on the H200 the kernel measured 0.089 against
-# 0.097 ms at B = 128 but 0.137 against 0.118 ms at B = 256 (T = 16384,
-# N = 4096; BENCHMARKS.md).
+# with XLA's einsum above it, the faster of the two on the H200 (BENCHMARKS.md).
 GRAM_KERNEL_MAX_B = 128
 
 
@@ -319,3 +313,20 @@ def block_rotate(x_TxN: Array, g_KxBxB: Array, *, interpret=False) -> Array:
   _check(_flat(x_TxN), g_KxBxB)
   y = _rotate(_flat(x_TxN), g_KxBxB, static_interpret(interpret))
   return y.reshape(x_TxN.shape)
+
+
+def reference(x_TxN: Array, g_KxBxB: Array, precision=None) -> Array:
+  """The block products as one XLA einsum, in x's dtype (G cast to it)."""
+  k, b, _ = g_KxBxB.shape
+  x = x_TxN.reshape(x_TxN.shape[:-1] + (k, b))
+  y = jnp.einsum('...kj,kij->...ki', x, g_KxBxB.astype(x_TxN.dtype), precision=precision)
+  return y.reshape(x_TxN.shape)
+
+
+def rotate(x_TxN: Array, g_KxBxB: Array, precision=None, *, interpret=False) -> Array:
+  """:func:`block_rotate` for 16-bit activations (which accumulate in float32
+  whatever ``precision`` says); :func:`reference` at ``precision`` for others
+  (the kernels multiply 16-bit operands only)."""
+  if jnp.dtype(x_TxN.dtype) not in DTYPES:
+    return reference(x_TxN, g_KxBxB, precision)
+  return block_rotate(x_TxN, g_KxBxB.astype(x_TxN.dtype), interpret=interpret)

@@ -7,7 +7,8 @@ Maps K skew-symmetric float32 blocks Q to
 
     G = I + 2 * sum_{i=1..terms} Q^i
 
-exactly as ``poetx_jax.ops.cayley_neumann`` does, by Horner's rule written with
+exactly as ``poetx_jax.ops.cayley_neumann`` does (the tests check it against
+that), by Horner's rule written with
 the accumulator on the left (the powers of Q commute):
 
     A_1 = Q,    A_{j+1} = Q + A_j Q,    G = I + 2 A_terms.
@@ -29,16 +30,9 @@ kernel computes ``A_j Q = -(A_j Q^T)`` and feeds Q's column panel as the
 transposed (K-major) right operand. The interpreter (``interpret=True``, CPU)
 multiplies in full float32.
 
-Status: checked against the reference in the Mosaic GPU interpreter on CPU and
-compiled on an H200 (tests/test_pallas_cayley.py); timed against XLA's series
-by experiments/bench_cayley.py and, inside the layer, by
-experiments/bench_layer.py (BENCHMARKS.md). **Not used by POETLinear**: with
-the reference backward it measured slower than XLA's series on the H200;
-``poetx_jax.linear.all_kernels()`` selects it for experiments.
-
 Gradients: ``cayley_neumann`` is a ``jax.custom_vjp`` whose backward is
-autodiff of the reference ``poetx_jax.ops.cayley_neumann`` (exact; a fused
-backward kernel is future work).
+autodiff of :func:`reference`, the plain jnp series. Not among the kernels
+``implementation='pallas'`` runs (see :func:`pallas_kernels.layer_kernels`).
 """
 
 from __future__ import annotations
@@ -53,11 +47,19 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels._mosaic import SMEM_LIMIT_BYTES, interpret_params, static_interpret, swizzle
-from poetx_jax import ops
 
 Array = jax.Array
 
-DEFAULT_TERMS = ops.DEFAULT_TERMS
+DEFAULT_TERMS = 4
+
+
+def reference(q_KxBxB: Array, terms: int = DEFAULT_TERMS) -> Array:
+  """The series in plain jnp at full float32 precision (the kernel's backward)."""
+  eye = jnp.eye(q_KxBxB.shape[-1], dtype=q_KxBxB.dtype)
+  acc = q_KxBxB
+  for _ in range(terms - 1):
+    acc = jnp.matmul(q_KxBxB, eye + acc, precision=jax.lax.Precision.HIGHEST)
+  return eye + 2 * acc
 OUT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 
 
@@ -208,7 +210,7 @@ def _cn_fwd(q_KxBxB, terms, out_dtype, interpret, config):
 
 def _cn_bwd(terms, out_dtype, interpret, config, q_KxBxB, g_KxBxB):
   del out_dtype, interpret, config
-  _, vjp = jax.vjp(lambda q: ops.cayley_neumann(q, terms), q_KxBxB)
+  _, vjp = jax.vjp(lambda q: reference(q, terms), q_KxBxB)
   return vjp(g_KxBxB.astype(jnp.float32))
 
 
@@ -230,7 +232,7 @@ def cayley_neumann(q_KxBxB: Array, *, terms: int = DEFAULT_TERMS,
 
   Returns:
     (K, B, B) blocks of G in ``out_dtype``. Differentiable: the backward pass is
-    autodiff of ``poetx_jax.ops.cayley_neumann``.
+    autodiff of :func:`reference`.
   """
   _check(q_KxBxB, terms, out_dtype, config)
   return _cn(q_KxBxB, int(terms), jnp.dtype(out_dtype), static_interpret(interpret), config)

@@ -13,13 +13,9 @@ served by the caches.
 
 ``permute`` is a ``jax.custom_vjp`` whose backward gathers the cotangent by the
 inverse permutation (a gather's autodiff transpose would be a scatter-add),
-exactly like ``poetx_jax.ops.permute``.
-
-Status: checked against ``poetx_jax.ops.permute`` on CPU (the generic Pallas
-interpreter) and compiled on an H200 (tests/test_pallas_block_rotate.py).
-**Not used by POETLinear**: on the H200 every tiling measured 2-4x slower
-than XLA's own gather (experiments/bench_kernels.py, BENCHMARKS.md); it stays
-as the measured alternative, selectable through ``poetx_jax.ops.Kernels``.
+exactly like ``poetx_jax.ops.permute`` (the tests check it against that). Not
+among the kernels ``implementation='pallas'`` runs (see
+:func:`pallas_kernels.layer_kernels`).
 """
 
 from __future__ import annotations
@@ -29,8 +25,6 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-
-from poetx_jax import ops
 
 Array = jax.Array
 
@@ -107,6 +101,12 @@ def gather_kernel(x_TxN: Array, idx_N: Array, *, interpret=False,
   return y[:t]
 
 
+def _inverse(perm_N: Array) -> Array:
+  """inv with inv[perm[i]] = i."""
+  n = perm_N.shape[-1]
+  return jnp.zeros_like(perm_N).at[perm_N].set(jnp.arange(n, dtype=perm_N.dtype))
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def _permute(x_TxN, perm_N, interpret):
   return gather_kernel(x_TxN, perm_N, interpret=interpret)
@@ -117,7 +117,7 @@ def _permute_fwd(x_TxN, perm_N, interpret):
 
 
 def _permute_bwd(interpret, perm_N, g_TxN):
-  return gather_kernel(g_TxN, ops.invert_permutation(perm_N), interpret=interpret), None
+  return gather_kernel(g_TxN, _inverse(perm_N), interpret=interpret), None
 
 
 _permute.defvjp(_permute_fwd, _permute_bwd)

@@ -3,18 +3,32 @@
 Every linear weight trains as ``R W0 P`` with W0 frozen and R, P learned
 block-diagonal orthogonal matrices (Cayley–Neumann parameterised, randomly
 permuted, periodically merged into W0).
+
+The library, what a Flax training loop imports (needs jax, flax and optax):
+``ops`` (the maths), ``POETLinear``, ``poetize`` / ``unpoetize``, the merge
+cycle (``merge``), the optax transformations (``poetx``, ``lean_adamw``), the
+train step and ``sharding``. The Llama pretraining app built on it lives in
+``poetx_jax.pretrain`` (the ``pretrain`` extra) and ``poetx_jax.models``.
 """
 
 from poetx_jax import ops
-from poetx_jax.convert import effective_kernel, merge, poet_layers, poetize, unpoetize
+from poetx_jax.convert import (
+    effective_kernel,
+    for_each_layer,
+    orthogonality_error,
+    poet_layers,
+    poetize,
+    to_linear,
+    unpoetize,
+)
+from poetx_jax.cycle import MergeClock, merge, merge_due, merge_layer
 from poetx_jax.lean import lean_adamw, scale_by_lean_adam
-from poetx_jax.linear import BaseKernel, Permutation, POETLinear, POETParam
+from poetx_jax.linear import FrozenKernel, Permutation, POETLinear, POETParam
 from poetx_jax.optim import (
-    ClipAfterMergeState,
     ScaleByPoetxState,
     clip_by_global_norm_after_merge,
+    default_poet_lr,
     merge_clip_bound,
-    merge_due,
     poetx,
     poetx_labels,
     poetx_partition,
@@ -25,10 +39,10 @@ from poetx_jax.step import make_train_step
 __version__ = '0.1.0'
 
 __all__ = [
-    'BaseKernel', 'ClipAfterMergeState', 'POETLinear', 'POETParam', 'Permutation',
-    'ScaleByPoetxState', 'clip_by_global_norm_after_merge', 'effective_kernel',
-    'lean_adamw', 'scale_by_lean_adam',
-    'make_train_step', 'merge', 'merge_clip_bound', 'merge_due', 'ops',
+    'FrozenKernel', 'MergeClock', 'POETLinear', 'POETParam', 'Permutation',
+    'ScaleByPoetxState', 'clip_by_global_norm_after_merge', 'default_poet_lr',
+    'effective_kernel', 'for_each_layer', 'lean_adamw', 'make_train_step', 'merge',
+    'merge_clip_bound', 'merge_due', 'merge_layer', 'ops', 'orthogonality_error',
     'poet_layers', 'poetize', 'poetx', 'poetx_labels', 'poetx_partition',
-    'scale_by_poetx', 'unpoetize',
+    'scale_by_lean_adam', 'scale_by_poetx', 'to_linear', 'unpoetize',
 ]

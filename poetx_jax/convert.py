@@ -1,20 +1,33 @@
-"""Model-level conversion: poetize, merge, unpoetize, effective_kernel."""
+"""Whole models and stacks of layers: poetize, unpoetize, effective kernels.
+
+* :func:`poetize` turns every ``nnx.Linear`` of a model into a
+  :class:`~poetx_jax.POETLinear`, :func:`unpoetize` turns them back into plain
+  ``nnx.Linear`` layers holding ``R W0 P``.
+* :func:`effective_kernel`, :func:`orthogonality_error` and :func:`to_linear`
+  work on one POET layer or on a stack of them (a ``POETLinear`` whose
+  variables carry a leading layer axis, as in a scanned model):
+  :func:`for_each_layer` runs a per-layer function over a stack one layer at
+  a time, so the scratch memory is one layer's.
+
+The merge cycle (:func:`poetx_jax.merge`) is in :mod:`poetx_jax.cycle`.
+"""
 
 from __future__ import annotations
 
-import functools
 import typing as tp
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from flax.nnx.nn import initializers
 
 from poetx_jax.linear import POETLinear
 
 Array = jax.Array
 
 
-def _path_str(path) -> str:
+def path_str(path) -> str:
+  """A graph path as the '/'-joined string ``poetize`` and ``poet_layers`` use."""
   return '/'.join(str(p) for p in path)
 
 
@@ -60,7 +73,7 @@ def poetize(model, *, block_size: int, rngs: nnx.Rngs,
   def convert(path, node):
     if type(node) is not nnx.Linear:
       return node
-    name = _path_str(path)
+    name = path_str(path)
     if any(e in name for e in exclude):
       return node
     try:
@@ -81,74 +94,73 @@ def poetize(model, *, block_size: int, rngs: nnx.Rngs,
 
 def poet_layers(model) -> list[tuple[str, POETLinear]]:
   """All POETLinear layers of ``model`` as (path, layer), in graph order."""
-  return [(_path_str(p), n) for p, n in nnx.iter_graph(model)
+  return [(path_str(p), n) for p, n in nnx.iter_graph(model)
           if isinstance(n, POETLinear)]
 
 
-def merge(model, *, rngs: nnx.Rngs | Array) -> Array:
-  """Merge-then-reinitialise every POET layer of ``model`` in place.
+def for_each_layer(layer: POETLinear, fn: tp.Callable, *args, update: bool = False):
+  """``fn(one_layer, *args)`` on each layer of a stack in turn, or on ``layer``.
 
-  ``W0 <- R W0 P``, new random permutations, ``Q <- 0``: the model computes the
-  same function before and after (up to rounding into W0's dtype), and the
-  rotations restart at the identity. Reset the POET optimizer moments at the
-  same step (``poetx`` does this on its own counter).
-
-  Called outside jit, each layer merges in its own compiled program, shared by
-  all layers of the same shape and options (a Llama compiles a handful, however
-  deep), keeping the layer's shardings; a layer's old buffers are released as
-  it is updated, so the merge needs one layer's scratch memory, not a second
-  model. The layers of a ``StackedLayers`` merge one after another inside one
-  program that updates the stack in place: its old buffers are donated, so
-  arrays read from a stacked layer before the merge are invalid after it.
-  Under jit it traces inline.
-
-  Args:
-    model: a model containing POETLinear layers.
-    rngs: an ``nnx.Rngs`` (its ``params`` stream is used) or a PRNG key.
-
-  Returns:
-    The largest :meth:`POETLinear.orthogonality_error` of the merged factors
-    (a float32 scalar array; reading it waits for the merge). A few 1e-2 or
-    less while training is healthy (largest per run: 9e-3 to 3.5e-2 in the
-    Llama-130M runs of docs/quality.md; ``poetx train`` warns above 0.1);
-    near or above 1 the generators have left the Cayley–Neumann series'
-    region of convergence (a learning rate too large for the block size).
+  One layer at a time (a loop, not vmap), so the scratch memory is one
+  layer's. ``args`` are stacked like the layers. With ``update``, fn may
+  change its layer and the stack takes the new state, written back in place
+  (when the caller's buffers are donated). Returns fn's outputs, stacked.
   """
-  key = rngs.params() if isinstance(rngs, nnx.Rngs) else rngs
-  traced = isinstance(key, jax.core.Tracer)
-  errors = []
-  for i, (_, layer) in enumerate(poet_layers(model)):
-    k = jax.random.fold_in(key, i)
-    errors.append(layer.merge(k) if traced else _merge_compiled(layer, k))
-  return jnp.max(jnp.stack(errors)) if errors else jnp.zeros((), jnp.float32)
-
-
-def _merge_compiled(layer: POETLinear, key: Array) -> Array:
+  stack = layer.stack_shape
+  if not stack:
+    return fn(layer, *args)
+  if len(stack) != 1:
+    raise ValueError(f'one stacked layer axis is supported, got {stack}')
   graphdef, state = nnx.split(layer)
-  shardings = jax.tree.map(lambda x: x.sharding, state)
-  leaves, treedef = jax.tree.flatten(shardings)
-  fn = _merge_program(graphdef, treedef, tuple(leaves), bool(layer.stack_shape))
-  state, error = fn(state, key)
+
+  def one(layer_state, a):
+    one_layer = nnx.merge(graphdef, layer_state)
+    out = fn(one_layer, *a)
+    return nnx.state(one_layer), out
+
+  if not update:
+    return jax.lax.map(lambda xs: one(*xs)[1], (state, args))
+
+  def body(state, xs):  # the stack is the carry: each layer written back in place
+    i, a = xs
+    new, out = one(jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(
+        x, i, 0, keepdims=False), state), a)
+    return jax.tree.map(lambda s, v: jax.lax.dynamic_update_index_in_dim(s, v, i, 0),
+                        state, new), out
+
+  state, outs = jax.lax.scan(body, state, (jnp.arange(stack[0]), args))
   nnx.update(layer, state)
-  return error
+  return outs
 
 
-@functools.lru_cache(maxsize=64)
-def _merge_program(graphdef, treedef, sharding_leaves, donate):
-  def run(state, key):
-    layer = nnx.merge(graphdef, state)
-    error = layer.merge(key)
-    return nnx.state(layer), error
+def effective_kernel(layer: POETLinear) -> Array:
+  """``(R W0 P)^T`` of a POET layer, (in, out) float32; a stack of layers
+  gives the stacked kernels (its leading axes first)."""
+  return for_each_layer(layer, lambda one: one.effective_kernel())
 
-  if all(isinstance(s, jax.sharding.SingleDeviceSharding) for s in sharding_leaves):
-    out = None  # as the update step leaves them: a pinned sharding would retrace it
-  else:
-    shardings = jax.tree.unflatten(treedef, list(sharding_leaves))
-    mesh = next(s.mesh for s in sharding_leaves if isinstance(s, jax.sharding.NamedSharding))
-    out = (shardings, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
-  # A stack of layers is donated and updated in place, one layer's scratch at
-  # a time (not donated, it would need a second copy of its base weights).
-  return jax.jit(run, out_shardings=out, donate_argnums=0 if donate else ())
+
+def orthogonality_error(layer: POETLinear) -> Array:
+  """:meth:`POETLinear.orthogonality_error`, the largest over a stack."""
+  return jnp.max(for_each_layer(layer, lambda one: one.orthogonality_error()))
+
+
+def to_linear(layer: POETLinear, *, rngs: nnx.Rngs | None = None) -> nnx.Linear:
+  """A plain ``nnx.Linear`` holding the effective kernel (in the base's dtype);
+  a stack of layers gives a stacked Linear (kernel with the same leading axes,
+  keeping the stack's ``layer_axis`` tag)."""
+  kernel = effective_kernel(layer).astype(layer.param_dtype)
+  bias = layer.bias[...] if layer.bias is not None else None
+  linear = nnx.Linear(
+      layer.in_features, layer.out_features, use_bias=bias is not None,
+      dtype=layer.dtype, param_dtype=kernel.dtype, precision=layer.precision,
+      kernel_init=lambda *_: kernel,
+      bias_init=(lambda *_: bias) if bias is not None else initializers.zeros_init(),
+      rngs=rngs if rngs is not None else nnx.Rngs(0))
+  if layer.stack_shape:  # keep the stack's tag (read by poetx_jax.sharding)
+    for v in (linear.kernel, linear.bias):
+      if v is not None:
+        v.set_metadata(layer_axis=layer.kernel.get_metadata().get('layer_axis', 0))
+  return linear
 
 
 def unpoetize(model):
@@ -157,11 +169,6 @@ def unpoetize(model):
   overhead for inference and export."""
 
   def convert(path, node):
-    return node.to_linear() if isinstance(node, POETLinear) else node
+    return to_linear(node) if isinstance(node, POETLinear) else node
 
   return nnx.recursive_map(convert, model)
-
-
-def effective_kernel(layer: POETLinear) -> Array:
-  """``(R W0 P)^T`` of one POET layer, (in, out) float32."""
-  return layer.effective_kernel()

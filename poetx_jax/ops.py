@@ -54,15 +54,16 @@ Array = jax.Array
 DEFAULT_TERMS = 4
 
 
-class Kernels(tp.NamedTuple):
-  """Replacements for pieces of :func:`poet_linear`, each computing the same map.
+class Implementation(tp.NamedTuple):
+  """How the pieces of :func:`poet_linear` are computed: each field replaces
+  one jnp function here by another computing the same map (a GPU kernel), or
+  is None for the jnp version.
 
-  Every field is a callable with the signature of the function it replaces,
-  or None for the jnp version here: ``series`` for :func:`cayley_neumann`
-  (``series(q_KxBxB, terms)``), ``rotate`` for :func:`block_rotate`
-  (``rotate(x, g_KxBxB, precision)``), ``permute`` for :func:`permute`
-  (``permute(x, perm_N)``). ``poetx_jax.linear.kernels_for`` builds the set an
-  ``implementation`` uses, ``poetx_jax.linear.all_kernels`` every kernel.
+  ``series`` stands for :func:`cayley_neumann` (``series(q_KxBxB, terms)``),
+  ``rotate`` for :func:`block_rotate` (``rotate(x, g_KxBxB, precision)``),
+  ``permute`` for :func:`permute` (``permute(x, perm_N)``).
+  ``Implementation(**pallas_kernels.layer_kernels(B))`` is what
+  ``POETLinear(implementation='pallas')`` uses.
   """
   series: tp.Callable | None = None
   rotate: tp.Callable | None = None
@@ -306,9 +307,9 @@ permute.defvjp(_permute_fwd, _permute_bwd)
 FORMS = ('input', 'weight')
 
 
-def _poet_core(x, kernel_IxO, g_in, g_out, perm_in, perm_out, precision, kernels):
-  perm = kernels.permute or permute
-  rot = functools.partial(rotate_features, precision=precision, rotate=kernels.rotate)
+def _poet_core(x, kernel_IxO, g_in, g_out, perm_in, perm_out, precision, impl):
+  perm = impl.permute or permute
+  rot = functools.partial(rotate_features, precision=precision, rotate=impl.rotate)
   u = perm(x, perm_in)
   v = rot(u, g_in)
   w = jnp.matmul(v, jax.lax.stop_gradient(kernel_IxO), precision=precision)
@@ -337,7 +338,7 @@ def poet_linear(x_TxI: Array, kernel_IxO: Array, q_in_KxP: Array, q_out_KxP: Arr
                 perm_in_I: Array, perm_out_O: Array, *, block_size: int,
                 terms: int = DEFAULT_TERMS, remat: bool = False,
                 form: str = 'input', precision=None,
-                kernels: Kernels | None = None,
+                implementation: Implementation | None = None,
                 kernel_scale: Array | None = None) -> Array:
   """The POET-X layer ``y = x @ effective_kernel``.
 
@@ -351,8 +352,7 @@ def poet_linear(x_TxI: Array, kernel_IxO: Array, q_in_KxP: Array, q_out_KxP: Arr
     of T), then one GEMM. The backward has the weight-gradient GEMM of a dense
     layer, and all block products and gathers are weight-sized. The
     rotations run in float32 (TF32 products for 16-bit x) and the rotated
-    kernel is rounded to x's dtype once. Measured on an H200 (BENCHMARKS.md):
-    slower than the input form without remat, faster with it.
+    kernel is rounded to x's dtype once.
 
   Args:
     x_TxI: activations (..., I) in the compute dtype.
@@ -366,8 +366,9 @@ def poet_linear(x_TxI: Array, kernel_IxO: Array, q_in_KxP: Array, q_out_KxP: Arr
       are several K x B x B float32 arrays per side). False is POET-Xfast.
     form: ``'input'`` or ``'weight'`` (above).
     precision: precision of the activation-sized products.
-    kernels: optional replacements (:class:`Kernels`) for the Cayley–Neumann
-      step, and, in the input form, the block products and the gathers.
+    implementation: replacements (:class:`Implementation`) for the
+      Cayley–Neumann step and, in the input form, the block products and the
+      gathers; None computes every piece with the jnp functions here.
     kernel_scale: POET-XQ: ``kernel_IxO`` is then the quantised base of
       :func:`quantize_kernel` (rows padded to whole groups) and this its
       scales; it is dequantised to x's dtype inside the layer, so with
@@ -375,20 +376,27 @@ def poet_linear(x_TxI: Array, kernel_IxO: Array, q_in_KxP: Array, q_out_KxP: Arr
 
   Returns:
     y of shape (..., O) in x's dtype (no bias).
+
+  Raises:
+    ValueError: ``x_TxI``'s last axis is not I (the length of ``perm_in_I``),
+      or ``form`` is unknown.
   """
   if form not in FORMS:
     raise ValueError(f'form must be one of {FORMS}, got {form!r}')
-  i, o = x_TxI.shape[-1], kernel_IxO.shape[1]
+  i, o = perm_in_I.shape[-1], perm_out_O.shape[-1]
+  if x_TxI.ndim < 1 or x_TxI.shape[-1] != i:
+    raise ValueError(f'the inputs have shape {tuple(x_TxI.shape)}: their last axis must '
+                     f'hold the layer\'s {i} input features, it holds '
+                     f'{x_TxI.shape[-1] if x_TxI.ndim else "none"}')
   exact = jnp.dtype(x_TxI.dtype).itemsize >= 4
-  kernels = Kernels() if kernels is None else kernels
+  impl = Implementation() if implementation is None else implementation
   cn_precision = jax.lax.Precision.HIGHEST if exact else jax.lax.Precision.DEFAULT
 
   def layer(x, kernel, scale, q_in, q_out, perm_in, perm_out):
     # The series and the dequantisation depend on parameters only; tied to x
     # here, the compiler cannot run them (or a rematerialised layer's
     # recomputation of them) for every layer at once, ahead of their use.
-    # Measured (XLA:CPU, 8-layer Llama, --remat block): temporaries 392 -> 281
-    # MiB in bf16, 553 -> 288 MiB with int8 bases (BENCHMARKS.md).
+    # (BENCHMARKS.md has the temporaries it saves.)
     _, kernel, scale, q_in, q_out = jax.lax.optimization_barrier(
         (x, kernel, scale, q_in, q_out))
     if scale is None:
@@ -396,10 +404,10 @@ def poet_linear(x_TxI: Array, kernel_IxO: Array, q_in_KxP: Array, q_out_KxP: Arr
     else:
       kernel = dequantize_kernel(kernel, scale, i, x.dtype)
     g_in, g_out = rotation_blocks_pair(q_in, q_out, i, o, block_size, terms,
-                                      cn_precision, kernels.series)
+                                      cn_precision, impl.series)
     if form == 'input':
       return _poet_core(x, kernel, g_in.astype(x.dtype), g_out.astype(x.dtype),
-                        perm_in, perm_out, precision, kernels)
+                        perm_in, perm_out, precision, impl)
     return _poet_weight_core(x, kernel, g_in, g_out, perm_in, perm_out, precision,
                              cn_precision)
 

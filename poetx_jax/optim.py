@@ -1,14 +1,18 @@
 """optax transformations for POET-X.
 
-* :func:`scale_by_poetx` — Adam moments on the POET parameters, reset in step
-  with each merge (on its own counter: no Python ``if`` under jit).
-* :func:`poetx` — the POET-X optimizer: ``scale_by_poetx`` then the POET
-  learning rate (``learning_rate * poet_scale``).
-* :func:`clip_by_global_norm_after_merge` — the published POET-X clipping bound,
-  which drops to ``min_ratio * max_norm`` right after each merge and ramps back.
-* :func:`poetx_partition` — POET-X for the POET parameters, any other optax
+* :func:`scale_by_poetx` — Adam moments on the POET generators, restarted at
+  every merge point of the cycle (a counter in its state; no Python ``if``
+  under jit).
+* :func:`poetx` — the POET-X optimizer: ``scale_by_poetx`` then the learning
+  rate, which is the step size (no hidden factor).
+* :func:`default_poet_lr` — the step size to use for a block size.
+* :func:`clip_by_global_norm_after_merge` — wraps an optimizer that contains
+  ``poetx`` and clips gradients to a bound that dips after each merge, read off
+  that optimizer's cycle.
+* :func:`poetx_partition` — POET-X for the POET generators, any other optax
   transformation (AdamW, say) for the rest, via ``optax.partition``.
-* :func:`merge_due` — whether an update just completed a merge cycle.
+
+The merge itself, and when it happens, is described in :mod:`poetx_jax.cycle`.
 """
 
 from __future__ import annotations
@@ -44,15 +48,32 @@ def _check_nonnegative(name, value):
     raise ValueError(f'{name} must be >= 0, got {value!r}')
 
 
+def default_poet_lr(block_size: int) -> float:
+  """The POET-X step size for block size B: ``min(5e-3, 0.25 / B)``.
+
+  Adam moves every generator entry by about the step size per update, and
+  moves them coherently, so the spectral norm of a block's ``Q`` can grow
+  like ``B`` times that within a merge cycle; the Cayley–Neumann series
+  converges (and the factors are orthogonal) only while it stays below 1.
+  A step that suits small blocks therefore diverges for large ones:
+  5e-3 trains well at B = 16 and leaves the series' region of convergence at
+  B = 256, where 1e-3 trains well (BENCHMARKS.md).
+  """
+  if isinstance(block_size, bool) or not isinstance(block_size, numbers.Integral) \
+      or block_size < 2:
+    raise ValueError(f'block_size must be an int >= 2, got {block_size!r}')
+  return min(5e-3, 0.25 / block_size)
+
+
 class ScaleByPoetxState(tp.NamedTuple):
   """State of :func:`scale_by_poetx`.
 
   Attributes:
     count: updates applied so far (int32).
-    cycle: updates since the last merge point, ``count % merge_every`` (int32);
-      0 right after the update that completes a cycle.
+    cycle: updates since the last merge point, ``count % merge_every``
+      (int32); 0 right after the update that completes a cycle.
     mu: first moments.
-    nu: second moments.
+    nu: second moments (one per generator, or one per block).
   """
   count: Array
   cycle: Array
@@ -66,32 +87,52 @@ SECOND_MOMENTS = ('full', 'block')
 def scale_by_poetx(*, merge_every: int | None = 200, b1: float = 0.9,
                    b2: float = 0.999, eps: float = 1e-8, mu_dtype: tp.Any = None,
                    second_moment: str = 'full') -> optax.GradientTransformation:
-  """Adam scaling whose moments restart at every merge of the POET layers.
+  r"""Adam scaling whose moments restart at every merge point.
 
-  After a merge the rotations restart at the identity, so moments of the old
-  generators describe a different parameterisation. Updates number
-  ``c * merge_every + 1`` (c >= 1) start from zero moments and a fresh bias
-  correction, exactly as the first update does.
+  With ``c`` the updates since the last merge point (``cycle``, counted from
+  1 on the update after it) and ``g`` the gradient:
+
+  .. math::
+
+    m_c = \beta_1 m_{c-1} + (1 - \beta_1) g, \qquad
+    v_c = \beta_2 v_{c-1} + (1 - \beta_2) s(g), \qquad
+    u = \frac{m_c / (1 - \beta_1^c)}{\sqrt{v_c / (1 - \beta_2^c)} + \epsilon},
+
+  with ``m_0 = v_0 = 0`` at the start of every cycle: after a merge the
+  rotations restart at the identity, so moments of the old generators
+  describe another parameterisation (the POET-X reset). ``s(g) = g^2``
+  (``second_moment='full'``), or, for arrays of two or more dimensions,
+  the mean of ``g^2`` over the last axis (``'block'``, Adam-mini's one
+  second moment per block: a POET layer's generators are
+  ``(K, B(B-1)/2)``, a row per B x B block).
 
   Args:
-    merge_every: updates per merge cycle; ``None`` never resets.
+    merge_every: updates per merge cycle; ``None`` never restarts.
     b1, b2, eps: Adam's decay rates and denominator offset.
     mu_dtype: dtype of the first moment (default: the parameters').
-    second_moment: ``'full'`` (Adam: one per parameter) or ``'block'``: one
-      per row of each parameter array of two or more dimensions, the mean of
-      the squared gradient over its last axis (Adam-mini's idea). A POET
-      layer's generators are ``(K, B(B-1)/2)``, one row per B x B block, so
-      this keeps one second moment per block: the state shrinks from two
-      parameter-sized arrays to one (plus K numbers). A ragged last block's
-      padding entries (always zero gradient) count in its mean.
+    second_moment: ``'full'`` or ``'block'`` (above). With ``'block'`` the
+      state is one parameter-sized array (the first moment) plus K numbers
+      per layer side; a ragged last block's padding entries (always zero
+      gradient) count in its mean.
 
   Returns:
     An ``optax.GradientTransformation`` with :class:`ScaleByPoetxState`.
+
+  References:
+    Kingma & Ba, Adam: A Method for Stochastic Optimization, ICLR 2015.
+    Zhang et al., Adam-mini: Use Fewer Learning Rates To Gain More,
+    arXiv:2406.16793 (2024).
+    Qiu et al., POET-X, arXiv:2603.05500 (ICML 2026): the reset at merges.
   """
   _check_merge_every(merge_every)
   if second_moment not in SECOND_MOMENTS:
     raise ValueError(f'second_moment must be one of {SECOND_MOMENTS}, '
                      f'got {second_moment!r}')
+  for name, v in (('b1', b1), ('b2', b2)):
+    if _is_number(v) and not 0 <= v < 1:
+      raise ValueError(f'{name} must be in [0, 1), got {v!r}')
+  _check_nonnegative('eps', eps)
+  mu_dtype = None if mu_dtype is None else jax.dtypes.canonicalize_dtype(mu_dtype)
   blockwise = second_moment == 'block'
 
   def nu_like(p):
@@ -104,11 +145,6 @@ def scale_by_poetx(*, merge_every: int | None = 200, b1: float = 0.9,
     if blockwise and g.ndim >= 2:
       return jnp.mean(g2, axis=-1, keepdims=True)
     return g2
-
-  for name, v in (('b1', b1), ('b2', b2)):
-    if _is_number(v) and not 0 <= v < 1:
-      raise ValueError(f'{name} must be in [0, 1), got {v!r}')
-  _check_nonnegative('eps', eps)
 
   def init_fn(params):
     mu = optax.tree.zeros_like(params, dtype=mu_dtype)
@@ -139,16 +175,24 @@ def scale_by_poetx(*, merge_every: int | None = 200, b1: float = 0.9,
 
 
 def poetx(learning_rate: ScalarOrSchedule, *, merge_every: int | None = 200,
-          poet_scale: float = 0.5, b1: float = 0.9, b2: float = 0.999,
-          eps: float = 1e-8, mu_dtype: tp.Any = None,
+          b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
+          mu_dtype: tp.Any = None,
           second_moment: str = 'full') -> optax.GradientTransformation:
   r"""The POET-X optimizer for the skew generators of POET layers.
 
-  Adam on the packed skew-symmetric parameters with step
-  ``learning_rate * poet_scale`` and no weight decay; both moments and the bias
-  correction restart after every ``merge_every`` updates, in step with
-  :func:`poetx_jax.merge` (which :func:`poetx_jax.make_train_step` calls when
-  :func:`merge_due` says so).
+  Adam on the packed skew-symmetric generators, restarted at every merge
+  point, with no weight decay (:func:`scale_by_poetx` gives ``u``):
+
+  .. math::
+
+    q \leftarrow q - \eta_t \, u_t
+
+  where ``eta_t = learning_rate`` (or ``learning_rate(t)``) is the step
+  size as given. (The published code multiplies its POET learning rate by a
+  ``poet_scale`` of 0.5; its default 5e-4 is a step of 2.5e-4 here.)
+  :func:`default_poet_lr` gives a step size that suits the block size. Merge
+  the layers with :func:`poetx_jax.merge` every ``merge_every`` updates, in
+  step with the restarts (:func:`poetx_jax.make_train_step` does).
 
   Example::
 
@@ -157,10 +201,9 @@ def poetx(learning_rate: ScalarOrSchedule, *, merge_every: int | None = 200,
     ...                  poetx_jax.poetx(1e-3, merge_every=200))
 
   Args:
-    learning_rate: base POET learning rate, a float or an optax schedule.
+    learning_rate: the step size, a float or an optax schedule.
     merge_every: updates per merge cycle (the reference uses 200); ``None``
-      never resets.
-    poet_scale: multiplies the learning rate (0.5 in the reference).
+      never restarts.
     b1, b2, eps, mu_dtype, second_moment: see :func:`scale_by_poetx`.
 
   Returns:
@@ -168,126 +211,143 @@ def poetx(learning_rate: ScalarOrSchedule, *, merge_every: int | None = 200,
     ``inject_hyperparams``, ``MultiSteps`` and ``optax.partition``.
 
   References:
-    Qiu et al., POET-X, arXiv:2603.05500 (ICML 2026).
+    Qiu et al., Reparameterized LLM Training via Orthogonal Equivalence
+    Transformation (POET), NeurIPS 2025; POET-X, arXiv:2603.05500 (ICML 2026).
   """
   _check_nonnegative('learning_rate', learning_rate)
-  _check_nonnegative('poet_scale', poet_scale)
-  if callable(learning_rate):
-    lr = lambda count: poet_scale * learning_rate(count)
-  else:
-    lr = poet_scale * learning_rate
   return optax.chain(
       scale_by_poetx(merge_every=merge_every, b1=b1, b2=b2, eps=eps,
                      mu_dtype=mu_dtype, second_moment=second_moment),
-      optax.scale_by_learning_rate(lr))
+      optax.scale_by_learning_rate(learning_rate))
 
 
-class ClipAfterMergeState(tp.NamedTuple):
-  """State of :func:`clip_by_global_norm_after_merge`: updates seen so far."""
-  count: Array
+def poetx_states(state) -> list[ScaleByPoetxState]:
+  """Every :class:`ScaleByPoetxState` inside an optax state (chains,
+  partitions, ``inject_hyperparams``, ``MultiSteps``, wrappers)."""
+  leaves = jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, ScaleByPoetxState))
+  return [s for s in leaves if isinstance(s, ScaleByPoetxState)]
 
 
-def merge_clip_bound(count, max_norm, *, merge_every: int, ramp_steps: int = 10,
+def the_poetx_state(state) -> ScaleByPoetxState:
+  """The one :class:`ScaleByPoetxState` inside an optax state; raises if
+  there is none or more than one."""
+  found = poetx_states(state)
+  if not found:
+    raise ValueError('the optimizer state holds no scale_by_poetx state; build '
+                     'the optimizer with poetx_jax.poetx(...)')
+  if len(found) > 1:
+    raise ValueError(f'the optimizer state holds {len(found)} scale_by_poetx '
+                     'states; expected exactly one')
+  return found[0]
+
+
+def merge_clip_bound(count, cycle, max_norm, *, ramp_steps: int = 10,
                      min_ratio: float = 0.1, until: int | None = None):
-  """The clipping bound before update number ``count + 1`` (count updates done).
+  """The clipping bound before the next update, from the POET-X cycle.
 
-  ``max_norm * (min_ratio + (1 - min_ratio) * pos / ramp_steps)`` for
-  ``pos = count % merge_every < ramp_steps`` once a merge has happened
-  (``count >= merge_every``) and, if ``until`` is set, ``count <= until``;
-  ``max_norm`` otherwise.
+  ``count`` updates are done, ``cycle`` of them since the last merge point.
+  Once a merge has happened (``count > cycle``) and, if ``until`` is set,
+  ``count <= until``, the bound is ``max_norm * (min_ratio + (1 - min_ratio)
+  * cycle / ramp_steps)`` while ``cycle < ramp_steps``; ``max_norm`` otherwise.
   """
-  pos = count % merge_every
-  ramping = (count >= merge_every) & (pos < ramp_steps)
+  ramping = (count > cycle) & (cycle < ramp_steps)
   if until is not None:
     ramping = ramping & (count <= until)
-  ratio = min_ratio + (1.0 - min_ratio) * pos / ramp_steps
+  ratio = min_ratio + (1.0 - min_ratio) * cycle / ramp_steps
   return jnp.where(ramping, ratio * max_norm, max_norm)
 
 
 def clip_by_global_norm_after_merge(
-    max_norm: float, *, merge_every: int = 200, ramp_steps: int = 10,
-    min_ratio: float = 0.1, until: int | None = None) -> optax.GradientTransformation:
-  """Clips the global gradient norm to a bound that dips after each merge.
+    tx: optax.GradientTransformation, max_norm: float, *, ramp_steps: int = 10,
+    min_ratio: float = 0.1,
+    until: int | None = None) -> optax.GradientTransformationExtraArgs:
+  r"""``tx`` with its gradients clipped to a global-norm bound that dips after merges.
 
   The published POET-X clips all gradients to ``min_ratio * max_norm`` on the
-  first update after a merge and ramps the bound linearly back to ``max_norm``
-  over ``ramp_steps`` updates (:func:`merge_clip_bound`). The reference applies
-  the ramp only during its first 2000 steps (``until=2000``); the default here
-  ramps after every merge.
+  first update after a merge and ramps the bound linearly back to
+  ``max_norm`` over ``ramp_steps`` updates (:func:`merge_clip_bound`):
+
+  .. math::
+
+    g \leftarrow g \cdot \min\left(1, \frac{b(n, c)}{\lVert g \rVert_2}\right)
+
+  with ``n`` and ``c`` the update count and cycle position of the
+  ``poetx`` inside ``tx`` (no counter of its own). The reference applies the
+  ramp only during its first 2000 updates (``until=2000``); the default
+  ramps after every merge. Under ``optax.MultiSteps`` wrap this inside it, so
+  the accumulated gradient is clipped.
+
+  Example::
+
+    >>> import optax, poetx_jax
+    >>> tx = poetx_jax.clip_by_global_norm_after_merge(
+    ...     poetx_jax.poetx(1e-3, merge_every=200), max_norm=1.0)
 
   Args:
+    tx: an optimizer holding exactly one :func:`scale_by_poetx`.
     max_norm: the bound outside the ramp (> 0).
-    merge_every: updates per merge cycle, as given to :func:`poetx`.
     ramp_steps: length of the ramp in updates (>= 1).
     min_ratio: fraction of ``max_norm`` right after a merge, in (0, 1].
     until: last update count at which the ramp applies (None: always).
+
+  Returns:
+    A transformation with ``tx``'s state.
   """
-  _check_merge_every(merge_every)
-  if merge_every is None:
-    raise ValueError('merge_every must be an int >= 1, got None')
   if _is_number(max_norm) and max_norm <= 0:
     raise ValueError(f'max_norm must be > 0, got {max_norm!r}')
   if not isinstance(ramp_steps, int) or ramp_steps < 1:
     raise ValueError(f'ramp_steps must be an int >= 1, got {ramp_steps!r}')
   if _is_number(min_ratio) and not 0 < min_ratio <= 1:
     raise ValueError(f'min_ratio must be in (0, 1], got {min_ratio!r}')
+  tx = optax.with_extra_args_support(tx)
 
   def init_fn(params):
-    del params
-    return ClipAfterMergeState(count=jnp.zeros([], jnp.int32))
+    state = tx.init(params)
+    the_poetx_state(state)  # raises without one
+    return state
 
-  def update_fn(updates, state, params=None):
-    del params
-    bound = merge_clip_bound(state.count, max_norm, merge_every=merge_every,
-                             ramp_steps=ramp_steps, min_ratio=min_ratio, until=until)
-    norm = optax.tree.norm(updates)
-    scale = jnp.minimum(1.0, bound / jnp.maximum(norm, 1e-30))
+  def update_fn(updates, state, params=None, **extra_args):
+    cycle = the_poetx_state(state)
+    bound = merge_clip_bound(cycle.count, cycle.cycle, max_norm, ramp_steps=ramp_steps,
+                             min_ratio=min_ratio, until=until)
+    scale = jnp.minimum(1.0, bound / jnp.maximum(optax.tree.norm(updates), 1e-30))
     updates = jax.tree.map(lambda g: (g * scale).astype(g.dtype), updates)
-    return updates, ClipAfterMergeState(count=optax.safe_increment(state.count))
+    return tx.update(updates, state, params, **extra_args)
 
-  return optax.GradientTransformation(init_fn, update_fn)
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
 def poetx_labels(model, wrt=nnx.Param):
-  """'poetx' for each POETParam, 'other' for every other ``wrt`` variable,
-  in the structure of ``nnx.state(model, wrt)``."""
+  """``'poetx'`` for each ``POETParam``, ``'other'`` for every other ``wrt``
+  variable, in the structure of ``nnx.state(model, wrt)``."""
   state = nnx.state(model, wrt)
   return jax.tree.map(lambda v: 'poetx' if isinstance(v, POETParam) else 'other',
                       state, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
-def poetx_partition(model, poet_tx: optax.GradientTransformation,
+def poetx_partition(labels, poet_tx: optax.GradientTransformation,
                     other_tx: optax.GradientTransformation,
                     wrt=nnx.Param) -> optax.GradientTransformation:
-  """``optax.partition``: ``poet_tx`` on POET parameters, ``other_tx`` on the rest.
+  """``optax.partition``: ``poet_tx`` on POET generators, ``other_tx`` on the rest.
 
   Example::
 
-    tx = poetx_partition(model, poetx(1e-3), optax.adamw(1e-3))
-    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    >>> import optax, poetx_jax
+    >>> from flax import nnx
+    >>> model = poetx_jax.poetize(nnx.Linear(32, 32, rngs=nnx.Rngs(0)),
+    ...                           block_size=8, rngs=nnx.Rngs(1))
+    >>> tx = poetx_jax.poetx_partition(model, poetx_jax.poetx(1e-3),
+    ...                                optax.adamw(1e-3))
+    >>> optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+  Args:
+    labels: a model (its labels are :func:`poetx_labels` of it), or what
+      ``optax.partition`` takes: a pytree of ``'poetx'`` / ``'other'``
+      labels, or a function of the parameters that returns one.
+    poet_tx: the POET-X optimizer (:func:`poetx`).
+    other_tx: the optimizer of every other parameter.
+    wrt: with a model, the variables the optimizer updates.
   """
-  return optax.partition({'poetx': poet_tx, 'other': other_tx},
-                         poetx_labels(model, wrt))
-
-
-def _poetx_states(state) -> list[ScaleByPoetxState]:
-  leaves = jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, ScaleByPoetxState))
-  return [s for s in leaves if isinstance(s, ScaleByPoetxState)]
-
-
-def merge_due(old_state, new_state) -> Array:
-  """True iff the update from ``old_state`` to ``new_state`` completed a cycle.
-
-  Looks for the :class:`ScaleByPoetxState` inside any optax state (chains,
-  partitions, ``inject_hyperparams``, ``MultiSteps``: a MultiSteps mini-step
-  leaves the count unchanged, so no merge is due). Raises if there is none.
-  """
-  olds, news = _poetx_states(old_state), _poetx_states(new_state)
-  if not news:
-    raise ValueError('the optimizer state holds no scale_by_poetx state; build '
-                     'the optimizer with poetx_jax.poetx(...)')
-  if len(news) > 1:
-    raise ValueError(f'the optimizer state holds {len(news)} scale_by_poetx '
-                     'states; expected exactly one')
-  old, new = olds[0], news[0]
-  return (new.count != old.count) & (new.cycle == 0)
+  if isinstance(labels, nnx.Module):
+    labels = poetx_labels(labels, wrt)
+  return optax.partition({'poetx': poet_tx, 'other': other_tx}, labels)

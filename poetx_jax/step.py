@@ -8,12 +8,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from poetx_jax.convert import merge
-from poetx_jax.optim import merge_due
+from poetx_jax.cycle import MergeClock, merge, merge_due
 
 
-def make_train_step(loss_fn: tp.Callable, *, seed: int = 0, has_aux: bool = False,
-                    donate: bool = True,
+def make_train_step(loss_fn: tp.Callable, *, merge_every: int | None = None,
+                    seed: int = 0, has_aux: bool = False, donate: bool = True,
                     on_merge: tp.Callable[[int, jax.Array], None] | None = None,
                     data_parallel: jax.sharding.Mesh | None = None,
                     loss_weight: tp.Callable | None = None) -> tp.Callable:
@@ -22,25 +21,30 @@ def make_train_step(loss_fn: tp.Callable, *, seed: int = 0, has_aux: bool = Fals
   One call computes ``nnx.value_and_grad(loss_fn)(model, batch)`` (all
   ``nnx.Param``s, POET generators included; the frozen base weights get no
   gradient) and applies ``optimizer.update`` in one jitted program; when that
-  update completed a merge cycle of the :func:`poetx_jax.poetx` optimizer (see
-  :func:`poetx_jax.merge_due`) it then merges every POET layer
-  (:func:`poetx_jax.merge`: one compiled program per layer shape). The merge
-  is kept out of the update program because, unrolled over every layer, it
-  multiplied the program's compile time (BENCHMARKS.md); the price is one
-  device-to-host read of a flag per step. The permutation key
-  of each merge is ``fold_in(key(seed), optimizer.step)``, so a resumed run
-  draws the permutations an uninterrupted one would.
+  update completed a merge cycle of the :func:`poetx_jax.poetx` optimizer it
+  then merges every POET layer (:func:`poetx_jax.merge`, in programs of its
+  own: unrolled into the update program the merge multiplied its compile
+  time). :mod:`poetx_jax.cycle` describes the cycle.
 
   Example::
 
-    step = make_train_step(lambda m, b: ((m(b['x']) - b['y']) ** 2).mean())
+    step = make_train_step(lambda m, b: ((m(b['x']) - b['y']) ** 2).mean(),
+                           merge_every=200)
     for batch in batches:
       loss = step(model, optimizer, batch)
 
   Args:
     loss_fn: ``loss_fn(model, batch)`` returning a scalar loss, or
       ``(loss, aux)`` with ``has_aux=True``.
-    seed: seeds the merge permutations.
+    merge_every: calls of the step per merge cycle: the ``merge_every`` of
+      ``poetx`` times the micro-steps of any gradient accumulation
+      (``optax.MultiSteps``). Given, the step decides merges on the host with
+      no device read per call, and checks the optimizer's own verdict
+      (:func:`poetx_jax.merge_due`) one call later, raising if they
+      disagree. None reads that verdict back after every call, which makes
+      the host wait for each update before dispatching the next.
+    seed: seeds the merge permutations: the merge after update ``n`` draws
+      from ``fold_in(key(seed), n)``.
     has_aux: whether ``loss_fn`` returns auxiliary outputs (returned as well).
     donate: donate model and optimizer buffers to the update.
     on_merge: called after each merge as ``on_merge(optimizer_step,
@@ -66,6 +70,7 @@ def make_train_step(loss_fn: tp.Callable, *, seed: int = 0, has_aux: bool = Fals
     (returns ``(out, merge_due, merge_key)``), e.g. for ``.lower``.
   """
   base_key = jax.random.key(seed)
+  clock = MergeClock(merge_every) if merge_every is not None else None
   value_and_grad = nnx.value_and_grad(loss_fn, has_aux=has_aux)
   if data_parallel is not None:
     if has_aux:
@@ -81,10 +86,28 @@ def make_train_step(loss_fn: tp.Callable, *, seed: int = 0, has_aux: bool = Fals
     return out, due, jax.random.fold_in(base_key, optimizer.step[...])
 
   update = nnx.jit(update, donate_argnums=(0, 1) if donate else ())
+  unchecked = []  # (call, the device's verdict, the host's) awaiting comparison
+
+  def check(flag, host_due, call):
+    if bool(flag) != host_due:
+      raise RuntimeError(
+          f'make_train_step(merge_every={merge_every}) and the optimizer disagree on '
+          f'whether call {call} completed a merge cycle (optimizer: {bool(flag)}): '
+          f'merge_every must be the optimizer\'s merge_every times the micro-steps '
+          f'per update')
 
   def step(model, optimizer: nnx.Optimizer, batch):
-    out, due, key = update(model, optimizer, batch)
-    if bool(due):
+    if clock is not None:
+      clock.before_call(optimizer)
+    out, flag, key = update(model, optimizer, batch)
+    if clock is None:
+      due = bool(flag)
+    else:
+      due = clock.after_call(optimizer)
+      while unchecked:  # the previous call's verdict: ready, or nearly (this one queued)
+        check(*unchecked.pop())
+      unchecked.append((flag, due, clock.calls))
+    if due:
       error = merge(model, rngs=key)
       if on_merge is not None:
         on_merge(int(optimizer.step[...]), error)

@@ -122,13 +122,13 @@ def test_merge_under_jit_matches_eager(keys):
 
 
 def test_merge_compiles_one_program_per_layer_shape(keys):
-  from poetx_jax import convert
+  from poetx_jax import cycle
   model = poetx_jax.poetize(Tiny(nnx.Rngs(0)), block_size=8, rngs=nnx.Rngs(1))
   _randomize_all(model, keys())
-  convert._merge_program.cache_clear()
+  cycle._merge_program.cache_clear()
   poetx_jax.merge(model, rngs=jax.random.key(0))
   poetx_jax.merge(model, rngs=jax.random.key(1))
-  info = convert._merge_program.cache_info()
+  info = cycle._merge_program.cache_info()
   assert (info.misses, info.hits) == (2, 6)  # 'up' and 'down' shapes; 4 layers x 2 merges
 
 

@@ -195,10 +195,37 @@ def test_bad_input_errors():
     POETLinear.from_linear(conv, block_size=4, rngs=rngs)
 
 
-def test_implementation_arguments():
-  """The kernel path itself is compared with XLA in test_pallas_block_rotate."""
-  assert POETLinear(64, 64, block_size=64, rngs=nnx.Rngs(0)).implementation == 'auto'
+def test_implementation_choice():
+  """'xla' computes every piece in jnp; 'pallas' replaces the block products
+  only (the kernel path itself is compared with XLA in
+  test_pallas_block_rotate)."""
+  from poetx_jax.linear import implementation_for
+  assert implementation_for('xla', 64) is None
+  impl = implementation_for('pallas', 64)
+  assert impl.rotate is not None and impl.series is None and impl.permute is None
   with pytest.raises(ValueError, match='multiple of 64, at most 512, got 32'):
     POETLinear(64, 64, block_size=32, implementation='pallas', rngs=nnx.Rngs(0))
-  with pytest.raises(ValueError, match="implementation must be one of .*got 'cuda'"):
-    POETLinear(64, 64, block_size=32, implementation='cuda', rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match="implementation must be one of .*got 'auto'"):
+    POETLinear(64, 64, block_size=32, implementation='auto', rngs=nnx.Rngs(0))
+
+
+@pytest.mark.parametrize('implementation', ['xla', 'pallas'])
+@pytest.mark.parametrize('quantize', [None, 'int8'])
+@pytest.mark.parametrize('mode,form', [('fast', 'input'), ('mem', 'input'),
+                                       ('fast', 'weight'), ('mem', 'weight')])
+def test_wrong_input_width_is_a_clear_error(keys, implementation, quantize, mode, form):
+  """Wider inputs are not truncated, narrower ones not read past their end,
+  off-by-one ones not broadcast: each names both sizes."""
+  if implementation == 'pallas' and mode == 'mem':
+    pytest.skip('the CPU interpreter cannot be rematerialised (its own test)')
+  i, b = (128, 64) if implementation == 'pallas' else (12, 4)
+  layer = POETLinear(i, 8 * b // 4, block_size=b, mode=mode, form=form, quantize=quantize,
+                     implementation=implementation, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+  assert layer(jax.random.normal(keys(), (3, i))).shape == (3, 8 * b // 4)
+  for width in (i + 4, i - 4, i - 1, i + 1):
+    x = jax.random.normal(keys(), (3, width))
+    with pytest.raises(ValueError, match=f"shape \\(3, {width}\\): their last axis must "
+                                         f"hold the layer's {i} input features, it holds {width}"):
+      layer(x)
+    with pytest.raises(ValueError, match=f'{i} input features'):
+      jax.jit(lambda x: layer(x))(x)  # at trace time

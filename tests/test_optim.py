@@ -1,5 +1,6 @@
 """The optax side: poetx, moment resets, the clipping ramp, partitioning."""
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -31,9 +32,9 @@ def _run(tx, params, grads):
   return outs, states
 
 
-def test_first_cycle_is_adam_with_scaled_lr(keys):
+def test_first_cycle_is_adam_with_the_step_size_as_given(keys):
   params, grads = _params(keys()), _grads(keys(), 5)
-  got, _ = _run(poetx(1e-2, merge_every=10, poet_scale=0.5), params, grads)
+  got, _ = _run(poetx(5e-3, merge_every=10), params, grads)
   want, _ = _run(optax.adam(5e-3, eps=1e-8), params, grads)
   for a, b in zip(got, want):
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
@@ -44,7 +45,7 @@ def test_blockwise_second_moment_matches_its_definition(keys):
   """second_moment='block': Adam with one second moment per row (per POET block)."""
   params, grads = _params(keys()), _grads(keys(), 4)
   b1, b2, eps, lr = 0.9, 0.999, 1e-8, 1e-2
-  tx = poetx(lr, merge_every=None, poet_scale=1.0, second_moment='block',
+  tx = poetx(lr, merge_every=None, second_moment='block',
              mu_dtype=jnp.bfloat16)
   got, states = _run(tx, params, grads)
   assert states[-1][0].nu['a'].shape == (4, 1) and states[-1][0].nu['b'].shape == (3,)
@@ -132,30 +133,39 @@ def test_partition_with_adamw(keys):
   opt.update(model, grads)
   step_q = jnp.abs(model.layers[0].q_in[...] - before.layers[0].q_in[...])
   step_b = jnp.abs(model.layers[0].bias[...] - before.layers[0].bias[...])
-  np.testing.assert_allclose(step_q[step_q > 0], 5e-3, rtol=1e-3)  # Adam's first step
+  np.testing.assert_allclose(step_q[step_q > 0], 1e-2, rtol=1e-3)  # Adam's first step
   np.testing.assert_allclose(step_b[step_b > 0], 1e-3, rtol=1e-3)
   np.testing.assert_array_equal(model.layers[0].kernel[...], before.layers[0].kernel[...])
 
 
 def test_clip_bound_ramp():
-  bound = lambda c: float(poetx_jax.merge_clip_bound(
-      jnp.int32(c), 2.0, merge_every=100, ramp_steps=10, min_ratio=0.1))
-  assert bound(0) == bound(5) == bound(99) == 2.0  # no merge yet
-  assert np.isclose(bound(100), 0.2) and np.isclose(bound(105), 2.0 * 0.55)
-  assert bound(110) == 2.0 and np.isclose(bound(300), 0.2)
-  limited = poetx_jax.merge_clip_bound(jnp.int32(300), 2.0, merge_every=100, until=200)
-  assert float(limited) == 2.0
+  """The bound from the POET-X cycle: (updates done, updates since the merge point)."""
+  bound = lambda n, c, **kw: float(poetx_jax.merge_clip_bound(
+      jnp.int32(n), jnp.int32(c), 2.0, ramp_steps=10, min_ratio=0.1, **kw))
+  assert bound(0, 0) == bound(5, 5) == bound(99, 99) == 2.0  # no merge yet
+  assert np.isclose(bound(100, 0), 0.2) and np.isclose(bound(105, 5), 2.0 * 0.55)
+  assert bound(110, 10) == 2.0 and np.isclose(bound(300, 0), 0.2)
+  assert bound(300, 0, until=200) == 2.0
 
 
-def test_clip_after_merge_clips(keys):
-  tx = poetx_jax.clip_by_global_norm_after_merge(1.0, merge_every=2, ramp_steps=2)
-  g = {'a': jnp.full((4,), 10.0)}  # norm 20
-  outs, _ = _run(tx, g, [g] * 3)
-  norms = [float(optax.tree.norm(u)) for u in outs]
-  np.testing.assert_allclose(norms, [1.0, 1.0, 0.1], rtol=1e-5)
-  small = {'a': jnp.full((4,), 0.01)}
-  out, _ = _run(tx, small, [small])
-  np.testing.assert_array_equal(out[0]['a'], small['a'])
+def test_clip_after_merge_reads_the_poetx_cycle(keys):
+  """The wrapper clips every gradient by the bound of the wrapped optimizer's
+  cycle: full until the first merge (every 2 updates), a tenth right after."""
+  labels = {'q': 'poetx', 'w': 'other'}
+  inner = optax.partition({'poetx': poetx(1e-3, merge_every=2), 'other': optax.sgd(1.0)},
+                          labels)
+  tx = poetx_jax.clip_by_global_norm_after_merge(inner, 1.0, ramp_steps=2)
+  params = {'q': jnp.zeros((3,)), 'w': jnp.zeros((4,))}
+  g = {'q': jnp.zeros((3,)), 'w': jnp.full((4,), 10.0)}  # norm 20
+  outs, states = _run(tx, params, [g] * 4)
+  norms = [float(optax.tree.norm(u['w'])) for u in outs]  # sgd: the clipped gradient
+  np.testing.assert_allclose(norms, [1.0, 1.0, 0.1, 0.55], rtol=1e-5)
+  chex.assert_trees_all_equal_structs(states[-1], inner.init(params))  # no state of its own
+  small = {'q': jnp.zeros((3,)), 'w': jnp.full((4,), 0.01)}
+  out, _ = _run(tx, params, [small])
+  np.testing.assert_array_equal(out[0]['w'], -small['w'])
+  with pytest.raises(ValueError, match='no scale_by_poetx state'):
+    poetx_jax.clip_by_global_norm_after_merge(optax.sgd(1.0), 1.0).init(params)
 
 
 def test_bad_hyperparameters():
@@ -166,6 +176,6 @@ def test_bad_hyperparameters():
   with pytest.raises(ValueError, match='b2 must be in \\[0, 1\\)'):
     poetx(1e-3, b2=1.0)
   with pytest.raises(ValueError, match='max_norm must be > 0'):
-    poetx_jax.clip_by_global_norm_after_merge(0.0)
+    poetx_jax.clip_by_global_norm_after_merge(poetx(1e-3), 0.0)
   with pytest.raises(ValueError, match='no scale_by_poetx state'):
     merge_due(optax.adam(1e-3).init({'a': jnp.ones(2)}), optax.adam(1e-3).init({'a': jnp.ones(2)}))

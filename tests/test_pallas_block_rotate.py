@@ -138,7 +138,7 @@ def test_layer_on_every_kernel_matches_reference(keys):
   """poet_linear with all kernels (series, block products, gathers), bf16,
   against the float32 XLA layer: value and the gradients of x and both sides'
   generators."""
-  from poetx_jax.linear import all_kernels
+  import pallas_kernels
   i, o, b = 192, 128, 64
   x = jax.random.normal(keys(), (40, i))
   w = jax.random.normal(keys(), (i, o)) / np.sqrt(i)
@@ -147,13 +147,14 @@ def test_layer_on_every_kernel_matches_reference(keys):
   p_in, p_out = ops.random_permutation(keys(), i), ops.random_permutation(keys(), o)
   ct = jax.random.normal(keys(), (40, o))
 
-  def loss(x, qi, qo, dtype, kernels):
+  def loss(x, qi, qo, dtype, impl):
     y = ops.poet_linear(x.astype(dtype), w.astype(dtype), qi, qo, p_in, p_out,
-                        block_size=b, kernels=kernels)
+                        block_size=b, implementation=impl)
     return jnp.sum(_f32(y) * ct)
 
   grad = jax.value_and_grad(loss, argnums=(0, 1, 2))
-  v, g = grad(x, q_in, q_out, jnp.bfloat16, all_kernels())
+  v, g = grad(x, q_in, q_out, jnp.bfloat16,
+              ops.Implementation(**pallas_kernels.layer_kernels(b, every_kernel=True)))
   v_ref, g_ref = grad(x, q_in, q_out, jnp.float32, None)
   assert abs(float(v) - float(v_ref)) < 2e-2 * abs(float(v_ref)) + 1e-2
   for a, r in zip(g, g_ref):

@@ -113,11 +113,12 @@ def test_merges_record_orthogonality_and_warn_when_it_is_lost(tmp_path, corpus):
 
 
 def test_default_poet_lr_shrinks_with_the_block_size():
-  """poet_lr=None trains with min(1e-2, 0.5 / B): what an explicit rate of
-  that value gives, not what 1e-2 gives."""
+  """poet_lr=None trains with min(5e-3, 0.25 / B): what an explicit step of
+  that value gives, not what 5e-3 gives."""
   import jax.numpy as jnp
+  import poetx_jax
   from poetx_jax.pretrain import train as T
-  assert T.default_poet_lr(16) == 1e-2 and T.default_poet_lr(256) == 0.5 / 256
+  assert poetx_jax.default_poet_lr(16) == 5e-3 and poetx_jax.default_poet_lr(256) == 0.25 / 256
   cfg = TrainConfig(model='tiny', model_overrides={'layers': 1, 'kv_heads': 4}, block_size=64,
                     warmup=1,
                     dtype='float32')
@@ -135,8 +136,8 @@ def test_default_poet_lr_shrinks_with_the_block_size():
 
   q = q_after_two_updates(None)
   assert np.abs(q).max() > 0
-  np.testing.assert_array_equal(q, q_after_two_updates(0.5 / 64))
-  assert not np.allclose(q, q_after_two_updates(1e-2))
+  np.testing.assert_array_equal(q, q_after_two_updates(0.25 / 64))
+  assert not np.allclose(q, q_after_two_updates(5e-3))
 
 
 def test_incompatible_and_corrupt_checkpoints(tmp_path, corpus):

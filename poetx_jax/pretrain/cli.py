@@ -38,8 +38,7 @@ def _train_parser(sub):
       ('grad-accum', int, 'micro-batches per optimizer update'),
       ('steps', int, 'optimizer updates'), ('lr', float, 'peak learning rate of AdamW '
                                             '(and of the non-POET parameters)'),
-      ('poet-lr', float, 'peak POET-X learning rate (scaled by 0.5 as in the reference); '
-                         'default min(1e-2, 0.5 / block size)'),
+      ('poet-lr', float, 'peak POET-X step size; default min(5e-3, 0.25 / block size)'),
       ('warmup', int, 'warmup updates'), ('min-lr-ratio', float, 'final/peak learning rate'),
       ('weight-decay', float, 'AdamW weight decay'), ('clip', float, 'global-norm clip (0: off)'),
       ('merge-every', int, 'POET-X merge interval in updates'),
@@ -65,11 +64,10 @@ def _train_parser(sub):
   p.add_argument('--form', choices=('input', 'weight'), default=d.form,
                  help='POET layer product order: rotate the activations (input) or '
                       'the frozen weight (weight); same function')
-  p.add_argument('--implementation', choices=('auto', 'xla', 'pallas'),
+  p.add_argument('--implementation', choices=('xla', 'pallas'),
                  default=d.implementation,
                  help="POET layers' block products: XLA, or the Pallas Mosaic GPU "
-                      'kernels (Hopper, 16-bit activations; block size a multiple of 64, <= 512); '
-                      'auto = XLA')
+                      'kernels (Hopper, 16-bit activations; block size a multiple of 64, <= 512)')
   p.add_argument('--remat', choices=('none', 'block', 'attn'), default=d.remat,
                  help='rematerialise each decoder layer: keep only its input (block), '
                       'or its input and attention output (attn)')

@@ -47,7 +47,7 @@ class TrainConfig:
   steps: int = 600
   optimizer: str = 'poetx'
   lr: float = 3e-3                     # AdamW, and the non-POET parameters
-  poet_lr: float | None = None         # POET generators (times poet_scale 0.5); None: default_poet_lr(B)
+  poet_lr: float | None = None         # POET generators' step size; None: poetx_jax.default_poet_lr(B)
   warmup: int = 30
   min_lr_ratio: float = 0.1
   weight_decay: float = 0.0
@@ -56,7 +56,7 @@ class TrainConfig:
   block_size: int | None = None        # None: the model config's
   mode: str = 'fast'
   form: str = 'input'                  # POET layer product order: input or weight
-  implementation: str = 'auto'         # POET block products: auto (= xla), xla, pallas
+  implementation: str = 'xla'          # POET block products: xla or pallas
   remat: str = 'none'                  # per decoder layer: none, block, attn
   scan_layers: bool = False            # decoder layers stacked and run by lax.scan
   quantize: str | None = None          # POET-XQ base weights: 'int8' or 'int4'
@@ -117,23 +117,9 @@ class TrainConfig:
       raise ValueError(f'val_fraction must be in (0, 1), got {self.val_fraction!r}')
 
 
-def default_poet_lr(block_size: int) -> float:
-  """The peak POET-X learning rate used when none is given: ``min(1e-2, 0.5 / B)``.
-
-  Adam moves every generator entry by about the learning rate per step, and
-  moves them coherently, so the spectral norm of a block's ``Q`` can grow
-  like ``B`` times that within a merge cycle; the Cayley–Neumann series only
-  converges (and the factors are only orthogonal) while it stays below 1. A
-  rate that suits small blocks therefore diverges for large ones: 1e-2 trains
-  well at B = 16 and leaves the series' region of convergence at B = 256,
-  where 2e-3 trains well (Llama-60M and 1B, BENCHMARKS.md).
-  """
-  return min(1e-2, 0.5 / block_size)
-
-
 def poet_lr(cfg: TrainConfig, block_size: int) -> float:
   """The run's peak POET-X learning rate: ``cfg.poet_lr``, else the default."""
-  return default_poet_lr(block_size) if cfg.poet_lr is None else cfg.poet_lr
+  return poetx_jax.default_poet_lr(block_size) if cfg.poet_lr is None else cfg.poet_lr
 
 
 def compute_dtype(name: str):
@@ -276,7 +262,8 @@ def make_step(cfg: TrainConfig, on_merge=None, mesh=None):
   """The run's train step; ``mesh``: the training mesh, if any."""
   if cfg.optimizer == 'poetx':
     dp = mesh if mesh is not None and cfg.strategy == 'dp' else None
-    return poetx_jax.make_train_step(mean_loss, seed=cfg.seed, on_merge=on_merge,
+    return poetx_jax.make_train_step(mean_loss, merge_every=cfg.merge_every * cfg.grad_accum,
+                                     seed=cfg.seed, on_merge=on_merge,
                                      data_parallel=dp, loss_weight=target_count)
 
   def step(model, optimizer, batch):

@@ -1,0 +1,183 @@
+"""The POET-X merge cycle.
+
+Every ``merge_every`` optimizer updates, each POET layer folds its rotations
+into its frozen base and starts over,
+
+    W0 <- R W0 P,    Phi_I, Phi_O <- new random permutations,    Q <- 0,
+
+so the layer computes the same function and its rotations restart at the
+identity, and the Adam moments of the generators restart with them. Three
+parts keep in step:
+
+1. **The optimizer counts.** :func:`poetx_jax.poetx` keeps ``count`` and
+   ``cycle`` (updates since the last merge point) in its state and forgets its
+   moments on the first update of a cycle: a counter under jit, no Python
+   ``if``. :func:`merge_due` reads from two of its states whether the update
+   between them completed a cycle.
+2. **The train step decides.** :func:`poetx_jax.make_train_step` merges right
+   after the update that completes a cycle. Given the cycle length in calls
+   it counts on the host (:class:`MergeClock`: no device read per step) and
+   checks :func:`merge_due`'s verdict one call later, without stalling the
+   device; otherwise it reads that verdict after every update.
+3. **The layers merge.** :func:`merge` merges every layer of a model: outside
+   jit, one compiled program per layer shape (cached here), a stack of
+   layers in one program that updates it in place. :func:`merge_layer` is the
+   merge of one layer (or stack). The permutation key of the merge after
+   update ``n`` is ``fold_in(key(seed), n)``, so a resumed run draws what an
+   uninterrupted one would.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from poetx_jax import ops
+from poetx_jax.convert import for_each_layer, poet_layers
+from poetx_jax.linear import POETLinear
+from poetx_jax.optim import the_poetx_state
+
+Array = jax.Array
+
+
+def merge_layer(layer: POETLinear, key: Array) -> Array:
+  """Merge-then-reinitialise one POET layer (or each layer of a stack, with
+  its own key split from ``key``) in place.
+
+  Returns the merged factors' largest :meth:`POETLinear.orthogonality_error`:
+  what the merge folds into W0 beyond a rotation.
+  """
+  if layer.stack_shape:
+    keys = jax.random.split(key, layer.stack_shape)
+    return jnp.max(for_each_layer(layer, merge_layer, keys, update=True))
+  blocks = layer.rotation_blocks()  # one series for the error and the merged kernel
+  error = layer.orthogonality_error(blocks)
+  merged = layer.effective_kernel(blocks)
+  k_in, k_out = jax.random.split(key)
+  perm_in = ops.random_permutation(k_in, layer.in_features)
+  perm_out = ops.random_permutation(k_out, layer.out_features)
+  base, scale = layer.encode_base(ops.permute_kernel(merged, perm_in, perm_out))
+  layer.kernel[...] = base
+  if scale is not None:
+    layer.kernel_scale[...] = scale
+  layer.perm_in[...] = perm_in
+  layer.perm_out[...] = perm_out
+  layer.q_in[...] = jnp.zeros_like(layer.q_in[...])
+  layer.q_out[...] = jnp.zeros_like(layer.q_out[...])
+  return error
+
+
+def merge(model, *, rngs: nnx.Rngs | Array) -> Array:
+  """Merge-then-reinitialise every POET layer of ``model`` in place.
+
+  ``W0 <- R W0 P``, new random permutations, ``Q <- 0``: the model computes the
+  same function before and after (up to rounding into W0's dtype), and the
+  rotations restart at the identity. Reset the POET optimizer moments at the
+  same step (``poetx`` does this on its own counter).
+
+  Called outside jit, each layer merges in its own compiled program, shared by
+  all layers of the same shape and options (a Llama compiles a handful, however
+  deep), keeping the layer's shardings; a layer's old buffers are released as
+  it is updated, so the merge needs one layer's scratch memory, not a second
+  model. The layers of a stack merge one after another inside one program
+  that updates the stack in place: its old buffers are donated, so arrays
+  read from a stacked layer before the merge are invalid after it. Under jit
+  it traces inline.
+
+  Args:
+    model: a model containing POETLinear layers.
+    rngs: an ``nnx.Rngs`` (its ``params`` stream is used) or a PRNG key.
+
+  Returns:
+    The largest orthogonality error of the merged factors (a float32 scalar
+    array; reading it waits for the merge). A few 1e-2 or less while training
+    is healthy (largest per run: 9e-3 to 3.5e-2 in the Llama-130M runs of
+    docs/quality.md; ``poetx train`` warns above 0.1); near or above 1 the
+    generators have left the Cayley–Neumann series' region of convergence (a
+    learning rate too large for the block size).
+  """
+  key = rngs.params() if isinstance(rngs, nnx.Rngs) else rngs
+  traced = isinstance(key, jax.core.Tracer)
+  errors = []
+  for i, (_, layer) in enumerate(poet_layers(model)):
+    k = jax.random.fold_in(key, i)
+    errors.append(merge_layer(layer, k) if traced else _merge_compiled(layer, k))
+  return jnp.max(jnp.stack(errors)) if errors else jnp.zeros((), jnp.float32)
+
+
+def _merge_compiled(layer: POETLinear, key: Array) -> Array:
+  graphdef, state = nnx.split(layer)
+  shardings = jax.tree.map(lambda x: x.sharding, state)
+  leaves, treedef = jax.tree.flatten(shardings)
+  fn = _merge_program(graphdef, treedef, tuple(leaves), bool(layer.stack_shape))
+  state, error = fn(state, key)
+  nnx.update(layer, state)
+  return error
+
+
+@functools.lru_cache(maxsize=64)
+def _merge_program(graphdef, treedef, sharding_leaves, donate):
+  def run(state, key):
+    layer = nnx.merge(graphdef, state)
+    error = merge_layer(layer, key)
+    return nnx.state(layer), error
+
+  if all(isinstance(s, jax.sharding.SingleDeviceSharding) for s in sharding_leaves):
+    out = None  # as the update step leaves them: a pinned sharding would retrace it
+  else:
+    shardings = jax.tree.unflatten(treedef, list(sharding_leaves))
+    mesh = next(s.mesh for s in sharding_leaves if isinstance(s, jax.sharding.NamedSharding))
+    out = (shardings, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+  # A stack of layers is donated and updated in place, one layer's scratch at
+  # a time (not donated, it would need a second copy of its base weights).
+  return jax.jit(run, out_shardings=out, donate_argnums=0 if donate else ())
+
+
+def merge_due(old_state, new_state) -> Array:
+  """True iff the update from ``old_state`` to ``new_state`` completed a cycle.
+
+  Looks for the ``ScaleByPoetxState`` inside any optax state (chains,
+  partitions, ``inject_hyperparams``, ``MultiSteps``: a MultiSteps mini-step
+  leaves the count unchanged, so no merge is due). Raises if there is none or
+  more than one.
+  """
+  old, new = the_poetx_state(old_state), the_poetx_state(new_state)
+  return (new.count != old.count) & (new.cycle == 0)
+
+
+class MergeClock:
+  """Says on the host, without reading the device, which train-step calls
+  complete a merge cycle.
+
+  ``every`` is the cycle length in calls of the step (the optimizer's
+  ``merge_every`` times the micro-steps per update of any gradient
+  accumulation). The clock counts calls from ``nnx.Optimizer.step``, which it
+  reads once, and again only when that counter was changed by something other
+  than the step (a checkpoint restored into the optimizer, say).
+  """
+
+  def __init__(self, every: int):
+    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+      raise ValueError(f'merge_every must be an int >= 1 (calls per merge), got {every!r}')
+    self.every = every
+    self._calls = None       # calls done, as last seen
+    self._counter = None     # the array the step left in optimizer.step
+
+  def before_call(self, optimizer: nnx.Optimizer) -> None:
+    """Syncs with the optimizer's call counter if someone else changed it."""
+    if self._counter is None or optimizer.step.get_value() is not self._counter:
+      self._calls = int(optimizer.step[...])
+
+  def after_call(self, optimizer: nnx.Optimizer) -> bool:
+    """Counts the call just made; True iff it completed a cycle."""
+    self._calls += 1
+    self._counter = optimizer.step.get_value()
+    return self._calls % self.every == 0
+
+  @property
+  def calls(self) -> int | None:
+    """Calls done (None before the first)."""
+    return self._calls
