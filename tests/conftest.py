@@ -3,6 +3,7 @@
 import os
 import zlib
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -37,6 +38,15 @@ def rel_err(a, b):
   a = np.asarray(jnp.asarray(a, jnp.float32), np.float64)
   b = np.asarray(jnp.asarray(b, jnp.float32), np.float64)
   return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def assert_trees_rel_close(got, want, tol):
+  """The same tree structure and dtypes, each leaf within relative
+  (Frobenius) error ``tol`` of ``want``'s (:func:`rel_err`)."""
+  chex.assert_trees_all_equal_comparator(
+      lambda a, b: a.dtype == b.dtype and rel_err(a, b) <= tol,
+      lambda a, b: f'{a.dtype} vs {b.dtype}, relative error {rel_err(a, b):.1e} > {tol:.0e}',
+      got, want)
 
 
 def skew_params(key, k, block_size, spectral_norm):

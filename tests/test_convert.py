@@ -1,5 +1,6 @@
 """poetize / merge / unpoetize on whole models."""
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -117,8 +118,9 @@ def test_merge_under_jit_matches_eager(keys):
   key = jax.random.key(3)
   poetx_jax.merge(model, rngs=key)
   nnx.jit(lambda m, k: poetx_jax.merge(m, rngs=k))(twin, key)
-  for a, b in zip(jax.tree.leaves(nnx.state(model)), jax.tree.leaves(nnx.state(twin))):
-    np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+  assert not any(l.q_in[...].any() for _, l in poetx_jax.poet_layers(twin))  # it merged
+  chex.assert_trees_all_close(nnx.to_pure_dict(nnx.state(twin)),
+                              nnx.to_pure_dict(nnx.state(model)), rtol=1e-6, atol=1e-7)
 
 
 def test_merge_compiles_one_program_per_layer_shape(keys):
@@ -132,14 +134,40 @@ def test_merge_compiles_one_program_per_layer_shape(keys):
   assert (info.misses, info.hits) == (2, 6)  # 'up' and 'down' shapes; 4 layers x 2 merges
 
 
-def test_unpoetize_gives_plain_linears(keys):
-  model = poetx_jax.poetize(Tiny(nnx.Rngs(0)), block_size=8, rngs=nnx.Rngs(1))
-  _randomize_all(model, keys())
-  plain = poetx_jax.unpoetize(model)
-  assert poetx_jax.poet_layers(plain) == []
-  assert all(type(b[n]) is nnx.Linear for b in plain.blocks for n in ('up', 'down'))
-  tokens = jax.random.randint(keys(), (2, 5), 0, 50)
-  assert rel_err(plain(tokens), model(tokens)) < 1e-5
-  layer = model.blocks[1]['up']
-  np.testing.assert_array_equal(poetx_jax.effective_kernel(layer),
-                                plain.blocks[1]['up'].kernel[...])
+def _by_path(model):
+  return {poetx_jax.convert.path_str(p): n for p, n in nnx.iter_graph(model)}
+
+
+def test_unpoetize_gives_plain_linears_computing_the_same_function(keys):
+  """unpoetize gives plain nnx.Linear layers only (no POET variables, the
+  base model's state structure) that compute what the POET layers compute,
+  layer by layer on random inputs and end to end: with random generators,
+  right after a merge (new W0 and permutations, Q = 0) and with random
+  generators again."""
+  base = Tiny(nnx.Rngs(0))
+  for blk in base.blocks:  # biases that matter (they start at zero)
+    for lin in (blk['up'], blk['down']):
+      lin.bias[...] = jax.random.normal(keys(), lin.bias.shape)
+  model = poetx_jax.poetize(base, block_size=8, rngs=nnx.Rngs(1))
+  tokens = jax.random.randint(keys(), (3, 9), 0, 50)
+  base_state = nnx.to_pure_dict(nnx.state(base))
+  for stage in ('rotated', 'merged', 'rotated again'):
+    if stage == 'merged':
+      poetx_jax.merge(model, rngs=nnx.Rngs(7))
+    else:
+      _randomize_all(model, keys(), scale=0.2)
+    assert rel_err(model(tokens), base(tokens)) > 1e-2, stage  # not the base function
+    plain = poetx_jax.unpoetize(model)
+    assert len(poetx_jax.poet_layers(model)) == 4  # the POET model is left as it was
+    modules = _by_path(plain)
+    assert not any(isinstance(m, poetx_jax.POETLinear) for m in modules.values())
+    assert sorted(p for p, m in modules.items() if type(m) is nnx.Linear) == [
+        'blocks/0/down', 'blocks/0/up', 'blocks/1/down', 'blocks/1/up', 'lm_head']
+    assert {type(v) for v in jax.tree.leaves(nnx.state(plain), is_leaf=lambda x:
+                                             isinstance(x, nnx.Variable))} == {nnx.Param}
+    chex.assert_trees_all_equal_shapes_and_dtypes(nnx.to_pure_dict(nnx.state(plain)),
+                                                  base_state)
+    for path, layer in poetx_jax.poet_layers(model):
+      x = jax.random.normal(keys(), (5, layer.in_features))
+      assert rel_err(modules[path](x), layer(x)) < 1e-5, (stage, path)
+    assert rel_err(plain(tokens), model(tokens)) < 1e-5, stage

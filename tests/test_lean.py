@@ -48,17 +48,10 @@ def test_rank_one_gradients_match_adam(keys):
     np.testing.assert_allclose(u['w'], u_ref['w'], rtol=2e-4, atol=1e-6)
 
 
-def test_state_is_small_and_training_works(keys):
+def test_state_is_small(keys):
+  """A bf16 first moment and R + C second moments: under 45% of AdamW's bytes.
+  (Training, jit and dtypes: test_optax_contract.py.)"""
   params = _params(keys())
-  tx = lean_adamw(1e-2, weight_decay=0.01)
-  state = tx.init(params)
-  lean_bytes = sum(x.nbytes for x in jax.tree.leaves(state))
+  lean_bytes = sum(x.nbytes for x in jax.tree.leaves(lean_adamw(1e-2).init(params)))
   adam_bytes = sum(x.nbytes for x in jax.tree.leaves(optax.adamw(1e-2).init(params)))
   assert lean_bytes < 0.45 * adam_bytes, (lean_bytes, adam_bytes)
-  target = _params(keys())
-  loss = lambda p: sum(jnp.sum((p[k] - target[k]) ** 2) for k in p)
-  l0 = loss(params)
-  for _ in range(100):
-    u, state = jax.jit(tx.update)(jax.grad(loss)(params), state, params)
-    params = optax.apply_updates(params, u)
-  assert loss(params) < 0.5 * l0

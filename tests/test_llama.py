@@ -1,13 +1,14 @@
 """The Llama model: shapes, causality, attention / RMSNorm against references,
 configs, jitted init, poetize and HF export (tiny config, float32, CPU)."""
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
-from conftest import rel_err
+from conftest import assert_trees_rel_close, rel_err
 import poetx_jax
 from poetx_jax.models import llama
 from poetx_jax.models.llama import Llama, get_config
@@ -150,25 +151,53 @@ def test_input_errors(model):
     model(jnp.zeros((1, 4), jnp.float32))
 
 
-def test_init_model_is_seeded(model):
+def _params(m):
+  return nnx.to_pure_dict(nnx.state(m, nnx.Param))
+
+
+def _is_norm(path):
+  return 'norm' in jax.tree_util.keystr(path)
+
+
+def test_init_model_is_seeded():
+  """init_model(seed): the same seed gives identical parameters, another seed
+  other draws in every random leaf; layers draw independently; the draw does
+  not depend on the compute dtype, the remat policy or the scanned layout; the
+  weights follow N(0, init_std) (norms start at one) in either param dtype."""
   built = llama.init_model(TINY, seed=0)
-  # the draws of the module built with that seed (1 ulp where an initialiser
-  # was compiled in another context first)
-  want = nnx.to_flat_state(nnx.state(model, nnx.Param))
-  got = nnx.to_flat_state(nnx.state(built, nnx.Param))
-  assert [p for p, _ in got] == [p for p, _ in want]
-  for (_, x), (_, y) in zip(want, got):
-    np.testing.assert_allclose(x[...], y[...], rtol=1e-6, atol=1e-9)
+  params = _params(built)
+  chex.assert_trees_all_equal(_params(llama.init_model(TINY, seed=0)), params)
+  other = _params(llama.init_model(TINY, seed=1))
+  chex.assert_trees_all_equal_shapes_and_dtypes(other, params)
+
+  def differs_unless_norm(path, x, y):
+    same = np.array_equal(x, y)
+    assert _is_norm(path) == same, f'{jax.tree_util.keystr(path)}: seeds 0 and 1 ' + (
+        'draw the same values' if same else 'differ')
+
+  jax.tree_util.tree_map_with_path(differs_unless_norm, params, other)
+  q = [np.asarray(l.self_attn.q_proj.kernel[...]) for l in built.layers]
+  assert not np.allclose(q[0], q[1])  # each layer its own draw
+  chex.assert_trees_all_equal(_params(llama.init_model(TINY, seed=0, dtype=jnp.bfloat16)),
+                              params)
+  chex.assert_trees_all_equal(_params(llama.init_model(TINY, seed=0, remat='block')),
+                              params)
   scanned = llama.init_model(TINY, seed=0, scan_layers=True)
   assert isinstance(scanned.layers, llama.StackedLayers)
-  sd = llama.hf_state_dict(built)
-  for k, v in llama.hf_state_dict(scanned).items():
-    np.testing.assert_allclose(v, sd[k], rtol=1e-6, atol=1e-9, err_msg=k)
-  other = llama.init_model(TINY, seed=1)
-  assert not np.allclose(other.lm_head.kernel[...], built.lm_head.kernel[...])
+  chex.assert_trees_all_equal(llama.hf_state_dict(scanned), llama.hf_state_dict(built))
   half = llama.init_model(TINY, seed=0, param_dtype=jnp.bfloat16)
-  assert {x.dtype for x in jax.tree.leaves(nnx.state(half, nnx.Param))} == {
-      jnp.dtype(jnp.bfloat16)}
+  for tree, dtype in ((params, jnp.float32), (_params(half), jnp.bfloat16)):
+    for path, x in jax.tree_util.tree_leaves_with_path(tree):
+      assert x.dtype == dtype, jax.tree_util.keystr(path)
+      x = np.asarray(x, np.float64)
+      if _is_norm(path):
+        np.testing.assert_array_equal(x, 1.0)
+      else:  # >= 2048 draws: the std to within 10%, the mean within 0.1 std
+        assert abs(x.std() / TINY.init_std - 1) < 0.1, jax.tree_util.keystr(path)
+        assert abs(x.mean()) < 0.1 * TINY.init_std, jax.tree_util.keystr(path)
+  for bad in (True, 1.5, '0'):
+    with pytest.raises(ValueError, match=f'seed must be an int, got {bad!r}'):
+      llama.init_model(TINY, seed=bad)
 
 
 def test_poetize_replaces_projections(model, keys):
@@ -265,13 +294,6 @@ def test_remat_policies_save_only_named_residuals():
     Llama(cfg, remat='some', rngs=nnx.Rngs(0))
 
 
-def _per_layer(tree_a, tree_b_stacked, n):
-  """Pairs (layer i of an unrolled state, slice i of a stacked one) as flat leaves."""
-  for i in range(n):
-    for x, y in zip(jax.tree.leaves(tree_a[i]), jax.tree.leaves(tree_b_stacked)):
-      yield np.asarray(x), np.asarray(y[i])
-
-
 @pytest.mark.parametrize('remat', ['none', 'block'])
 def test_scanned_layers_are_the_same_model(keys, remat):
   """scan_layers=True stores the same weights (drawn in the same order) with a
@@ -281,18 +303,15 @@ def test_scanned_layers_are_the_same_model(keys, remat):
   scanned = Llama(cfg, remat=remat, rngs=nnx.Rngs(0), scan_layers=True)
   assert isinstance(scanned.layers, llama.StackedLayers) and len(scanned.layers) == 3
   assert scanned.layers.layer.mlp.up_proj.kernel.shape == (3, cfg.hidden, cfg.mlp)
-  sd_a, sd_b = llama.hf_state_dict(unrolled), llama.hf_state_dict(scanned)
-  assert sd_a.keys() == sd_b.keys()
-  for k in sd_a:
-    np.testing.assert_array_equal(sd_a[k], sd_b[k], err_msg=k)
+  chex.assert_trees_all_equal(llama.hf_state_dict(scanned), llama.hf_state_dict(unrolled))
   tokens = _tokens(keys(), 2, 16, cfg.vocab_size)
   assert rel_err(_forward(scanned, tokens), _forward(unrolled, tokens)) < 1e-6
   loss = lambda m: (m(tokens) ** 2).mean()
   ga, gb = nnx.grad(loss)(unrolled), nnx.grad(loss)(scanned)
-  pairs = list(_per_layer(ga['layers'], gb['layers']['layer'], 3))
-  assert len(pairs) == 3 * len(jax.tree.leaves(gb['layers']['layer']))
-  for x, y in pairs:
-    assert rel_err(y, x) < 1e-5
+  stacked = nnx.to_pure_dict(gb['layers']['layer'])
+  for i in range(3):  # slice i of the stacked gradients is layer i's
+    assert_trees_rel_close(jax.tree.map(lambda y: y[i], stacked),
+                           nnx.to_pure_dict(ga['layers'][i]), 1e-5)
   assert rel_err(gb['lm_head']['kernel'][...], ga['lm_head']['kernel'][...]) < 1e-5
   # Indexing gives copies of single layers.
   np.testing.assert_array_equal(scanned.layers[-1].mlp.down_proj.kernel[...],
@@ -351,9 +370,7 @@ def test_scanned_poet_model_merges_and_exports(keys, quantize):
   sd_a = llama.hf_state_dict(poetx_jax.unpoetize(unrolled))
   exported = poetx_jax.unpoetize(scanned)
   assert exported.layers.layer.mlp.down_proj.kernel.get_metadata()['layer_axis'] == 0
-  sd_b = llama.hf_state_dict(exported)
-  for k in sd_a:
-    np.testing.assert_allclose(sd_b[k], sd_a[k], atol=1e-6, err_msg=k)
+  chex.assert_trees_all_close(llama.hf_state_dict(exported), sd_a, rtol=1e-7, atol=1e-6)
   errors = [float(scanned.layers[i].mlp.down_proj.orthogonality_error()) for i in range(2)]
   assert float(poetx_jax.orthogonality_error(stacked)) == pytest.approx(max(errors), rel=1e-4)
   assert max(errors) > 0
