@@ -49,7 +49,7 @@ is tokenized and cached)::
 
     python3 experiments/compare_quality.py --model tiny --seq-len 64 --batch-size 8 \\
         --steps 60 --eval-every 20 --probe-every 10 --merge-every 40 --block-sizes 16 \\
-        --adamw-lrs 3e-3 --poet-lrs 5e-3,1e-2 --dtype float32 --out runs/quality-smoke
+        --adamw-lrs 3e-3 --poet-lrs 2.5e-3,5e-3 --dtype float32 --out runs/quality-smoke
 
 On one H200 (bf16 compute), Llama-60M (vocab 4096: 29.5 M parameters), seq 256,
 batch 64: each run sees 400 x 64 x 256 = 6,553,600 tokens (2.1 epochs of the
@@ -57,7 +57,7 @@ built-in corpus's 3.07 M training tokens); 2 AdamW + 2 POET-X runs::
 
     python3 experiments/compare_quality.py --model 60m --seq-len 256 --batch-size 64 \\
         --steps 400 --eval-every 50 --probe-every 50 --merge-every 100 \\
-        --block-sizes 256 --adamw-lrs 1e-3,3e-3 --poet-lrs 1e-3,2e-3 --out runs/quality
+        --block-sizes 256 --adamw-lrs 1e-3,3e-3 --poet-lrs 5e-4,1e-3 --out runs/quality
 
 Llama-130M, B = 128 and 256, on two GPUs side by side (BENCHMARKS.md; each
 command about 7.5 minutes on an H200)::
@@ -65,15 +65,17 @@ command about 7.5 minutes on an H200)::
     Q="--model 130m --seq-len 256 --batch-size 64 --steps 400 --eval-every 50 \\
        --probe-every 50 --merge-every 100 --poet-other-lr 3e-3"
     python3 experiments/compare_quality.py $Q --adamw-lrs 1e-3,3e-3 --block-sizes 256 \\
-        --poet-lrs 2e-3 --out runs/q130-b256
+        --poet-lrs 1e-3 --out runs/q130-b256
     python3 experiments/compare_quality.py $Q --adamw-lrs 6e-4 --block-sizes 128 \\
-        --poet-lrs 2e-3,4e-3 --out runs/q130-b128
+        --poet-lrs 1e-3,2e-3 --out runs/q130-b128
 
 Short runs are dominated by compilation (each run's learning rates are
 constants of its update program, so every run compiles its own); the measured
 costs and a first H200 comparison are in BENCHMARKS.md. The POET-X
-learning-rate grid stays at or under 2e-3 for B = 256: at 1e-2 the generators
-leave the Cayley–Neumann series' region of convergence (BENCHMARKS.md).
+step-size grid stays at or under 1e-3 for B = 256: at 5e-3 the generators
+leave the Cayley–Neumann series' region of convergence (BENCHMARKS.md, where
+the rates recorded before the learning rate became the step size are twice
+the step).
 
 The default corpus is the built-in one of ``poetx train`` (pydoc topics plus
 the Python 3.11 documentation sources when installed: about 3.2 M tokens with
@@ -135,8 +137,8 @@ def parse_args(argv=None):
   p.add_argument('--merge-every', type=int, default=200)
   p.add_argument('--block-sizes', default='128,256')
   p.add_argument('--adamw-lrs', default='1e-3,3e-3')
-  p.add_argument('--poet-lrs', default='1e-3,2e-3',
-                 help='POET generator learning rates (times poet_scale 0.5)')
+  p.add_argument('--poet-lrs', default='5e-4,1e-3',
+                 help='POET generator step sizes')
   p.add_argument('--poet-other-lr', default='best',
                  help="AdamW learning rate of POET-X's non-POET parameters: a number, "
                       "or 'best' (the best AdamW run's)")
@@ -155,9 +157,9 @@ def parse_args(argv=None):
 
   if a.model not in MODELS:
     p.error(f'--model {a.model!r} is not one of {", ".join(MODELS)}')
-  from poetx_jax.pretrain import cli
+  from poetx_jax.pretrain.config import parse_overrides
   try:
-    a.overrides = cli._parse_overrides(a.model_overrides)  # pylint: disable=protected-access
+    a.overrides = parse_overrides(a.model_overrides)
   except ValueError as e:
     p.error(str(e))
   for flag in ('eval_batches', 'vocab_size', 'log_every', 'eval_every'):  # the rest: below
@@ -186,14 +188,14 @@ def parse_args(argv=None):
   # Every run's configuration, checked by poetx train's own rules before the
   # first run starts (the POET-X runs come after the AdamW ones).
   from poetx_jax import ops
-  from poetx_jax.pretrain import train as train_lib
+  from poetx_jax.pretrain import factories
   try:
     for spec in run_specs(a):
       if spec['lr'] == 'best':  # an AdamW run's rate, known later: any valid one here
         spec = dict(spec, lr=a.adamw_lrs[0] if a.adamw_lrs else 1e-3)
       cfg = run_config(a, spec)
       cfg.validate()
-    mc = train_lib.model_config(cfg, a.vocab_size)
+    mc = factories.model_config(cfg, a.vocab_size)
     for b in a.block_sizes:
       ops.check_block_size(b, mc.hidden, mc.mlp, mc.kv_heads * mc.head_dim,
                            what='--block-sizes')
@@ -474,8 +476,8 @@ def run_specs(a) -> list[dict]:
 
 def run_config(a, spec: dict):
   """The ``poetx train`` configuration of one run."""
-  from poetx_jax.pretrain import train as train_lib
-  return train_lib.TrainConfig(
+  from poetx_jax.pretrain.config import TrainConfig
+  return TrainConfig(
       model=a.model, model_overrides=a.overrides, data=a.data, tokenizer=a.tokenizer,
       vocab_size=a.vocab_size, seq_len=a.seq_len, batch_size=a.batch_size,
       steps=a.steps, optimizer=spec['optimizer'], lr=spec['lr'], poet_lr=spec['poet_lr'],
@@ -488,6 +490,7 @@ def run_config(a, spec: dict):
 def main(argv=None):
   a = parse_args(argv)
   import jax
+  from poetx_jax.pretrain import factories, rundir
   from poetx_jax.pretrain import train as train_lib
 
   out = pathlib.Path(a.out)
@@ -501,9 +504,9 @@ def main(argv=None):
     shutil.rmtree(runs_dir / name)
   out.mkdir(parents=True, exist_ok=True)
 
-  data = train_lib.load_data(run_config(a, specs[0]))
+  data = rundir.load_data(run_config(a, specs[0]))
   print(f'data: {data.description}', flush=True)
-  mc = train_lib.model_config(run_config(a, specs[0]), data.tokenizer.vocab_size)
+  mc = factories.model_config(run_config(a, specs[0]), data.tokenizer.vocab_size)
   paths = probed_layers(mc.layers)
   tokens_per_step = a.batch_size * a.seq_len
   val_windows = min(len(data.val_windows), a.eval_batches * a.batch_size)
@@ -547,7 +550,7 @@ def main(argv=None):
       'train_tokens': train_tokens, 'epochs': a.steps * tokens_per_step / train_tokens,
       'val_tokens': val_windows * a.seq_len, 'data': data.description,
       'device': f'{jax.device_count()} x {jax.devices()[0].device_kind}',
-      'dtype': jax.numpy.dtype(train_lib.compute_dtype(a.dtype)).name,
+      'dtype': jax.numpy.dtype(factories.compute_dtype(a.dtype)).name,
       'date': time.strftime('%Y-%m-%d'), 'probed_layers': paths,
       'probe_steps': [p['step'] for p in results[0]['probes']],
       'spike_rule': f'loss > {SPIKE_FACTOR} x median of the previous {SPIKE_WINDOW} logged',

@@ -12,7 +12,7 @@ from flax import nnx
 
 import poetx_jax
 from poetx_jax import sharding
-from poetx_jax.pretrain import train
+from poetx_jax.pretrain import evaluation
 from poetx_jax.pretrain.checkpoint import Checkpointer
 from poetx_jax.models import llama
 
@@ -38,7 +38,7 @@ def build(scan=False, place=None):
 
 def loss_fn(m, b):
   """The mean over unmasked (>= 0) targets, as ``poetx train`` computes it."""
-  total, count = train.token_loss(m, b)
+  total, count = evaluation.token_loss(m, b)
   return total / count
 
 
@@ -69,14 +69,14 @@ def run(mesh=None, strategy=None, scan=False):
     sharding.shard_state(opt, mesh, 'fsdp' if strategy == 'fsdp' else 'dp')
   per_device = strategy == 'dp_per_device'
   step = poetx_jax.make_train_step(loss_fn, seed=0, data_parallel=mesh if per_device else None,
-                                   loss_weight=train.target_count if per_device else None)
+                                   loss_weight=evaluation.target_count if per_device else None)
   losses = []
   for b in batches():
     b = sharding.shard_batch(b, mesh) if mesh is not None else jax.tree.map(jnp.asarray, b)
     losses.append(float(step(model, opt, b)))
   reduced = None
   if mesh is not None:
-    hlo = step.update.lower(model, opt, b).compile().as_text()
+    hlo = step.lower(model, opt, b).compile().as_text()
     reduced = sharding.collective_bytes(hlo).get('all-reduce', 0)
     run.largest_gather = max([sharding.collective_bytes(l).get('all-gather', 0)
                               for l in hlo.splitlines()] + [0])

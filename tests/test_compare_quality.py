@@ -23,7 +23,7 @@ def _args(tmp, corpus, *extra):
   return ['--model', 'tiny', '--seq-len', '64', '--batch-size', '8', '--steps', '30',
           '--eval-every', '10', '--eval-batches', '4', '--log-every', '2',
           '--merge-every', '20', '--block-sizes', '16', '--adamw-lrs', '3e-3',
-          '--poet-lrs', '5e-3,1e-2', '--vocab-size', '512', '--dtype', 'float32',
+          '--poet-lrs', '2.5e-3,5e-3', '--vocab-size', '512', '--dtype', 'float32',
           '--data', str(corpus), '--cache-dir', str(tmp / 'cache'), '--out', str(tmp / 'out'),
           *extra]
 
@@ -39,7 +39,7 @@ def test_compare_quality_end_to_end(tmp_path, corpus, capsys):
     assert (out / png).stat().st_size > 10_000
 
   runs = {r['name']: r for r in res['runs']}
-  assert sorted(runs) == ['adamw-lr0.003', 'poetx-b16-lr0.005', 'poetx-b16-lr0.01']
+  assert sorted(runs) == ['adamw-lr0.003', 'poetx-b16-lr0.0025', 'poetx-b16-lr0.005']
   assert {r['optimizer'] for r in runs.values()} == {'adamw', 'poetx'}
   assert all(r['lr'] == 3e-3 for r in runs.values())  # POET-X's other lr: AdamW's best
   for r in runs.values():
@@ -63,7 +63,7 @@ def test_compare_quality_end_to_end(tmp_path, corpus, capsys):
   probes = {n: {p['step']: p for p in r['probes']} for n, r in runs.items()}
   adamw = probes['adamw-lr0.003']
   assert sorted(adamw) == [0, 10, 20, 30]
-  for name in ('poetx-b16-lr0.005', 'poetx-b16-lr0.01'):
+  for name in ('poetx-b16-lr0.0025', 'poetx-b16-lr0.005'):
     poet = probes[name]
     for p in paths:
       np.testing.assert_allclose(poet[0][f'{p}/sv_top'], adamw[0][f'{p}/sv_top'], rtol=1e-6)

@@ -8,7 +8,7 @@ import sys
 import numpy as np
 import pytest
 
-from poetx_jax.pretrain import data
+from poetx_jax.pretrain import data, tokenizer
 
 DOCS = [
     'The quick brown fox jumps over the lazy dog.\n',
@@ -140,7 +140,7 @@ def corpus():
 
 @pytest.fixture(scope='module')
 def tok(corpus, tmp_path_factory):
-  return data.train_bpe(corpus, vocab_size=512, path=tmp_path_factory.mktemp('tok') / 'bpe.json')
+  return tokenizer.train_bpe(corpus, vocab_size=512, path=tmp_path_factory.mktemp('tok') / 'bpe.json')
 
 
 ROUND_TRIP = [
@@ -169,51 +169,51 @@ def test_bpe_tokenizer(tok, corpus):
   assert tok.decode([tok.eos_id]) == '<|endoftext|>'
   assert tok.encode_batch(ROUND_TRIP) == [tok.encode(t) for t in ROUND_TRIP]
   assert len(tok.encode(corpus[0])) < len(corpus[0].encode()) / 2  # it learned merges
-  again = data.Tokenizer.load(tok.path)
+  again = tokenizer.Tokenizer.load(tok.path)
   assert again.encode(ROUND_TRIP[5]) == tok.encode(ROUND_TRIP[5])
   assert (again.eos_id, again.vocab_size) == (tok.eos_id, tok.vocab_size)
 
 
 def test_tokenizer_errors(tmp_path, corpus):
   with pytest.raises(FileNotFoundError, match='missing.json'):
-    data.Tokenizer.load(tmp_path / 'missing.json')
+    tokenizer.Tokenizer.load(tmp_path / 'missing.json')
   with pytest.raises(FileNotFoundError, match='missing.json'):
-    data.load_or_train_tokenizer(corpus, path=tmp_path / 'missing.json', cache_dir=tmp_path)
+    tokenizer.load_or_train_tokenizer(corpus, path=tmp_path / 'missing.json', cache_dir=tmp_path)
   with pytest.raises(ValueError, match='vocab_size must be an int >= 257'):
-    data.train_bpe(corpus, vocab_size=100, path=tmp_path / 'x.json')
+    tokenizer.train_bpe(corpus, vocab_size=100, path=tmp_path / 'x.json')
   (tmp_path / 'garbage.json').write_text('{"not": "a tokenizer"}')
   with pytest.raises(ValueError, match='not a tokenizers JSON file'):
-    data.Tokenizer.load(tmp_path / 'garbage.json')
+    tokenizer.Tokenizer.load(tmp_path / 'garbage.json')
   try:
     import sentencepiece  # noqa: F401 pylint: disable=g-import-not-at-top,unused-import
   except ImportError:
     (tmp_path / 'sp.model').write_bytes(b'\0')
     with pytest.raises(ImportError, match='sentencepiece'):
-      data.Tokenizer.load(tmp_path / 'sp.model')
+      tokenizer.Tokenizer.load(tmp_path / 'sp.model')
 
 
 def test_tokenizer_cache_reused(tmp_path, corpus, monkeypatch):
   docs = corpus[:10]
-  first = data.load_or_train_tokenizer(docs, vocab_size=300, cache_dir=tmp_path)
+  first = tokenizer.load_or_train_tokenizer(docs, vocab_size=300, cache_dir=tmp_path)
   assert first.path.parent == tmp_path and first.path.is_file()
   mtime = first.path.stat().st_mtime_ns
 
   def no_training(*args, **kwargs):
     raise AssertionError('retrained a cached tokenizer')
 
-  monkeypatch.setattr(data.Tokenizer, 'train_bpe', no_training)
-  second = data.load_or_train_tokenizer(docs, vocab_size=300, cache_dir=tmp_path)
+  monkeypatch.setattr(tokenizer.Tokenizer, 'train_bpe', no_training)
+  second = tokenizer.load_or_train_tokenizer(docs, vocab_size=300, cache_dir=tmp_path)
   assert second.path == first.path and second.path.stat().st_mtime_ns == mtime
   assert second.encode(DOCS[2]) == first.encode(DOCS[2])
   with pytest.raises(AssertionError, match='retrained'):  # other corpus: other key
-    data.load_or_train_tokenizer(docs[:9], vocab_size=300, cache_dir=tmp_path)
+    tokenizer.load_or_train_tokenizer(docs[:9], vocab_size=300, cache_dir=tmp_path)
   with pytest.raises(AssertionError, match='retrained'):  # other vocab size: other key
-    data.load_or_train_tokenizer(docs, vocab_size=301, cache_dir=tmp_path)
+    tokenizer.load_or_train_tokenizer(docs, vocab_size=301, cache_dir=tmp_path)
 
 
 def test_tokenize_corpus(tok, tmp_path):
   docs = DOCS + ['short', 'x']
-  tokens = data.tokenize_corpus(docs, tok)
+  tokens = tokenizer.tokenize_corpus(docs, tok)
   assert tokens.dtype == np.int32 and tokens.ndim == 1
   assert (tokens == tok.eos_id).sum() == len(docs)
   assert tokens[-1] == tok.eos_id
@@ -222,11 +222,11 @@ def test_tokenize_corpus(tok, tmp_path):
   assert [p[:-1].tolist() for p in pieces] == [tok.encode(d) for d in docs]
   assert tok.decode(tokens) == '<|endoftext|>'.join(docs) + '<|endoftext|>'
 
-  cached = data.tokenize_corpus(docs, tok, cache_dir=tmp_path)
+  cached = tokenizer.tokenize_corpus(docs, tok, cache_dir=tmp_path)
   files = list(tmp_path.glob('tokens-*.npy'))
   assert len(files) == 1 and np.array_equal(cached, tokens)
   np.save(files[0], tokens[:3])  # a cache hit reads the file, it does not re-encode
-  assert np.array_equal(data.tokenize_corpus(docs, tok, cache_dir=tmp_path), tokens[:3])
+  assert np.array_equal(tokenizer.tokenize_corpus(docs, tok, cache_dir=tmp_path), tokens[:3])
 
 
 # ----------------------------------------------------------------------------- windows
@@ -377,16 +377,19 @@ def test_text_data(tmp_path, corpus, monkeypatch):
   assert d.train_windows.shape[0] == -(-(n_train - 1) // 32)
   stream = np.concatenate([_unpack(d.train_windows), _unpack(d.val_windows)])
   np.testing.assert_array_equal(stream[stream >= 0],
-                                data.tokenize_corpus(docs, d.tokenizer))
+                                tokenizer.tokenize_corpus(docs, d.tokenizer))
   assert f'{d.num_tokens:,} tokens' in d.description and '12 documents' in d.description
   batch = next(iter(data.train_dataset(d.train_windows, batch_size=8, seed=3)))
   assert batch['inputs'].shape == (8, 32)
   assert data.eval_batches(d.val_windows, batch_size=8)[0]['targets'].shape == (8, 32)
 
-  monkeypatch.setattr(data.Tokenizer, 'train_bpe', None)  # second build: all cached
+  monkeypatch.setattr(tokenizer.Tokenizer, 'train_bpe', None)  # second build: all cached
   again = data.TextData(docs, seq_len=32, vocab_size=400, val_fraction=0.1,
                         cache_dir=tmp_path)
   np.testing.assert_array_equal(again.train_windows, d.train_windows)
+  assert again.fingerprint == d.fingerprint
+  val_stream = _unpack(d.val_windows)[:d.fingerprint['val_tokens']]
+  assert d.fingerprint['val_sha256'] == data.token_hash(val_stream)
   with_path = data.TextData(docs, seq_len=32, tokenizer_path=d.tokenizer.path,
                             cache_dir=tmp_path)
   assert with_path.num_tokens == d.num_tokens

@@ -80,10 +80,10 @@ def test_bench_memory_state_only(tmp_path):
                          vocab_size=256, block_size=None, merge_every=2,
                          dtype='bfloat16', param_dtype='bfloat16', lean_state=True)
   from flax import nnx
-  from poetx_jax.pretrain import train as T
+  from poetx_jax.pretrain import factories as F
   cfg = bench_train.run_config(a, 'poetx:mem:block:int8')
-  model = T.build_model(cfg, T.model_config(cfg, 256))
-  opt = T.build_optimizer(cfg, model)
+  model = F.build_model(cfg, F.model_config(cfg, 256))
+  opt = F.build_optimizer(cfg, model)
   real = lambda t: sum(x.nbytes for x in jax.tree.leaves(t)) / 2 ** 30
   assert abs(r['model_gib'] - real(nnx.state(model))) < 1e-9
   assert abs(r['optimizer_gib'] - real(nnx.state(opt))) < 1e-9

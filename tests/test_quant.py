@@ -61,17 +61,18 @@ def test_int8_bases_add_no_dequantised_copies_under_remat():
   """Under model-level remat, the dequantised bases (and rotation blocks) are
   made layer by layer: the compiled step's temporaries with int8 bases stay
   within 10% of the bf16 ones (before the fix they were 48% above)."""
-  from poetx_jax.pretrain import train as T
+  from poetx_jax.pretrain import factories as F
+  from poetx_jax.pretrain.config import TrainConfig
 
   def temporaries(quantize):
-    cfg = T.TrainConfig(
+    cfg = TrainConfig(
         model='tiny', optimizer='poetx', mode='mem', remat='block', quantize=quantize,
         param_dtype='bfloat16', dtype='bfloat16', seq_len=256, batch_size=1,
         model_overrides={'layers': 4, 'hidden': 256, 'mlp': 512, 'heads': 4,
                          'kv_heads': 4, 'max_seq_len': 256, 'block_size': 64})
-    model, opt = T.abstract_state(cfg, T.model_config(cfg, 512))
+    model, opt = F.abstract_state(cfg, F.model_config(cfg, 512))
     tokens = jax.ShapeDtypeStruct((1, 256), jnp.int32)
-    compiled = T.make_step(cfg).update.lower(
+    compiled = F.make_step(cfg).lower(
         model, opt, {'inputs': tokens, 'targets': tokens}).compile()
     return compiled.memory_analysis().temp_size_in_bytes
 

@@ -4,14 +4,18 @@ import dataclasses
 import json
 import pathlib
 
+import chex
 import jax
 import numpy as np
 import pytest
 from flax import nnx
 
 from poetx_jax.pretrain import cli
+from poetx_jax.pretrain import evaluation, factories
 from poetx_jax.pretrain.checkpoint import CheckpointError, Checkpointer
-from poetx_jax.pretrain.train import TrainConfig, load_run, train
+from poetx_jax.pretrain.config import TrainConfig
+from poetx_jax.pretrain.rundir import load_run
+from poetx_jax.pretrain.train import train
 from conftest import write_corpus
 
 
@@ -55,8 +59,7 @@ def test_resume_is_bit_exact_across_merges(tmp_path, corpus, optimizer):
   step_a, pa = _params(straight.out_dir)
   step_b, pb = _params(split.out_dir)
   assert step_a == step_b == 12
-  for x, y in zip(jax.tree.leaves(pa), jax.tree.leaves(pb)):
-    np.testing.assert_array_equal(x, y)
+  chex.assert_trees_all_equal(pa, pb)
 
 
 def test_grad_accumulation_and_lean_state_run(tmp_path, corpus):
@@ -76,7 +79,7 @@ def test_clear_errors(tmp_path, corpus):
   (empty / 'a.txt').write_text('')
   with pytest.raises(ValueError, match='corpus is empty'):
     train(_cfg(tmp_path, corpus, data=[str(empty)]))
-  with pytest.raises(ValueError, match="unknown.*'huge'|'huge'.*valid"):
+  with pytest.raises(ValueError, match="model must be one of.*got 'huge'"):
     train(_cfg(tmp_path, corpus, model='huge'))
   with pytest.raises(ValueError, match='seq_len=512 is longer.*max_seq_len=256'):
     train(_cfg(tmp_path, corpus, seq_len=512))
@@ -117,21 +120,20 @@ def test_default_poet_lr_shrinks_with_the_block_size():
   that value gives, not what 5e-3 gives."""
   import jax.numpy as jnp
   import poetx_jax
-  from poetx_jax.pretrain import train as T
   assert poetx_jax.default_poet_lr(16) == 5e-3 and poetx_jax.default_poet_lr(256) == 0.25 / 256
   cfg = TrainConfig(model='tiny', model_overrides={'layers': 1, 'kv_heads': 4}, block_size=64,
                     warmup=1,
                     dtype='float32')
-  mc = T.model_config(cfg, 300)
+  mc = factories.model_config(cfg, 300)
   tokens = jnp.asarray(np.random.default_rng(0).integers(0, 300, (2, 16)), jnp.int32)
   batch = {'inputs': tokens, 'targets': tokens}
 
   def q_after_two_updates(poet_lr):
     c = dataclasses.replace(cfg, poet_lr=poet_lr)
-    model = T.build_model(c, mc)
-    opt = T.build_optimizer(c, model)
+    model = factories.build_model(c, mc)
+    opt = factories.build_optimizer(c, model)
     for _ in range(2):  # the first update is at learning rate 0 (warmup)
-      opt.update(model, nnx.grad(T.mean_loss)(model, batch))
+      opt.update(model, nnx.grad(evaluation.mean_loss)(model, batch))
     return np.asarray(model.layers[0].mlp.up_proj.q_in[...])
 
   q = q_after_two_updates(None)
@@ -155,6 +157,8 @@ def test_incompatible_and_corrupt_checkpoints(tmp_path, corpus):
   import shutil
   shutil.copytree(pathlib.Path(cfg.out_dir) / 'checkpoints',
                   pathlib.Path(other.out_dir) / 'checkpoints')
+  for name in ('data.json', 'tokenizer.json'):
+    shutil.copy(pathlib.Path(cfg.out_dir) / name, pathlib.Path(other.out_dir) / name)
   with pytest.raises(CheckpointError, match='does not fit this model'):
     load_run(other.out_dir)
   # Corrupt: remove the array data of the newest step.
@@ -242,19 +246,18 @@ def test_poet_model_is_built_layer_by_layer_with_the_whole_model_result(quantize
   resident) and gives exactly poetize(init_model(...)) with the run's seeds."""
   import jax.numpy as jnp
   import poetx_jax
-  from poetx_jax.pretrain import train as T
   from poetx_jax.models import llama
   cfg = TrainConfig(model='tiny', optimizer='poetx', quantize=quantize, seed=3,
                     model_overrides={'layers': 2})
-  mc = T.model_config(cfg, 512)
-  built = nnx.to_flat_state(nnx.state(T.build_model(cfg, mc)))
+  mc = factories.model_config(cfg, 512)
+  built = nnx.to_flat_state(nnx.state(factories.build_model(cfg, mc)))
   eager = poetx_jax.poetize(
-      llama.init_model(mc, seed=3, dtype=T.compute_dtype(cfg.dtype), param_dtype=jnp.float32),
+      llama.init_model(mc, seed=3, dtype=factories.compute_dtype(cfg.dtype), param_dtype=jnp.float32),
       block_size=mc.block_size, rngs=nnx.Rngs(4), quantize=quantize)
   eager = nnx.to_flat_state(nnx.state(eager))
   assert [p for p, _ in built] == [p for p, _ in eager]
-  for (path, a), (_, b) in zip(built, eager):
-    np.testing.assert_array_equal(np.asarray(a[...]), np.asarray(b[...]), err_msg=str(path))
+  chex.assert_trees_all_equal({str(p): np.asarray(v[...]) for p, v in built},
+                              {str(p): np.asarray(v[...]) for p, v in eager})
 
 
 def _spectrum_probe(calls):
@@ -283,8 +286,7 @@ def test_probe_hook_records_without_changing_training(tmp_path, corpus):
   plain = _cfg(tmp_path / 'b', corpus)
   train(plain, log=lambda *_: None)
   assert _losses(probed.out_dir) == _losses(plain.out_dir)
-  for x, y in zip(jax.tree.leaves(_params(probed.out_dir)), jax.tree.leaves(_params(plain.out_dir))):
-    np.testing.assert_array_equal(x, y)
+  chex.assert_trees_all_equal(_params(probed.out_dir), _params(plain.out_dir))
 
   def records(run):
     lines = (pathlib.Path(run) / 'metrics.jsonl').read_text().splitlines()
@@ -325,8 +327,7 @@ def test_scanned_layers_train_as_unrolled_and_resume_exactly(tmp_path, corpus):
   assert _losses(straight.out_dir) == _losses(split.out_dir)
   (step_a, pa), (step_b, pb) = _params(straight.out_dir), _params(split.out_dir)
   assert step_a == step_b == 8
-  for x, y in zip(jax.tree.leaves(pa), jax.tree.leaves(pb)):
-    np.testing.assert_array_equal(x, y)
+  chex.assert_trees_all_equal(pa, pb)
   # The export of a stacked run holds each layer's own merged kernel.
   assert cli.main(['export', straight.out_dir, '--out', str(tmp_path / 'exp')]) == 0
   from safetensors.numpy import load_file
@@ -338,3 +339,110 @@ def test_scanned_layers_train_as_unrolled_and_resume_exactly(tmp_path, corpus):
                                np.asarray(eff).T, rtol=1e-6, atol=1e-7)
   with pytest.raises(ValueError, match='scan_layers must be a bool'):
     train(_cfg(tmp_path / 'c', corpus, scan_layers='yes'))
+
+
+def test_the_tokenizer_and_data_identity_are_part_of_the_run(tmp_path, corpus, capsys):
+  """The run keeps its tokenizer and the hashes of its splits: after the corpus
+  changes, eval and resume refuse it (exit 2, naming the run), export ships the
+  stored tokenizer byte for byte; after the corpus is gone, export still works."""
+  import shutil
+  docs = tmp_path / 'docs'
+  shutil.copytree(corpus, docs)
+  cfg = _cfg(tmp_path, corpus, data=[str(docs)], steps=4)
+  train(cfg, log=lambda *_: None, stop_after=2)
+  run = pathlib.Path(cfg.out_dir)
+  stored = (run / 'tokenizer.json').read_bytes()
+  record = json.loads((run / 'data.json').read_text())
+  assert record['vocab_size'] == 300 and record['val_tokens'] > 0
+  assert stored == next((tmp_path / 'cache').glob('bpe-*.json')).read_bytes()
+
+  (docs / 'doc39.txt').write_text('a different ending of the corpus. ' * 40)
+  capsys.readouterr()  # the progress bar of training
+  assert cli.main(['eval', str(run)]) == 2
+  err = capsys.readouterr().err.strip()
+  assert len(err.splitlines()) == 1 and err.startswith('poetx eval: error: ')
+  assert f'corpus no longer matches the run {run}' in err and 'validation split' in err
+  with pytest.raises(CheckpointError, match='--resume: the corpus no longer matches'):
+    train(cfg, resume=True, log=lambda *_: None)
+  assert cli.main(['export', str(run), '--out', str(tmp_path / 'changed')]) == 0
+  assert (tmp_path / 'changed' / 'tokenizer.json').read_bytes() == stored
+
+  shutil.rmtree(docs)
+  shutil.rmtree(tmp_path / 'cache')
+  assert cli.main(['export', str(run), '--out', str(tmp_path / 'gone')]) == 0
+  assert (tmp_path / 'gone' / 'tokenizer.json').read_bytes() == stored
+  assert (tmp_path / 'gone' / 'model.safetensors').stat().st_size > 0
+
+
+@pytest.mark.parametrize('field,value,message', [
+    ('eval_batches', 0, 'eval_batches must be an int >= 1, got 0'),
+    ('warmup', -1, 'warmup must be an int >= 0, got -1'),
+    ('min_lr_ratio', 1.5, r'min_lr_ratio must be in \[0, 1\], got 1.5'),
+    ('min_lr_ratio', -0.1, r'min_lr_ratio must be in \[0, 1\], got -0.1'),
+    ('block_size', 0, 'block_size must be an int >= 2 .*, got 0'),
+    ('block_size', 1, 'block_size must be an int >= 2 .*, got 1'),
+    ('val_fraction', 0.0, r'val_fraction must be in \(0, 1\), got 0.0'),
+    ('val_fraction', 1, r'val_fraction must be in \(0, 1\), got 1'),
+    ('lr', -1e-3, 'lr must be >= 0, got -0.001'),
+    ('weight_decay', -0.1, 'weight_decay must be >= 0, got -0.1'),
+    ('clip', -1.0, 'clip must be >= 0, got -1.0'),
+    ('group_size', 0, 'group_size must be an int >= 1, got 0'),
+    ('vocab_size', 100, 'vocab_size must be an int >= 257, got 100'),
+    ('fsdp', 0, 'fsdp must be an int >= 1, got 0'),
+    ('mode', 'slow', r"mode must be one of \('fast', 'mem'\), got 'slow'"),
+    ('quantize', 'fp8', r"quantize must be None or one of \('int8', 'int4'\), got 'fp8'"),
+    ('steps', True, 'steps must be an int >= 1, got True'),
+])
+def test_options_that_cannot_be_honoured_are_errors(field, value, message):
+  with pytest.raises(ValueError, match=message):
+    TrainConfig(**{field: value}).validate()
+
+
+def test_fsdp_must_divide_the_devices(tmp_path, corpus, capsys):
+  with pytest.raises(ValueError, match=r'fsdp=3 must divide the 8 device\(s\); valid: '
+                                       r'\[1, 2, 4, 8\]'):
+    TrainConfig(strategy='fsdp', fsdp=3).validate(device_count=8)
+  TrainConfig(strategy='fsdp', fsdp=4).validate(device_count=8)
+  assert jax.device_count() == 1
+  with pytest.raises(ValueError, match=r'fsdp=2 must divide the 1 device'):
+    train(_cfg(tmp_path, corpus, strategy='fsdp', fsdp=2))
+  assert not (tmp_path / 'run').exists()  # refused before anything was written
+  for flags, message in ((['--eval-batches', '0'], 'eval_batches must be an int >= 1, got 0'),
+                         (['--block-size', '0'], 'block_size must be an int >= 2'),
+                         (['--strategy', 'fsdp', '--fsdp', '2'], 'fsdp=2 must divide')):
+    assert cli.main(['train', '--out-dir', str(tmp_path / 'cli'), *flags]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith('poetx train: error: ') and message in err
+    assert len(err.splitlines()) == 1
+
+
+def test_the_train_flags_are_generated_from_the_config(capsys):
+  """One flag per TrainConfig field, with help and default; the defaults give
+  TrainConfig(); the special forms parse as before."""
+  parser = cli.build_parser()
+  train_parser = parser._subparsers._group_actions[0].choices['train']  # pylint: disable=protected-access
+  actions = {a.dest: a for a in train_parser._actions}  # pylint: disable=protected-access
+  for f in dataclasses.fields(TrainConfig):
+    action = actions[f.name]
+    assert action.option_strings == ['--' + f.name.replace('_', '-')]
+    assert action.help and f.metadata['help'] in action.help.replace('%%', '%')
+  assert {'resume', 'distributed', 'plot'} <= set(actions)
+  from poetx_jax.pretrain.config import config_from_args
+  assert config_from_args(parser.parse_args(['train'])) == TrainConfig()
+  cfg = config_from_args(parser.parse_args(
+      ['train', '--model-overrides', 'layers=4,hidden=128', '--data', 'A', 'B',
+       '--scan-layers', '--lean-state', '--quantize', 'int8', '--poet-lr', '1e-3',
+       '--block-size', '32', '--mode', 'mem']))
+  assert cfg == TrainConfig(model_overrides={'layers': 4, 'hidden': 128}, data=['A', 'B'],
+                            scan_layers=True, lean_state=True, quantize='int8',
+                            poet_lr=1e-3, block_size=32, mode='mem')
+  with pytest.raises(SystemExit):
+    parser.parse_args(['train', '--mode', 'slow'])
+  with pytest.raises(SystemExit):
+    parser.parse_args(['train', '--help'])
+  text = capsys.readouterr().out
+  for f in dataclasses.fields(TrainConfig):
+    assert '--' + f.name.replace('_', '-') in text
+  assert '(default: 0.1)' in text and 'one of tiny, 60m' in text
+  assert cli.main(['train', '--model-overrides', 'layers']) == 2
+  assert '--model-overrides wants K=V pairs' in capsys.readouterr().err

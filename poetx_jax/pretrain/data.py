@@ -1,6 +1,7 @@
-"""Text data for LLM pretraining: documents, a BPE tokenizer, packed windows, grain.
+"""Text data for LLM pretraining: documents, packed windows, grain batches.
 
-Everything is local (no network). The path from text to batches::
+Everything is local (no network). The path from text to batches (the
+tokenizer in tokenizer.py)::
 
   docs = read_documents(['corpus/'])             # or default_corpus()[0]
   tok = load_or_train_tokenizer(docs, vocab_size=4096, cache_dir='cache')
@@ -23,24 +24,22 @@ import json
 import math
 import os
 import re
-import tempfile
 import typing as tp
 from pathlib import Path
 
 import numpy as np
+
+from poetx_jax.pretrain.tokenizer import load_or_train_tokenizer, tokenize_corpus
 
 if tp.TYPE_CHECKING:
   import grain
 
 PathLike = tp.Union[str, os.PathLike]
 
-EOS = '<|endoftext|>'
 # Longest first, so that '.jsonl.gz' wins over a shorter suffix.
 SUPPORTED_EXTENSIONS = ('.jsonl.gz', '.json.gz', '.parquet', '.jsonl', '.txt', '.md', '.rst')
 _TEXT_EXTENSIONS = ('.txt', '.md', '.rst')
 _JSON_EXTENSIONS = ('.jsonl.gz', '.json.gz', '.jsonl')
-# End-of-document tokens looked for, in order, in a loaded tokenizer.json.
-_EOS_CANDIDATES = (EOS, '</s>', '<|end_of_text|>', '<eos>')
 
 
 # ----------------------------------------------------------------------------- documents
@@ -170,175 +169,6 @@ def default_corpus(*, doc_root: PathLike = '/usr/share/doc') -> tuple[list[str],
   return docs, f'default corpus: {len(docs)} documents, {chars:,} characters ({source})'
 
 
-def corpus_hash(docs: tp.Sequence[str]) -> str:
-  """A sha256 hex digest of the documents and their boundaries."""
-  h = hashlib.sha256()
-  for d in docs:
-    b = d.encode('utf-8', 'surrogatepass')
-    h.update(len(b).to_bytes(8, 'little'))
-    h.update(b)
-  return h.hexdigest()
-
-
-def _file_hash(path: PathLike) -> str:
-  with open(path, 'rb') as f:
-    return hashlib.file_digest(f, 'sha256').hexdigest()
-
-
-def _atomic_write(path: Path, write: tp.Callable[[str], None], suffix: str) -> None:
-  """Calls ``write(tmp)`` on a temporary file next to ``path``, then renames it."""
-  path.parent.mkdir(parents=True, exist_ok=True)
-  fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f'.{path.name}.', suffix=suffix)
-  os.close(fd)
-  try:
-    write(tmp)
-    os.replace(tmp, path)
-  finally:
-    if os.path.exists(tmp):
-      os.remove(tmp)
-
-
-# ----------------------------------------------------------------------------- tokenizer
-
-
-class Tokenizer:
-  """A tokenizer with an end-of-document id: a Hugging Face ``tokenizers``
-  JSON file or a sentencepiece ``.model``.
-
-  Make one with :meth:`load` or :meth:`train_bpe`. ``encode`` adds no special
-  tokens; ``decode`` keeps them.
-  """
-
-  def __init__(self, backend: tp.Any, *, kind: str, path: Path, eos_id: int,
-               vocab_size: int):
-    self._backend = backend
-    self._kind = kind
-    self.path = path
-    self.eos_id = eos_id
-    self.vocab_size = vocab_size
-
-  def __repr__(self) -> str:
-    return (f'Tokenizer({str(self.path)!r}, vocab_size={self.vocab_size}, '
-            f'eos_id={self.eos_id})')
-
-  @classmethod
-  def load(cls, path: PathLike) -> Tokenizer:
-    """Loads a ``tokenizers`` JSON file, or a sentencepiece ``.model`` (needs the
-    sentencepiece package)."""
-    path = Path(path)
-    if not path.is_file():
-      raise FileNotFoundError(f'no tokenizer file at {path}')
-    if path.suffix == '.model':
-      try:
-        import sentencepiece as spm  # pylint: disable=g-import-not-at-top
-      except ImportError as e:
-        raise ImportError(f'loading the sentencepiece model {path} needs the '
-                          'sentencepiece package (pip install sentencepiece); '
-                          'or give a tokenizers .json file') from e
-      sp = spm.SentencePieceProcessor(model_file=os.fspath(path))
-      if sp.eos_id() < 0:
-        raise ValueError(f'sentencepiece model {path} defines no end-of-sentence id')
-      return cls(sp, kind='sentencepiece', path=path, eos_id=int(sp.eos_id()),
-                 vocab_size=int(sp.get_piece_size()))
-    import tokenizers  # pylint: disable=g-import-not-at-top
-    try:
-      tok = tokenizers.Tokenizer.from_file(os.fspath(path))
-    except Exception as e:  # tokenizers raises a bare Exception on bad files.
-      raise ValueError(f'{path} is not a tokenizers JSON file ({e}); '
-                       'expected a tokenizer.json or a sentencepiece .model') from e
-    eos_id = next((i for t in _EOS_CANDIDATES if (i := tok.token_to_id(t)) is not None), None)
-    if eos_id is None:
-      raise ValueError(f'tokenizer {path} has no end-of-document token; looked for '
-                       f'{", ".join(_EOS_CANDIDATES)}')
-    return cls(tok, kind='tokenizers', path=path, eos_id=int(eos_id),
-               vocab_size=int(tok.get_vocab_size(with_added_tokens=True)))
-
-  @classmethod
-  def train_bpe(cls, docs: tp.Sequence[str], *, vocab_size: int,
-                path: PathLike) -> Tokenizer:
-    """Trains a byte-level BPE on ``docs``, saves it to ``path`` and loads it.
-
-    Byte-level pre-tokenizer without an added prefix space and a byte-level
-    decoder, no normalizer: ``decode(encode(text)) == text`` for any text. The
-    vocabulary holds the 256 bytes, the merges and ``'<|endoftext|>'``.
-    """
-    from tokenizers import decoders, models, pre_tokenizers, trainers  # pylint: disable=g-import-not-at-top
-    import tokenizers  # pylint: disable=g-import-not-at-top
-
-    alphabet = pre_tokenizers.ByteLevel.alphabet()
-    if not isinstance(vocab_size, int) or vocab_size < len(alphabet) + 1:
-      raise ValueError(f'vocab_size must be an int >= {len(alphabet) + 1} '
-                       f'(256 bytes + {EOS}), got {vocab_size!r}')
-    if not docs:
-      raise ValueError('train_bpe needs at least one document, got none')
-    tok = tokenizers.Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS],
-                                  initial_alphabet=alphabet, show_progress=False)
-    tok.train_from_iterator(docs, trainer=trainer, length=len(docs))
-    _atomic_write(Path(path), lambda tmp: tok.save(tmp), '.json')
-    return cls.load(path)
-
-  def encode(self, text: str) -> list[int]:
-    """Token ids of ``text``, no special tokens added."""
-    if self._kind == 'sentencepiece':
-      return list(self._backend.encode(text))
-    return self._backend.encode(text, add_special_tokens=False).ids
-
-  def encode_batch(self, texts: tp.Sequence[str]) -> list[list[int]]:
-    """``[encode(t) for t in texts]``, in parallel where the backend can."""
-    if self._kind == 'sentencepiece':
-      return [list(ids) for ids in self._backend.encode(list(texts))]
-    return [e.ids for e in self._backend.encode_batch(list(texts), add_special_tokens=False)]
-
-  def decode(self, ids: tp.Iterable[int]) -> str:
-    """The text of ``ids`` (special tokens kept)."""
-    ids = [int(i) for i in ids]
-    if self._kind == 'sentencepiece':
-      return self._backend.decode(ids)
-    return self._backend.decode(ids, skip_special_tokens=False)
-
-
-train_bpe = Tokenizer.train_bpe
-
-
-def load_or_train_tokenizer(docs: tp.Sequence[str], *, path: PathLike | None = None,
-                            vocab_size: int = 4096, cache_dir: PathLike) -> Tokenizer:
-  """Loads ``path`` if given; else the BPE of ``docs`` cached in ``cache_dir``
-  (keyed by a hash of the corpus and the vocabulary size), trained and saved
-  there first if absent."""
-  if path is not None:
-    return Tokenizer.load(path)
-  cached = Path(cache_dir) / f'bpe-v{vocab_size}-{corpus_hash(docs)[:16]}.json'
-  if cached.is_file():
-    return Tokenizer.load(cached)
-  return Tokenizer.train_bpe(docs, vocab_size=vocab_size, path=cached)
-
-
-def tokenize_corpus(docs: tp.Sequence[str], tokenizer: Tokenizer, *,
-                    cache_dir: PathLike | None = None) -> np.ndarray:
-  """All documents encoded and concatenated, each followed by ``eos_id``: int32.
-
-  With ``cache_dir`` the result is cached there, keyed by the hashes of the
-  corpus and of the tokenizer file.
-  """
-  cached = None
-  if cache_dir is not None:
-    key = f'{corpus_hash(docs)[:16]}-{_file_hash(tokenizer.path)[:16]}'
-    cached = Path(cache_dir) / f'tokens-{key}.npy'
-    if cached.is_file():
-      return np.load(cached)
-  chunks = []
-  for start in range(0, len(docs), 1024):
-    for ids in tokenizer.encode_batch(docs[start:start + 1024]):
-      chunks.append(np.asarray(ids, np.int32))
-      chunks.append(np.asarray([tokenizer.eos_id], np.int32))
-  tokens = np.concatenate(chunks) if chunks else np.zeros((0,), np.int32)
-  if cached is not None:
-    _atomic_write(cached, lambda tmp: np.save(tmp, tokens), '.npy')
-  return tokens
-
 
 # ----------------------------------------------------------------------------- windows
 
@@ -395,6 +225,11 @@ def split(tokens: np.ndarray, *, val_fraction: float,
                      f'in each, val_fraction={val_fraction})')
   cut = n - n_val(n)
   return tokens[:cut], tokens[cut:]
+
+
+def token_hash(tokens: np.ndarray) -> str:
+  """The sha256 hex digest of a token stream (its int32 little-endian bytes)."""
+  return hashlib.sha256(np.ascontiguousarray(tokens, '<i4').tobytes()).hexdigest()
 
 
 class _WindowsToBatch:
@@ -492,10 +327,13 @@ class TextData:
   The last ``val_fraction`` of the tokens is the validation split.
 
   Attributes:
-    tokenizer: the :class:`Tokenizer`.
+    tokenizer: the :class:`~poetx_jax.pretrain.tokenizer.Tokenizer`.
     train_windows, val_windows: (N, seq_len + 1) int32, from :func:`pack`.
     num_tokens: tokens in the whole corpus, eos included.
     seq_len: as given.
+    fingerprint: the identity of the splits, ``{'train_tokens': n,
+      'train_sha256': ..., 'val_tokens': m, 'val_sha256': ...}`` (each a
+      :func:`token_hash` of the split's token stream).
     description: a line on the corpus, tokenizer and sizes.
 
   Batches come from :func:`train_dataset` and :func:`eval_batches` of the windows.
@@ -516,6 +354,8 @@ class TextData:
     self.train_windows, self.val_windows = pack(train, seq_len), pack(val, seq_len)
     self.num_tokens = int(len(tokens))
     self.seq_len = seq_len
+    self.fingerprint = {'train_tokens': int(len(train)), 'train_sha256': token_hash(train),
+                        'val_tokens': int(len(val)), 'val_sha256': token_hash(val)}
     self.description = (
         f'{desc}; tokenizer {self.tokenizer.path.name} (vocab {self.tokenizer.vocab_size});'
         f' {self.num_tokens:,} tokens -> {len(self.train_windows)} train +'

@@ -1,0 +1,247 @@
+"""The run options of ``poetx train``: one schema for the code, the checks and the CLI.
+
+:class:`TrainConfig` holds everything a run needs and is saved as ``run.json``
+in the run directory. Each field carries, in its ``dataclasses.field``
+metadata, its help text (``'help'``), its valid values (``'choices'``), its
+bounds (``'min'``/``'max'`` inclusive, ``'gt'``/``'lt'`` exclusive) and, for an
+optional field, what None means (``'none'``). :meth:`TrainConfig.validate`
+checks every field against that metadata (plus a few rules across fields),
+and :func:`add_options` generates the ``poetx train`` flags from it::
+
+    parser = argparse.ArgumentParser()
+    add_options(parser)
+    cfg = config_from_args(parser.parse_args(['--steps', '10']))
+    cfg.validate()
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import typing as tp
+
+from poetx_jax import linear, ops, sharding
+from poetx_jax.models import llama
+from poetx_jax.pretrain.tokenizer import MIN_BPE_VOCAB
+
+OPTIMIZERS = ('poetx', 'adamw')
+DTYPES = ('float32', 'bfloat16')
+
+
+def parse_overrides(text: str) -> dict:
+  """The ``--model-overrides`` text as a dict, values read as JSON where they
+  parse, else kept as strings.
+
+    >>> parse_overrides('layers=4,hidden=128,name=x')
+    {'layers': 4, 'hidden': 128, 'name': 'x'}
+  """
+  out = {}
+  for item in filter(None, text.split(',')):
+    if '=' not in item:
+      raise ValueError(f'--model-overrides wants K=V pairs, got {item!r}')
+    k, v = item.split('=', 1)
+    try:
+      out[k.strip()] = json.loads(v)
+    except json.JSONDecodeError:
+      out[k.strip()] = v
+  return out
+
+
+def _option(default: tp.Any, help: str, **metadata) -> tp.Any:  # pylint: disable=redefined-builtin
+  """A config field: its default (a list or dict is copied per instance) and metadata."""
+  metadata['help'] = help
+  if isinstance(default, (list, dict)):
+    return dataclasses.field(default_factory=lambda: type(default)(default),
+                             metadata=metadata)
+  return dataclasses.field(default=default, metadata=metadata)
+
+
+def _count(default: int, help: str, **metadata) -> tp.Any:  # pylint: disable=redefined-builtin
+  """An int option that must be >= 1."""
+  return _option(default, help, min=1, **metadata)
+
+
+@dataclasses.dataclass
+class TrainConfig:
+  """Everything a run needs; saved as ``run.json`` in the run directory."""
+  model: str = _option('tiny', 'named Llama config', choices=tuple(llama.CONFIGS),
+                       cli_choices=False)
+  model_overrides: dict = _option(
+      {}, 'override config fields, e.g. layers=4,hidden=128', metavar='K=V,...',
+      parse=parse_overrides)
+  data: list[str] | None = _option(
+      None, 'text files or folders (.txt .md .rst .jsonl .jsonl.gz .json.gz .parquet)',
+      none='the built-in corpus', metavar='PATH')
+  tokenizer: str | None = _option(
+      None, 'tokenizer file (HF tokenizers JSON or sentencepiece .model)',
+      none='a BPE trained on the corpus')
+  vocab_size: int = _option(4096, 'vocabulary of the trained BPE', min=MIN_BPE_VOCAB)
+  seq_len: int = _count(128, 'tokens per sequence')
+  batch_size: int = _count(16, 'sequences per micro-batch')
+  grad_accum: int = _count(1, 'micro-batches per optimizer update')
+  steps: int = _count(600, 'optimizer updates')
+  optimizer: str = _option('poetx', 'POET-X, or AdamW (the baseline)', choices=OPTIMIZERS)
+  lr: float = _option(3e-3, 'peak learning rate of AdamW (and of the non-POET parameters)',
+                      min=0)
+  poet_lr: float | None = _option(None, 'peak POET-X step size', gt=0,
+                                  none='min(5e-3, 0.25 / block size)')
+  warmup: int = _option(30, 'warmup updates', min=0)
+  min_lr_ratio: float = _option(0.1, 'final/peak learning rate', min=0, max=1)
+  weight_decay: float = _option(0.0, 'AdamW weight decay', min=0)
+  clip: float = _option(1.0, 'global-norm clip (0: off)', min=0)
+  merge_every: int = _count(50, 'POET-X merge interval in updates')
+  block_size: int | None = _option(None, 'POET block size', min=2, none="the model config's")
+  mode: str = _option('fast', 'POET-X fast (keeps activations) or mem (recomputes)',
+                      choices=linear.MODES)
+  form: str = _option('input', 'POET layer product order: rotate the activations (input) '
+                      'or the frozen weight (weight); same function', choices=ops.FORMS)
+  implementation: str = _option(
+      'xla', "POET layers' block products: XLA, or the Pallas Mosaic GPU kernels (Hopper, "
+      '16-bit activations; block size a multiple of 64, <= 512)',
+      choices=linear.IMPLEMENTATIONS)
+  remat: str = _option('none', 'rematerialise each decoder layer: keep only its input '
+                       '(block), or its input and attention output (attn)',
+                       choices=tuple(llama.REMAT_POLICIES))
+  attention: str = _option('auto', "attention kernel: cuDNN's fused attention or XLA's; "
+                           'auto: cuDNN on GPUs for 16-bit compute', choices=llama.ATTENTION)
+  scan_layers: bool = _option(False, 'store the decoder layers stacked and run them with '
+                              'lax.scan: compile time independent of depth (for large models)')
+  quantize: str | None = _option(None, 'POET-XQ: store the frozen base weights in int8 or '
+                                 'int4', choices=tuple(ops.QUANT_BITS),
+                                 none='full-precision bases')
+  group_size: int = _count(128, 'POET-XQ rows per quantisation group')
+  lean_state: bool = _option(False, 'bf16 momenta; factored second moments for the non-POET '
+                             'parameters (embeddings, head, norms; all of them for AdamW) and '
+                             'one second moment per block for the POET generators')
+  strategy: str = _option('dp', 'on several devices: replicate the state (dp) or shard it '
+                          '(fsdp)', choices=sharding.STRATEGIES)
+  fsdp: int = _count(1, 'size of the mesh axis that shards state (strategy fsdp); must '
+                     'divide the device count')
+  dtype: str = _option('auto', 'compute dtype; auto: bfloat16 on GPU, float32 elsewhere',
+                       choices=('auto',) + DTYPES)
+  param_dtype: str = _option('float32', 'dtype of the weights (POET generators are always '
+                             'float32)', choices=DTYPES)
+  seed: int = _option(0, 'seed of model, permutations and data order', min=0)
+  val_fraction: float = _option(0.05, 'share of tokens held out for validation', gt=0, lt=1)
+  eval_every: int = _count(100, 'validate every N micro-steps')
+  eval_batches: int = _count(20, 'validation batches per evaluation')
+  log_every: int = _count(10, 'log every N micro-steps')
+  checkpoint_every: int = _count(100, 'checkpoint every N micro-steps')
+  keep: int = _count(3, 'checkpoints kept')
+  out_dir: str | None = _option(None, 'run directory', none='runs/MODEL-OPTIMIZER')
+  cache_dir: str = _option('~/.cache/poetx_jax', 'tokenizer and token cache')
+
+  def validate(self, *, device_count: int | None = None) -> None:
+    """Raises ValueError naming the first option that cannot be honoured.
+
+    Args:
+      device_count: the devices the run will use; when given, ``fsdp`` must
+        divide it.
+    """
+    hints = tp.get_type_hints(TrainConfig)
+    for f in dataclasses.fields(self):
+      _check(f.name, getattr(self, f.name), hints[f.name], f.metadata)
+    if self.quantize is not None and self.optimizer != 'poetx':
+      raise ValueError(f'quantize={self.quantize!r} needs optimizer poetx (the AdamW '
+                       f'baseline trains its weights in full precision)')
+    if device_count is not None and device_count % self.fsdp:
+      valid = [n for n in range(1, device_count + 1) if device_count % n == 0]
+      raise ValueError(f'fsdp={self.fsdp} must divide the {device_count} device(s); '
+                       f'valid: {valid}')
+
+
+def _base_type(hint) -> tuple[type, bool]:
+  """(the type of a field without None, whether None is allowed)."""
+  args = tp.get_args(hint)
+  if type(None) in args:
+    (hint,) = [a for a in args if a is not type(None)]
+    return tp.get_origin(hint) or hint, True
+  return tp.get_origin(hint) or hint, False
+
+
+def _bounds(md: tp.Mapping) -> str:
+  """The bounds of a field as text: '>= 1', 'in (0, 1)', 'in [0, 1]'."""
+  lo = ('[', md['min']) if 'min' in md else ('(', md['gt']) if 'gt' in md else None
+  hi = (']', md['max']) if 'max' in md else (')', md['lt']) if 'lt' in md else None
+  if lo and hi:
+    return f'in {lo[0]}{lo[1]}, {hi[1]}{hi[0]}'
+  if lo:
+    return f'{">=" if lo[0] == "[" else ">"} {lo[1]}'
+  return f'{"<=" if hi[0] == "]" else "<"} {hi[1]}' if hi else ''
+
+
+def _check(name: str, value: tp.Any, hint, md: tp.Mapping) -> None:
+  """Raises ValueError unless ``value`` is of the field's type, choices and bounds."""
+  typ, optional = _base_type(hint)
+  if optional and value is None:
+    return
+  or_none = f' (or None: {md["none"]})' if optional else ''
+  if 'choices' in md:
+    if value not in md['choices']:
+      either = 'None or ' if optional else ''
+      raise ValueError(f'{name} must be {either}one of {md["choices"]}, got {value!r}')
+    return
+  numeric = typ in (int, float) and not isinstance(value, bool)
+  if typ is int and not (numeric and isinstance(value, int)):
+    raise ValueError(f'{name} must be an int {_bounds(md)}{or_none}, got {value!r}')
+  if typ is float and not (numeric and isinstance(value, (int, float))):
+    raise ValueError(f'{name} must be a number {_bounds(md)}{or_none}, got {value!r}')
+  if typ in (bool, str, dict, list) and not isinstance(value, typ):
+    raise ValueError(f'{name} must be a {typ.__name__}{or_none}, got {value!r}')
+  if typ is list and not all(isinstance(v, str) for v in value):
+    raise ValueError(f'{name} must be a list of paths (str){or_none}, got {value!r}')
+  if numeric and not (value >= md.get('min', value) and value > md.get('gt', value - 1)
+                      and value <= md.get('max', value) and value < md.get('lt', value + 1)):
+    kind = 'an int ' if typ is int else ''
+    raise ValueError(f'{name} must be {kind}{_bounds(md)}{or_none}, got {value!r}')
+
+
+# ----------------------------------------------------------------------------- the CLI
+
+
+def _help(md: tp.Mapping, default: tp.Any, choices: tp.Sequence | None) -> str:
+  """The --help line of a field: its help, its valid values and its default."""
+  text = md['help']
+  if choices is not None and not md.get('cli_choices', True):
+    text += f'; one of {", ".join(choices)}'
+  bounds = _bounds(md)
+  if bounds and 'choices' not in md:
+    text += f'; {bounds}'
+  if default is None:
+    text += f' (default: {md["none"]})'
+  elif not (default is False or default == {}):
+    text += f' (default: {default})'
+  return text.replace('%', '%%')
+
+
+def add_options(parser: argparse.ArgumentParser) -> None:
+  """Adds one ``--flag`` per :class:`TrainConfig` field (``model_overrides`` ->
+  ``--model-overrides``): bools are switches, lists take several values, a
+  field with a ``parse`` function takes its text form."""
+  hints = tp.get_type_hints(TrainConfig)
+  for f in dataclasses.fields(TrainConfig):
+    md, flag = f.metadata, '--' + f.name.replace('_', '-')
+    typ, _ = _base_type(hints[f.name])
+    default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+    choices = md.get('choices')
+    kw = dict(help=_help(md, default, choices), metavar=md.get('metavar'))
+    if typ is bool:
+      parser.add_argument(flag, action='store_true', help=kw['help'])
+    elif typ is list:
+      parser.add_argument(flag, nargs='*', default=default, **kw)
+    elif 'parse' in md:  # read from text by config_from_args
+      parser.add_argument(flag, type=str, default=default, **kw)
+    else:
+      cli_choices = choices if md.get('cli_choices', True) else None
+      parser.add_argument(flag, type=typ, default=default, choices=cli_choices, **kw)
+
+
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
+  """The :class:`TrainConfig` of parsed :func:`add_options` flags (other
+  attributes of ``args`` are ignored)."""
+  values = {}
+  for f in dataclasses.fields(TrainConfig):
+    v = getattr(args, f.name)
+    values[f.name] = f.metadata['parse'](v) if 'parse' in f.metadata and isinstance(v, str) else v
+  return TrainConfig(**values)

@@ -1,0 +1,163 @@
+"""What a :class:`~poetx_jax.pretrain.config.TrainConfig` builds: the model,
+the optimizer, the train step and the device mesh.
+
+    mc = model_config(cfg, vocab_size)
+    model = build_model(cfg, mc)
+    optimizer = build_optimizer(cfg, model)
+    step = make_step(cfg)
+    loss = step(model, optimizer, batch)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+import poetx_jax
+from poetx_jax import sharding
+from poetx_jax.lean import lean_adamw
+from poetx_jax.models import llama
+from poetx_jax.pretrain.config import TrainConfig
+from poetx_jax.pretrain.evaluation import mean_loss, target_count
+
+
+def compute_dtype(name: str):
+  """The compute dtype of ``TrainConfig.dtype``: 'auto' is bf16 on GPU, f32 elsewhere."""
+  if name == 'auto':
+    return jnp.bfloat16 if jax.default_backend() == 'gpu' else jnp.float32
+  return jnp.dtype(name)
+
+
+def model_config(cfg: TrainConfig, vocab_size: int) -> llama.LlamaConfig:
+  """The named config with overrides, its vocabulary set to the tokenizer's."""
+  mc = llama.get_config(cfg.model, **cfg.model_overrides)
+  mc = dataclasses.replace(mc, vocab_size=vocab_size)
+  if cfg.seq_len > mc.max_seq_len:
+    raise ValueError(f'seq_len={cfg.seq_len} is longer than model {cfg.model!r} '
+                     f'supports (max_seq_len={mc.max_seq_len})')
+  return mc
+
+
+def build_model(cfg: TrainConfig, mc: llama.LlamaConfig, mesh=None):
+  """The Llama (poetized for POET-X) as it is at step 0 of the run.
+
+  For POET-X each decoder layer is converted as soon as it is built (its dense
+  kernels freed), so the dense weights of only one layer are resident at a
+  time. The result is that of ``poetize(init_model(...), rngs=nnx.Rngs(seed +
+  1), ...)``. Built op by op, not in one jitted program: a whole-model program
+  compiles its initialisers and permutation draws once per layer (minutes on a
+  GPU for Llama-1B), op by op they compile once per shape.
+
+  With ``mesh``, ``cfg.strategy == 'fsdp'`` and ``cfg.scan_layers``, the
+  stacked decoder layers are allocated sharded and each layer is written into
+  its shards as it is built: a model whose weights do not fit on one device
+  is never gathered on one (the rest, embeddings and head, start on the
+  default device; :func:`poetx_jax.sharding.shard_state` places them).
+  """
+  dtype, param_dtype = compute_dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
+  place = None
+  if mesh is not None and cfg.strategy == 'fsdp' and cfg.scan_layers:
+    place = sharding.placement(mesh, cfg.strategy)
+  convert = None
+  if cfg.optimizer == 'poetx':
+    poet_rngs = nnx.Rngs(jax.random.key(cfg.seed + 1))
+
+    def convert(layer):
+      return poetx_jax.poetize(layer, rngs=poet_rngs, consume=True,
+                               block_size=cfg.block_size or mc.block_size, mode=cfg.mode,
+                               form=cfg.form, implementation=cfg.implementation,
+                               quantize=cfg.quantize, group_size=cfg.group_size)
+
+  return llama.Llama(mc, dtype=dtype, param_dtype=param_dtype, remat=cfg.remat,
+                     attention=cfg.attention, rngs=nnx.Rngs(jax.random.key(cfg.seed)), convert_layer=convert,
+                     scan_layers=cfg.scan_layers, place=place)
+
+
+def state_bytes(tree) -> int:
+  """Bytes of a state's arrays (concrete or abstract), each element at its
+  numpy item size (int4 counts one byte)."""
+  return sum(x.size * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
+
+
+def size_text(tree) -> str:
+  """:func:`state_bytes` as text ('1.23 GiB' or '456.7 MiB')."""
+  n = state_bytes(tree)
+  return f'{n / 2 ** 30:.2f} GiB' if n >= 2 ** 30 else f'{n / 2 ** 20:.1f} MiB'
+
+
+def abstract_state(cfg: TrainConfig, mc: llama.LlamaConfig):
+  """``(model, optimizer)`` of the run as shapes only (``nnx.eval_shape``):
+  for sizing and compiling without allocating anything."""
+
+  def build():
+    model = build_model(cfg, mc)
+    return model, build_optimizer(cfg, model)
+
+  return nnx.eval_shape(build)
+
+
+def schedule(peak: float, cfg: TrainConfig) -> optax.Schedule:
+  """Linear warmup to ``peak``, cosine decay to ``min_lr_ratio * peak``."""
+  total = max(cfg.steps, cfg.warmup + 1)
+  return optax.warmup_cosine_decay_schedule(
+      0.0, peak, warmup_steps=cfg.warmup, decay_steps=total,
+      end_value=peak * cfg.min_lr_ratio)
+
+
+def poet_lr(cfg: TrainConfig, block_size: int) -> float:
+  """The run's peak POET-X learning rate: ``cfg.poet_lr``, else the default."""
+  return poetx_jax.default_poet_lr(block_size) if cfg.poet_lr is None else cfg.poet_lr
+
+
+def model_poet_lr(cfg: TrainConfig, model) -> float:
+  """The peak POET learning rate of a converted model (its block size's default
+  unless ``cfg.poet_lr`` is set)."""
+  return poet_lr(cfg, poetx_jax.poet_layers(model)[0][1].block_size)
+
+
+def build_optimizer(cfg: TrainConfig, model) -> nnx.Optimizer:
+  """The run's optimizer: POET-X for the generators and AdamW for the rest (or
+  AdamW for everything), clipped and accumulated as configured."""
+  if cfg.lean_state:
+    adamw = lean_adamw(schedule(cfg.lr, cfg), weight_decay=cfg.weight_decay)
+  else:
+    adamw = optax.adamw(schedule(cfg.lr, cfg), b1=0.9, b2=0.999,
+                        weight_decay=cfg.weight_decay)
+  if cfg.optimizer == 'poetx':
+    lean = dict(mu_dtype=jnp.bfloat16, second_moment='block') if cfg.lean_state else {}
+    peak = model_poet_lr(cfg, model)
+    tx = poetx_jax.poetx_partition(
+        model, poetx_jax.poetx(schedule(peak, cfg), merge_every=cfg.merge_every,
+                               **lean),
+        adamw)
+  else:
+    tx = adamw
+  if cfg.clip > 0:
+    tx = optax.chain(optax.clip_by_global_norm(cfg.clip), tx)
+  if cfg.grad_accum > 1:
+    tx = optax.MultiSteps(tx, every_k_schedule=cfg.grad_accum)
+  return nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+
+def make_step(cfg: TrainConfig, on_merge=None, mesh=None):
+  """The run's train step ``step(model, optimizer, batch) -> loss``; ``on_merge``:
+  called as ``on_merge(step, orthogonality_error)`` at each POET-X merge;
+  ``mesh``: the training mesh, if any."""
+  if cfg.optimizer == 'poetx':
+    dp = mesh if mesh is not None and cfg.strategy == 'dp' else None
+    return poetx_jax.make_train_step(mean_loss, merge_every=cfg.merge_every * cfg.grad_accum,
+                                     seed=cfg.seed, on_merge=on_merge,
+                                     data_parallel=dp, loss_weight=target_count)
+  return poetx_jax.make_train_step(mean_loss)  # AdamW: never merges
+
+
+def make_training_mesh(cfg: TrainConfig):
+  """The (data, fsdp) mesh over all devices, or None on a single device."""
+  if jax.device_count() == 1:
+    return None
+  return sharding.make_mesh(fsdp=cfg.fsdp)

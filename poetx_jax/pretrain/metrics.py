@@ -1,0 +1,205 @@
+"""What a run reports while it trains: metrics.jsonl, the progress bar, the
+clock that separates training from evaluation and compilation, merge health,
+and the flag a SIGTERM or Ctrl-C raises.
+
+``metrics.jsonl`` holds one JSON record per line, each with its ``'step'``:
+
+* every ``log_every`` steps ``loss``, ``tokens_per_s``, ``elapsed_s`` (wall
+  seconds since the loop started, compilation, evaluation and checkpoints
+  included), ``train_s`` (the same less the time spent in evaluation, probes
+  and checkpoints) and ``compile_s`` (the part of ``train_s`` spent tracing and
+  compiling programs), so ``train_s - compile_s`` is steady-state training;
+* at step 0 and every ``eval_every`` steps ``val_loss`` and ``val_ppl``;
+* at every POET-X merge ``merge_orthogonality_error`` (what
+  :func:`poetx_jax.merge` returns);
+* the records of a probe, if the run has one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import pathlib
+import signal
+import sys
+import time
+import typing as tp
+
+import jax
+import tqdm
+
+# A merge whose factors are further than this from orthogonal is reported:
+# healthy runs stay at a few 1e-2 or less (docs/quality.md); the series
+# diverges past about 1.
+ORTHOGONALITY_WARNING = 0.1
+
+
+class Metrics:
+  """metrics.jsonl (and TensorBoard when tensorboardX is installed).
+
+  On resume (``resume_step > 0``) the records past ``resume_step`` are dropped.
+  """
+
+  def __init__(self, out_dir: pathlib.Path, resume_step: int):
+    self.path = out_dir / 'metrics.jsonl'
+    kept = []
+    if resume_step and self.path.exists():  # drop records past the checkpoint
+      kept = [l for l in self.path.read_text().splitlines()
+              if l.strip() and json.loads(l)['step'] <= resume_step]
+    self.path.write_text(''.join(l + '\n' for l in kept))
+    self._tb = None
+    try:
+      from tensorboardX import SummaryWriter  # optional
+      self._tb = SummaryWriter(str(out_dir / 'tb'))
+    except ImportError:
+      pass
+
+  def write(self, record: dict) -> None:
+    with self.path.open('a') as f:
+      f.write(json.dumps(record) + '\n')
+    if self._tb is not None:
+      for k, v in record.items():
+        if k != 'step' and isinstance(v, (int, float)):
+          self._tb.add_scalar(k, v, record['step'])
+
+  def close(self):
+    if self._tb is not None:
+      self._tb.close()
+
+
+def merge_reporter(metrics: Metrics, log: tp.Callable[[str], None], *, poet_lr: float,
+                   merge_every: int) -> tp.Callable[[int, tp.Any], None]:
+  """``on_merge(step, error)`` for the train step: records each merge's
+  orthogonality error and logs a warning naming the remedy past
+  ``ORTHOGONALITY_WARNING``."""
+
+  def report(merge_step, error):
+    error = float(error)
+    metrics.write({'step': merge_step, 'merge_orthogonality_error': error})
+    if not error <= ORTHOGONALITY_WARNING:
+      log(f'warning: at the merge of step {merge_step} the POET factors were far from '
+          f'orthogonal (error {error:.3g} > {ORTHOGONALITY_WARNING}): the '
+          f'Cayley–Neumann series has left its region of convergence, which '
+          f'the weights now carry. Lower --poet-lr (this run: {poet_lr:g}) '
+          f'or merge more often (--merge-every {merge_every}).')
+
+  return report
+
+
+class _Lines:
+  """A stream for tqdm off a terminal: each redraw becomes one line, repeats dropped."""
+
+  def __init__(self, stream):
+    self.stream, self._last = stream, None
+
+  def write(self, text: str) -> None:
+    line = text.replace('\r', '').rstrip()
+    if line and line != self._last:
+      self.stream.write(line + '\n')
+      self._last = line
+
+  def flush(self) -> None:
+    self.stream.flush()
+
+
+class Progress:
+  """The tqdm progress bar of the loop: step/total, ETA, loss and tokens/s.
+
+  Drawn at every :meth:`update` (the loop calls it every ``log_every``
+  steps): in place on a terminal, one line per update elsewhere (a log file).
+  """
+
+  def __init__(self, total: int, *, initial: int = 0, stream=None):
+    stream = sys.stderr if stream is None else stream
+    tty = stream.isatty()
+    # Off a terminal: no line before the first update, none repeated at close.
+    self._bar = tqdm.tqdm(total=total, initial=initial, unit='step',
+                          file=stream if tty else _Lines(stream), dynamic_ncols=tty,
+                          ncols=None if tty else 100, mininterval=0, miniters=1,
+                          delay=0 if tty else 1e-9, leave=tty)
+
+  def update(self, step: int, loss: float, tok_s: float) -> None:
+    self._bar.set_postfix_str(f'loss {loss:.4f}, {tok_s:,.0f} tok/s', refresh=False)
+    self._bar.update(step - self._bar.n)
+
+  def close(self) -> None:
+    self._bar.close()
+
+
+# jax.monitoring time spans of tracing, lowering and XLA compilation.
+_COMPILE_EVENTS = frozenset((
+    '/jax/core/compile/jaxpr_trace_duration',
+    '/jax/core/compile/jaxpr_to_mlir_module_duration',
+    '/jax/core/compile/backend_compile_duration',
+))
+
+
+class TrainClock:
+  """What of the training loop's wall time is not training, and what is compiling.
+
+  ``paused_s`` sums the time spent inside ``paused()`` (evaluation, probes,
+  checkpoints). ``compile_s()`` is the time spent tracing, lowering and
+  compiling programs outside ``paused()``: the union of the jax.monitoring time
+  spans of those events (nested spans, e.g. an inner jit traced inside an
+  outer one, count once). Wall time less ``paused_s`` less ``compile_s()`` is
+  steady-state training time.
+  """
+
+  def __init__(self):
+    self.paused_s = 0.0
+    self._paused = False
+    self._spans = []
+
+  def _on_span(self, event, start, end, **_):
+    if event in _COMPILE_EVENTS and not self._paused:
+      self._spans.append((start, end))
+
+  def __enter__(self):
+    jax.monitoring.register_event_time_span_listener(self._on_span)
+    return self
+
+  def __exit__(self, *exc):
+    jax.monitoring.unregister_event_time_span_listener(self._on_span)
+
+  @contextlib.contextmanager
+  def paused(self, pending=None):
+    """Time inside does not count; ``pending`` (e.g. the last loss) is waited
+    for first, so queued training steps are not counted as paused time."""
+    jax.block_until_ready(pending)
+    t, self._paused = time.perf_counter(), True
+    try:
+      yield
+    finally:
+      self._paused = False
+      self.paused_s += time.perf_counter() - t
+
+  def compile_s(self) -> float:
+    total, end = 0.0, -math.inf
+    for a, b in sorted(self._spans):
+      if b > end:
+        total += b - max(a, end)
+        end = b
+    return total
+
+
+class StopFlag:
+  """Turns SIGTERM / Ctrl-C into a flag checked between steps."""
+
+  def __init__(self):
+    self.signal = None
+    self._old = {}
+
+  def __enter__(self):
+    for s in (signal.SIGINT, signal.SIGTERM):
+      self._old[s] = signal.signal(s, self._handle)
+    return self
+
+  def _handle(self, signum, frame):
+    if self.signal is not None:  # a second signal: stop at once
+      raise KeyboardInterrupt
+    self.signal = signal.Signals(signum).name
+
+  def __exit__(self, *exc):
+    for s, h in self._old.items():
+      signal.signal(s, h)
