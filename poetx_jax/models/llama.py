@@ -26,7 +26,26 @@ from flax import nnx
 from flax.nnx.nn import initializers
 from jax.ad_checkpoint import checkpoint_name
 
+from poetx_jax.models.stack import StackedLayers
+
 Array = jax.Array
+
+ATTENTION = ('auto', 'xla', 'cudnn')
+
+
+def attention_implementation(name: str, dtype, head_dim: int) -> str:
+  """The ``implementation`` of ``jax.nn.dot_product_attention`` for an
+  attention option: ``'auto'`` is cuDNN's fused (flash) attention on GPUs for
+  16-bit activations and head dimensions it takes (multiples of 8 up to 128),
+  XLA's otherwise; ``'xla'`` and ``'cudnn'`` as named."""
+  if name not in ATTENTION:
+    raise ValueError(f'attention must be one of {ATTENTION}, got {name!r}')
+  if name != 'auto':
+    return name
+  fused = (jax.default_backend() == 'gpu' and jnp.dtype(dtype).itemsize == 2
+           and head_dim % 8 == 0 and head_dim <= 128)
+  return 'cudnn' if fused else 'xla'
+
 
 # Rematerialisation of each decoder layer (``Llama(..., remat=...)``):
 #   'none'  keep every activation the backward needs;
@@ -185,10 +204,12 @@ def _linear(i, o, config, dtype, param_dtype, rngs):
 
 
 class Attention(nnx.Module):
-  """Causal grouped-query self-attention with rotary embeddings."""
+  """Causal grouped-query self-attention with rotary embeddings;
+  ``attention`` picks the kernel (:func:`attention_implementation`)."""
 
   def __init__(self, config: LlamaConfig, *, dtype: tp.Any = jnp.float32,
-               param_dtype: tp.Any = jnp.float32, rngs: nnx.Rngs):
+               param_dtype: tp.Any = jnp.float32, attention: str = 'auto',
+               rngs: nnx.Rngs):
     h, d = config.hidden, config.head_dim
     lin = functools.partial(_linear, config=config, dtype=dtype,
                             param_dtype=param_dtype, rngs=rngs)
@@ -200,6 +221,8 @@ class Attention(nnx.Module):
     self.kv_heads = config.kv_heads
     self.head_dim = d
     self.rope_theta = config.rope_theta
+    attention_implementation(attention, jnp.float32, d)  # validates
+    self.attention = attention
 
   def __call__(self, x: Array, positions: Array | None = None) -> Array:
     """x (B, T, H), positions (B or 1, T) int (default 0..T-1) -> (B, T, H)."""
@@ -211,7 +234,8 @@ class Attention(nnx.Module):
     v = self.v_proj(x).reshape(b, t, self.kv_heads, self.head_dim)
     cos, sin = rope_tables(positions, self.head_dim, self.rope_theta)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    out = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+    impl = attention_implementation(self.attention, q.dtype, self.head_dim)
+    out = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=impl)
     out = checkpoint_name(out.reshape(b, t, self.heads * self.head_dim), 'attn_out')
     return self.o_proj(out)
 
@@ -236,11 +260,12 @@ class DecoderLayer(nnx.Module):
   """Pre-norm residual block: attention, then MLP."""
 
   def __init__(self, config: LlamaConfig, *, dtype: tp.Any = jnp.float32,
-               param_dtype: tp.Any = jnp.float32, rngs: nnx.Rngs):
+               param_dtype: tp.Any = jnp.float32, attention: str = 'auto',
+               rngs: nnx.Rngs):
     kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
     self.input_layernorm = RMSNorm(config.hidden, eps=config.norm_eps,
                                    param_dtype=param_dtype, rngs=rngs)
-    self.self_attn = Attention(config, **kw)
+    self.self_attn = Attention(config, attention=attention, **kw)
     self.post_attention_layernorm = RMSNorm(config.hidden, eps=config.norm_eps,
                                             param_dtype=param_dtype, rngs=rngs)
     self.mlp = MLP(config, **kw)
@@ -248,98 +273,6 @@ class DecoderLayer(nnx.Module):
   def __call__(self, x: Array, positions: Array | None = None) -> Array:
     x = x + self.self_attn(self.input_layernorm(x), positions)
     return x + self.mlp(self.post_attention_layernorm(x))
-
-
-@functools.partial(jax.jit, donate_argnums=0)
-def _write_layer(stacked: list, leaves: list, i) -> list:
-  """``stacked[j][i] = leaves[j]`` for every j, in place (donated)."""
-  return [jax.lax.dynamic_update_index_in_dim(s, x, i, 0)
-          for s, x in zip(stacked, leaves)]
-
-
-class StackedLayers(nnx.Module):
-  """Identical decoder layers stored as one module and run with ``jax.lax.scan``.
-
-  Every variable of :attr:`layer` carries a leading axis of ``length``: entry
-  i is layer i. The forward scans over that axis, so a compiled program holds
-  one layer however deep the model (an unrolled Llama's compile time grows
-  with its depth: minutes on an H200 for 8B). Indexing and iterating give each
-  layer as its own module (a copy), e.g. for export.
-
-  Args:
-    make_layer: ``make_layer(i)`` builds layer i; called once per layer, in
-      order. Each layer is copied into the stack and its arrays freed before
-      the next is built, so building needs one layer's memory beyond the stack.
-      Every layer must have the same structure, shapes and dtypes.
-    length: number of layers.
-    place: ``place(shape)`` gives the sharding of a stacked array of that
-      shape, allocated there from the start (a model too large for one device
-      is built one layer at a time straight into its shards). None: the
-      default device.
-  """
-
-  def __init__(self, make_layer: tp.Callable[[int], nnx.Module], length: int, *,
-               place: tp.Callable[[tuple], jax.sharding.Sharding] | None = None):
-    if not isinstance(length, (int, np.integer)) or length < 1:
-      raise ValueError(f'length must be a positive int, got {length!r}')
-    graphdef = treedef = stacked = None
-    for i in range(length):
-      g, state = nnx.split(make_layer(i))
-      leaves, t = jax.tree.flatten(state)
-      if graphdef is None:
-        graphdef, treedef = g, t
-        stacked = [jnp.zeros((length,) + x.shape, x.dtype,
-                             device=place((length,) + x.shape) if place else None)
-                   for x in leaves]
-      elif g != graphdef or t != treedef or any(
-          x.shape != s.shape[1:] or x.dtype != s.dtype for x, s in zip(leaves, stacked)):
-        raise ValueError(f'layer {i} differs in structure, shape or dtype from layer 0; '
-                         f'StackedLayers needs identical layers')
-      stacked = _write_layer(stacked, leaves, i)
-      for x in leaves:
-        if not isinstance(x, jax.core.Tracer) and not x.is_deleted():
-          x.delete()
-    self.layer = nnx.merge(graphdef, jax.tree.unflatten(treedef, stacked))
-    for _, v in nnx.iter_graph(self.layer):
-      if isinstance(v, nnx.Variable):
-        v.set_metadata(layer_axis=0)  # read by poetx_jax.sharding (copied to opt. moments)
-    self.length = int(length)
-    # The sharding of the activations between layers, pinned in the scan
-    # when set (poetx_jax.sharding.shard_state sets it for FSDP: without it
-    # XLA 0.11's partitioner fails on the POET layers' backward in the loop).
-    self.carry_sharding = None
-
-  def __len__(self) -> int:
-    return self.length
-
-  def __getitem__(self, i: int) -> nnx.Module:
-    if not -self.length <= i < self.length:
-      raise IndexError(f'layer {i} out of range for {self.length} layers')
-    graphdef, state = nnx.split(self.layer)
-    layer = nnx.merge(graphdef, jax.tree.map(lambda x: x[i], state))
-    for _, v in nnx.iter_graph(layer):
-      if isinstance(v, nnx.Variable) and v.has_metadata('layer_axis'):
-        v.del_metadata('layer_axis')
-    return layer
-
-  def __iter__(self):
-    return (self[i] for i in range(self.length))
-
-  def __call__(self, h: Array, *args, policy=None) -> Array:
-    """``h = layer_i(h, *args)`` for i = 0 .. length-1; ``policy``: a
-    ``jax.checkpoint`` policy per layer (None: no rematerialisation)."""
-    graphdef, state = nnx.split(self.layer)
-
-    pin = ((lambda x: jax.lax.with_sharding_constraint(x, self.carry_sharding))
-           if self.carry_sharding is not None else (lambda x: x))
-
-    def body(h, layer_state):
-      return pin(nnx.merge(graphdef, layer_state)(pin(h), *args)), None
-
-    if policy is not None:
-      body = jax.checkpoint(body, policy=policy, prevent_cse=False)
-    h, _ = jax.lax.scan(body, h, state)
-    return h
 
 
 class Llama(nnx.Module):
@@ -350,6 +283,9 @@ class Llama(nnx.Module):
     dtype: compute dtype of every Linear / Embed (activations).
     param_dtype: dtype of the parameters.
     remat: rematerialisation per decoder layer, a key of :data:`REMAT_POLICIES`.
+    attention: the attention kernel, one of :data:`ATTENTION`
+      (:func:`attention_implementation`; ``'auto'``: cuDNN's fused attention
+      on GPUs for 16-bit activations, XLA's otherwise).
     rngs: draws the initial weights (``params`` stream).
     convert_layer: applied to each decoder layer as soon as it is built, its
       result kept in its place (e.g. a POET conversion: then the dense
@@ -377,7 +313,8 @@ class Llama(nnx.Module):
   """
 
   def __init__(self, config: LlamaConfig, *, dtype: tp.Any = jnp.float32,
-               param_dtype: tp.Any = jnp.float32, remat: str = 'none', rngs: nnx.Rngs,
+               param_dtype: tp.Any = jnp.float32, remat: str = 'none',
+               attention: str = 'auto', rngs: nnx.Rngs,
                convert_layer: tp.Callable[[nnx.Module], nnx.Module] | None = None,
                scan_layers: bool = False,
                place: tp.Callable[[tuple], jax.sharding.Sharding] | None = None):
@@ -398,7 +335,7 @@ class Llama(nnx.Module):
     def make_layer(i):
       del i
       return convert_layer(DecoderLayer(config, dtype=dtype, param_dtype=param_dtype,
-                                        rngs=rngs))
+                                        attention=attention, rngs=rngs))
 
     if scan_layers:
       self.layers = StackedLayers(make_layer, config.layers, place=place)
