@@ -61,20 +61,21 @@ def run_child(cmd: list[str], label: str, env=None) -> tuple[dict | None, str | 
 
 def run_config(a, run: str):
   """The TrainConfig of run ``optimizer[:mode[:remat[:quantize[:form]]]]``."""
-  from poetx_jax.pretrain import train as T
+  from poetx_jax.pretrain.config import TrainConfig
   parts = run.split(':') + [None] * 5
   optimizer, mode, remat = parts[0], parts[1] or 'fast', parts[2] or 'none'
   quant, form, impl = parts[3] or None, parts[4] or 'input', parts[5] or 'xla'
   overrides = json.loads(a.model_overrides) if a.model_overrides else {}
-  cfg = T.TrainConfig(model=a.model, model_overrides=overrides, seq_len=a.seq_len,
-                      batch_size=a.batch_size, steps=1000, optimizer=optimizer,
-                      mode=mode, form=form, implementation=impl, remat=remat,
-                      quantize=quant,
-                      lean_state=a.lean_state, dtype=a.dtype, block_size=a.block_size,
-                      merge_every=a.merge_every,
-                      param_dtype=getattr(a, 'param_dtype', 'float32'),
-                      scan_layers=getattr(a, 'scan_layers', False),
-                      strategy=getattr(a, 'strategy', None) or 'dp')
+  cfg = TrainConfig(model=a.model, model_overrides=overrides, seq_len=a.seq_len,
+                    batch_size=a.batch_size, steps=1000, optimizer=optimizer,
+                    mode=mode, form=form, implementation=impl, remat=remat,
+                    quantize=quant,
+                    lean_state=a.lean_state, dtype=a.dtype, block_size=a.block_size,
+                    merge_every=a.merge_every,
+                    param_dtype=getattr(a, 'param_dtype', 'float32'),
+                    scan_layers=getattr(a, 'scan_layers', False),
+                    strategy=getattr(a, 'strategy', None) or 'dp',
+                    attention=getattr(a, 'attention', 'auto'))
   if cfg.strategy == 'fsdp':  # FSDP over every device
     import jax
     cfg = dataclasses.replace(cfg, fsdp=jax.device_count())
@@ -89,14 +90,14 @@ def resident_state(a, run: str) -> dict:
   scales); ``trainable``: the ``nnx.Param``s (one gradient each during a
   step); ``optimizer``: the optimizer state. ``model + grads + optimizer`` is
   a floor for the peak: activations and temporaries come on top. Sizes count
-  each element's dtype at its numpy item size (``train.state_bytes``).
+  each element's dtype at its numpy item size (``factories.state_bytes``).
   """
   from flax import nnx
-  from poetx_jax.pretrain import train as T
+  from poetx_jax.pretrain import factories as F
   cfg = run_config(a, run)
-  mc = T.model_config(cfg, a.vocab_size)
-  model, opt = T.abstract_state(cfg, mc)
-  gib = lambda tree: T.state_bytes(tree) / 2 ** 30
+  mc = F.model_config(cfg, a.vocab_size)
+  model, opt = F.abstract_state(cfg, mc)
+  gib = lambda tree: F.state_bytes(tree) / 2 ** 30
   r = {'run': run, 'model': a.model, 'dense_params': mc.num_params(),
        'model_gib': gib(nnx.state(model)), 'trainable_gib': gib(nnx.state(model, nnx.Param)),
        'optimizer_gib': gib(nnx.state(opt))}
@@ -108,20 +109,20 @@ def compiled_memory(a, run: str) -> dict:
   """GiB of the compiled update program for this backend, from abstract state.
 
   Lowers and compiles the jitted gradient-and-update program of the run on
-  abstract state (``train.abstract_state``, nothing allocated) and reads XLA's buffer
+  abstract state (``factories.abstract_state``, nothing allocated) and reads XLA's buffer
   assignment: ``arguments`` (model, optimizer state and batch) and
   ``temporaries`` (everything else live during the step, gradients and saved
   activations included). Merges run in their own small programs.
   """
   import jax
   import jax.numpy as jnp
-  from poetx_jax.pretrain import train as T
+  from poetx_jax.pretrain import factories as F
   cfg = run_config(a, run)
-  model, opt = T.abstract_state(cfg, T.model_config(cfg, a.vocab_size))
+  model, opt = F.abstract_state(cfg, F.model_config(cfg, a.vocab_size))
   tokens = jax.ShapeDtypeStruct((a.batch_size, a.seq_len), jnp.int32)
-  step = T.make_step(cfg)
+  step = F.make_step(cfg)
   t0 = time.perf_counter()
-  compiled = getattr(step, 'update', step).lower(
+  compiled = step.lower(
       model, opt, {'inputs': tokens, 'targets': tokens}).compile()
   m = compiled.memory_analysis()
   return {'run': run, 'model': a.model, 'seq_len': a.seq_len, 'batch': a.batch_size,
@@ -130,36 +131,36 @@ def compiled_memory(a, run: str) -> dict:
           'temporaries_gib': m.temp_size_in_bytes / 2 ** 30}
 
 
-def one_run(a, run: str) -> dict:
-  import jax
+def setup_run(a, run: str) -> dict:
+  """Builds the run's model, optimizer, step and two random batches, compiles
+  the step on a first update and checks the setup (the first loss is near
+  log(vocab)). Returns them in a dict with the mesh (or None), ``checks`` and
+  ``compile_s``."""
   import jax.numpy as jnp
   import numpy as np
-  from flax import nnx
 
-  import poetx_jax
   from poetx_jax import sharding
-  from poetx_jax.pretrain import train as T
+  from poetx_jax.pretrain import factories as F
 
   cfg = run_config(a, run)
-  optimizer = cfg.optimizer
-  mc = T.model_config(cfg, a.vocab_size)
+  mc = F.model_config(cfg, a.vocab_size)
   t_setup = time.perf_counter()
   progress(f'{run}: building {a.model} ({mc.num_params() / 1e6:,.0f}M dense parameters)')
   # A mesh only where a strategy was asked for (bench_scaling), over every device.
-  mesh = T.make_training_mesh(cfg) if getattr(a, 'strategy', None) else None
-  model = T.build_model(cfg, mc, mesh)  # fsdp + scan: built into its shards
+  mesh = F.make_training_mesh(cfg) if getattr(a, 'strategy', None) else None
+  model = F.build_model(cfg, mc, mesh)  # fsdp + scan: built into its shards
   rng = np.random.default_rng(0)
   batches = [{'inputs': jnp.asarray(rng.integers(0, a.vocab_size, (a.batch_size, a.seq_len)),
                                     jnp.int32),
               'targets': jnp.asarray(rng.integers(0, a.vocab_size, (a.batch_size, a.seq_len)),
                                      jnp.int32)} for _ in range(2)]
   checks = {}
-  opt = T.build_optimizer(cfg, model)
+  opt = F.build_optimizer(cfg, model)
   if mesh is not None:
     sharding.shard_state(model, mesh, cfg.strategy)
     sharding.shard_state(opt, mesh, cfg.strategy)
     batches = [sharding.shard_batch(b, mesh) for b in batches]
-  step = T.make_step(cfg, mesh=mesh)
+  step = F.make_step(cfg, mesh=mesh)
   progress(f'{run}: set up in {time.perf_counter() - t_setup:.0f} s; compiling the step')
   t0 = time.perf_counter()
   loss0 = float(step(model, opt, batches[0]))
@@ -171,7 +172,23 @@ def one_run(a, run: str) -> dict:
   # above log V (70B-class shapes at init_std 0.02: +1.6), a broken setup far off.
   if not abs(loss0 - math.log(a.vocab_size)) < 0.25 * math.log(a.vocab_size):
     raise SystemExit(f'{run}: setup check failed: {checks}')
-  collectives = (sharding.collective_bytes(getattr(step, "update", step).lower(
+  return dict(cfg=cfg, mc=mc, model=model, opt=opt, step=step, batches=batches, mesh=mesh,
+              checks=checks, compile_s=compile_s)
+
+
+def one_run(a, run: str) -> dict:
+  import jax
+  import jax.numpy as jnp
+  from flax import nnx
+
+  import poetx_jax
+  from poetx_jax import sharding
+
+  s = setup_run(a, run)
+  cfg, mc, model, opt, step = s['cfg'], s['mc'], s['model'], s['opt'], s['step']
+  batches, mesh, checks, compile_s = s['batches'], s['mesh'], s['checks'], s['compile_s']
+  optimizer = cfg.optimizer
+  collectives = (sharding.collective_bytes(step.lower(
       model, opt, batches[1]).compile().as_text())
                  if mesh is not None else {})
   for i in range(a.warmup):
@@ -231,6 +248,8 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
   p.add_argument('--dtype', default='auto')
   p.add_argument('--param-dtype', default='float32', choices=('float32', 'bfloat16'))
   p.add_argument('--lean-state', action='store_true')
+  p.add_argument('--attention', default='auto', choices=('auto', 'xla', 'cudnn'),
+                 help="attention kernel (auto: cuDNN's fused attention on GPUs)")
   p.add_argument('--scan-layers', action='store_true',
                  help='decoder layers stacked and run by lax.scan (compile time '
                       'independent of depth)')

@@ -48,6 +48,9 @@ import typing as tp
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental.layout import Layout, with_layout_constraint
+
+from poetx_jax.quant import QUANT_BITS, dequantize_kernel, quantize_kernel  # noqa: F401
 
 Array = jax.Array
 
@@ -287,9 +290,43 @@ def permute(x_TxN: Array, perm_N: Array) -> Array:
   return _gather(x_TxN, perm_N)
 
 
+def row_major(x: Array) -> Array:
+  """``x`` with its layout pinned to row-major (the last axis minor) on GPUs.
+
+  XLA:GPU writes the column gather of :func:`permute` as a gather of token
+  slices, one per feature, and left to itself it then lays out the gather's
+  operand (and, through it, the block products and elementwise ops around
+  it) token-minor, so that the fused elementwise ops and gathers transpose
+  between layouts at a fraction of memory bandwidth. Pinned, every gather
+  reads and writes whole rows and its neighbours keep the layout of the
+  GEMMs. Other backends keep their own choice.
+  """
+  return jax.lax.platform_dependent(x, cuda=_row_major, rocm=_row_major,
+                                    default=lambda x: x)
+
+
+@jax.jit  # a program of its own in eager mode (the constraint takes jax Arrays only)
+def _row_major(x):
+  return with_layout_constraint(x, Layout(major_to_minor=tuple(range(x.ndim))))
+
+
+def _materialized(x: Array) -> Array:
+  """``x`` computed into memory of its own on GPUs (an optimization barrier).
+
+  Around a gather this keeps XLA:GPU from fusing gathers into one another or
+  into the elementwise ops around them: fused, each output element re-reads
+  its inputs at composed, scattered positions (a SwiGLU backward with its
+  four permutations ran at a twentieth of memory bandwidth), where a gather
+  of its own reads one row at a time.
+  """
+  return jax.lax.platform_dependent(x, cuda=jax.lax.optimization_barrier,
+                                    rocm=jax.lax.optimization_barrier, default=lambda x: x)
+
+
 def _gather(x_TxN, idx_N):
-  return jnp.asarray(x_TxN).at[..., idx_N].get(mode='promise_in_bounds',
-                                               unique_indices=True)
+  x_TxN = _materialized(row_major(jnp.asarray(x_TxN)))
+  return _materialized(row_major(x_TxN.at[..., idx_N].get(mode='promise_in_bounds',
+                                                          unique_indices=True)))
 
 
 def _permute_fwd(x_TxN, perm_N):
@@ -439,45 +476,6 @@ def kernel_from_blocks(kernel_IxO: Array, g_in: Array, g_out: Array, perm_in_I: 
 def permute_kernel(kernel_IxO: Array, perm_in_I: Array, perm_out_O: Array) -> Array:
   """Folds permutations into a plain kernel: ``Phi_I^T K Phi_O`` (= W0'^T)."""
   return jnp.take(jnp.take(kernel_IxO, perm_in_I, axis=0), perm_out_O, axis=1)
-
-
-# ----------------------------------------------------------------- POET-XQ
-QUANT_BITS = {'int8': (jnp.int8, 127), 'int4': (jnp.int4, 7)}
-
-
-def quantize_kernel(kernel_IxO: Array, *, bits: str = 'int8',
-                    group_size: int = 128) -> tuple[Array, Array]:
-  """Symmetric group-wise quantisation of a kernel along its input axis.
-
-  Each group of ``group_size`` consecutive input rows of one output column
-  shares a float32 scale ``absmax / qmax`` (qmax 127 for int8, 7 for int4).
-  Rows are zero-padded to a multiple of the group size.
-
-  Returns:
-    (q of shape (I_padded, O) in int8 / int4, scales of shape (I_padded/G, O)).
-  """
-  if bits not in QUANT_BITS:
-    raise ValueError(f'bits must be one of {tuple(QUANT_BITS)}, got {bits!r}')
-  if not isinstance(group_size, int) or group_size < 1:
-    raise ValueError(f'group_size must be an int >= 1, got {group_size!r}')
-  dtype, qmax = QUANT_BITS[bits]
-  i, o = kernel_IxO.shape
-  ip = num_blocks(i, group_size) * group_size
-  w = jnp.pad(kernel_IxO.astype(jnp.float32), ((0, ip - i), (0, 0)))
-  w = w.reshape(ip // group_size, group_size, o)
-  scale = jnp.max(jnp.abs(w), axis=1) / qmax
-  safe = jnp.where(scale > 0, scale, 1.0)
-  q = jnp.clip(jnp.round(w / safe[:, None, :]), -qmax, qmax).astype(dtype)
-  return q.reshape(ip, o), scale
-
-
-def dequantize_kernel(q_IxO: Array, scale_GxO: Array, in_features: int,
-                      dtype=jnp.float32) -> Array:
-  """Inverse of :func:`quantize_kernel`: (in_features, O) in ``dtype``."""
-  ip, o = q_IxO.shape
-  g = scale_GxO.shape[0]
-  w = q_IxO.astype(jnp.float32).reshape(g, ip // g, o) * scale_GxO[:, None, :]
-  return w.reshape(ip, o)[:in_features].astype(dtype)
 
 
 def dense_rotation(q_KxP: Array, perm_N: Array, n: int, *, block_size: int,

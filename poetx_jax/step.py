@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import typing as tp
+import weakref
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from poetx_jax.cycle import MergeClock, merge, merge_due
+from poetx_jax.optim import poetx_states
 
 
 def make_train_step(loss_fn: tp.Callable, *, merge_every: int | None = None,
@@ -24,7 +26,8 @@ def make_train_step(loss_fn: tp.Callable, *, merge_every: int | None = None,
   update completed a merge cycle of the :func:`poetx_jax.poetx` optimizer it
   then merges every POET layer (:func:`poetx_jax.merge`, in programs of its
   own: unrolled into the update program the merge multiplied its compile
-  time). :mod:`poetx_jax.cycle` describes the cycle.
+  time). :mod:`poetx_jax.cycle` describes the cycle. With an optimizer that
+  holds no ``poetx`` (AdamW, say) it is a plain train step.
 
   Example::
 
@@ -65,9 +68,15 @@ def make_train_step(loss_fn: tp.Callable, *, merge_every: int | None = None,
       weighs the devices equally (a mean over rows).
 
   Returns:
-    The step function; it returns the loss (and aux) before the update. Its
-    attribute ``update`` is the jitted gradient-and-update program alone
-    (returns ``(out, merge_due, merge_key)``), e.g. for ``.lower``.
+    The step function; it returns the loss (and aux) before the update. On
+    its first call with a model and optimizer it finds their variables once
+    and from then on passes their arrays straight to one compiled program (no
+    traversal of the module graph per call); it finds them again when given
+    other objects. Change the structure of a model in place (not its values:
+    merges and checkpoint restores are fine) only between steps made by
+    different step functions. ``step.lower(model, optimizer, batch)`` lowers
+    the gradient-and-update program, which returns ``(out, merge_due,
+    merge_key)`` (abstract model and optimizer states work).
   """
   base_key = jax.random.key(seed)
   clock = MergeClock(merge_every) if merge_every is not None else None
@@ -82,10 +91,13 @@ def make_train_step(loss_fn: tp.Callable, *, merge_every: int | None = None,
     out, grads = value_and_grad(model, batch)
     old_state = nnx.as_pure(optimizer.opt_state)
     optimizer.update(model, grads)
-    due = merge_due(old_state, nnx.as_pure(optimizer.opt_state))
+    if poetx_states(old_state):
+      due = merge_due(old_state, nnx.as_pure(optimizer.opt_state))
+    else:  # no POET-X in this optimizer: nothing ever merges
+      due = jnp.zeros((), bool)
     return out, due, jax.random.fold_in(base_key, optimizer.step[...])
 
-  update = nnx.jit(update, donate_argnums=(0, 1) if donate else ())
+  programs = _Programs(update, donate)
   unchecked = []  # (call, the device's verdict, the host's) awaiting comparison
 
   def check(flag, host_due, call):
@@ -97,9 +109,11 @@ def make_train_step(loss_fn: tp.Callable, *, merge_every: int | None = None,
           f'per update')
 
   def step(model, optimizer: nnx.Optimizer, batch):
+    if not programs.has_cycle(optimizer):
+      return programs.run(model, optimizer, batch)[0]
     if clock is not None:
       clock.before_call(optimizer)
-    out, flag, key = update(model, optimizer, batch)
+    out, flag, key = programs.run(model, optimizer, batch)
     if clock is None:
       due = bool(flag)
     else:
@@ -113,8 +127,60 @@ def make_train_step(loss_fn: tp.Callable, *, merge_every: int | None = None,
         on_merge(int(optimizer.step[...]), error)
     return out
 
-  step.update = update
+  step.lower = programs.lower
   return step
+
+
+def _is_variable(x) -> bool:
+  return isinstance(x, nnx.Variable)
+
+
+class _Programs:
+  """``fn(model, optimizer, batch)`` as one jitted function of their arrays.
+
+  The variables of (model, optimizer) are found once per pair of objects (by
+  identity) and their arrays passed in a fixed order; the new arrays are set
+  back into the same Variable objects, so the objects stay the state.
+  """
+
+  def __init__(self, fn: tp.Callable, donate: bool):
+    self.fn, self.donate = fn, donate
+    self.bound = self.variables = self.jitted = None
+    self._cycle = None  # (optimizer ref, whether it holds a poetx state)
+
+  def _bind(self, model, optimizer):
+    if self.bound is not None and self.bound[0]() is model and self.bound[1]() is optimizer:
+      return
+    graphdef, state = nnx.split((model, optimizer))
+    treedef = jax.tree.structure(state)
+    fn = self.fn
+
+    def pure(values, batch):
+      model, optimizer = nnx.merge(graphdef, jax.tree.unflatten(treedef, values))
+      out = fn(model, optimizer, batch)
+      return out, jax.tree.leaves(nnx.state((model, optimizer)))
+
+    self.variables = jax.tree.leaves(state, is_leaf=_is_variable)
+    self.jitted = jax.jit(pure, donate_argnums=0 if self.donate else ())
+    self.bound = (weakref.ref(model), weakref.ref(optimizer))
+
+  def has_cycle(self, optimizer) -> bool:
+    """Whether ``optimizer`` holds a POET-X state (read once per optimizer)."""
+    if self._cycle is None or self._cycle[0]() is not optimizer:
+      self._cycle = (weakref.ref(optimizer),
+                     bool(poetx_states(nnx.as_pure(optimizer.opt_state))))
+    return self._cycle[1]
+
+  def run(self, model, optimizer, batch):
+    self._bind(model, optimizer)
+    out, values = self.jitted([v.get_value() for v in self.variables], batch)
+    for v, x in zip(self.variables, values):
+      v.set_value(x)
+    return out
+
+  def lower(self, model, optimizer, batch):
+    self._bind(model, optimizer)
+    return self.jitted.lower([v.get_value() for v in self.variables], batch)
 
 
 def _per_device_grads(loss_fn: tp.Callable, mesh: jax.sharding.Mesh,

@@ -1,0 +1,236 @@
+"""Where a training step's time goes: a ``jax.profiler`` trace of real steps.
+
+For each run (``bench_train.py``'s run syntax and options) a fresh process
+builds the model, optimizer and train step exactly as ``bench_train`` does
+(which checks the setup), compiles and warms up, then traces ``--steps``
+steps dispatched back to back as a training loop does (no sync between them)
+and prints per step:
+
+* wall time, and the time the device was busy (the union of its kernels'
+  intervals; ``busy`` is that over the wall time: the rest the device waited
+  for the host);
+* the share of each kernel category: GEMM, attention, gather,
+  transpose/copy, reduction, other fusions;
+* the top kernels with the HLO op they came from (its result shape and the
+  JAX operation named in its metadata, read from the compiled program).
+
+    python3 experiments/profile_step.py --model 8b --scan-layers --param-dtype bfloat16 \\
+        --batch-size 8 --runs poetx:fast:block,adamw::block
+    python3 experiments/profile_step.py --model tiny --seq-len 64 --steps 2 --dtype float32  # CPU
+
+On a CPU the "kernels" are XLA:CPU's thunks on the host threads. ``--json``
+keeps everything; ``--trace-dir`` keeps the traces (Perfetto JSON).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import gzip
+import importlib
+import json
+import os
+import re
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+CATEGORIES = ('gemm', 'attention', 'gather', 'transpose/copy', 'reduction', 'other')
+
+
+def category(hlo_op: str, kernel: str, source: str = '') -> str:
+  """The kind of work a kernel does, from its HLO op and kernel names and the
+  JAX operation it came from (``source``, the op_name of its metadata)."""
+  op, k = hlo_op.lower(), kernel.lower()
+  if (any(s in k for s in ('cudnn', 'fmha', 'flash', 'attention', 'sdpa')) or 'cudnn' in op
+      or any(s in source for s in ('dot_product_attention', 'BTNH', 'BNTS'))):
+    return 'attention'
+  if any(s in op for s in ('gemm', 'dot', 'cublas', 'matmul', 'convolution')) or any(
+      s in k for s in ('gemm', 'xmma', 'cutlass', 'nvjet', 'matmul')) or (
+          source.endswith('dot_general') and 'fusion' in op and 'loop' not in op):
+    return 'gemm'
+  if 'gather' in op or 'scatter' in op:
+    return 'gather'
+  if any(s in op for s in ('transpose', 'copy', 'dynamic-slice', 'dynamic_slice',
+                           'dynamic-update-slice', 'dynamic_update_slice')) or 'memcpy' in k:
+    return 'transpose/copy'
+  if 'reduce' in op or source.split('/')[-1].startswith('reduce'):
+    return 'reduction'
+  return 'other'
+
+
+def read_trace(trace_dir: str) -> list[dict]:
+  """The op events of a ``jax.profiler`` trace: ``{name, op, module, start,
+  dur}`` (microseconds) for every kernel on a device, or, when the trace has
+  no device (a CPU run), every XLA op executed on the host."""
+  paths = glob.glob(os.path.join(trace_dir, '**', '*perfetto_trace.json.gz'), recursive=True)
+  if not paths:
+    raise FileNotFoundError(f'no perfetto_trace.json.gz under {trace_dir}')
+  with gzip.open(sorted(paths)[-1]) as f:
+    data = json.load(f)
+  events = data['traceEvents'] if isinstance(data, dict) else data
+  procs = {e['pid']: e.get('args', {}).get('name', '') for e in events
+           if e.get('ph') == 'M' and e.get('name') == 'process_name'}
+  devices = {pid for pid, name in procs.items() if name.startswith('/device:')}
+  out = []
+  for e in events:
+    if e.get('ph') != 'X':
+      continue
+    args = e.get('args') or {}
+    on_device = e['pid'] in devices
+    if devices and not on_device:
+      continue
+    if not devices and 'hlo_op' not in args:
+      continue
+    op = args.get('hlo_op', '')
+    if not op or op.startswith('command_buffer'):  # a CUDA graph: its kernels are named
+      op = e.get('name', '')                      # after their fusions
+    out.append({'name': e.get('name', ''), 'op': op,
+                'module': args.get('hlo_module', ''), 'start': float(e['ts']),
+                'dur': float(e.get('dur', 0.0))})
+  return out
+
+
+def busy_time(events: list[dict]) -> float:
+  """The union of the events' intervals (overlapping kernels count once)."""
+  total, end = 0.0, float('-inf')
+  for e in sorted(events, key=lambda e: e['start']):
+    a, b = e['start'], e['start'] + e['dur']
+    if b > end:
+      total += b - max(a, end)
+      end = b
+  return total
+
+
+def hlo_ops(hlo_text: str) -> dict[str, tuple[str, str]]:
+  """HLO instruction name -> (result shape, the JAX op_name of its metadata)
+  from compiled HLO text."""
+  out = {}
+  for line in hlo_text.splitlines():
+    m = re.match(r'\s*(?:ROOT )?%?([\w.\-]+) = (\(.*?\)|\S+) ', line)
+    if not m:
+      continue
+    meta = re.search(r'op_name="([^"]*)"', line)
+    shape = m.group(2) if len(m.group(2)) < 70 else m.group(2)[:67] + '...'
+    out[m.group(1)] = (shape, meta.group(1) if meta else '')
+    # a GPU kernel is named after its fusion, '.' written '_'
+    out.setdefault(m.group(1).replace('.', '_'), out[m.group(1)])
+  return out
+
+
+def summarize(events: list[dict], steps: int, wall_s: float, ops: dict[str, tuple[str, str]],
+              top: int = 15) -> dict:
+  """Per-step figures of a traced window of ``steps`` steps."""
+  busy = busy_time(events) / 1e6
+  kernel = sum(e['dur'] for e in events) / 1e6
+  by_cat = collections.Counter()
+  by_op = collections.defaultdict(lambda: [0.0, 0, ''])
+  for e in events:
+    shape, source = ops.get(e['op'], ('', ''))
+    c = category(e['op'], e['name'], source)
+    by_cat[c] += e['dur']
+    row = by_op[(e['module'], e['op'], c)]
+    row[0] += e['dur']
+    row[1] += 1
+    row[2] = row[2] or e['name']
+  total = sum(by_cat.values()) or 1.0
+  tops = sorted(by_op.items(), key=lambda kv: -kv[1][0])[:top]
+  return {
+      'steps': steps, 'wall_ms': 1e3 * wall_s / steps, 'busy_ms': 1e3 * busy / steps,
+      'kernel_ms': 1e3 * kernel / steps, 'busy_share': busy / wall_s if wall_s else 0.0,
+      'categories': {c: {'ms': by_cat[c] / 1e3 / steps, 'share': by_cat[c] / total}
+                     for c in CATEGORIES},
+      'top': [{'op': op, 'module': module, 'category': c, 'ms': t / 1e3 / steps,
+               'share': t / total, 'launches': n // steps, 'kernel': name[:60],
+               'hlo': ' '.join(ops.get(op, ('', '')))}
+              for (module, op, c), (t, n, name) in tops],
+  }
+
+
+def format_report(r: dict) -> str:
+  """A profile summary as text."""
+  lines = [f"{r['run']}: {r['wall_ms']:.1f} ms/step wall, device busy {r['busy_ms']:.1f} ms "
+           f"({100 * r['busy_share']:.0f}%), kernels {r['kernel_ms']:.1f} ms"]
+  lines.append('  ' + '  '.join(f"{c} {v['ms']:.1f} ms ({100 * v['share']:.0f}%)"
+                                for c, v in r['categories'].items() if v['ms'] > 0))
+  for t in r['top']:
+    shape, _, source = t['hlo'].partition(' ')
+    source = '/'.join(source.split('/')[-2:])
+    lines.append(f"  {t['ms']:8.2f} ms {100 * t['share']:5.1f}% x{t['launches']:<3d} "
+                 f"{t['category']:14s} {t['op'][:30]:30s} {shape[:44]:44s} {source[:60]}")
+  return '\n'.join(lines)
+
+
+def profile_run(a, run: str) -> dict:
+  """Builds ``run`` as bench_train does, then traces ``a.steps`` steps."""
+  import jax
+  import bench_train
+  # The compiled program's text comes from a second compilation: the cache
+  # makes it a lookup.
+  jax.config.update('jax_compilation_cache_dir', tempfile.mkdtemp(prefix='jaxcache'))
+  jax.config.update('jax_persistent_cache_min_compile_time_secs', 0)
+  jax.config.update('jax_persistent_cache_min_entry_size_bytes', 0)
+  for name in filter(None, (a.variant or '').split(',')):
+    importlib.import_module(name)  # e.g. a module that swaps in another version of an op
+  setup = bench_train.setup_run(a, run)
+  model, opt, step, batches = setup['model'], setup['opt'], setup['step'], setup['batches']
+  bench_train.progress(f'{run}: compiling and warming up')
+  for i in range(max(a.warmup, 1)):
+    jax.block_until_ready(step(model, opt, batches[i % 2]))
+  hlo = step.lower(model, opt, batches[0]).compile().as_text()
+  ops = hlo_ops(hlo)
+  if a.trace_dir:
+    os.makedirs(a.trace_dir, exist_ok=True)
+    with gzip.open(os.path.join(a.trace_dir, run.replace(':', '_') + '.hlo.txt.gz'), 'wt') as f:
+      f.write(hlo)
+  trace_dir = a.trace_dir and os.path.join(a.trace_dir, run.replace(':', '_'))
+  with tempfile.TemporaryDirectory() as tmp:
+    trace_dir = trace_dir or tmp
+    with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+      t0 = time.perf_counter()
+      out = None
+      for i in range(a.steps):
+        out = step(model, opt, batches[i % 2])
+      jax.block_until_ready(out)
+      wall = time.perf_counter() - t0
+    events = read_trace(trace_dir)
+  bench_train.progress(f'{run}: traced {a.steps} steps, {len(events)} kernels')
+  r = summarize(events, a.steps, wall, ops, top=a.top)
+  r.update(run=run, model=a.model, seq_len=a.seq_len, batch=a.batch_size,
+           device=jax.devices()[0].device_kind, checks=setup['checks'])
+  return r
+
+
+def main(argv=None):
+  import bench_train
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  bench_train.add_run_args(p)
+  p.add_argument('--runs', default='poetx,adamw')
+  p.add_argument('--batch-size', type=int, default=8)
+  p.add_argument('--top', type=int, default=15, help='kernels listed per run')
+  p.add_argument('--variant', default=None, metavar='MODULE[,MODULE]',
+                 help='modules to import before building (on PYTHONPATH), to profile a '
+                      'variant of the code they patch')
+  p.add_argument('--trace-dir', default=None,
+                 help='keep the traces and the compiled programs (HLO text) here')
+  p.set_defaults(steps=5, warmup=2)
+  a = p.parse_args(argv)
+  if a.single:  # child process: one run, JSON on the last line
+    print(json.dumps(profile_run(a, a.single)))
+    return
+  results = []
+  base = [sys.executable, os.path.abspath(__file__)] + list(argv or sys.argv[1:])
+  for run in a.runs.split(','):
+    r, error = bench_train.run_child(base + ['--single', run], run)
+    results.append(r if error is None else {'run': run, 'error': error})
+    print(format_report(r) if error is None else f'{run}: failed: {error}', flush=True)
+  if a.json:
+    with open(a.json, 'w') as f:
+      json.dump(results, f, indent=1)
+
+
+if __name__ == '__main__':
+  main()
