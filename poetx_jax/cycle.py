@@ -17,8 +17,8 @@ parts keep in step:
 2. **The train step decides.** :func:`poetx_jax.make_train_step` merges right
    after the update that completes a cycle. Given the cycle length in calls
    it counts on the host (:class:`MergeClock`: no device read per step) and
-   checks :func:`merge_due`'s verdict one call later, without stalling the
-   device; otherwise it reads that verdict after every update.
+   checks :func:`merge_due`'s verdict once it is computed, without stalling
+   the device; otherwise it reads that verdict after every update.
 3. **The layers merge.** :func:`merge` merges every layer of a model: outside
    jit, one compiled program per layer shape (cached here), a stack of
    layers in one program that updates it in place. :func:`merge_layer` is the

@@ -43,8 +43,8 @@ def make_train_step(loss_fn: tp.Callable, *, merge_every: int | None = None,
       ``poetx`` times the micro-steps of any gradient accumulation
       (``optax.MultiSteps``). Given, the step decides merges on the host with
       no device read per call, and checks the optimizer's own verdict
-      (:func:`poetx_jax.merge_due`) one call later, raising if they
-      disagree. None reads that verdict back after every call, which makes
+      (:func:`poetx_jax.merge_due`) once it is computed (at most two calls
+      later), raising if they disagree. None reads that verdict back after every call, which makes
       the host wait for each update before dispatching the next.
     seed: seeds the merge permutations: the merge after update ``n`` draws
       from ``fold_in(key(seed), n)``.
@@ -118,9 +118,11 @@ def make_train_step(loss_fn: tp.Callable, *, merge_every: int | None = None,
       due = bool(flag)
     else:
       due = clock.after_call(optimizer)
-      while unchecked:  # the previous call's verdict: ready, or nearly (this one queued)
-        check(*unchecked.pop())
       unchecked.append((flag, due, clock.calls))
+      # Verdicts already computed are checked at once; the host waits for one
+      # only when it is two calls old, so the device always has work queued.
+      while unchecked and (unchecked[0][0].is_ready() or len(unchecked) > 2):
+        check(*unchecked.pop(0))
     if due:
       error = merge(model, rngs=key)
       if on_merge is not None:

@@ -1,0 +1,128 @@
+"""make_train_step: merges decided on the host, optimizers without POET-X,
+state kept in the model and optimizer objects."""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import poetx_jax
+
+from conftest import randomize_generators
+
+
+def _model(seed=0):
+  mlp = nnx.Sequential(nnx.Linear(16, 32, rngs=nnx.Rngs(seed)), nnx.relu,
+                       nnx.Linear(32, 8, rngs=nnx.Rngs(seed + 1)))
+  return poetx_jax.poetize(mlp, block_size=8, rngs=nnx.Rngs(seed + 2))
+
+
+def _optimizer(model, merge_every, accum=1):
+  tx = poetx_jax.poetx_partition(model, poetx_jax.poetx(1e-2, merge_every=merge_every),
+                                 optax.adam(1e-2))
+  if accum > 1:
+    tx = optax.MultiSteps(tx, every_k_schedule=accum)
+  return nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+
+def _loss(model, batch):
+  return jnp.mean((model(batch[0]) - batch[1]) ** 2)
+
+
+def _batches(n):
+  keys = jax.random.split(jax.random.key(3), n)
+  return [(jax.random.normal(k, (4, 16)), jnp.sin(jax.random.normal(k, (4, 8))))
+          for k in keys]
+
+
+def _train(merge_every_host, merge_every=3, accum=1, calls=10):
+  model = _model()
+  opt = _optimizer(model, merge_every, accum)
+  merges = []
+  step = poetx_jax.make_train_step(_loss, merge_every=merge_every_host,
+                                   on_merge=lambda s, e: merges.append(s))
+  losses = [float(step(model, opt, b)) for b in _batches(calls)]
+  return model, losses, merges
+
+
+@pytest.mark.parametrize('accum', [1, 2])
+def test_host_clock_merges_where_the_optimizer_says(accum):
+  """Counting calls on the host gives the merges, losses and parameters of
+  reading the optimizer's verdict back after every call."""
+  host_model, host_losses, host_merges = _train(3 * accum, accum=accum)
+  flag_model, flag_losses, flag_merges = _train(None, accum=accum)
+  assert host_merges == flag_merges == [3 * accum * i for i in (1, 2, 3) if 3 * accum * i <= 10]
+  assert host_losses == flag_losses
+  chex.assert_trees_all_equal(nnx.to_pure_dict(nnx.state(host_model)),
+                              nnx.to_pure_dict(nnx.state(flag_model)))
+
+
+def test_a_wrong_cycle_length_is_caught():
+  with pytest.raises(RuntimeError, match='merge_every=2.*disagree.*call 2'):
+    _train(2, merge_every=3)
+
+
+def test_clock_resyncs_when_the_optimizer_counter_is_restored():
+  """After the optimizer's counter is set by something else (a checkpoint
+  restore), the host clock reads it again instead of counting on."""
+  model = _model()
+  opt = _optimizer(model, 4)
+  merges = []
+  step = poetx_jax.make_train_step(_loss, merge_every=4, on_merge=lambda s, e: merges.append(s))
+  batches = _batches(8)
+  for b in batches[:3]:
+    step(model, opt, b)
+  saved = jax.tree.map(np.array, nnx.to_pure_dict(nnx.state(opt)))  # donated later: copy
+  for b in batches[3:6]:
+    step(model, opt, b)
+  assert merges == [4]
+  state = nnx.state(opt)
+  nnx.replace_by_pure_dict(state, saved)  # back to 3 calls done
+  nnx.update(opt, state)
+  step(model, opt, batches[6])  # call 4 again: a merge is due
+  assert merges == [4, 4]
+
+
+def test_optimizer_without_poetx_is_a_plain_step():
+  """AdamW on a plain model: the same update as nnx's own, never a merge."""
+  def plain():
+    return nnx.Sequential(nnx.Linear(16, 8, rngs=nnx.Rngs(0)))
+
+  a, b = plain(), plain()
+  opt_a = nnx.Optimizer(a, optax.adamw(1e-2), wrt=nnx.Param)
+  opt_b = nnx.Optimizer(b, optax.adamw(1e-2), wrt=nnx.Param)
+  step = poetx_jax.make_train_step(_loss)
+
+  @nnx.jit
+  def reference(model, optimizer, batch):
+    loss, grads = nnx.value_and_grad(_loss)(model, batch)
+    optimizer.update(model, grads)
+    return loss
+
+  for batch in _batches(4):
+    np.testing.assert_allclose(float(step(a, opt_a, batch)), float(reference(b, opt_b, batch)),
+                               rtol=1e-6)
+  chex.assert_trees_all_close(nnx.to_pure_dict(nnx.state(a)), nnx.to_pure_dict(nnx.state(b)),
+                              rtol=1e-5, atol=1e-7)
+  assert int(opt_a.step[...]) == 4
+
+
+def test_state_stays_in_the_objects_and_other_objects_rebind():
+  """The model and optimizer objects hold the state after each call (what
+  a checkpoint or an evaluation reads); a second model trains on its own."""
+  one, two = _model(0), _model(10)
+  randomize_generators(one.layers[0], jax.random.key(1))
+  opt_one, opt_two = _optimizer(one, 100), _optimizer(two, 100)
+  step = poetx_jax.make_train_step(_loss, merge_every=100)
+  batch = _batches(1)[0]
+  before = np.asarray(one.layers[0].q_in[...])
+  step(one, opt_one, batch)
+  assert int(opt_one.step[...]) == 1 and not np.array_equal(one.layers[0].q_in[...], before)
+  q_two = np.asarray(two.layers[0].q_in[...])
+  step(two, opt_two, batch)
+  assert int(opt_two.step[...]) == 1 and int(opt_one.step[...]) == 1
+  assert not np.array_equal(two.layers[0].q_in[...], q_two)
+  np.testing.assert_allclose(float(_loss(one, batch)), float(nnx.jit(_loss)(one, batch)))
