@@ -48,8 +48,8 @@ import typing as tp
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental.layout import Layout, with_layout_constraint
 
+from poetx_jax.layout import materialized, row_major
 from poetx_jax.quant import QUANT_BITS, dequantize_kernel, quantize_kernel  # noqa: F401
 
 Array = jax.Array
@@ -290,43 +290,12 @@ def permute(x_TxN: Array, perm_N: Array) -> Array:
   return _gather(x_TxN, perm_N)
 
 
-def row_major(x: Array) -> Array:
-  """``x`` with its layout pinned to row-major (the last axis minor) on GPUs.
-
-  XLA:GPU writes the column gather of :func:`permute` as a gather of token
-  slices, one per feature, and left to itself it then lays out the gather's
-  operand (and, through it, the block products and elementwise ops around
-  it) token-minor, so that the fused elementwise ops and gathers transpose
-  between layouts at a fraction of memory bandwidth. Pinned, every gather
-  reads and writes whole rows and its neighbours keep the layout of the
-  GEMMs. Other backends keep their own choice.
-  """
-  return jax.lax.platform_dependent(x, cuda=_row_major, rocm=_row_major,
-                                    default=lambda x: x)
-
-
-@jax.jit  # a program of its own in eager mode (the constraint takes jax Arrays only)
-def _row_major(x):
-  return with_layout_constraint(x, Layout(major_to_minor=tuple(range(x.ndim))))
-
-
-def _materialized(x: Array) -> Array:
-  """``x`` computed into memory of its own on GPUs (an optimization barrier).
-
-  Around a gather this keeps XLA:GPU from fusing gathers into one another or
-  into the elementwise ops around them: fused, each output element re-reads
-  its inputs at composed, scattered positions (a SwiGLU backward with its
-  four permutations ran at a twentieth of memory bandwidth), where a gather
-  of its own reads one row at a time.
-  """
-  return jax.lax.platform_dependent(x, cuda=jax.lax.optimization_barrier,
-                                    rocm=jax.lax.optimization_barrier, default=lambda x: x)
-
-
 def _gather(x_TxN, idx_N):
-  x_TxN = _materialized(row_major(jnp.asarray(x_TxN)))
-  return _materialized(row_major(x_TxN.at[..., idx_N].get(mode='promise_in_bounds',
-                                                          unique_indices=True)))
+  # On GPUs: row-major operands and results, each gather a kernel of its own
+  # (poetx_jax.layout says why).
+  x_TxN = materialized(row_major(jnp.asarray(x_TxN)))
+  return materialized(row_major(x_TxN.at[..., idx_N].get(mode='promise_in_bounds',
+                                                         unique_indices=True)))
 
 
 def _permute_fwd(x_TxN, perm_N):

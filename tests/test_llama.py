@@ -10,7 +10,7 @@ from flax import nnx
 
 from conftest import assert_trees_rel_close, rel_err
 import poetx_jax
-from poetx_jax.models import llama
+from poetx_jax.models import hf, llama
 from poetx_jax.models.llama import Llama, get_config
 
 TINY = get_config('tiny')
@@ -184,7 +184,7 @@ def test_init_model_is_seeded():
                               params)
   scanned = llama.init_model(TINY, seed=0, scan_layers=True)
   assert isinstance(scanned.layers, llama.StackedLayers)
-  chex.assert_trees_all_equal(llama.hf_state_dict(scanned), llama.hf_state_dict(built))
+  chex.assert_trees_all_equal(hf.hf_state_dict(scanned), hf.hf_state_dict(built))
   half = llama.init_model(TINY, seed=0, param_dtype=jnp.bfloat16)
   for tree, dtype in ((params, jnp.float32), (_params(half), jnp.bfloat16)):
     for path, x in jax.tree_util.tree_leaves_with_path(tree):
@@ -214,15 +214,15 @@ def test_poetize_replaces_projections(model, keys):
   assert rel_err(_forward(poet, tokens), _forward(model, tokens)) < 1e-5
 
   with pytest.raises(ValueError, match='unpoetize'):
-    llama.hf_state_dict(poet)
-  sd = llama.hf_state_dict(poetx_jax.unpoetize(poet))
+    hf.hf_state_dict(poet)
+  sd = hf.hf_state_dict(poetx_jax.unpoetize(poet))
   np.testing.assert_allclose(sd['model.layers.0.self_attn.q_proj.weight'],
                              np.asarray(model.layers[0].self_attn.q_proj.kernel[...]).T,
                              atol=1e-6)
 
 
 def test_hf_state_dict(model):
-  sd = llama.hf_state_dict(model)
+  sd = hf.hf_state_dict(model)
   h, m, v, kv = TINY.hidden, TINY.mlp, TINY.vocab_size, TINY.kv_heads * TINY.head_dim
   want = {'model.embed_tokens.weight': (v, h), 'model.norm.weight': (h,),
           'lm_head.weight': (v, h)}
@@ -242,12 +242,12 @@ def test_hf_state_dict(model):
   np.testing.assert_array_equal(sd['model.embed_tokens.weight'],
                                 np.asarray(model.embed_tokens.embedding[...]))
 
-  cfg = llama.hf_config(TINY)
+  cfg = hf.hf_config(TINY)
   assert cfg['architectures'] == ['LlamaForCausalLM'] and cfg['model_type'] == 'llama'
   assert (cfg['hidden_size'], cfg['intermediate_size'], cfg['num_hidden_layers'],
           cfg['num_attention_heads'], cfg['num_key_value_heads']) == (64, 176, 2, 4, 2)
   assert cfg['vocab_size'] == v and cfg['tie_word_embeddings'] is False
-  tied = llama.hf_state_dict(Llama(get_config('tiny', tie_embeddings=True),
+  tied = hf.hf_state_dict(Llama(get_config('tiny', tie_embeddings=True),
                                    rngs=nnx.Rngs(0)))
   assert 'lm_head.weight' not in tied
 
@@ -303,7 +303,7 @@ def test_scanned_layers_are_the_same_model(keys, remat):
   scanned = Llama(cfg, remat=remat, rngs=nnx.Rngs(0), scan_layers=True)
   assert isinstance(scanned.layers, llama.StackedLayers) and len(scanned.layers) == 3
   assert scanned.layers.layer.mlp.up_proj.kernel.shape == (3, cfg.hidden, cfg.mlp)
-  chex.assert_trees_all_equal(llama.hf_state_dict(scanned), llama.hf_state_dict(unrolled))
+  chex.assert_trees_all_equal(hf.hf_state_dict(scanned), hf.hf_state_dict(unrolled))
   tokens = _tokens(keys(), 2, 16, cfg.vocab_size)
   assert rel_err(_forward(scanned, tokens), _forward(unrolled, tokens)) < 1e-6
   loss = lambda m: (m(tokens) ** 2).mean()
@@ -367,10 +367,10 @@ def test_scanned_poet_model_merges_and_exports(keys, quantize):
   assert stacked.stack_shape == (2,)
   before = _forward(scanned, tokens)
   assert rel_err(before, _forward(unrolled, tokens)) < 1e-6
-  sd_a = llama.hf_state_dict(poetx_jax.unpoetize(unrolled))
+  sd_a = hf.hf_state_dict(poetx_jax.unpoetize(unrolled))
   exported = poetx_jax.unpoetize(scanned)
   assert exported.layers.layer.mlp.down_proj.kernel.get_metadata()['layer_axis'] == 0
-  chex.assert_trees_all_close(llama.hf_state_dict(exported), sd_a, rtol=1e-7, atol=1e-6)
+  chex.assert_trees_all_close(hf.hf_state_dict(exported), sd_a, rtol=1e-7, atol=1e-6)
   errors = [float(scanned.layers[i].mlp.down_proj.orthogonality_error()) for i in range(2)]
   assert float(poetx_jax.orthogonality_error(stacked)) == pytest.approx(max(errors), rel=1e-4)
   assert max(errors) > 0

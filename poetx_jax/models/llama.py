@@ -6,7 +6,7 @@ D = H / N head dimension.
 
 Attribute names follow Hugging Face ``LlamaForCausalLM`` (``embed_tokens``,
 ``layers/i/self_attn/q_proj``, ..., ``norm``, ``lm_head``), so
-:func:`hf_state_dict` maps paths one to one. Every projection is a plain
+``models.hf.hf_state_dict`` maps paths one to one. Every projection is a plain
 ``nnx.Linear`` (kernel (in, out), no bias): ``poetx_jax.poetize(model, ...)``
 turns them into POET layers, ``poetx_jax.unpoetize`` turns them back for export.
 Rotary embeddings use the HF "rotate_half" convention (the head dimension split
@@ -392,66 +392,3 @@ def init_model(config: LlamaConfig, *, seed: int = 0, dtype: tp.Any = jnp.float3
     raise ValueError(f'seed must be an int, got {seed!r}')
   return Llama(config, dtype=dtype, param_dtype=param_dtype, remat=remat,
                rngs=nnx.Rngs(jax.random.key(int(seed))), scan_layers=scan_layers)
-
-
-def hf_config(config: LlamaConfig) -> dict:
-  """The Hugging Face ``LlamaConfig`` (config.json) dict for ``config``."""
-  return {
-      'architectures': ['LlamaForCausalLM'],
-      'model_type': 'llama',
-      'hidden_size': config.hidden,
-      'intermediate_size': config.mlp,
-      'num_hidden_layers': config.layers,
-      'num_attention_heads': config.heads,
-      'num_key_value_heads': config.kv_heads,
-      'head_dim': config.head_dim,
-      'max_position_embeddings': config.max_seq_len,
-      'rms_norm_eps': config.norm_eps,
-      'rope_theta': config.rope_theta,
-      'vocab_size': config.vocab_size,
-      'tie_word_embeddings': config.tie_embeddings,
-      'hidden_act': 'silu',
-      'attention_bias': False,
-      'mlp_bias': False,
-      'initializer_range': config.init_std,
-      'torch_dtype': 'float32',
-  }
-
-
-def _np32(x: Array) -> np.ndarray:
-  return np.ascontiguousarray(np.asarray(jax.device_get(jnp.asarray(x, jnp.float32))))
-
-
-def _linear_weight(layer, name: str) -> np.ndarray:
-  if type(layer) is not nnx.Linear:
-    raise ValueError(f'{name} is a {type(layer).__name__}, not an nnx.Linear; call '
-                     f'poetx_jax.unpoetize(model) first to merge POET layers')
-  return _np32(layer.kernel[...].T)
-
-
-def hf_state_dict(model: Llama) -> dict[str, np.ndarray]:
-  """Float32 numpy weights under Hugging Face ``LlamaForCausalLM`` names.
-
-  Linear weights are (out, in) = kernel.T. Every projection must be a plain
-  ``nnx.Linear``; a POET model raises ValueError (unpoetize it first).
-  """
-  if not isinstance(model, Llama):
-    raise ValueError(f'model must be a Llama, got {type(model).__name__}')
-  if type(model.embed_tokens) is not nnx.Embed:
-    raise ValueError(f'embed_tokens is a {type(model.embed_tokens).__name__}, not an '
-                     f'nnx.Embed')
-  sd = {'model.embed_tokens.weight': _np32(model.embed_tokens.embedding[...])}
-  for i, layer in enumerate(model.layers):
-    p = f'model.layers.{i}'
-    sd[f'{p}.input_layernorm.weight'] = _np32(layer.input_layernorm.weight[...])
-    for n in ('q_proj', 'k_proj', 'v_proj', 'o_proj'):
-      sd[f'{p}.self_attn.{n}.weight'] = _linear_weight(
-          getattr(layer.self_attn, n), f'{p}.self_attn.{n}')
-    sd[f'{p}.post_attention_layernorm.weight'] = _np32(
-        layer.post_attention_layernorm.weight[...])
-    for n in ('gate_proj', 'up_proj', 'down_proj'):
-      sd[f'{p}.mlp.{n}.weight'] = _linear_weight(getattr(layer.mlp, n), f'{p}.mlp.{n}')
-  sd['model.norm.weight'] = _np32(model.norm.weight[...])
-  if not model.config.tie_embeddings:
-    sd['lm_head.weight'] = _linear_weight(model.lm_head, 'lm_head')
-  return sd

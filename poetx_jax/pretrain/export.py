@@ -13,7 +13,7 @@ import pathlib
 import shutil
 
 import poetx_jax
-from poetx_jax.models import llama
+from poetx_jax.models import hf, llama
 
 
 def export_model(model, mc: llama.LlamaConfig, out_dir: str | pathlib.Path,
@@ -24,8 +24,8 @@ def export_model(model, mc: llama.LlamaConfig, out_dir: str | pathlib.Path,
   out.mkdir(parents=True, exist_ok=True)
   plain = poetx_jax.unpoetize(model)
   weights = out / 'model.safetensors'
-  save_file(llama.hf_state_dict(plain), str(weights), metadata={'format': 'pt'})
-  (out / 'config.json').write_text(json.dumps(llama.hf_config(mc), indent=1))
+  save_file(hf.hf_state_dict(plain), str(weights), metadata={'format': 'pt'})
+  (out / 'config.json').write_text(json.dumps(hf.hf_config(mc), indent=1))
   if tokenizer_path:
     suffix = '.model' if str(tokenizer_path).endswith('.model') else '.json'
     shutil.copyfile(tokenizer_path, out / f'tokenizer{suffix}')

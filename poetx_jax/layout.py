@@ -1,0 +1,47 @@
+"""How the permutation gathers of :func:`poetx_jax.ops.permute` are laid out
+and fused by XLA on GPUs.
+
+Both helpers change no value: they constrain the compiled program on GPUs
+(CUDA and ROCm) and are the identity elsewhere, so CPU results stay exactly
+what they were.
+"""
+
+from __future__ import annotations
+
+import jax
+from jax.experimental.layout import Layout, with_layout_constraint
+
+Array = jax.Array
+
+
+def row_major(x: Array) -> Array:
+  """``x`` with its layout pinned to row-major (the last axis minor) on GPUs.
+
+  XLA:GPU writes the column gather of :func:`poetx_jax.ops.permute` as a
+  gather of token slices, one per feature, and left to itself it then lays
+  out the gather's operand (and, through it, the block products and
+  elementwise ops around it) token-minor, so that the fused elementwise ops
+  and gathers transpose between layouts at a fraction of memory bandwidth.
+  Pinned, every gather reads and writes whole rows and its neighbours keep
+  the layout of the GEMMs. Other backends keep their own choice.
+  """
+  return jax.lax.platform_dependent(x, cuda=_row_major, rocm=_row_major,
+                                    default=lambda x: x)
+
+
+@jax.jit  # a program of its own in eager mode (the constraint takes jax Arrays only)
+def _row_major(x):
+  return with_layout_constraint(x, Layout(major_to_minor=tuple(range(x.ndim))))
+
+
+def materialized(x: Array) -> Array:
+  """``x`` computed into memory of its own on GPUs (an optimization barrier).
+
+  Around a gather this keeps XLA:GPU from fusing gathers into one another or
+  into the elementwise ops around them: fused, each output element re-reads
+  its inputs at composed, scattered positions (a SwiGLU backward with its
+  four permutations ran at a twentieth of memory bandwidth), where a gather
+  of its own reads one row at a time.
+  """
+  return jax.lax.platform_dependent(x, cuda=jax.lax.optimization_barrier,
+                                    rocm=jax.lax.optimization_barrier, default=lambda x: x)
