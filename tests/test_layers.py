@@ -9,7 +9,17 @@ import textwrap
 APP_PACKAGES = ('grain', 'orbax', 'tokenizers', 'pyarrow', 'safetensors', 'matplotlib',
                 'tqdm', 'tensorboardX', 'sentencepiece')
 
-LIBRARY = ('poetx_jax', 'poetx_jax.ops', 'poetx_jax.quant', 'poetx_jax.linear',
+# Prepended to a script: makes the app's packages unimportable.
+BLOCK_APP_PACKAGES = f"""
+import importlib.abc, sys
+class Block(importlib.abc.MetaPathFinder):
+  def find_spec(self, name, path, target=None):
+    if name.split('.')[0] in {APP_PACKAGES!r}:
+      raise ImportError(f'blocked: {{name}}')
+sys.meta_path.insert(0, Block())
+"""
+
+LIBRARY = ('poetx_jax', 'poetx_jax.ops', 'poetx_jax.quant', 'poetx_jax.layout', 'poetx_jax.linear',
            'poetx_jax.convert', 'poetx_jax.cycle', 'poetx_jax.optim', 'poetx_jax.step',
            'poetx_jax.lean', 'poetx_jax.sharding', 'pallas_kernels')
 
@@ -17,13 +27,7 @@ LIBRARY = ('poetx_jax', 'poetx_jax.ops', 'poetx_jax.quant', 'poetx_jax.linear',
 def test_library_imports_without_the_app_or_its_packages():
   """With the app's packages made unimportable, every library module imports
   and the README's example trains; no app module gets loaded on the way."""
-  script = textwrap.dedent(f'''
-      import importlib.abc, sys
-      class Block(importlib.abc.MetaPathFinder):
-        def find_spec(self, name, path, target=None):
-          if name.split('.')[0] in {APP_PACKAGES!r}:
-            raise ImportError(f'blocked: {{name}}')
-      sys.meta_path.insert(0, Block())
+  script = BLOCK_APP_PACKAGES + textwrap.dedent(f'''
       import importlib
       for m in {LIBRARY!r}:
         importlib.import_module(m)
@@ -52,15 +56,7 @@ def test_library_imports_without_the_app_or_its_packages():
 
 def test_the_app_cannot_be_imported_without_its_packages_saying_which():
   """The check above can fail: the app does need what is blocked."""
-  script = textwrap.dedent(f'''
-      import importlib.abc, sys
-      class Block(importlib.abc.MetaPathFinder):
-        def find_spec(self, name, path, target=None):
-          if name.split('.')[0] in {APP_PACKAGES!r}:
-            raise ImportError(f'blocked: {{name}}')
-      sys.meta_path.insert(0, Block())
-      import poetx_jax.pretrain.train
-  ''')
+  script = BLOCK_APP_PACKAGES + 'import poetx_jax.pretrain.train\n'
   out = subprocess.run([sys.executable, '-c', script], capture_output=True, text=True,
                        timeout=600)
   assert out.returncode != 0 and 'blocked' in out.stderr
