@@ -1,4 +1,5 @@
-"""The Hugging Face ``LlamaForCausalLM`` form of a Llama: config.json and weights.
+"""The Hugging Face ``LlamaForCausalLM`` form of a Llama: config.json,
+generation_config.json and weights.
 
 The model's attribute paths follow ``LlamaForCausalLM`` (``embed_tokens``,
 ``layers/i/self_attn/q_proj``, ..., ``norm``, ``lm_head``), so the weights map
@@ -18,8 +19,22 @@ from poetx_jax.models.llama import Llama, LlamaConfig
 Array = jax.Array
 
 
-def hf_config(config: LlamaConfig) -> dict:
-  """The Hugging Face ``LlamaConfig`` (config.json) dict for ``config``."""
+def hf_config(config: LlamaConfig, *, bos_token_id: int | None = None,
+              eos_token_id: int | None = None, pad_token_id: int | None = None) -> dict:
+  """The Hugging Face ``LlamaConfig`` (config.json) dict for ``config``.
+
+  Args:
+    config: the model's configuration.
+    bos_token_id, eos_token_id, pad_token_id: the tokenizer's special-token ids.
+      Give them: where config.json lacks one, transformers falls back to the
+      Llama defaults (BOS 1, EOS 2), which are ordinary tokens of another
+      tokenizer. Each given id must be in ``[0, config.vocab_size)``.
+
+  Returns:
+    The config.json dict (``LlamaForCausalLM``, float32 weights).
+  """
+  ids = _token_ids(config, bos_token_id=bos_token_id, eos_token_id=eos_token_id,
+                   pad_token_id=pad_token_id)
   return {
       'architectures': ['LlamaForCausalLM'],
       'model_type': 'llama',
@@ -39,7 +54,27 @@ def hf_config(config: LlamaConfig) -> dict:
       'mlp_bias': False,
       'initializer_range': config.init_std,
       'torch_dtype': 'float32',
+      **ids,
   }
+
+
+def hf_generation_config(config: LlamaConfig, *, bos_token_id: int, eos_token_id: int,
+                         pad_token_id: int) -> dict:
+  """The generation_config.json dict: ``generate()`` and text-generation
+  pipelines stop at ``eos_token_id`` and pad with ``pad_token_id``; every
+  other setting is transformers' default (greedy decoding)."""
+  return _token_ids(config, bos_token_id=bos_token_id, eos_token_id=eos_token_id,
+                    pad_token_id=pad_token_id)
+
+
+def _token_ids(config: LlamaConfig, **ids: int | None) -> dict[str, int]:
+  """The given ids, each checked to be a token of the model's vocabulary."""
+  for name, i in ids.items():
+    if i is not None and not (isinstance(i, int) and not isinstance(i, bool)
+                              and 0 <= i < config.vocab_size):
+      raise ValueError(f'{name}={i!r} is not a token id of a vocabulary of '
+                       f'{config.vocab_size}: expected an int in [0, {config.vocab_size})')
+  return {name: i for name, i in ids.items() if i is not None}
 
 
 def _np32(x: Array) -> np.ndarray:

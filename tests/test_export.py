@@ -1,0 +1,230 @@
+"""poetx export, plot and the help of eval/export/plot (tiny run, CPU).
+
+The export is checked against what transformers reads, without transformers or
+torch: the keys of config.json, generation_config.json, tokenizer_config.json
+and special_tokens_map.json, and their token ids against tokenizer.json.
+"""
+
+import json
+import os
+import pathlib
+import shutil
+
+import pytest
+import tokenizers
+
+from poetx_jax.pretrain import cli, export
+from poetx_jax.pretrain.config import TrainConfig
+from poetx_jax.pretrain.tokenizer import EOS, file_hash
+from poetx_jax.pretrain.train import train
+from conftest import write_corpus
+
+HF_FILES = {'model.safetensors', 'config.json', 'generation_config.json', 'tokenizer.json',
+            'tokenizer_config.json', 'special_tokens_map.json'}
+
+
+@pytest.fixture(scope='module')
+def run(tmp_path_factory):
+  """One trained tiny run for the whole module."""
+  tmp = tmp_path_factory.mktemp('export')
+  (tmp / 'corpus').mkdir()
+  cfg = TrainConfig(model='tiny', model_overrides={'layers': 1, 'hidden': 32, 'mlp': 64,
+                                                   'heads': 2, 'kv_heads': 1},
+                    data=[str(write_corpus(tmp / 'corpus'))], vocab_size=300, seq_len=32,
+                    batch_size=4, steps=2, warmup=1, merge_every=2, block_size=8,
+                    eval_every=2, eval_batches=1, log_every=1, dtype='float32',
+                    out_dir=str(tmp / 'run'), cache_dir=str(tmp / 'cache'))
+  train(cfg, log=lambda *_: None)
+  return pathlib.Path(cfg.out_dir)
+
+
+def _json(path):
+  return json.loads(pathlib.Path(path).read_text())
+
+
+def _one_line_error(capsys, command):
+  err = capsys.readouterr().err.strip()
+  assert len(err.splitlines()) == 1 and err.startswith(f'poetx {command}: error: '), err
+  return err
+
+
+def test_export_names_the_special_tokens_transformers_reads(run, tmp_path, capsys):
+  out = tmp_path / 'hf'
+  assert cli.main(['export', str(run), '--out', str(out)]) == 0
+  assert HF_FILES <= {p.name for p in out.iterdir()}
+  assert f'wrote {out}: ' in capsys.readouterr().out
+  tok = tokenizers.Tokenizer.from_file(str(out / 'tokenizer.json'))
+  vocab = tok.get_vocab(with_added_tokens=True)
+  eos = vocab[EOS]
+
+  config = _json(out / 'config.json')
+  assert config['vocab_size'] == tok.get_vocab_size(with_added_tokens=True) == len(vocab)
+  assert (config['bos_token_id'], config['eos_token_id'], config['pad_token_id']) == (eos,) * 3
+  gen = _json(out / 'generation_config.json')
+  assert gen == {'bos_token_id': eos, 'eos_token_id': eos, 'pad_token_id': eos}
+
+  # AutoTokenizer: the class named here (not the Llama default, which adds an
+  # out-of-vocabulary <s>), no BOS added, every named token in the vocabulary.
+  tc = _json(out / 'tokenizer_config.json')
+  assert tc['tokenizer_class'] == 'PreTrainedTokenizerFast'
+  assert tc['add_bos_token'] is False and tc['add_eos_token'] is False
+  assert tc['model_max_length'] == config['max_position_embeddings']
+  assert tc['clean_up_tokenization_spaces'] is False  # decode(encode(text)) == text
+  assert tc['model_input_names'] == ['input_ids', 'attention_mask']  # no token_type_ids
+  assert {k: tc[k] for k in ('bos_token', 'eos_token', 'pad_token')} == {
+      'bos_token': EOS, 'eos_token': EOS, 'pad_token': EOS}
+  assert 'unk_token' not in tc  # the byte-level BPE has none; transformers would add one
+  added = {str(t['id']): {k: v for k, v in t.items() if k != 'id'}
+           for t in _json(out / 'tokenizer.json')['added_tokens']}
+  assert tc['added_tokens_decoder'] == added and added[str(eos)]['special']
+  stm = _json(out / 'special_tokens_map.json')
+  assert set(stm) == {'bos_token', 'eos_token', 'pad_token'}
+  for entry in stm.values():
+    assert entry == {'content': EOS, 'lstrip': False, 'normalized': False, 'rstrip': False,
+                     'single_word': False}
+  assert all(t['content'] in vocab for t in stm.values())
+  # Encoding adds nothing around the text, as in training.
+  text = 'the end of one document'
+  assert tok.encode(text).ids == tok.encode(text, add_special_tokens=False).ids
+  assert tok.decode(tok.encode(text).ids) == text
+
+
+def test_export_refuses_an_existing_export_unless_forced(run, tmp_path, capsys):
+  out = tmp_path / 'hf'
+  old_umask = os.umask(0o022)
+  try:
+    assert cli.main(['export', str(run), '--out', str(out)]) == 0
+  finally:
+    os.umask(old_umask)
+  for p in out.iterdir():  # readable like any other output, not 0600
+    assert os.stat(p).st_mode & 0o777 == 0o644, (p.name, oct(os.stat(p).st_mode))
+  before = {p.name: p.read_bytes() for p in out.iterdir()}
+  (out / 'config.json').write_text('{"other": "export"}')
+  before['config.json'] = (out / 'config.json').read_bytes()
+  capsys.readouterr()
+  assert cli.main(['export', str(run), '--out', str(out)]) == 2
+  err = _one_line_error(capsys, 'export')
+  assert str(out) in err and 'already holds an export' in err and '--force' in err
+  assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+  assert cli.main(['export', str(run), '--out', str(out), '--force']) == 0
+  assert _json(out / 'config.json')['architectures'] == ['LlamaForCausalLM']
+
+  (tmp_path / 'file').write_text('x')
+  assert cli.main(['export', str(run), '--out', str(tmp_path / 'file')]) == 2
+  assert 'is a file' in _one_line_error(capsys, 'export')
+  assert cli.main(['export', str(run), '--out', str(run)]) == 2
+  assert 'is the run directory' in _one_line_error(capsys, 'export')
+
+
+def _proto(*fields):
+  """A protobuf message of (field number, int or bytes) fields."""
+  def varint(v):
+    v &= (1 << 64) - 1
+    out = bytearray()
+    while True:
+      out.append((v & 0x7F) | (0x80 if v > 0x7F else 0))
+      v >>= 7
+      if not v:
+        return bytes(out)
+  msg = b''
+  for num, value in fields:
+    if isinstance(value, int):
+      msg += varint(num << 3) + varint(value)
+    else:
+      msg += varint(num << 3 | 2) + varint(len(value)) + value
+  return msg
+
+
+def _sp_model(pieces, **ids):
+  fields = {'unk_id': 40, 'bos_id': 41, 'eos_id': 42, 'pad_id': 43}
+  trainer = _proto((4, len(pieces)), *[(fields[k], v) for k, v in ids.items()])
+  return _proto(*[(1, _proto((1, p.encode()), (3, 1))) for p in pieces], (2, trainer),
+                (3, _proto((3, 0))))
+
+
+def test_a_sentencepiece_run_exports_its_model_and_no_stale_tokenizer(run, tmp_path, capsys):
+  # The run's BPE is replaced by a sentencepiece model of the same size (made
+  # here: sentencepiece is not needed to export one).
+  sp_run = tmp_path / 'sp-run'
+  shutil.copytree(run, sp_run)
+  (sp_run / 'tokenizer.json').unlink()
+  pieces = ['<pad>', '<s>', '</s>', '<unk>'] + [f'\u2581w{i}' for i in range(296)]
+  (sp_run / 'tokenizer.model').write_bytes(_sp_model(pieces, unk_id=3, bos_id=1, eos_id=2,
+                                                     pad_id=0))
+  record = _json(sp_run / 'data.json')
+  record.update(tokenizer='tokenizer.model',
+                tokenizer_sha256=file_hash(sp_run / 'tokenizer.model'))
+  (sp_run / 'data.json').write_text(json.dumps(record))
+
+  out = tmp_path / 'hf'
+  assert cli.main(['export', str(run), '--out', str(out)]) == 0
+  (out / 'notes.txt').write_text('mine')
+  assert cli.main(['export', str(sp_run), '--out', str(out)]) == 2
+  assert cli.main(['export', str(sp_run), '--out', str(out), '--force']) == 0
+  names = {p.name for p in out.iterdir()}
+  assert names == HF_FILES - {'tokenizer.json'} | {'tokenizer.model', 'notes.txt'}
+  assert (out / 'tokenizer.model').read_bytes() == (sp_run / 'tokenizer.model').read_bytes()
+  tc = _json(out / 'tokenizer_config.json')
+  assert tc['tokenizer_class'] == 'LlamaTokenizer'  # its vocab_file is tokenizer.model
+  assert (tc['bos_token'], tc['eos_token'], tc['pad_token'], tc['unk_token']) == (
+      '<s>', '</s>', '<pad>', '<unk>')
+  assert tc['add_bos_token'] is False and tc['add_prefix_space'] is False
+  assert 'vocab_file' not in tc  # a relative path there would be read from the cwd
+  assert {i: t['content'] for i, t in tc['added_tokens_decoder'].items()} == {
+      '0': '<pad>', '1': '<s>', '2': '</s>', '3': '<unk>'}
+  config = _json(out / 'config.json')
+  assert (config['bos_token_id'], config['eos_token_id'], config['pad_token_id'],
+          config['vocab_size']) == (1, 2, 0, 300)
+  assert _json(out / 'generation_config.json')['eos_token_id'] == 2
+
+  # Trainer-spec defaults: unk 0, bos 1, eos 2 and no pad (padding with eos).
+  path = tmp_path / 'default.model'
+  path.write_bytes(_sp_model(['<unk>', '<s>', '</s>', 'a']))
+  special, size, _ = export.tokenizer_files(path, model_max_length=8)
+  assert special == export.SpecialTokens(bos=('<s>', 1), eos=('</s>', 2), pad=('</s>', 2),
+                                         unk=('<unk>', 0)) and size == 4
+  path.write_bytes(_sp_model(['<unk>', 'a'], eos_id=-1))
+  with pytest.raises(ValueError, match='no end-of-sentence id'):
+    export.tokenizer_files(path, model_max_length=8)
+  path.write_bytes(b'\xff\xff')
+  with pytest.raises(ValueError, match='is not a sentencepiece model'):
+    export.tokenizer_files(path, model_max_length=8)
+
+
+def test_plot_prints_the_path_written_and_refuses_runs_without_losses(run, tmp_path, capsys):
+  assert cli.main(['plot', str(run), '--out', str(tmp_path / 'plots')]) == 0
+  assert capsys.readouterr().out.strip() == f'wrote {tmp_path / "plots.png"}'
+  assert (tmp_path / 'plots.png').read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
+  assert not (tmp_path / 'plots').exists()
+  assert cli.main(['plot', str(run), '--out', str(tmp_path / 'c.svg')]) == 0
+  assert capsys.readouterr().out.strip() == f'wrote {tmp_path / "c.svg"}'
+  assert b'<svg' in (tmp_path / 'c.svg').read_bytes()[:1000]
+
+  empty, val_only, missing = tmp_path / 'empty', tmp_path / 'val-only', tmp_path / 'missing'
+  empty.mkdir()
+  (empty / 'metrics.jsonl').write_text('')
+  val_only.mkdir()
+  (val_only / 'metrics.jsonl').write_text('{"step": 0, "val_loss": 5.0, "val_ppl": 150.0}\n')
+  missing.mkdir()
+  for bad in (empty, val_only, missing):
+    assert cli.main(['plot', str(run), str(bad), '--out', str(tmp_path / 'bad.png')]) == 2
+    err = _one_line_error(capsys, 'plot')
+    assert f'nothing to plot for run {bad}' in err
+  assert not (tmp_path / 'bad.png').exists()
+
+
+@pytest.mark.parametrize('command', ['eval', 'export', 'plot'])
+def test_help_describes_every_argument(command, capsys):
+  sub = next(a for a in cli.build_parser()._actions if a.dest == 'command')
+  parser = sub.choices[command]
+  assert parser.description
+  for action in parser._actions:
+    assert action.help and len(action.help) > 10, (command, action.dest)
+    if action.default not in (None, False, '==SUPPRESS==') and action.option_strings:
+      assert 'default' in action.help, (command, action.dest)
+  with pytest.raises(SystemExit) as e:
+    cli.main([command, '--help'])
+  assert e.value.code == 0
+  text = capsys.readouterr().out
+  for action in parser._actions:
+    assert action.help.split('%')[0][:30] in ' '.join(text.split()), (command, action.dest)
