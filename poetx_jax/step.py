@@ -98,7 +98,7 @@ def make_train_step(loss_fn: tp.Callable, *, merge_every: int | None = None,
     return out, due, jax.random.fold_in(base_key, optimizer.step[...])
 
   programs = _Programs(update, donate)
-  unchecked = []  # (call, the device's verdict, the host's) awaiting comparison
+  unchecked = []  # (the device's verdict, the host's, the call) awaiting comparison
 
   def check(flag, host_due, call):
     if bool(flag) != host_due:

@@ -90,3 +90,33 @@ def test_bench_memory_state_only(tmp_path):
   batch = 2 * 32 * 4 / 2 ** 30
   assert abs(r['compiled']['arguments_gib'] - (r['model_gib'] + r['optimizer_gib'] + batch)) < 1e-6
   assert r['compiled']['temporaries_gib'] > 0
+
+
+def test_profile_step_reports_a_real_step(tmp_path):
+  """profile_step on the CPU: XLA's thunks stand in for kernels; every
+  category share adds up, the top kernels name their HLO ops."""
+  import profile_step
+  out = tmp_path / 'prof.json'
+  profile_step.main(['--model', 'tiny', '--model-overrides', '{"layers": 1}', '--seq-len', '32',
+                     '--batch-size', '2', '--vocab-size', '256', '--dtype', 'float32',
+                     '--steps', '2', '--warmup', '1', '--runs', 'poetx', '--json', str(out)])
+  (r,) = json.loads(out.read_text())
+  assert r['steps'] == 2 and r['wall_ms'] > 0 and 0 < r['busy_ms'] <= r['kernel_ms']
+  assert sum(c['share'] for c in r['categories'].values()) == pytest.approx(1.0)
+  assert r['categories']['gather']['ms'] > 0  # the POET permutations
+  assert r['top'] and all(t['op'] and t['hlo'] for t in r['top'][:5])
+
+
+def test_profile_step_busy_time_and_categories():
+  import profile_step
+  events = [{'start': 0.0, 'dur': 10.0}, {'start': 5.0, 'dur': 10.0},
+            {'start': 20.0, 'dur': 5.0}, {'start': 21.0, 'dur': 1.0}]
+  assert profile_step.busy_time(events) == 20.0  # overlaps count once
+  cat = profile_step.category
+  assert cat('gemm_fusion_dot.3', 'gemm_fusion_dot_3') == 'gemm'
+  assert cat('custom-call.7', 'nvjet_sm90_tst_128x160') == 'gemm'
+  assert cat('fusion.2', 'cudnn_generated_fort_native_sdpa') == 'attention'
+  assert cat('loop_gather_fusion.2', 'loop_gather_fusion_2') == 'gather'
+  assert cat('copy.5', 'memcpy128') == 'transpose/copy'
+  assert cat('input_reduce_fusion', 'input_reduce_fusion') == 'reduction'
+  assert cat('loop_multiply_fusion', 'loop_multiply_fusion') == 'other'

@@ -12,7 +12,7 @@ from flax import nnx
 
 from poetx_jax.pretrain import cli
 from poetx_jax.pretrain import evaluation, factories
-from poetx_jax.pretrain.checkpoint import CheckpointError, Checkpointer
+from poetx_jax.pretrain.checkpoint import CheckpointError, Checkpointer, DamagedCheckpoint
 from poetx_jax.pretrain.config import TrainConfig
 from poetx_jax.pretrain.rundir import load_run
 from poetx_jax.pretrain.train import train
@@ -145,8 +145,10 @@ def test_default_poet_lr_shrinks_with_the_block_size():
 def test_incompatible_and_corrupt_checkpoints(tmp_path, corpus):
   cfg = _cfg(tmp_path, corpus, steps=2)
   train(cfg, log=lambda *_: None)
-  with pytest.raises(CheckpointError, match='configuration differs.*steps'):
-    train(dataclasses.replace(cfg, steps=3), resume=True)
+  with pytest.raises(CheckpointError, match=r"configuration differs.*'lr': \(0.003, 0.1\)"):
+    train(dataclasses.replace(cfg, lr=0.1), resume=True)
+  with pytest.raises(CheckpointError, match="steps=1 is below the run's 2"):
+    train(dataclasses.replace(cfg, steps=1), resume=True)
   with pytest.raises(CheckpointError, match='already holds checkpoints.*--resume'):
     train(cfg)  # a new run would clobber the old one
   # A checkpoint restored into a model of another shape says so.
@@ -159,14 +161,15 @@ def test_incompatible_and_corrupt_checkpoints(tmp_path, corpus):
                   pathlib.Path(other.out_dir) / 'checkpoints')
   for name in ('data.json', 'tokenizer.json'):
     shutil.copy(pathlib.Path(cfg.out_dir) / name, pathlib.Path(other.out_dir) / name)
-  with pytest.raises(CheckpointError, match='does not fit this model'):
+  with pytest.raises(CheckpointError, match='does not fit this model') as e:
     load_run(other.out_dir)
+  assert not isinstance(e.value, DamagedCheckpoint)
   # Corrupt: remove the array data of the newest step.
   step_dir = pathlib.Path(cfg.out_dir) / 'checkpoints' / '2'
   for f in (step_dir / 'model').rglob('*'):
     if f.is_file():
       f.write_bytes(b'garbage')
-  with pytest.raises(CheckpointError, match='step 2'):
+  with pytest.raises(DamagedCheckpoint, match='step 2 .* is damaged'):
     load_run(cfg.out_dir)
   with pytest.raises(CheckpointError, match='no checkpoint'):
     Checkpointer(tmp_path / 'void').restore(None, None)
@@ -219,8 +222,9 @@ def test_sigterm_saves_and_resume_continues(tmp_path, corpus):
     time.sleep(0.2)
   proc.send_signal(signal.SIGTERM)
   out, err = proc.communicate(timeout=120)
-  assert proc.returncode == 0, err
+  assert proc.returncode == 143, err  # 128 + SIGTERM: stopped, not finished
   assert 'stopped at step' in out + err and 'SIGTERM' in out + err
+  assert not (run / 'train.lock').exists()
   ckpt = Checkpointer(run / 'checkpoints')
   step, meta = ckpt.read_meta()
   assert meta['reason'] == 'SIGTERM' and step > 0

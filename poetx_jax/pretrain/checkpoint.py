@@ -4,20 +4,95 @@ One checkpoint step holds four items: ``model`` (every variable of the model,
 POET base weights and permutations included), ``opt`` (the ``nnx.Optimizer``
 state and step), ``data`` (the data iterator's state, JSON) and ``meta`` (JSON:
 the run's configuration and anything else the caller wants back).
+
+A restore that fails is diagnosed: a step with an item missing or unreadable
+(a missing manifest, an empty JSON item, a truncated array file) raises
+:class:`DamagedCheckpoint`; one that reads but holds other arrays or shapes
+than the model (a configuration mismatch) raises :class:`CheckpointError`
+saying it does not fit, naming the first differences.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import pathlib
+import shutil
 import typing as tp
 
 import jax
 import orbax.checkpoint as ocp
+from etils import epath
 from flax import nnx
+
+JSON_ITEMS = ('meta', 'data')
 
 
 class CheckpointError(RuntimeError):
   """A checkpoint is missing, corrupt, or does not fit the model it restores into."""
+
+
+class DamagedCheckpoint(CheckpointError):
+  """A checkpoint step that cannot be read: an item missing, empty or truncated.
+
+  Attributes:
+    step: the damaged step.
+  """
+
+  def __init__(self, message: str, step: int):
+    super().__init__(message)
+    self.step = step
+
+
+def _first_line(e: BaseException, limit: int = 300) -> str:
+  """The start of an exception's message, from its innermost cause (orbax wraps
+  TensorStore's errors in messages holding kilobytes of spec)."""
+  while e.__cause__ is not None:
+    e = e.__cause__
+  text = (str(e).strip().splitlines() or [type(e).__name__])[0]
+  for cut in (' See full TensorStore', ' [tensorstore_spec'):
+    text = text.split(cut)[0]
+  return text if len(text) <= limit else text[:limit] + '...'
+
+
+@contextlib.contextmanager
+def _quiet():
+  """Silences the asyncio and absl loggers, which print TensorStore dumps of a
+  failed read next to the exception that reports it."""
+  loggers = [logging.getLogger(n) for n in ('asyncio', 'absl')]
+  levels = [lg.level for lg in loggers]
+  for lg in loggers:
+    lg.setLevel(logging.CRITICAL + 1)
+  try:
+    yield
+  finally:
+    for lg, level in zip(loggers, levels):
+      lg.setLevel(level)
+
+
+def _flat_shapes(tree) -> dict[str, tuple]:
+  """{'a/b/0': shape} of a tree of arrays or of orbax array metadata."""
+  return {'/'.join(str(getattr(k, 'key', getattr(k, 'idx', k))) for k in path):
+          tuple(getattr(leaf, 'shape', ()) or ())
+          for path, leaf in jax.tree_util.tree_leaves_with_path(tree)}
+
+
+def _tree_diff(saved: dict, wanted: dict, limit: int = 3) -> str:
+  """The first differences of two {path: shape} maps as text ('' if none)."""
+  missing = [p for p in wanted if p not in saved]
+  extra = [p for p in saved if p not in wanted]
+  shapes = [f'{p} saved {saved[p]}, model {wanted[p]}' for p in wanted
+            if p in saved and saved[p] != wanted[p]]
+  parts = [f'{len(saved)} arrays saved, {len(wanted)} in the model'] if missing or extra else []
+  if missing:
+    parts.append(f'not in the checkpoint: {", ".join(missing[:limit])}'
+                 + (' ...' if len(missing) > limit else ''))
+  if extra:
+    parts.append(f'not in the model: {", ".join(extra[:limit])}'
+                 + (' ...' if len(extra) > limit else ''))
+  if shapes:
+    parts.append('; '.join(shapes[:limit]) + (' ...' if len(shapes) > limit else ''))
+  return '; '.join(parts)
 
 
 def _pure(node):
@@ -84,24 +159,116 @@ class Checkpointer:
     configuration first); arrays land with their shardings. Without an
     optimizer its state is not read at all (evaluation, export). Returns
     ``(step, data_state, meta)``.
+
+    Raises:
+      DamagedCheckpoint: the step cannot be read (nothing is restored).
+      CheckpointError: no such step, or it does not fit the model.
     """
     step = self._resolve(step)
     nodes = {'model': model} if optimizer is None else {'model': model, 'opt': optimizer}
     targets = {k: _pure(v) for k, v in nodes.items()}
     try:
-      out = self._mgr.restore(step, args=ocp.args.Composite(
-          data=ocp.args.JsonRestore(), meta=ocp.args.JsonRestore(),
-          **{k: ocp.args.StandardRestore(_abstract(t)) for k, t in targets.items()}))
-    except Exception as e:
-      sizes = ', '.join(f'{len(jax.tree.leaves(t))} {k} arrays' for k, t in targets.items())
-      raise CheckpointError(
-          f'checkpoint step {step} in {self.directory} does not fit this model '
-          f'(expected {sizes} with the shapes of the current configuration): {e}') from e
+      with _quiet():
+        out = self._mgr.restore(step, args=ocp.args.Composite(
+            data=ocp.args.JsonRestore(), meta=ocp.args.JsonRestore(),
+            **{k: ocp.args.StandardRestore(_abstract(t)) for k, t in targets.items()}))
+      if any(out[k] is None for k in JSON_ITEMS):
+        raise ValueError('an empty JSON item')
+    except Exception as e:  # orbax raises several types for unreadable files
+      raise self._diagnose(step, targets, e) from e
     for k, node in nodes.items():
       state = nnx.state(node)
       nnx.replace_by_pure_dict(state, out[k])
       nnx.update(node, state)
     return step, out['data'], out['meta']
+
+  def resume(self, model, optimizer, *, step: int | None, run: pathlib.Path,
+             log=print) -> tuple[int, dict]:
+    """Restores the newest intact checkpoint (or ``step``) for ``--resume`` of the
+    run directory ``run``; returns ``(step, data_state)``.
+
+    Without ``step``, each damaged checkpoint is named, the newest intact one
+    used (loudly) and the damaged ones moved to ``run/damaged-checkpoints``
+    (only once one has restored). With ``step``, the newer checkpoints are
+    moved to ``run/abandoned-checkpoints``: the run continues from ``step``.
+    """
+    steps = sorted(self.all_steps(), reverse=True)
+    if not steps:
+      raise CheckpointError(f'--resume: no checkpoint in {self.directory} to resume from; '
+                            f'start the run afresh (without --resume)')
+    if step is not None:
+      restored, data_state, _ = self.restore(model, optimizer, step=step)
+      for newer in (s for s in steps if s > step):
+        dest = self.set_aside(newer, run / 'abandoned-checkpoints')
+        log(f'--step {step}: moved the newer checkpoint step {newer} to {dest}')
+      return restored, data_state
+    damaged = []
+    for s in steps:
+      try:
+        restored, data_state, _ = self.restore(model, optimizer, step=s)
+      except DamagedCheckpoint as e:
+        log(f'WARNING: {e}')
+        damaged.append(s)
+        continue
+      for d in damaged:
+        self.set_aside(d, run / 'damaged-checkpoints')
+      if damaged:
+        log(f'WARNING: resuming from step {restored}, the newest intact checkpoint, not '
+            f'{steps[0]}: the damaged steps {damaged} are moved to '
+            f'{run / "damaged-checkpoints"}')
+      return restored, data_state
+    raise CheckpointError(f'--resume: every checkpoint in {self.directory} is damaged '
+                          f'(steps {steps}); nothing to resume from')
+
+  def _diagnose(self, step: int, targets: dict, error: Exception) -> CheckpointError:
+    """Why restoring ``step`` into ``targets`` failed: a DamagedCheckpoint when an
+    item is missing or unreadable, a CheckpointError when the arrays read but
+    do not fit."""
+    where = self.directory / str(step)
+    others = sorted(s for s in self.all_steps() if s != step)
+    hint = (f'; the other checkpoints are steps {others} (pick one with --step)'
+            if others else '')
+
+    def damaged(why):
+      return DamagedCheckpoint(f'checkpoint step {step} in {self.directory} is damaged: '
+                               f'{why}{hint}', step)
+
+    for name in (*JSON_ITEMS, *targets):
+      if not (where / name).is_dir():
+        return damaged(f'its {name} item is missing')
+    for name in JSON_ITEMS:
+      try:
+        with _quiet():
+          item = self._mgr.restore(step, args=ocp.args.Composite(
+              **{name: ocp.args.JsonRestore()}))[name]
+      except Exception:  # pylint: disable=broad-except
+        item = None
+      if item is None:
+        return damaged(f'its {name} item is empty or not JSON')
+    for name, target in targets.items():
+      try:
+        with _quiet():
+          saved = ocp.StandardCheckpointHandler().metadata(epath.Path(where / name))
+      except Exception as e:  # pylint: disable=broad-except
+        return damaged(f'the metadata of its {name} item cannot be read ({_first_line(e)})')
+      diff = _tree_diff(_flat_shapes(saved), _flat_shapes(target))
+      if diff:
+        return CheckpointError(
+            f'checkpoint step {step} in {self.directory} does not fit this model: its '
+            f'{name} item differs ({diff}); the run\'s configuration is not the one that '
+            f'wrote it')
+    return damaged(f'its arrays cannot be read ({_first_line(error)})')
+
+  def set_aside(self, step: int, folder: str | pathlib.Path) -> pathlib.Path:
+    """Moves checkpoint ``step`` out of this directory, to ``folder/step``, where
+    neither restores nor saves see it; returns its new path."""
+    dest = pathlib.Path(folder) / str(step)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    if dest.exists():
+      shutil.rmtree(dest)
+    shutil.move(self.directory / str(step), dest)
+    self._mgr.reload()
+    return dest
 
   def _resolve(self, step):
     steps = self.all_steps()

@@ -18,15 +18,24 @@ import sys
 from poetx_jax.pretrain.checkpoint import CheckpointError
 
 
-def _train_parser(sub):
+def _train_parser(sub, *, defaults: bool = True):
   from poetx_jax.pretrain.config import add_options
   p = sub.add_parser('train', help='train a Llama with POET-X (or AdamW)',
                      description='Train a Llama with POET-X (or AdamW). Every option '
-                                 'but --resume, --distributed and --plot is a field '
-                                 'of TrainConfig, saved in OUT_DIR/run.json.')
-  add_options(p)
-  p.add_argument('--resume', action='store_true', help='continue from the newest '
-                 'checkpoint in --out-dir')
+                                 'but --resume, --step, --distributed and --plot is a '
+                                 'field of TrainConfig, saved in OUT_DIR/run.json. Exit '
+                                 'status: 0 finished, 2 bad option, data or checkpoint, '
+                                 '3 non-finite loss, 4 OUT_DIR in use by another '
+                                 'training, 130 / 143 stopped by SIGINT / SIGTERM (a '
+                                 'checkpoint saved: continue with --resume).')
+  add_options(p, defaults=defaults)
+  p.add_argument('--resume', action='store_true', help='continue the run in --out-dir '
+                 'from its newest intact checkpoint; the options not given are read from '
+                 'its run.json, those given must agree with it (but --steps may be raised '
+                 'to extend the run, and --data, --cache-dir may move)')
+  p.add_argument('--step', type=int, default=None, metavar='N',
+                 help='with --resume: continue from checkpoint step N instead (the newer '
+                      'checkpoints are moved to OUT_DIR/abandoned-checkpoints)')
   p.add_argument('--distributed', action='store_true',
                  help='multi-host: call jax.distributed.initialize() first (it reads '
                       'the coordinator and process ids from the cluster environment)')
@@ -39,9 +48,18 @@ def cmd_train(a) -> int:
   if a.distributed:
     import jax
     jax.distributed.initialize()
-  from poetx_jax.pretrain.config import config_from_args
+  from poetx_jax.pretrain.config import TrainConfig, config_from_args
+  from poetx_jax.pretrain.rundir import resumed_config
   from poetx_jax.pretrain.train import train
-  summary = train(config_from_args(a), resume=a.resume)
+  cfg = config_from_args(a)
+  if a.resume:  # the options given again; the rest are the run's (run.json)
+    if getattr(a, 'argv', None) is not None:
+      given = vars(_train_parser(argparse.ArgumentParser().add_subparsers(),
+                                 defaults=False).parse_args(a.argv[1:]))
+    else:
+      given = {k for k, v in vars(cfg).items() if v != getattr(TrainConfig(), k)}
+    cfg = resumed_config(cfg, given)
+  summary = train(cfg, resume=a.resume, step=a.step)
   if 'val_before' in summary and 'val_after' in summary:
     print(f"validation perplexity: {summary['val_before']['ppl']:.2f} -> "
           f"{summary['val_after']['ppl']:.2f}")
@@ -52,10 +70,14 @@ def cmd_train(a) -> int:
   from poetx_jax.pretrain.plot import plot_runs
   png = a.plot or str(pathlib.Path(summary['out_dir']) / 'loss.png')
   try:
-    plot_runs([summary['out_dir']], png)
-    print(f'loss curves: {png}')
+    print(f"loss curves: {plot_runs([summary['out_dir']], png)}")
   except ImportError:
     print('no loss plot: matplotlib is not installed (metrics.jsonl has the curves)')
+  except (ValueError, OSError) as e:
+    print(f'no loss plot: {e}')
+  if summary['stopped'] in ('SIGINT', 'SIGTERM'):  # 130, 143: the shells' convention
+    import signal
+    return 128 + signal.Signals[summary['stopped']].value
   return 0
 
 
@@ -73,15 +95,14 @@ def cmd_eval(a) -> int:
 
 def cmd_export(a) -> int:
   from poetx_jax.pretrain.export import export_run
-  path = export_run(a.run, a.out, step=a.step)
-  print(f'wrote {path}')
+  paths = export_run(a.run, a.out, step=a.step, force=a.force)
+  print(f'wrote {a.out}: {", ".join(p.name for p in paths)}')
   return 0
 
 
 def cmd_plot(a) -> int:
   from poetx_jax.pretrain.plot import plot_runs
-  plot_runs(a.runs, a.out)
-  print(f'wrote {a.out}')
+  print(f'wrote {plot_runs(a.runs, a.out)}')
   return 0
 
 
@@ -90,29 +111,67 @@ def build_parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(prog='poetx', description=__doc__.split('\n\n')[0])
   sub = parser.add_subparsers(dest='command', required=True)
   _train_parser(sub).set_defaults(func=cmd_train)
-  p = sub.add_parser('eval', help='validation loss and perplexity of a run')
-  p.add_argument('run')
-  p.add_argument('--step', type=int, default=None)
+  p = sub.add_parser('eval', help='validation loss and perplexity of a run',
+                     description='Validation loss and perplexity of a run at a checkpoint, '
+                                 'printed as one JSON line. The corpus is read again with '
+                                 'the run\'s stored tokenizer; its validation split must '
+                                 'be the one the run was validated on.')
+  p.add_argument('run', help='the run directory (the --out-dir of poetx train)')
+  p.add_argument('--step', type=int, default=None,
+                 help='the checkpoint step to evaluate (default: the newest)')
   p.set_defaults(func=cmd_eval)
-  p = sub.add_parser('export', help='merged dense weights (safetensors, HF Llama layout)')
-  p.add_argument('run')
-  p.add_argument('--out', required=True)
-  p.add_argument('--step', type=int, default=None)
+  p = sub.add_parser('export', help='a Hugging Face Llama directory (merged weights, '
+                                    'config, tokenizer)',
+                     description='Write a directory that Hugging Face clients load as it '
+                                 'is (LlamaForCausalLM, AutoTokenizer, pipeline): merged '
+                                 'dense weights (model.safetensors), config.json and '
+                                 'generation_config.json with the special-token ids, and '
+                                 'the run\'s stored tokenizer (tokenizer.json, or '
+                                 'tokenizer.model) with tokenizer_config.json and '
+                                 'special_tokens_map.json. The corpus is not read.')
+  p.add_argument('run', help='the run directory (the --out-dir of poetx train)')
+  p.add_argument('--out', required=True, metavar='DIR',
+                 help='the export directory, created if missing (required); one that '
+                      'already holds an export is refused unless --force')
+  p.add_argument('--step', type=int, default=None,
+                 help='the checkpoint step to export (default: the newest)')
+  p.add_argument('--force', action='store_true',
+                 help='replace an export already in DIR, removing its files that this '
+                      'export does not write (default: refuse)')
   p.set_defaults(func=cmd_export)
-  p = sub.add_parser('plot', help='loss / perplexity curves of runs to a PNG')
-  p.add_argument('runs', nargs='+')
-  p.add_argument('--out', default='loss.png')
+  p = sub.add_parser('plot', help='loss / perplexity curves of runs to an image',
+                     description='Training loss and validation perplexity against step '
+                                 'of one or more runs, from their metrics.jsonl; a run '
+                                 'without training-loss records is an error (exit 2).')
+  p.add_argument('runs', nargs='+', metavar='run',
+                 help='run directories (the --out-dir of poetx train)')
+  p.add_argument('--out', default='loss.png', metavar='IMAGE',
+                 help='the image to write (default: %(default)s); its suffix picks the '
+                      'format (.png, .pdf, .svg, ...); a name without an image suffix '
+                      'gets .png appended. The path written is printed.')
   p.set_defaults(func=cmd_plot)
   return parser
 
 
 def main(argv=None) -> int:
+  """Runs a ``poetx`` command; its exit status. A failure the user can act on
+  is one line on stderr: exit 2 (bad option, data, run directory or
+  checkpoint), or the error's own ``exit_code`` (3: non-finite loss, 4: the
+  run directory is in use); 130 when interrupted."""
   a = build_parser().parse_args(argv)
+  a.argv = sys.argv[1:] if argv is None else list(argv)
   try:
     return a.func(a)
-  except (ValueError, FileNotFoundError, CheckpointError, ImportError) as e:
+  except KeyboardInterrupt:
+    print(f'poetx {a.command}: interrupted', file=sys.stderr)
+    return 130
+  except Exception as e:  # pylint: disable=broad-except
+    known = (ValueError, FileNotFoundError, CheckpointError, ImportError)
+    code = getattr(e, 'exit_code', 2 if isinstance(e, known) else None)
+    if code is None:
+      raise
     print(f'poetx {a.command}: error: {e}', file=sys.stderr)
-    return 2
+    return code
 
 
 if __name__ == '__main__':

@@ -215,10 +215,12 @@ def _help(md: tp.Mapping, default: tp.Any, choices: tp.Sequence | None) -> str:
   return text.replace('%', '%%')
 
 
-def add_options(parser: argparse.ArgumentParser) -> None:
+def add_options(parser: argparse.ArgumentParser, *, defaults: bool = True) -> None:
   """Adds one ``--flag`` per :class:`TrainConfig` field (``model_overrides`` ->
   ``--model-overrides``): bools are switches, lists take several values, a
-  field with a ``parse`` function takes its text form."""
+  field with a ``parse`` function takes its text form. With ``defaults=False``
+  an option not given is left out of the parsed namespace, which then holds
+  exactly the options given (what ``--resume`` checks against ``run.json``)."""
   hints = tp.get_type_hints(TrainConfig)
   for f in dataclasses.fields(TrainConfig):
     md, flag = f.metadata, '--' + f.name.replace('_', '-')
@@ -226,8 +228,11 @@ def add_options(parser: argparse.ArgumentParser) -> None:
     default = f.default_factory() if f.default is dataclasses.MISSING else f.default
     choices = md.get('choices')
     kw = dict(help=_help(md, default, choices), metavar=md.get('metavar'))
+    if not defaults:
+      default = argparse.SUPPRESS
     if typ is bool:
-      parser.add_argument(flag, action='store_true', help=kw['help'])
+      parser.add_argument(flag, action='store_true', help=kw['help'],
+                          **({} if defaults else {'default': default}))
     elif typ is list:
       parser.add_argument(flag, nargs='*', default=default, **kw)
     elif 'parse' in md:  # read from text by config_from_args

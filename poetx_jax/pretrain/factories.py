@@ -63,19 +63,24 @@ def build_model(cfg: TrainConfig, mc: llama.LlamaConfig, mesh=None):
   place = None
   if mesh is not None and cfg.strategy == 'fsdp' and cfg.scan_layers:
     place = sharding.placement(mesh, cfg.strategy)
-  convert = None
-  if cfg.optimizer == 'poetx':
-    poet_rngs = nnx.Rngs(jax.random.key(cfg.seed + 1))
-
-    def convert(layer):
-      return poetx_jax.poetize(layer, rngs=poet_rngs, consume=True,
-                               block_size=cfg.block_size or mc.block_size, mode=cfg.mode,
-                               form=cfg.form, implementation=cfg.implementation,
-                               quantize=cfg.quantize, group_size=cfg.group_size)
-
+  convert = _layer_converter(cfg, mc) if cfg.optimizer == 'poetx' else None
   return llama.Llama(mc, dtype=dtype, param_dtype=param_dtype, remat=cfg.remat,
                      attention=cfg.attention, rngs=nnx.Rngs(jax.random.key(cfg.seed)), convert_layer=convert,
                      scan_layers=cfg.scan_layers, place=place)
+
+
+def _layer_converter(cfg: TrainConfig, mc: llama.LlamaConfig):
+  """``convert(layer)``: a decoder layer poetized as the run configures, its
+  dense kernels consumed; permutations drawn from ``seed + 1``, layer after layer."""
+  poet_rngs = nnx.Rngs(jax.random.key(cfg.seed + 1))
+
+  def convert(layer):
+    return poetx_jax.poetize(layer, rngs=poet_rngs, consume=True,
+                             block_size=cfg.block_size or mc.block_size, mode=cfg.mode,
+                             form=cfg.form, implementation=cfg.implementation,
+                             quantize=cfg.quantize, group_size=cfg.group_size)
+
+  return convert
 
 
 def state_bytes(tree) -> int:

@@ -6,6 +6,10 @@
                           the splits: tokens and sha256 of each token stream
     RUN/checkpoints/      orbax steps (checkpoint.py)
     RUN/metrics.jsonl     the curves (metrics.py)
+    RUN/train.lock        while a training runs: its pid, host and start (RunLock)
+    RUN/damaged-checkpoints/, RUN/abandoned-checkpoints/
+                          steps set aside on --resume: unreadable ones, and those
+                          newer than the one chosen with --step (Checkpointer.resume)
 
 The tokenizer is stored with the run, so eval, export and resume never
 retrain it: export needs only the weights and the stored tokenizer (no
@@ -15,10 +19,20 @@ and refuse one whose splits no longer hash to those of ``data.json``.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import fcntl
 import json
+import os
 import pathlib
+import secrets
 import shutil
+import signal
+import socket
+import time
+import typing as tp
+
+import jax
 
 from poetx_jax.models import llama
 from poetx_jax.pretrain import data as data_lib
@@ -28,33 +42,200 @@ from poetx_jax.pretrain.factories import build_model, model_config
 from poetx_jax.pretrain.tokenizer import file_hash
 
 RUN_FILE, DATA_FILE = 'run.json', 'data.json'
+# Options that say where things are, not what the run is: --resume may change
+# them (the corpus is checked against data.json's hashes instead).
+LOCATIONS = ('out_dir', 'cache_dir', 'data')
 
 
-def open_run(cfg: TrainConfig, *, resume: bool) -> pathlib.Path:
-  """Creates (or, resuming, checks) the run directory ``cfg.out_dir`` and writes
-  its ``run.json``.
+class RunLocked(RuntimeError):
+  """The run directory is held by another training process (exit code 4)."""
+  exit_code = 4
+
+
+def _process_start(pid: int) -> str | None:
+  """When process ``pid`` started (Linux clock ticks since boot), or None where
+  /proc does not tell: with the pid it names one process, even after reuse."""
+  try:
+    return pathlib.Path(f'/proc/{pid}/stat').read_text().rsplit(')', 1)[1].split()[19]
+  except (OSError, IndexError):
+    return None
+
+
+def _sigterm_exit(signum, frame):
+  """SIGTERM outside the training loop (which saves first): exit 143, unwinding."""
+  raise SystemExit(128 + signum)
+
+
+class RunLock:
+  """``RUN/train.lock``: one training process at a time in a run directory.
+
+  Created atomically (``O_EXCL``), it holds the owner's pid, host and process
+  start, the directory's identity and the time. Another process is refused
+  (:class:`RunLocked`, naming the owner) while the owner lives; a stale lock
+  (its pid not running on this host, or now another process; or copied with
+  the directory) is taken over with a warning. A lock from another host is
+  never taken over: that host may still train. Leaving the context, however
+  (SIGTERM becomes ``SystemExit(143)``), removes the lock.
+  """
+
+  def __init__(self, out: pathlib.Path, *, log=print):
+    self.path, self.log = pathlib.Path(out) / 'train.lock', log
+    st, pid = self.path.parent.stat(), os.getpid()
+    self.record = {'pid': pid, 'host': socket.gethostname(), 'pid_start': _process_start(pid),
+                   'dir': str(self.path.parent.resolve()), 'dir_id': [st.st_dev, st.st_ino],
+                   'token': secrets.token_hex(8), 'since': time.strftime('%Y-%m-%d %H:%M:%S %Z')}
+    self._sigterm = None
+
+  def __enter__(self) -> 'RunLock':
+    try:
+      fd = os.open(self.path.parent, os.O_RDONLY)
+    except OSError as e:
+      raise ValueError(f'cannot open the run directory {self.path.parent}: {e.strerror}') from e
+    try:
+      with contextlib.suppress(OSError):  # serialises takers; best effort (NFS)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+      self._take()
+    finally:
+      os.close(fd)  # releases the flock
+    self._sigterm = signal.signal(signal.SIGTERM, _sigterm_exit)
+    return self
+
+  def _take(self) -> None:
+    for _ in range(3):
+      try:
+        fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+      except FileExistsError:
+        owner = self._owner()
+        why = self._stale(owner)
+        if why is None:
+          raise RunLocked(
+              f'{self.path.parent} is in use by another training: pid {owner["pid"]} on '
+              f'{owner["host"]} since {owner.get("since")} ({self.path}); wait for it to end, '
+              f'or delete {self.path} if that process is gone') from None
+        self.log(f'warning: taking over the stale lock {self.path} of pid '
+                 f'{owner.get("pid")} on {owner.get("host")}: {why}')
+        with contextlib.suppress(FileNotFoundError):
+          self.path.unlink()
+        continue
+      except OSError as e:
+        raise ValueError(f'cannot write in the run directory {self.path.parent}: '
+                         f'{e.strerror}') from e
+      with os.fdopen(fd, 'w') as f:
+        json.dump(self.record, f)
+      return
+    raise RunLocked(f'could not take {self.path}: other processes keep taking it')
+
+  def _owner(self) -> dict:
+    try:
+      owner = json.loads(self.path.read_text())
+      return owner if isinstance(owner, dict) and 'pid' in owner else {}
+    except (OSError, ValueError):
+      return {}
+
+  def _stale(self, owner: dict) -> str | None:
+    """Why the lock of ``owner`` is stale, or None if its owner may be alive."""
+    if not owner:
+      return 'it is empty or unreadable'
+    if owner.get('host') != self.record['host']:
+      return None  # no way to tell from here
+    if owner.get('dir_id') != self.record['dir_id']:
+      return f'it was taken in {owner.get("dir")}; this directory is a copy'
+    pid = owner['pid']
+    try:
+      os.kill(pid, 0)
+    except ProcessLookupError:
+      return f'pid {pid} is not running'
+    except PermissionError:
+      pass  # alive, another user's
+    if owner.get('pid_start') != _process_start(pid):
+      return f'pid {pid} is now another process'
+    return None
+
+  def __exit__(self, *exc) -> None:
+    signal.signal(signal.SIGTERM, self._sigterm)
+    if self._owner().get('token') == self.record['token']:
+      with contextlib.suppress(FileNotFoundError):
+        self.path.unlink()
+
+
+def default_out_dir(cfg: TrainConfig) -> str:
+  """``cfg.out_dir``, or ``runs/MODEL-OPTIMIZER`` when it is None."""
+  return cfg.out_dir or f'runs/{cfg.model}-{cfg.optimizer}'
+
+
+def _saved_run(out: pathlib.Path) -> dict:
+  """The ``run.json`` of the run ``--resume`` continues in ``out``."""
+  if not (out / RUN_FILE).is_file():
+    raise CheckpointError(f'--resume: {out} holds no run ({out / RUN_FILE} does not exist); '
+                          f'nothing to resume')
+  return json.loads((out / RUN_FILE).read_text())
+
+
+def resumed_config(cfg: TrainConfig, given: tp.Iterable[str]) -> TrainConfig:
+  """What ``poetx train --resume`` continues: the run's ``run.json`` with the
+  options ``given`` on the command line taken from ``cfg`` (:func:`open_run`
+  then checks they agree with it) and the run directory where it is now."""
+  out = pathlib.Path(default_out_dir(cfg))
+  _saved_run(out)
+  fields = {f.name for f in dataclasses.fields(TrainConfig)}
+  return dataclasses.replace(read_config(out), out_dir=str(out),
+                             **{k: getattr(cfg, k) for k in set(given) & fields - {'out_dir'}})
+
+
+def _check_resumable(run_file: pathlib.Path, cfg: TrainConfig) -> None:
+  """Raises CheckpointError unless ``cfg`` may continue the run of ``run_file``:
+  equal but for LOCATIONS, with ``steps`` at least the saved ones."""
+  saved = _saved_run(run_file.parent)
+  now = dataclasses.asdict(cfg)
+  diff = {k: (saved.get(k), v) for k, v in now.items()
+          if k not in LOCATIONS + ('steps',) and saved.get(k) != v}
+  if diff:
+    raise CheckpointError(f'--resume: the configuration differs from the one in {run_file} '
+                          f'(saved, given): {diff}; leave these options out to use the '
+                          f'saved ones')
+  if cfg.steps < saved.get('steps', 0):
+    raise CheckpointError(f'--resume: steps={cfg.steps} is below the run\'s {saved["steps"]} '
+                          f'({run_file}); --steps may only be raised, to extend the run')
+
+
+def _make_dir(out: pathlib.Path) -> None:
+  """Creates the run directory; ValueError with one line if it cannot be."""
+  if out.exists() and not out.is_dir():
+    raise ValueError(f'--out-dir {out} is a file, not a directory')
+  try:
+    out.mkdir(parents=True, exist_ok=True)
+  except OSError as e:
+    raise ValueError(f'cannot create the run directory --out-dir {out}: '
+                     f'{e.strerror or e}') from e
+
+
+@contextlib.contextmanager
+def open_run(cfg: TrainConfig, *, resume: bool, log=print) -> tp.Iterator[pathlib.Path]:
+  """The run directory ``cfg.out_dir``, created (or, resuming, checked), locked
+  for this process (``train.lock``) and its ``run.json`` written; unlocked on
+  leaving, however that happens.
 
   Raises:
-    CheckpointError: resuming without a ``run.json``, or with a configuration
-      other than the saved one; or starting afresh where checkpoints exist.
+    CheckpointError: resuming without a ``run.json`` (nothing is created), or
+      with a configuration the run cannot continue with; or starting afresh
+      where checkpoints exist.
+    RunLocked: another training process holds the directory.
+    ValueError: the directory cannot be created or written.
   """
   out = pathlib.Path(cfg.out_dir)
-  out.mkdir(parents=True, exist_ok=True)
   run_file = out / RUN_FILE
   if resume:
-    if not run_file.exists():
-      raise CheckpointError(f'--resume: no run.json in {out}; nothing to resume')
-    saved = json.loads(run_file.read_text())
-    if saved != dataclasses.asdict(cfg):
-      diff = {k: (saved.get(k), v) for k, v in dataclasses.asdict(cfg).items()
-              if saved.get(k) != v}
-      raise CheckpointError(f'--resume: the configuration differs from the one in '
-                            f'{run_file} (saved, given): {diff}')
-  elif Checkpointer(out / 'checkpoints').all_steps():
-    raise CheckpointError(f'{out} already holds checkpoints of a run; continue it with '
-                          f'--resume, or choose another --out-dir')
-  run_file.write_text(json.dumps(dataclasses.asdict(cfg), indent=1))
-  return out
+    _check_resumable(run_file, cfg)
+  _make_dir(out)
+  # One lock per run: the first process takes it for all (multi-host runs).
+  with RunLock(out, log=log) if jax.process_index() == 0 else contextlib.nullcontext():
+    if not resume and Checkpointer(out / 'checkpoints').all_steps():
+      raise CheckpointError(f'{out} already holds checkpoints of a run; continue it with '
+                            f'--resume, or choose another --out-dir')
+    tmp = run_file.with_suffix('.tmp')  # whole, for whoever reads it meanwhile
+    tmp.write_text(json.dumps(dataclasses.asdict(cfg), indent=1))
+    tmp.replace(run_file)
+    yield out
 
 
 def load_data(cfg: TrainConfig, tokenizer: str | pathlib.Path | None = None
@@ -141,7 +322,7 @@ def run_data(out: pathlib.Path, cfg: TrainConfig, *, resume: bool) -> data_lib.T
 def read_config(out: str | pathlib.Path) -> TrainConfig:
   """The :class:`TrainConfig` of a run directory (its ``run.json``)."""
   run_file = pathlib.Path(out) / RUN_FILE
-  if not run_file.exists():
+  if not run_file.is_file():
     raise CheckpointError(f'{out} is not a run directory (no run.json)')
   fields = {f.name for f in dataclasses.fields(TrainConfig)}
   saved = json.loads(run_file.read_text())

@@ -33,6 +33,25 @@ from poetx_jax.pretrain.metrics import (Metrics, Progress, StopFlag, TrainClock,
                                         merge_reporter)
 
 
+class NonFiniteLoss(FloatingPointError):
+  """The loss or the model state became NaN or infinite (``poetx train`` exits 3).
+
+  Nothing is saved from the diverged state: the newest checkpoint stays the
+  last one written before, which the message names."""
+  exit_code = 3
+
+
+@jax.jit
+def _finite(leaves):
+  return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
+
+
+def all_finite(tree) -> bool:
+  """Whether every floating-point array of ``tree`` is free of NaN and infinity."""
+  leaves = [x for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
+  return bool(_finite(leaves)) if leaves else True
+
+
 @dataclasses.dataclass
 class Run:
   """A run being trained: its configuration, directory, state, data and writers,
@@ -51,12 +70,27 @@ class Run:
   first_val: tuple[float, float] | None = None
   last_val: tuple[float, float] | None = None
   stopped: str | None = None
+  hook: tp.Callable[[str, 'Run'], None] | None = None
 
   def save(self, reason: str) -> None:
-    """Starts an asynchronous checkpoint of the state and the data position."""
+    """Starts an asynchronous checkpoint of the state and the data position,
+    once the model state is checked finite (else :meth:`diverged`)."""
+    if not all_finite(nnx.to_pure_dict(nnx.state(self.model))):
+      self.diverged(f'the model state is not finite at step {self.step}')
     meta = {'step': self.step, 'config': dataclasses.asdict(self.cfg), 'reason': reason}
     self.ckpt.save(self.step, self.model, self.optimizer,
                    data_state=self.batches.get_state(), meta=meta)
+    if self.hook is not None:
+      self.hook('save', self)
+
+  def diverged(self, what: str) -> tp.NoReturn:
+    """Raises NonFiniteLoss once the earlier checkpoints are written, naming the
+    newest: the last good state."""
+    self.ckpt.close()
+    newest = self.ckpt.latest_step()
+    kept = (f'the newest checkpoint, step {newest} in {self.ckpt.directory}, is from '
+            f'before' if newest is not None else 'no checkpoint was written before')
+    raise NonFiniteLoss(f'training diverged: {what}; nothing was saved from it, {kept}')
 
   def validate(self) -> tuple[float, float]:
     """(validation loss, perplexity) now, also written to metrics.jsonl."""
@@ -65,19 +99,23 @@ class Run:
     return loss, ppl
 
 
-def train(cfg: TrainConfig, *, resume: bool = False, log=print,
+def train(cfg: TrainConfig, *, resume: bool = False, step: int | None = None, log=print,
           stop_after: int | None = None,
           probe: tp.Callable[[int, tp.Any], dict] | None = None,
-          probe_every: int | None = None) -> dict:
+          probe_every: int | None = None,
+          hook: tp.Callable[[str, Run], None] | None = None) -> dict:
   """Runs (or resumes) a training run; returns a summary dict.
 
-  Writes the run directory (rundir.py), its checkpoints and ``metrics.jsonl``
-  (its records: metrics.py).
+  Writes the run directory (rundir.py), locked while it trains, its
+  checkpoints and ``metrics.jsonl`` (its records: metrics.py).
 
   Args:
     cfg: the run's configuration.
-    resume: continue from the newest checkpoint in ``cfg.out_dir`` (its
-      ``run.json`` must match ``cfg``, its corpus the stored data identity).
+    resume: continue from the newest intact checkpoint in ``cfg.out_dir`` (its
+      ``run.json`` must match ``cfg`` but for locations and a raised
+      ``steps``, its corpus the stored data identity).
+    step: with ``resume``, the checkpoint to continue from (the newer ones are
+      set aside).
     log: where progress messages go.
     stop_after: stop (and checkpoint) after this many steps of this call, as a
       SIGTERM would (used by tests and for time-limited jobs).
@@ -88,56 +126,77 @@ def train(cfg: TrainConfig, *, resume: bool = False, log=print,
       the model; its time is in ``elapsed_s`` but not in ``train_s``.
     probe_every: steps between probes (default: ``cfg.eval_every``, the probe
       then following each evaluation).
+    hook: ``hook(event, run)`` after each step is dispatched (``'step'``) and
+      each checkpoint save starts (``'save'``): where tests inject faults.
+
+  Raises NonFiniteLoss (nothing saved from a diverged state) and
+  rundir.RunLocked (another training holds ``cfg.out_dir``).
   """
-  cfg, probe_every = _checked(cfg, probe_every)
-  run = set_up(cfg, resume=resume, log=log)
-  if run.step == 0:
-    _start(run, probe, log)
-  total = cfg.steps * cfg.grad_accum  # one iteration = one micro-batch
-  progress = Progress(total, initial=run.step)
-  t0, start = time.perf_counter(), run.step
-  with StopFlag() as stop, TrainClock() as clock:
-    while run.step < total:
-      loss = run.step_fn(run.model, run.optimizer, place_batch(next(run.batches), run.mesh))
-      run.step += 1
-      last = run.step == total
-      if run.step % cfg.log_every == 0 or last:
-        loss = _log_step(run, loss, progress, clock, t0, start)
-      if run.step % cfg.eval_every == 0 or last:
-        with clock.paused(loss):
-          run.last_val = run.validate()
-      if probe is not None and (run.step % probe_every == 0 or last):
-        with clock.paused(loss):
-          run.metrics.write({'step': run.step, **probe(run.step, run.model)})
-      if run.step % cfg.checkpoint_every == 0 or last:
-        with clock.paused(loss):
-          run.save('final' if last else 'periodic')
-      if stop.signal or (stop_after is not None and run.step - start >= stop_after):
-        run.stopped = stop.signal or 'stop_after'
-        if run.step % cfg.checkpoint_every:
-          with clock.paused(loss):
-            run.save(run.stopped)
-        break
-  progress.close()
-  return _finish(run, clock, t0, start, log)
+  cfg, probe_every = _checked(cfg, probe_every, resume, step)
+  with rundir.open_run(cfg, resume=resume, log=log) as out:
+    run = set_up(cfg, out, resume=resume, step=step, log=log, hook=hook)
+    if run.step == 0:
+      _start(run, probe, log)
+    total = cfg.steps * cfg.grad_accum  # one iteration = one micro-batch
+    progress = Progress(total, initial=run.step)
+    t0, start = time.perf_counter(), run.step
+    with StopFlag() as stop, TrainClock() as clock:
+      while run.step < total:
+        loss = run.step_fn(run.model, run.optimizer, place_batch(next(run.batches), run.mesh))
+        run.step += 1
+        if hook is not None:
+          hook('step', run)
+        last = run.step == total
+        if run.step % cfg.log_every == 0 or last:
+          loss = _log_step(run, loss, progress, clock, t0, start)
+        _periodic(run, loss, clock, last, probe, probe_every)
+        if stop.signal or (stop_after is not None and run.step - start >= stop_after):
+          run.stopped = stop.signal or 'stop_after'
+          if run.step % cfg.checkpoint_every:
+            with clock.paused(loss):
+              run.save(run.stopped)
+          break
+    progress.close()
+    return _finish(run, clock, t0, start, log)
 
 
-def _checked(cfg: TrainConfig, probe_every: int | None) -> tuple[TrainConfig, int]:
+def _periodic(run: Run, loss, clock: TrainClock, last: bool, probe,
+              probe_every: int) -> None:
+  """Validates, probes and checkpoints after the step when each is due, the
+  clock paused (and the step waited for) only then."""
+  s, cfg = run.step, run.cfg
+  validate = s % cfg.eval_every == 0 or last
+  probing = probe is not None and (s % probe_every == 0 or last)
+  save = s % cfg.checkpoint_every == 0 or last
+  if validate or probing or save:
+    with clock.paused(loss):
+      if validate:
+        run.last_val = run.validate()
+      if probing:
+        run.metrics.write({'step': s, **probe(s, run.model)})
+      if save:
+        run.save('final' if last else 'periodic')
+
+
+def _checked(cfg: TrainConfig, probe_every: int | None, resume: bool,
+             step: int | None) -> tuple[TrainConfig, int]:
   """``cfg`` validated for this machine's devices, its ``out_dir`` filled in; the
   probe interval."""
   cfg.validate(device_count=jax.device_count())
   if probe_every is not None and (not isinstance(probe_every, int) or probe_every < 1):
     raise ValueError(f'probe_every must be an int >= 1, got {probe_every!r}')
-  if cfg.out_dir is None:
-    cfg = dataclasses.replace(cfg, out_dir=f'runs/{cfg.model}-{cfg.optimizer}')
+  if step is not None and not (resume and isinstance(step, int) and step >= 0):
+    raise ValueError(f'step={step!r}: choosing a checkpoint needs resume and a step >= 0')
+  cfg = dataclasses.replace(cfg, out_dir=rundir.default_out_dir(cfg))
   return cfg, probe_every or cfg.eval_every
 
 
-def set_up(cfg: TrainConfig, *, resume: bool, log=print) -> Run:
-  """The run of ``cfg`` ready for its first (or, resuming, next) step: the run
-  directory written, the data read, the model, optimizer and train step built
-  and placed on the devices, the state restored when resuming."""
-  out = rundir.open_run(cfg, resume=resume)
+def set_up(cfg: TrainConfig, out: pathlib.Path, *, resume: bool, step: int | None = None,
+           log=print, hook=None) -> Run:
+  """The run of ``cfg`` ready for its first (or, resuming, next) step in its
+  (open) run directory ``out``: the data read, the model, optimizer and train
+  step built and placed on the devices, the state restored when resuming
+  (from ``step``, else the newest intact checkpoint)."""
   data = rundir.run_data(out, cfg, resume=resume)
   log(f'data: {data.description}')
   mc = model_config(cfg, data.tokenizer.vocab_size)
@@ -167,16 +226,17 @@ def set_up(cfg: TrainConfig, *, resume: bool, log=print) -> Run:
                                         batch_size=cfg.batch_size // pc, seed=cfg.seed))
   val = data_lib.eval_batches(data.val_windows, batch_size=cfg.batch_size)[:cfg.eval_batches]
   ckpt = Checkpointer(out / 'checkpoints', max_to_keep=cfg.keep)
-  step = 0
   if resume:
-    step, data_state, _ = ckpt.restore(model, optimizer)
+    step, data_state = ckpt.resume(model, optimizer, step=step, run=out, log=log)
     batches.set_state(data_state)
-    log(f'resumed from step {step}')
-  metrics = Metrics(out, step)
+    total = cfg.steps * cfg.grad_accum
+    log(f'resumed from step {step}' + (f': the run is complete ({total} steps); raise '
+                                       f'--steps to extend it' if step >= total else ''))
+  metrics = Metrics(out, step or 0)
   on_merge = (merge_reporter(metrics, log, poet_lr=poet_lr, merge_every=cfg.merge_every)
               if poet_lr is not None else None)
   return Run(cfg, out, mesh, model, optimizer, make_step(cfg, on_merge=on_merge, mesh=mesh),
-             batches, val, ckpt, metrics, step)
+             batches, val, ckpt, metrics, step or 0, hook=hook)
 
 
 def _start(run: Run, probe, log) -> None:
@@ -193,10 +253,7 @@ def _log_step(run: Run, loss, progress: Progress, clock: TrainClock, t0: float,
   and writes the step's record; returns the loss."""
   loss = float(loss)
   if not math.isfinite(loss):
-    run.save('non-finite loss')
-    run.ckpt.close()
-    raise FloatingPointError(f'loss became {loss} at step {run.step}; state saved '
-                             f'to {run.ckpt.directory}')
+    run.diverged(f'the loss became {loss} at step {run.step}')
   elapsed = time.perf_counter() - t0
   tok_s = (run.step - start) * (run.cfg.batch_size * run.cfg.seq_len) / elapsed
   progress.update(run.step, loss, tok_s)
