@@ -238,10 +238,19 @@ class POETLinear(nnx.Module):
       raise ValueError(f'this POETLinear holds a stack of {self.stack_shape} layers; '
                        f'{what} works on one layer ({remedy})')
 
-  def __call__(self, inputs: Array) -> Array:
-    """y = inputs @ effective_kernel (+ bias); inputs (..., I)."""
+  def __call__(self, inputs: Array, *, permute_input: bool = True,
+               permute_output: bool = True) -> Array:
+    """y = inputs @ effective_kernel (+ bias); inputs (..., I).
+
+    ``permute_input=False``: ``inputs`` are given permuted,
+    ``x[..., perm_in]``; ``permute_output=False``: returns ``y[..., perm_out]``
+    (see :func:`poetx_jax.ops.poet_linear`; :func:`poetx_jax.ops.gather_between`
+    joins two layers with one gather).
+    """
     self._one_layer('calling it', 'the stack runs them one at a time')
     bias = self.bias[...] if self.bias is not None else None
+    if bias is not None and not permute_output:
+      bias = jnp.take(bias, self.perm_out[...], axis=-1)
     if self.quantize is None:
       x, kernel, bias = dtypes.promote_dtype((inputs, self.kernel[...], bias),
                                              dtype=self.dtype)
@@ -257,7 +266,8 @@ class POETLinear(nnx.Module):
                         precision=self.precision,
                         implementation=implementation_for(self.implementation,
                                                           self.block_size),
-                        kernel_scale=scale)
+                        kernel_scale=scale, permute_input=permute_input,
+                        permute_output=permute_output)
     if bias is not None:
       y = y + bias
     return y

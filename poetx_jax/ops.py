@@ -313,30 +313,51 @@ permute.defvjp(_permute_fwd, _permute_bwd)
 FORMS = ('input', 'weight')
 
 
-def _poet_core(x, kernel_IxO, g_in, g_out, perm_in, perm_out, precision, impl):
+def gather_between(perm_out_N: Array, perm_in_N: Array) -> Array:
+  """The one gather from a layer's unpermuted output to the next layer's
+  permuted input: ``c`` with ``y[..., perm_in] == z[..., c]`` when
+  ``y = z[..., inverse(perm_out)]`` (``c = inverse(perm_out)[perm_in]``).
+
+  Between layers joined by elementwise ops only (SwiGLU's gate and up
+  projections and the down projection), the output permutation of one and
+  the input permutation of the next then cost one gather instead of two:
+  ``poet_linear(..., permute_output=False)``, :func:`permute` by ``c``, the
+  elementwise ops, ``poet_linear(..., permute_input=False)``.
+  """
+  return jnp.take(invert_permutation(perm_out_N), perm_in_N)
+
+
+def _poet_core(x, kernel_IxO, g_in, g_out, perm_in, perm_out, precision, impl, sides):
   perm = impl.permute or permute
   rot = functools.partial(rotate_features, precision=precision, rotate=impl.rotate)
-  u = perm(x, perm_in)
+  u = perm(x, perm_in) if sides[0] else x
   v = rot(u, g_in)
   w = jnp.matmul(v, jax.lax.stop_gradient(kernel_IxO), precision=precision)
   z = rot(w, g_out)
-  return perm(z, invert_permutation(perm_out))
+  return perm(z, invert_permutation(perm_out)) if sides[1] else z
 
 
-def rotate_kernel(kernel_IxO, g_in, g_out, perm_in, perm_out, precision=None):
+def rotate_kernel(kernel_IxO, g_in, g_out, perm_in, perm_out, precision=None, *,
+                  permute_input=True, permute_output=True):
   """``Phi_I G_P^T kernel G_R^T Phi_O^T`` from the blocks of both factors: block
-  products and gathers on the weight."""
+  products and gathers on the weight (without ``Phi_I`` / ``Phi_O^T`` where
+  ``permute_input`` / ``permute_output`` is False, as in :func:`poet_linear`)."""
   a = rotate_features(kernel_IxO, g_out, precision=precision)             # kernel G_R^T
   a = rotate_features(a.T, jnp.swapaxes(g_in, -1, -2), precision=precision)  # (O, I)
-  a = permute(a, invert_permutation(perm_in)).T                           # Phi_I (...)
-  return permute(a, invert_permutation(perm_out))                         # (...) Phi_O^T
+  if permute_input:
+    a = permute(a, invert_permutation(perm_in))                           # Phi_I (...)
+  a = a.T
+  if permute_output:
+    a = permute(a, invert_permutation(perm_out))                          # (...) Phi_O^T
+  return a
 
 
 def _poet_weight_core(x, kernel_IxO, g_in, g_out, perm_in, perm_out, precision,
-                      rot_precision):
+                      rot_precision, sides):
   # The kernel is rotated in float32 and rounded to x's dtype once.
   kernel = rotate_kernel(jax.lax.stop_gradient(kernel_IxO).astype(jnp.float32),
-                          g_in, g_out, perm_in, perm_out, rot_precision)
+                          g_in, g_out, perm_in, perm_out, rot_precision,
+                          permute_input=sides[0], permute_output=sides[1])
   return jnp.matmul(x, kernel.astype(x.dtype), precision=precision)
 
 
@@ -345,7 +366,8 @@ def poet_linear(x_TxI: Array, kernel_IxO: Array, q_in_KxP: Array, q_out_KxP: Arr
                 terms: int = DEFAULT_TERMS, remat: bool = False,
                 form: str = 'input', precision=None,
                 implementation: Implementation | None = None,
-                kernel_scale: Array | None = None) -> Array:
+                kernel_scale: Array | None = None, permute_input: bool = True,
+                permute_output: bool = True) -> Array:
   """The POET-X layer ``y = x @ effective_kernel``.
 
   Two orders of the same product (equal up to rounding):
@@ -379,9 +401,14 @@ def poet_linear(x_TxI: Array, kernel_IxO: Array, q_in_KxP: Array, q_out_KxP: Arr
       :func:`quantize_kernel` (rows padded to whole groups) and this its
       scales; it is dequantised to x's dtype inside the layer, so with
       ``remat`` only the quantised base is kept.
+    permute_input: False: ``x_TxI`` is given already permuted,
+      ``x[..., perm_in_I]``, and the layer skips that gather (the caller's
+      gather did it, e.g. one composed by :func:`gather_between`).
+    permute_output: False: the result is returned permuted,
+      ``y[..., perm_out_O]``, without the layer's last gather.
 
   Returns:
-    y of shape (..., O) in x's dtype (no bias).
+    y of shape (..., O) in x's dtype (no bias), or ``y[..., perm_out_O]``.
 
   Raises:
     ValueError: ``x_TxI``'s last axis is not I (the length of ``perm_in_I``),
@@ -397,6 +424,7 @@ def poet_linear(x_TxI: Array, kernel_IxO: Array, q_in_KxP: Array, q_out_KxP: Arr
   exact = jnp.dtype(x_TxI.dtype).itemsize >= 4
   impl = Implementation() if implementation is None else implementation
   cn_precision = jax.lax.Precision.HIGHEST if exact else jax.lax.Precision.DEFAULT
+  sides = (bool(permute_input), bool(permute_output))
 
   def layer(x, kernel, scale, q_in, q_out, perm_in, perm_out):
     # The series and the dequantisation depend on parameters only; tied to x
@@ -413,9 +441,9 @@ def poet_linear(x_TxI: Array, kernel_IxO: Array, q_in_KxP: Array, q_out_KxP: Arr
                                       cn_precision, impl.series)
     if form == 'input':
       return _poet_core(x, kernel, g_in.astype(x.dtype), g_out.astype(x.dtype),
-                        perm_in, perm_out, precision, impl)
+                        perm_in, perm_out, precision, impl, sides)
     return _poet_weight_core(x, kernel, g_in, g_out, perm_in, perm_out, precision,
-                             cn_precision)
+                             cn_precision, sides)
 
   if remat:  # the series too: its saved powers are K x B x B float32 arrays per side
     layer = jax.checkpoint(layer, policy=jax.checkpoint_policies.nothing_saveable)

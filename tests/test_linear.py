@@ -241,3 +241,39 @@ def test_wrong_input_width_is_a_clear_error(keys, implementation, quantize, mode
       layer(x)
     with pytest.raises(ValueError, match=f'{i} input features'):
       jax.jit(lambda x: layer(x))(x)  # at trace time
+
+
+@pytest.mark.parametrize('mode', ['fast', 'mem'])
+@pytest.mark.parametrize('form', ['input', 'weight'])
+def test_skipped_permutations_are_the_callers_gathers(keys, mode, form):
+  """permute_input=False takes x[..., perm_in]; permute_output=False returns
+  y[..., perm_out]: values and gradients those of the whole layer (exactly in
+  the input form, where only a gather moves)."""
+  i, o = 24, 40
+  layer = POETLinear(i, o, block_size=8, mode=mode, form=form, rngs=nnx.Rngs(3),
+                     bias_init=nnx.initializers.normal(1.0))
+  randomize_generators(layer, keys())
+  x = jax.random.normal(keys(), (3, 5, i))
+  ct = jax.random.normal(keys(), (3, 5, o))
+  p_in, p_out = layer.perm_in[...], layer.perm_out[...]
+  graphdef, state, rest = nnx.split(layer, nnx.Param, ...)
+
+  def loss(state, x, skip):
+    m = nnx.merge(graphdef, state, rest)
+    if skip:
+      y = m(x[..., p_in], permute_input=False, permute_output=False)
+      return (y * ct[..., p_out]).sum(), y
+    y = m(x)
+    return (y * ct).sum(), y[..., p_out]
+
+  grad = jax.grad(loss, argnums=(0, 1), has_aux=True)
+  (g_state, g_x), y = grad(state, x, False)
+  (g_state_s, g_x_s), y_s = grad(state, x, True)
+  assert not np.array_equal(p_in, np.arange(i)) and not np.array_equal(p_out, np.arange(o))
+  if form == 'input':
+    np.testing.assert_array_equal(y_s, y)
+    np.testing.assert_array_equal(g_x_s, g_x)
+  tol = 0 if form == 'input' else 1e-6
+  assert rel_err(y_s, y) <= tol and rel_err(g_x_s, g_x) <= tol
+  for name in ('q_in', 'q_out', 'bias'):
+    assert rel_err(g_state_s[name][...], g_state[name][...]) <= max(tol, 1e-7), name

@@ -26,6 +26,8 @@ from flax import nnx
 from flax.nnx.nn import initializers
 from jax.ad_checkpoint import checkpoint_name
 
+from poetx_jax import ops
+from poetx_jax.linear import POETLinear
 from poetx_jax.models.stack import StackedLayers
 
 Array = jax.Array
@@ -252,8 +254,19 @@ class MLP(nnx.Module):
     self.down_proj = lin(config.mlp, config.hidden)
 
   def __call__(self, x: Array) -> Array:
-    hidden = checkpoint_name(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x), 'mlp_hidden')
-    return self.down_proj(hidden)
+    gate, up, down = self.gate_proj, self.up_proj, self.down_proj
+    if not all(isinstance(lin, POETLinear) for lin in (gate, up, down)):
+      hidden = jax.nn.silu(gate(x)) * up(x)
+      return down(checkpoint_name(hidden, 'mlp_hidden'))
+    # POET layers: the gate and up outputs are gathered straight into the down
+    # projection's input order (ops.gather_between), two activation gathers
+    # instead of three; gathers are exact, so the values are those above.
+    perm = down.perm_in[...]
+    g = ops.permute(gate(x, permute_output=False),
+                    ops.gather_between(gate.perm_out[...], perm))
+    u = ops.permute(up(x, permute_output=False), ops.gather_between(up.perm_out[...], perm))
+    hidden = checkpoint_name(jax.nn.silu(g) * u, 'mlp_hidden')
+    return down(hidden, permute_input=False)
 
 
 class DecoderLayer(nnx.Module):
