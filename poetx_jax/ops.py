@@ -292,8 +292,11 @@ def permute(x_TxN: Array, perm_N: Array) -> Array:
 
 def _gather(x_TxN, idx_N):
   # On GPUs: row-major operands and results, each gather a kernel of its own
-  # (poetx_jax.layout says why).
+  # (poetx_jax.layout says why), reading an index computed beforehand (a
+  # computed index fused into it, as gather_between's, costs each element a
+  # dependent load: twice the time).
   x_TxN = materialized(row_major(jnp.asarray(x_TxN)))
+  idx_N = materialized(jnp.asarray(idx_N))
   return materialized(row_major(x_TxN.at[..., idx_N].get(mode='promise_in_bounds',
                                                          unique_indices=True)))
 
