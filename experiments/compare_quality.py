@@ -52,8 +52,9 @@ is tokenized and cached)::
         --adamw-lrs 3e-3 --poet-lrs 2.5e-3,5e-3 --dtype float32 --out runs/quality-smoke
 
 On one H200 (bf16 compute), Llama-60M (vocab 4096: 29.5 M parameters), seq 256,
-batch 64: each run sees 400 x 64 x 256 = 6,553,600 tokens (2.1 epochs of the
-built-in corpus's 3.07 M training tokens); 2 AdamW + 2 POET-X runs::
+batch 64: each run sees 400 x 64 x 256 = 6,553,600 tokens (0.7 passes over the
+built-in corpus's 8.9 M training tokens, under CPython 3.12 without Debian's
+Python documentation); 2 AdamW + 2 POET-X runs::
 
     python3 experiments/compare_quality.py --model 60m --seq-len 256 --batch-size 64 \\
         --steps 400 --eval-every 50 --probe-every 50 --merge-every 100 \\

@@ -4,6 +4,8 @@ import gzip
 import json
 import os
 import sys
+import sysconfig
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -107,24 +109,43 @@ def test_read_documents_errors(tmp_path, monkeypatch):
 
 
 def test_default_corpus():
-  docs, desc = data.default_corpus()
-  assert len(docs) >= 50 and all(isinstance(d, str) and d.strip() for d in docs)
-  text = ' '.join(docs[:20])
-  assert text.count(' the ') > 100  # English prose
-  assert desc.startswith(f'default corpus: {len(docs)} documents')
-  assert 'pydoc_data.topics' in desc and '\n' not in desc
+  docs, desc = data.default_corpus(doc_root='/nonexistent')
+  sources = data.stdlib_sources()
+  assert len(sources) > 500 and sum(map(len, sources)) > 10_000_000
+  assert docs[:len(sources)] == sources
+  stdlib = Path(sysconfig.get_paths()['stdlib'])
+  assert (stdlib / 'os.py').read_text(encoding='utf-8') in sources
+  topics = docs[len(sources):]
+  assert len(topics) >= 50 and all(isinstance(d, str) and d.strip() for d in topics)
+  assert ' '.join(topics[:20]).count(' the ') > 100  # English prose, last: the validation split
+  assert desc.startswith(f'default corpus: {len(docs)} documents, {sum(map(len, docs)):,} characters')
+  assert f'{len(sources)} standard library sources + ' in desc and '\n' not in desc
+
+
+def test_stdlib_sources_skip_installed_packages_and_bad_files(tmp_path):
+  (tmp_path / 'pkg').mkdir()
+  (tmp_path / 'pkg' / 'b.py').write_text('import os\n')
+  (tmp_path / 'a.py').write_text('x = 1\n')
+  (tmp_path / 'empty.py').write_text('  \n')
+  (tmp_path / 'latin1.py').write_bytes(b'# \xe9\n')
+  (tmp_path / 'notes.txt').write_text('not a source')
+  for skipped in ('site-packages', 'pydoc_data'):
+    (tmp_path / skipped).mkdir()
+    (tmp_path / skipped / 'c.py').write_text('y = 2\n')
+  assert data.stdlib_sources(tmp_path) == ['x = 1\n', 'import os\n']
 
 
 def test_default_corpus_doc_sources(tmp_path):
-  topics_only, desc = data.default_corpus(doc_root=tmp_path / 'missing')
-  assert 'documentation sources' not in desc
+  topics_only, desc = data.default_corpus(doc_root=tmp_path / 'missing', stdlib_root=False)
+  assert 'documentation sources' not in desc and 'standard library' not in desc
+  assert desc.endswith(f'({len(topics_only)} pydoc_data.topics entries)')
   for minor in (9, 12):
     src = tmp_path / f'python3.{minor}' / 'html' / '_sources' / 'library'
     src.mkdir(parents=True)
     (src / 'os.rst.txt').write_text(f'The os module of 3.{minor}.')
     (src / 'skip.html').write_text('not a source')
   os.symlink(tmp_path / 'python3.12', tmp_path / 'python3.12-doc')  # an alias
-  docs, desc = data.default_corpus(doc_root=tmp_path)
+  docs, desc = data.default_corpus(doc_root=tmp_path, stdlib_root=False)
   assert docs == topics_only + ['The os module of 3.12.']
   assert '1 Python 3.12 documentation sources' in desc
 
@@ -134,7 +155,7 @@ def test_default_corpus_doc_sources(tmp_path):
 
 @pytest.fixture(scope='module')
 def corpus():
-  docs, _ = data.default_corpus(doc_root='/nonexistent')  # the topics: quick to train on
+  docs, _ = data.default_corpus(doc_root='/nonexistent', stdlib_root=False)  # quick to train on
   return docs[:25] + DOCS
 
 
