@@ -1,4 +1,4 @@
-"""The ``poetx`` command: train, eval, export and plot Llama runs.
+"""The ``poetx`` command: train, eval, export and plot Llama runs; prepare corpora.
 
     poetx train                       # tiny Llama, POET-X, built-in corpus
     poetx train --optimizer adamw --out-dir runs/tiny-adamw
@@ -6,6 +6,7 @@
     poetx eval runs/tiny-poetx
     poetx export runs/tiny-poetx --out exported/
     poetx plot runs/tiny-poetx runs/tiny-adamw --out loss.png
+    poetx prepare corpus/ --out data/corpus   # then: poetx train --data data/corpus
 """
 
 from __future__ import annotations
@@ -81,6 +82,18 @@ def cmd_train(a) -> int:
   return 0
 
 
+def cmd_prepare(a) -> int:
+  from poetx_jax.pretrain import prepare
+  extra = {k: v for k, v in (('shard_tokens', a.shard_tokens),
+                             ('sample_chars', a.sample_chars)) if v is not None}
+  m = prepare.prepare(a.inputs, a.out, tokenizer=a.tokenizer, vocab_size=a.vocab_size,
+                      text_field=a.text_field, workers=a.workers, **extra)
+  print(f'{a.out}: {m["tokens"]:,} tokens ({m["dtype"]}) of {m["documents"]:,} documents '
+        f'from {len(m["sources"])} files in {len(m["shards"])} shards; tokenizer '
+        f'{m["tokenizer"]} (vocab {m["vocab_size"]})')
+  return 0
+
+
 def cmd_eval(a) -> int:
   from poetx_jax.pretrain import data as data_lib
   from poetx_jax.pretrain.evaluation import evaluate
@@ -107,7 +120,7 @@ def cmd_plot(a) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-  """The ``poetx`` parser: its train, eval, export and plot subcommands."""
+  """The ``poetx`` parser: its train, eval, export, plot and prepare subcommands."""
   parser = argparse.ArgumentParser(prog='poetx', description=__doc__.split('\n\n')[0])
   sub = parser.add_subparsers(dest='command', required=True)
   _train_parser(sub).set_defaults(func=cmd_train)
@@ -150,6 +163,31 @@ def build_parser() -> argparse.ArgumentParser:
                       'format (.png, .pdf, .svg, ...); a name without an image suffix '
                       'gets .png appended. The path written is printed.')
   p.set_defaults(func=cmd_plot)
+  p = sub.add_parser('prepare', help='tokenize corpus files into a dataset directory '
+                                     'that poetx train --data streams from',
+                     description='Tokenize corpus files of any size (.txt .md .rst '
+                                 '.jsonl(.gz) .json.gz .parquet; directories recursively) '
+                                 'into token shards with a manifest and the tokenizer, '
+                                 'one worker process per file at a time and memory bounded '
+                                 'by the shard size. Running it again on unchanged inputs '
+                                 'does nothing; an interrupted prepare resumes. Train on '
+                                 'the result with poetx train --data DIR.')
+  p.add_argument('inputs', nargs='+', metavar='input', help='corpus files or directories')
+  p.add_argument('--out', required=True, metavar='DIR', help='the dataset directory (required)')
+  p.add_argument('--tokenizer', default=None, metavar='JSON',
+                 help='a tokenizers JSON file to use (default: train a byte-level BPE '
+                      'on a sample of the corpus)')
+  p.add_argument('--vocab-size', type=int, default=4096,
+                 help='vocabulary of the BPE trained without --tokenizer (default: %(default)s)')
+  p.add_argument('--text-field', default='text',
+                 help='the text field of jsonl / parquet records (default: %(default)s)')
+  p.add_argument('--workers', type=int, default=None,
+                 help='worker processes (default: the CPUs, at most one per file)')
+  p.add_argument('--shard-tokens', type=int, default=None,
+                 help='tokens per shard at most (default: 2^24)')
+  p.add_argument('--sample-chars', type=int, default=None,
+                 help='characters of the BPE\'s training sample at most (default: 100 M)')
+  p.set_defaults(func=cmd_prepare)
   return parser
 
 

@@ -52,9 +52,8 @@ def _extension(path: Path) -> str | None:
   return next((e for e in SUPPORTED_EXTENSIONS if name.endswith(e)), None)
 
 
-def _read_json_lines(path: Path, ext: str, text_field: str) -> list[str]:
+def _iter_json_lines(path: Path, ext: str, text_field: str) -> tp.Iterator[str]:
   opener = gzip.open if ext.endswith('.gz') else open
-  docs = []
   with opener(path, 'rt', encoding='utf-8') as f:
     for lineno, line in enumerate(f, start=1):
       if not line.strip():
@@ -68,36 +67,75 @@ def _read_json_lines(path: Path, ext: str, text_field: str) -> list[str]:
         keys = sorted(record) if isinstance(record, dict) else type(record).__name__
         raise ValueError(f'{path}, line {lineno}: no string field {text_field!r} '
                          f'(found {keys})')
-      docs.append(text)
-  return docs
+      yield text
 
 
-def _read_parquet(path: Path, text_field: str) -> list[str]:
+def _iter_parquet(path: Path, text_field: str) -> tp.Iterator[str]:
   try:
     import pyarrow.parquet as pq  # pylint: disable=g-import-not-at-top
   except ImportError as e:
     raise ImportError(f'reading {path} needs pyarrow (pip install pyarrow)') from e
-  names = pq.read_schema(path).names
+  table = pq.ParquetFile(path)
+  names = table.schema_arrow.names
   if text_field not in names:
     raise ValueError(f'{path}: no column {text_field!r} (columns: {names})')
-  values = pq.read_table(path, columns=[text_field]).column(text_field).to_pylist()
-  for row, v in enumerate(values):
-    if v is not None and not isinstance(v, str):
-      raise ValueError(f'{path}, row {row}: column {text_field!r} holds '
-                       f'{type(v).__name__}, expected str')
-  return [v for v in values if v is not None]
+  row = 0
+  for batch in table.iter_batches(columns=[text_field], batch_size=4096):
+    for v in batch.column(0).to_pylist():
+      if v is not None and not isinstance(v, str):
+        raise ValueError(f'{path}, row {row}: column {text_field!r} holds '
+                         f'{type(v).__name__}, expected str')
+      row += 1
+      if v is not None:
+        yield v
 
 
-def _read_file(path: Path, text_field: str) -> list[str]:
+def iter_file_documents(path: PathLike, text_field: str = 'text') -> tp.Iterator[str]:
+  """The non-empty documents of one corpus file, streamed (formats as
+  :func:`read_documents`): a jsonl file line by line, a parquet file by record
+  batch, so memory stays bounded by a document, not by the file.
+
+  Raises:
+    ValueError: an unsupported extension, a record without the text field,
+      or a file that is not UTF-8 (each naming the file).
+  """
+  path = Path(path)
   ext = _extension(path)
   if ext is None:
     raise ValueError(f'unsupported file {path}: supported extensions are '
                      f'{", ".join(SUPPORTED_EXTENSIONS)}')
-  if ext in _TEXT_EXTENSIONS:
-    return [path.read_text(encoding='utf-8')]
-  if ext in _JSON_EXTENSIONS:
-    return _read_json_lines(path, ext, text_field)
-  return _read_parquet(path, text_field)
+  try:
+    if ext in _TEXT_EXTENSIONS:
+      docs = iter([path.read_text(encoding='utf-8')])
+    elif ext in _JSON_EXTENSIONS:
+      docs = _iter_json_lines(path, ext, text_field)
+    else:
+      docs = _iter_parquet(path, text_field)
+    for doc in docs:
+      if doc.strip():
+        yield doc
+  except UnicodeDecodeError as e:
+    raise ValueError(f'{path} is not UTF-8 text ({e.reason} at byte {e.start})') from None
+
+
+def corpus_files(paths: PathLike | tp.Sequence[PathLike]) -> list[Path]:
+  """The corpus files of files and directories, in reading order (a
+  directory's supported files recursively, sorted).
+
+  Raises:
+    FileNotFoundError: a path does not exist.
+  """
+  if isinstance(paths, (str, os.PathLike)):
+    paths = [paths]
+  files = []
+  for p in map(Path, paths):
+    if not p.exists():
+      raise FileNotFoundError(f'no such file or directory: {p}')
+    if p.is_dir():
+      files += sorted(f for f in p.rglob('*') if f.is_file() and _extension(f))
+    else:
+      files.append(p)
+  return files
 
 
 def read_documents(paths: PathLike | tp.Sequence[PathLike], *,
@@ -118,17 +156,9 @@ def read_documents(paths: PathLike | tp.Sequence[PathLike], *,
   """
   if isinstance(paths, (str, os.PathLike)):
     paths = [paths]
-  paths = [Path(p) for p in paths]
   docs = []
-  for p in paths:
-    if not p.exists():
-      raise FileNotFoundError(f'no such file or directory: {p}')
-    if p.is_dir():
-      files = sorted(f for f in p.rglob('*') if f.is_file() and _extension(f))
-    else:
-      files = [p]
-    for f in files:
-      docs.extend(d for d in _read_file(f, text_field) if d.strip())
+  for f in corpus_files(paths):
+    docs.extend(iter_file_documents(f, text_field))
   if not docs:
     raise ValueError('corpus is empty: no non-empty documents in '
                      + ', '.join(str(p) for p in paths))
@@ -240,12 +270,24 @@ def split(tokens: np.ndarray, *, val_fraction: float,
   ``val_fraction``, at least one window (``seq_len + 1`` tokens). Nothing is
   shuffled here; :func:`train_dataset` shuffles the training windows.
   """
+  tokens = np.asarray(tokens)
+  cut = split_point(tokens.shape[0], val_fraction=val_fraction, seq_len=seq_len)
+  return tokens[:cut], tokens[cut:]
+
+
+def split_point(n: int, *, val_fraction: float, seq_len: int) -> int:
+  """Where :func:`split` cuts a stream of ``n`` tokens: val is the last
+  ``max(ceil(val_fraction * n), seq_len + 1)`` tokens.
+
+  Raises:
+    ValueError: a bad fraction or length, or too few tokens for a window in
+      each split (naming how many are needed).
+  """
   if not 0.0 < val_fraction < 1.0:
     raise ValueError(f'val_fraction must be in (0, 1), got {val_fraction!r}')
   if not isinstance(seq_len, (int, np.integer)) or seq_len < 1:
     raise ValueError(f'seq_len must be a positive int, got {seq_len!r}')
-  tokens = np.asarray(tokens)
-  n, w = tokens.shape[0], seq_len + 1
+  w = seq_len + 1
 
   def n_val(total):
     return max(math.ceil(val_fraction * total), w)
@@ -257,8 +299,7 @@ def split(tokens: np.ndarray, *, val_fraction: float,
     raise ValueError(f'corpus too small for a train and a validation split: it has '
                      f'{n} tokens, and needs at least {need} (a window of {w} tokens '
                      f'in each, val_fraction={val_fraction})')
-  cut = n - n_val(n)
-  return tokens[:cut], tokens[cut:]
+  return n - n_val(n)
 
 
 def token_hash(tokens: np.ndarray) -> str:
@@ -282,13 +323,14 @@ def _to_batch(w: np.ndarray) -> dict[str, np.ndarray]:
 
 
 def _check_windows(windows: np.ndarray, batch_size: int) -> np.ndarray:
-  windows = np.asarray(windows)
+  if not isinstance(windows, TokenWindows):  # those are read on demand
+    windows = np.asarray(windows)
   if windows.ndim != 2 or windows.shape[1] < 2:
     raise ValueError(f'windows must be (N, seq_len + 1) with seq_len >= 1, '
                      f'got shape {windows.shape}')
   if not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
     raise ValueError(f'batch_size must be a positive int, got {batch_size!r}')
-  return windows.astype(np.int32, copy=False)
+  return windows if isinstance(windows, TokenWindows) else windows.astype(np.int32, copy=False)
 
 
 def _import_grain():
@@ -397,3 +439,167 @@ class TextData:
 
   def __repr__(self) -> str:
     return f'TextData({self.description})'
+
+
+# ----------------------------------------------------------------------------- prepared datasets
+
+
+class TokenShards:
+  """The token stream of a prepared dataset directory (:mod:`poetx_jax.pretrain.prepare`),
+  memory-mapped shard by shard: ``tokens[start:stop]`` reads int32 ids.
+
+  Raises:
+    ValueError: the manifest is missing, unreadable or of another format, or a
+      shard is missing or not the size its manifest says.
+  """
+
+  def __init__(self, directory: PathLike):
+    self.directory = Path(directory)
+    path = self.directory / 'manifest.json'
+    try:
+      self.manifest = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+      raise ValueError(f'{self.directory} is not a prepared dataset: cannot read '
+                       f'{path} ({e})') from None
+    if self.manifest.get('format') != 'poetx-tokens-1':
+      raise ValueError(f'{path}: unknown format {self.manifest.get("format")!r} '
+                       f'(expected poetx-tokens-1)')
+    self.dtype = np.dtype(self.manifest['dtype']).newbyteorder('<')
+    for shard in self.manifest['shards']:
+      f = self.directory / shard['file']
+      want = shard['tokens'] * self.dtype.itemsize
+      got = f.stat().st_size if f.is_file() else None
+      if got != want:
+        raise ValueError(f'{self.directory}: shard {shard["file"]} does not match the '
+                         f'manifest ({"missing" if got is None else f"{got} bytes"}, '
+                         f'expected {want} bytes); prepare the dataset again')
+    sizes = [s['tokens'] for s in self.manifest['shards']]
+    self.offsets = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)])
+    self._maps = None
+
+  def __len__(self) -> int:
+    return int(self.offsets[-1])
+
+  def __getstate__(self):  # the maps are reopened where unpickled
+    return {**self.__dict__, '_maps': None}
+
+  def _shard(self, i: int) -> np.ndarray:
+    if self._maps is None:
+      self._maps = {}
+    if i not in self._maps:
+      shard = self.manifest['shards'][i]
+      self._maps[i] = np.memmap(self.directory / shard['file'], dtype=self.dtype,
+                                mode='r', shape=(shard['tokens'],))
+    return self._maps[i]
+
+  def read(self, start: int, stop: int) -> np.ndarray:
+    """Tokens ``[start, stop)`` as int32 (clipped to the stream)."""
+    start, stop = max(0, start), min(stop, len(self))
+    if stop <= start:
+      return np.zeros((0,), np.int32)
+    first = int(np.searchsorted(self.offsets, start, side='right')) - 1
+    parts = []
+    i = first
+    while start < stop:
+      lo, hi = int(self.offsets[i]), int(self.offsets[i + 1])
+      parts.append(self._shard(i)[start - lo:min(stop, hi) - lo])
+      start = min(stop, hi)
+      i += 1
+    return np.concatenate(parts).astype(np.int32)
+
+
+class TokenWindows:
+  """The windows :func:`pack` would cut from tokens ``[begin, end)`` of a
+  :class:`TokenShards`, read on demand: indexing by an int, a slice or an int
+  array gives what indexing ``pack(tokens[begin:end], seq_len)`` gives, without
+  holding the stream in memory."""
+
+  def __init__(self, shards: TokenShards, begin: int, end: int, seq_len: int,
+               index: range | None = None):
+    self.shards, self.begin, self.end, self.seq_len = shards, begin, end, seq_len
+    n = end - begin
+    self.index = index if index is not None else range(max(1, math.ceil((n - 1) / seq_len)))
+
+  @property
+  def shape(self) -> tuple[int, int]:
+    return (len(self.index), self.seq_len + 1)
+
+  ndim = 2
+  dtype = np.dtype(np.int32)
+
+  @property
+  def size(self) -> int:
+    return self.shape[0] * self.shape[1]
+
+  def __len__(self) -> int:
+    return len(self.index)
+
+  def _window(self, i: int) -> np.ndarray:
+    start = self.begin + i * self.seq_len
+    w = self.shards.read(start, min(start + self.seq_len + 1, self.end))
+    if w.shape[0] < self.seq_len + 1:
+      w = np.concatenate([w, np.full(self.seq_len + 1 - w.shape[0], -1, np.int32)])
+    return w
+
+  def __getitem__(self, key):
+    if isinstance(key, slice):
+      return TokenWindows(self.shards, self.begin, self.end, self.seq_len, self.index[key])
+    if isinstance(key, (int, np.integer)):
+      return self._window(self.index[key])
+    key = np.asarray(key)
+    if key.ndim != 1 or not np.issubdtype(key.dtype, np.integer):
+      raise IndexError(f'TokenWindows takes an int, a slice or a 1-D int array, got {key!r}')
+    rows = [self._window(self.index[int(k)]) for k in key]
+    return np.stack(rows) if rows else np.zeros((0, self.seq_len + 1), np.int32)
+
+  def __array__(self, dtype=None, copy=None):
+    del copy
+    out = self[np.arange(len(self))]
+    return out if dtype is None else out.astype(dtype)
+
+
+class PreparedData:
+  """A prepared dataset directory split and cut into windows, as :class:`TextData`
+  (same attributes), read from its memory-mapped shards: start-up time and
+  host memory do not grow with the corpus.
+
+  The split is :func:`split`'s (the last ``val_fraction`` of the stream); the
+  windows are :class:`TokenWindows`. ``fingerprint`` holds each split's token
+  count and, for its sha256, the digest of the manifest's shard hashes and the
+  split's token range (computed when the dataset was prepared, not read again).
+  """
+
+  def __init__(self, directory: PathLike, *, seq_len: int, val_fraction: float = 0.05,
+               tokenizer_path: PathLike | None = None):
+    from poetx_jax.pretrain.tokenizer import Tokenizer, file_hash  # pylint: disable=g-import-not-at-top
+    self.shards = TokenShards(directory)
+    m = self.shards.manifest
+    tok = Path(directory) / m['tokenizer']
+    if tokenizer_path is not None and file_hash(tokenizer_path) != m['tokenizer_sha256']:
+      raise ValueError(f'{directory} was tokenized with another tokenizer than '
+                       f'{tokenizer_path}; prepare it again with --tokenizer '
+                       f'{tokenizer_path}, or leave --tokenizer out')
+    if file_hash(tok) != m['tokenizer_sha256']:
+      raise ValueError(f'{tok} does not match the manifest of {directory}')
+    self.tokenizer = Tokenizer.load(tok)
+    n = len(self.shards)
+    cut = split_point(n, val_fraction=val_fraction, seq_len=seq_len)
+    self.train_windows = TokenWindows(self.shards, 0, cut, seq_len)
+    self.val_windows = TokenWindows(self.shards, cut, n, seq_len)
+    self.num_tokens, self.seq_len = n, seq_len
+    digest = hashlib.sha256(''.join(s['sha256'] for s in m['shards']).encode()).hexdigest()
+
+    def range_hash(a, b):
+      return hashlib.sha256(f'{digest}:{a}:{b}'.encode()).hexdigest()
+
+    self.fingerprint = {'train_tokens': cut, 'train_sha256': range_hash(0, cut),
+                        'val_tokens': n - cut, 'val_sha256': range_hash(cut, n)}
+    self.description = (
+        f'prepared dataset {directory}: {m["documents"]} documents from '
+        f'{len(m["sources"])} files in {len(m["shards"])} shards; tokenizer '
+        f'{m["tokenizer"]} (vocab {self.tokenizer.vocab_size}); {n:,} tokens -> '
+        f'{len(self.train_windows)} train + {len(self.val_windows)} val windows of '
+        f'{seq_len + 1}')
+
+  def __repr__(self) -> str:
+    return f'PreparedData({self.description})'

@@ -239,9 +239,15 @@ def open_run(cfg: TrainConfig, *, resume: bool, log=print) -> tp.Iterator[pathli
 
 
 def load_data(cfg: TrainConfig, tokenizer: str | pathlib.Path | None = None
-              ) -> data_lib.TextData:
+              ) -> data_lib.TextData | data_lib.PreparedData:
   """The corpus of ``cfg`` tokenized (with ``tokenizer``, else ``cfg.tokenizer``,
-  else a BPE trained on it), split and packed."""
+  else a BPE trained on it), split and packed; a prepared dataset directory
+  (``poetx prepare``) is read from its shards."""
+  from poetx_jax.pretrain.prepare import is_prepared  # pylint: disable=g-import-not-at-top
+  if cfg.data and len(cfg.data) == 1 and is_prepared(cfg.data[0]):
+    return data_lib.PreparedData(cfg.data[0], seq_len=cfg.seq_len,
+                                 val_fraction=cfg.val_fraction,
+                                 tokenizer_path=tokenizer or cfg.tokenizer)
   docs = data_lib.read_documents(cfg.data) if cfg.data else None
   return data_lib.TextData(docs, tokenizer_path=tokenizer or cfg.tokenizer,
                            vocab_size=cfg.vocab_size, seq_len=cfg.seq_len,

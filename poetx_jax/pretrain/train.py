@@ -224,7 +224,8 @@ def set_up(cfg: TrainConfig, out: pathlib.Path, *, resume: bool, step: int | Non
     raise ValueError(f'batch_size={cfg.batch_size} must be divisible by the {pc} processes')
   batches = iter(data_lib.train_dataset(data.train_windows[pi::pc],
                                         batch_size=cfg.batch_size // pc, seed=cfg.seed))
-  val = data_lib.eval_batches(data.val_windows, batch_size=cfg.batch_size)[:cfg.eval_batches]
+  val = data_lib.eval_batches(data.val_windows[:cfg.eval_batches * cfg.batch_size],
+                               batch_size=cfg.batch_size)
   ckpt = Checkpointer(out / 'checkpoints', max_to_keep=cfg.keep)
   if resume:
     step, data_state = ckpt.resume(model, optimizer, step=step, run=out, log=log)

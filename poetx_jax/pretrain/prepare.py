@@ -1,0 +1,256 @@
+"""``poetx prepare``: corpus files of any size -> a tokenized dataset directory.
+
+The directory holds the token stream of the corpus (every document's tokens
+followed by the tokenizer's eos, documents in the order of
+:func:`poetx_jax.pretrain.data.read_documents`) cut into shards of at most
+``shard_tokens`` tokens, each a raw little-endian ``uint16`` array (``uint32``
+when the vocabulary does not fit), read back by memory mapping; the tokenizer
+(``tokenizer.json``); and ``manifest.json``::
+
+    {"format": "poetx-tokens-1", "dtype": "uint16", "vocab_size": 4096,
+     "eos_id": 4095, "tokenizer_sha256": ..., "text_field": "text",
+     "sources": [{"path": ..., "bytes": ..., "mtime_ns": ..., "sha256": ...}, ...],
+     "shards": [{"file": "shard-00000-00000.bin", "tokens": ..., "sha256": ...}, ...],
+     "documents": ..., "tokens": ...}
+
+Each source file is tokenized by a worker process of its own, streaming its
+documents (jsonl line by line, parquet by record batch), so memory is bounded
+by the shard size, not by the corpus. A source whose shards are written is
+recorded in ``parts/``; an interrupted prepare resumes from there, and
+running it again on unchanged inputs (same paths, sizes and modification
+times, same tokenizer) does nothing. Training reads the directory with
+:class:`poetx_jax.pretrain.data.PreparedData` (``poetx train --data DIR``).
+
+Without ``tokenizer`` a byte-level BPE of ``vocab_size`` is trained on a
+sample: from each source file its first documents, up to ``sample_chars /
+number of files`` characters each (100 M characters in all by default).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import hashlib
+import json
+import multiprocessing
+import os
+import shutil
+import typing as tp
+from pathlib import Path
+
+import numpy as np
+
+from poetx_jax.pretrain import data as data_lib
+from poetx_jax.pretrain.tokenizer import Tokenizer, _atomic_write, file_hash
+
+FORMAT = 'poetx-tokens-1'
+MANIFEST = 'manifest.json'
+DEFAULT_SHARD_TOKENS = 1 << 24
+DEFAULT_SAMPLE_CHARS = 100_000_000
+
+PathLike = tp.Union[str, os.PathLike]
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+  """uint16 where every id fits, else uint32."""
+  return np.dtype('<u2') if vocab_size <= 1 << 16 else np.dtype('<u4')
+
+
+def _source_record(path: Path) -> dict:
+  st = path.stat()
+  return {'path': str(path.resolve()), 'bytes': st.st_size, 'mtime_ns': st.st_mtime_ns}
+
+
+def _same_source(a: dict, b: dict) -> bool:
+  return all(a[k] == b[k] for k in ('path', 'bytes', 'mtime_ns'))
+
+
+def _sample(files: list[Path], text_field: str, sample_chars: int) -> tp.Iterator[str]:
+  budget = max(1, sample_chars // max(len(files), 1))
+  for f in files:
+    taken = 0
+    for doc in data_lib.iter_file_documents(f, text_field):
+      yield doc
+      taken += len(doc)
+      if taken >= budget:
+        break
+
+
+_TOKENIZERS: dict[str, Tokenizer] = {}
+
+
+def _tokenize_source(task: dict) -> dict:
+  """Worker: one source file -> its shards in ``task['out']``; returns its part record."""
+  path, out, index = Path(task['path']), Path(task['out']), task['index']
+  tok = _TOKENIZERS.get(task['tokenizer'])
+  if tok is None:
+    tok = _TOKENIZERS[task['tokenizer']] = Tokenizer.load(task['tokenizer'])
+  dtype, limit, eos = np.dtype(task['dtype']), task['shard_tokens'], tok.eos_id
+  shards, pending, n_pending, documents = [], [], 0, 0
+
+  def flush():
+    nonlocal pending, n_pending
+    if not n_pending:
+      return
+    arr = np.concatenate(pending).astype(dtype)
+    name = f'shard-{index:05d}-{len(shards):05d}.bin'
+    _atomic_write(out / name, lambda tmp: arr.tofile(tmp), '.bin')
+    shards.append({'file': name, 'tokens': int(arr.size),
+                   'sha256': hashlib.sha256(arr.tobytes()).hexdigest()})
+    pending, n_pending = [], 0
+
+  batch = []
+
+  def encode(batch):
+    nonlocal n_pending, documents
+    for ids in tok.encode_batch(batch):
+      ids = np.asarray(ids + [eos], np.int64)
+      documents += 1
+      while ids.size:  # a document may span shards
+        room = limit - n_pending
+        pending.append(ids[:room])
+        n_pending += min(room, ids.size)
+        ids = ids[room:]
+        if n_pending >= limit:
+          flush()
+
+  for doc in data_lib.iter_file_documents(path, task['text_field']):
+    batch.append(doc)
+    if len(batch) == 256:
+      encode(batch)
+      batch = []
+  if batch:
+    encode(batch)
+  flush()
+  return {'source': {**task['source'], 'sha256': file_hash(path)},
+          'shards': shards, 'documents': documents}
+
+
+def prepare(inputs: PathLike | tp.Sequence[PathLike], out: PathLike, *,
+            tokenizer: PathLike | None = None, vocab_size: int = 4096,
+            text_field: str = 'text', workers: int | None = None,
+            shard_tokens: int = DEFAULT_SHARD_TOKENS,
+            sample_chars: int = DEFAULT_SAMPLE_CHARS,
+            progress: bool = True) -> dict:
+  """Tokenizes the corpus files ``inputs`` into the dataset directory ``out``
+  (the module docstring has its layout). Returns the manifest.
+
+  Args:
+    inputs: files and directories, as :func:`~poetx_jax.pretrain.data.read_documents`.
+    out: the dataset directory (created).
+    tokenizer: a tokenizer file to use; None trains a BPE on a sample.
+    vocab_size: the BPE's vocabulary when training one.
+    text_field: the field holding the text in jsonl and parquet files.
+    workers: worker processes (default: the CPUs, at most one per file).
+    shard_tokens: tokens per shard at most.
+    sample_chars: characters of the BPE's training sample at most.
+    progress: show a progress bar over the source files' bytes.
+
+  Raises:
+    FileNotFoundError: an input does not exist.
+    ValueError: a bad argument, an unsupported or unreadable file (named), no
+      documents at all, or ``out`` holding a dataset of other inputs.
+  """
+  for name, value in (('vocab_size', vocab_size), ('shard_tokens', shard_tokens),
+                      ('sample_chars', sample_chars)):
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+      raise ValueError(f'{name} must be a positive int, got {value!r}')
+  if workers is not None and (not isinstance(workers, int) or workers < 1):
+    raise ValueError(f'workers must be a positive int, got {workers!r}')
+  files = data_lib.corpus_files(inputs)
+  out = Path(out)
+  if out.exists() and not out.is_dir():
+    raise ValueError(f'--out {out} is a file, not a directory')
+  sources = [_source_record(f) for f in files]
+  tok_path = out / 'tokenizer.json'
+  manifest_path = out / MANIFEST
+  if manifest_path.is_file():
+    old = json.loads(manifest_path.read_text())
+    same_inputs = (len(old['sources']) == len(sources)
+                   and all(map(_same_source, old['sources'], sources)))
+    same_tokenizer = tokenizer is None or file_hash(tokenizer) == old['tokenizer_sha256']
+    if same_inputs and same_tokenizer and old.get('text_field') == text_field:
+      return old  # already prepared
+    raise ValueError(f'{out} holds a prepared dataset of other inputs or another '
+                     f'tokenizer; give a new --out, or remove {out} first')
+
+  out.mkdir(parents=True, exist_ok=True)
+  if tokenizer is not None:
+    src = Path(tokenizer)
+    if src.suffix != '.json':
+      raise ValueError(f'prepare takes a tokenizers JSON file, got {src}')
+    Tokenizer.load(src)  # readable
+    if not tok_path.is_file() or file_hash(tok_path) != file_hash(src):
+      _atomic_write(tok_path, lambda tmp: shutil.copyfile(src, tmp), '.json')
+  elif not tok_path.is_file():
+    sample = list(_sample(files, text_field, sample_chars))
+    sample = [d for d in sample if d.strip()]
+    if not sample:
+      raise ValueError('corpus is empty: no non-empty documents in '
+                       + ', '.join(map(str, files)))
+    Tokenizer.train_bpe(sample, vocab_size=vocab_size, path=tok_path)
+    del sample
+  tok = Tokenizer.load(tok_path)
+  dtype = token_dtype(tok.vocab_size)
+
+  parts_dir = out / 'parts'
+  parts_dir.mkdir(exist_ok=True)
+  parts, todo = {}, []
+  for i, (f, rec) in enumerate(zip(files, sources)):
+    part_file = parts_dir / f'{i:05d}.json'
+    if part_file.is_file():
+      part = json.loads(part_file.read_text())
+      if _same_source(part['source'], rec) and part.get('tokenizer') == file_hash(tok_path):
+        parts[i] = part
+        continue
+    todo.append({'index': i, 'path': str(f), 'out': str(out), 'source': rec,
+                 'tokenizer': str(tok_path), 'dtype': dtype.str,
+                 'shard_tokens': shard_tokens, 'text_field': text_field})
+
+  bar = None
+  if progress:
+    from tqdm.auto import tqdm  # pylint: disable=g-import-not-at-top
+    bar = tqdm(total=sum(t['source']['bytes'] for t in todo), unit='B', unit_scale=True,
+               desc=f'tokenizing {len(todo)} of {len(files)} files')
+  tok_hash = file_hash(tok_path)
+  n_workers = min(workers or os.cpu_count() or 1, max(len(todo), 1))
+
+  def done(task, part):
+    part['tokenizer'] = tok_hash
+    _atomic_write(parts_dir / f'{task["index"]:05d}.json',
+                  lambda tmp: Path(tmp).write_text(json.dumps(part)), '.json')
+    parts[task['index']] = part
+    if bar is not None:
+      bar.update(task['source']['bytes'])
+
+  try:
+    if n_workers <= 1:
+      for task in todo:
+        done(task, _tokenize_source(task))
+    else:
+      ctx = multiprocessing.get_context('spawn')  # the caller may hold threads (jax)
+      with concurrent.futures.ProcessPoolExecutor(n_workers, mp_context=ctx) as pool:
+        for task, part in zip(todo, pool.map(_tokenize_source, todo)):
+          done(task, part)
+  finally:
+    if bar is not None:
+      bar.close()
+
+  ordered = [parts[i] for i in range(len(files))]
+  shards = [s for p in ordered for s in p['shards']]
+  if not shards:
+    raise ValueError('corpus is empty: no non-empty documents in '
+                     + ', '.join(map(str, files)))
+  manifest = {'format': FORMAT, 'dtype': dtype.name, 'vocab_size': tok.vocab_size,
+              'eos_id': tok.eos_id, 'tokenizer': tok_path.name,
+              'tokenizer_sha256': tok_hash, 'text_field': text_field,
+              'sources': [p['source'] for p in ordered], 'shards': shards,
+              'documents': sum(p['documents'] for p in ordered),
+              'tokens': sum(s['tokens'] for s in shards)}
+  _atomic_write(manifest_path, lambda tmp: Path(tmp).write_text(json.dumps(manifest, indent=1)),
+                '.json')
+  return manifest
+
+
+def is_prepared(path: PathLike) -> bool:
+  """Whether ``path`` is a directory written by :func:`prepare`."""
+  return (Path(path) / MANIFEST).is_file()
