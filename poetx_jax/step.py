@@ -195,10 +195,9 @@ class _Programs:
 
 def _plain(variable: nnx.Variable) -> bool:
   """Whether the variable holds one array with no get/set hooks: its value is
-  then its raw value, read and written without get_value/set_value's copies and
-  checks (about 10 us a variable: milliseconds per step for a model of
-  hundreds of arrays, which a small model's step would spend waiting for the
-  host)."""
+  then its raw value, read and written without get_value/set_value's per-call
+  copies and checks (host time that, over hundreds of arrays, a small
+  model's step would otherwise spend with the device waiting)."""
   metadata = variable.get_metadata()
   raw = variable.get_raw_value()
   return (isinstance(raw, jax.Array) and not nnx.variablelib.is_array_ref(raw)

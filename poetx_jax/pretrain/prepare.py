@@ -91,7 +91,7 @@ def _tokenize_source(task: dict) -> dict:
     nonlocal pending, n_pending
     if not n_pending:
       return
-    arr = np.concatenate(pending).astype(dtype)
+    arr = np.concatenate(pending)
     name = f'shard-{index:05d}-{len(shards):05d}.bin'
     _atomic_write(out / name, lambda tmp: arr.tofile(tmp), '.bin')
     shards.append({'file': name, 'tokens': int(arr.size),
@@ -103,7 +103,7 @@ def _tokenize_source(task: dict) -> dict:
   def encode(batch):
     nonlocal n_pending, documents
     for ids in tok.encode_batch(batch):
-      ids = np.asarray(ids + [eos], np.int64)
+      ids = np.append(np.asarray(ids, dtype), np.asarray(eos, dtype))
       documents += 1
       while ids.size:  # a document may span shards
         room = limit - n_pending
@@ -115,7 +115,7 @@ def _tokenize_source(task: dict) -> dict:
 
   for doc in data_lib.iter_file_documents(path, task['text_field']):
     batch.append(doc)
-    if len(batch) == 256:
+    if len(batch) == 64:
       encode(batch)
       batch = []
   if batch:
