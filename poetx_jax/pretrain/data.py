@@ -445,8 +445,10 @@ class TextData:
 
 
 class TokenShards:
-  """The token stream of a prepared dataset directory (:mod:`poetx_jax.pretrain.prepare`),
-  memory-mapped shard by shard: ``tokens[start:stop]`` reads int32 ids.
+  """The token stream of a prepared dataset directory (:mod:`poetx_jax.pretrain.prepare`):
+  ``read(start, stop)`` reads int32 ids from the shard files with positioned
+  reads (no memory map: mapped pages of randomly read windows would stay in
+  the process's resident memory and grow with the corpus over a run).
 
   Raises:
     ValueError: the manifest is missing, unreadable or of another format, or a
@@ -475,22 +477,24 @@ class TokenShards:
                          f'expected {want} bytes); prepare the dataset again')
     sizes = [s['tokens'] for s in self.manifest['shards']]
     self.offsets = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)])
-    self._maps = None
+    self._files = None
 
   def __len__(self) -> int:
     return int(self.offsets[-1])
 
-  def __getstate__(self):  # the maps are reopened where unpickled
-    return {**self.__dict__, '_maps': None}
+  def __getstate__(self):  # the files are reopened where unpickled
+    return {**self.__dict__, '_files': None}
 
-  def _shard(self, i: int) -> np.ndarray:
-    if self._maps is None:
-      self._maps = {}
-    if i not in self._maps:
-      shard = self.manifest['shards'][i]
-      self._maps[i] = np.memmap(self.directory / shard['file'], dtype=self.dtype,
-                                mode='r', shape=(shard['tokens'],))
-    return self._maps[i]
+  def _read_shard(self, i: int, lo: int, hi: int) -> np.ndarray:
+    if self._files is None:
+      self._files = {}
+    if i not in self._files:
+      # unbuffered file objects: closed with this object
+      self._files[i] = open(self.directory / self.manifest['shards'][i]['file'], 'rb',
+                            buffering=0)
+    size = self.dtype.itemsize
+    raw = os.pread(self._files[i].fileno(), (hi - lo) * size, lo * size)
+    return np.frombuffer(raw, self.dtype)
 
   def read(self, start: int, stop: int) -> np.ndarray:
     """Tokens ``[start, stop)`` as int32 (clipped to the stream)."""
@@ -502,7 +506,7 @@ class TokenShards:
     i = first
     while start < stop:
       lo, hi = int(self.offsets[i]), int(self.offsets[i + 1])
-      parts.append(self._shard(i)[start - lo:min(stop, hi) - lo])
+      parts.append(self._read_shard(i, start - lo, min(stop, hi) - lo))
       start = min(stop, hi)
       i += 1
     return np.concatenate(parts).astype(np.int32)
@@ -560,8 +564,8 @@ class TokenWindows:
 
 class PreparedData:
   """A prepared dataset directory split and cut into windows, as :class:`TextData`
-  (same attributes), read from its memory-mapped shards: start-up time and
-  host memory do not grow with the corpus.
+  (same attributes), read from its shards on demand: start-up time and host
+  memory do not grow with the corpus.
 
   The split is :func:`split`'s (the last ``val_fraction`` of the stream); the
   windows are :class:`TokenWindows`. ``fingerprint`` holds each split's token

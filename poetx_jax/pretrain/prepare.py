@@ -4,7 +4,7 @@ The directory holds the token stream of the corpus (every document's tokens
 followed by the tokenizer's eos, documents in the order of
 :func:`poetx_jax.pretrain.data.read_documents`) cut into shards of at most
 ``shard_tokens`` tokens, each a raw little-endian ``uint16`` array (``uint32``
-when the vocabulary does not fit), read back by memory mapping; the tokenizer
+when the vocabulary does not fit), read back with positioned reads; the tokenizer
 (``tokenizer.json``); and ``manifest.json``::
 
     {"format": "poetx-tokens-1", "dtype": "uint16", "vocab_size": 4096,
