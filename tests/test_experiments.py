@@ -120,3 +120,21 @@ def test_profile_step_busy_time_and_categories():
   assert cat('copy.5', 'memcpy128') == 'transpose/copy'
   assert cat('input_reduce_fusion', 'input_reduce_fusion') == 'reduction'
   assert cat('loop_multiply_fusion', 'loop_multiply_fusion') == 'other'
+
+
+def test_bench_prepare_measures_prepare_and_first_step(tmp_path):
+  """bench_prepare on two small corpora: each prepared, its tokens counted,
+  its throughput and the peak memory of the process tree measured."""
+  import bench_prepare
+  out = tmp_path / 'r.json'
+  rows = bench_prepare.main(['--sizes-mb', '0.25,0.5', '--work', str(tmp_path / 'w'),
+                             '--no-train', '--json', str(out)])
+  assert json.loads(out.read_text()) == rows and len(rows) == 2
+  small, large = rows
+  assert 0.25 < small['corpus_mb'] < large['corpus_mb'] < 0.6
+  assert 0 < small['tokens'] < large['tokens']
+  assert all(r['prepare_mb_per_s'] > 0 and 0.05 < r['prepare_peak_rss_gib'] < 4 for r in rows)
+  # The second prepare used the first one's tokenizer.
+  first, second = (json.loads((tmp_path / 'w' / f'ds-{n}' / 'manifest.json').read_text())
+                   for n in (262144, 524288))
+  assert first['tokenizer_sha256'] == second['tokenizer_sha256']
