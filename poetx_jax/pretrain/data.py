@@ -10,7 +10,9 @@ tokenizer in tokenizer.py)::
   ds = train_dataset(pack(train, 512), batch_size=32, seed=0)
   batches = eval_batches(pack(val, 512), batch_size=32)
 
-or all at once with :class:`TextData`. A window holds ``seq_len + 1`` tokens;
+or all at once with :class:`TextData`; a directory written by ``poetx prepare``
+(:mod:`poetx_jax.pretrain.prepare`) is read by :class:`PreparedData`, window
+by window from its shards. A window holds ``seq_len + 1`` tokens;
 a batch is ``{'inputs': window[:-1], 'targets': window[1:]}`` with ``-1`` marking
 masked targets (padding).
 """

@@ -199,7 +199,8 @@ def prepare(inputs: PathLike | tp.Sequence[PathLike], out: PathLike, *,
     part_file = parts_dir / f'{i:05d}.json'
     if part_file.is_file():
       part = json.loads(part_file.read_text())
-      if _same_source(part['source'], rec) and part.get('tokenizer') == file_hash(tok_path):
+      if (_same_source(part['source'], rec) and part.get('tokenizer') == file_hash(tok_path)
+          and part.get('text_field') == text_field):
         parts[i] = part
         continue
     todo.append({'index': i, 'path': str(f), 'out': str(out), 'source': rec,
@@ -215,7 +216,7 @@ def prepare(inputs: PathLike | tp.Sequence[PathLike], out: PathLike, *,
   n_workers = min(workers or os.cpu_count() or 1, max(len(todo), 1))
 
   def done(task, part):
-    part['tokenizer'] = tok_hash
+    part['tokenizer'], part['text_field'] = tok_hash, text_field
     _atomic_write(parts_dir / f'{task["index"]:05d}.json',
                   lambda tmp: Path(tmp).write_text(json.dumps(part)), '.json')
     parts[task['index']] = part
