@@ -1,14 +1,15 @@
 """poetx prepare: corpus files -> token shards, and training that streams from them."""
 
+import concurrent.futures
 import gzip
 import json
-import pathlib
+import pickle
 
 import numpy as np
 import pytest
 
 from conftest import write_corpus
-from poetx_jax.pretrain import cli, data, prepare
+from poetx_jax.pretrain import cli, data, prepare, shards
 from poetx_jax.pretrain.config import TrainConfig
 from poetx_jax.pretrain.tokenizer import Tokenizer, file_hash, tokenize_corpus
 from poetx_jax.pretrain.train import train
@@ -41,9 +42,9 @@ def test_prepared_stream_is_the_tokenized_corpus(sources, tmp_path):
   docs = data.read_documents([sources])
   tok = Tokenizer.load(tmp_path / 'ds' / 'tokenizer.json')
   want = tokenize_corpus(docs, tok)
-  shards = data.TokenShards(tmp_path / 'ds')
-  np.testing.assert_array_equal(shards.read(0, len(shards)), want)
-  np.testing.assert_array_equal(shards.read(695, 1410), want[695:1410])  # across shards
+  stream = shards.TokenShards(tmp_path / 'ds')
+  np.testing.assert_array_equal(stream.read(0, len(stream)), want)
+  np.testing.assert_array_equal(stream.read(695, 1410), want[695:1410])  # across shards
   assert m['tokens'] == len(want) and m['documents'] == len(docs)
   assert m['dtype'] == 'uint16' and all(s['tokens'] <= 700 for s in m['shards'])
   assert len(m['shards']) > len(m['sources'])  # files span several shards
@@ -54,7 +55,7 @@ def test_prepared_stream_is_the_tokenized_corpus(sources, tmp_path):
     assert len(raw) == 2 * s['tokens']
 
   # The windows are those of TextData on the same documents and tokenizer.
-  prepared = data.PreparedData(tmp_path / 'ds', seq_len=32, val_fraction=0.1)
+  prepared = shards.PreparedData(tmp_path / 'ds', seq_len=32, val_fraction=0.1)
   text = data.TextData(docs, seq_len=32, val_fraction=0.1, cache_dir=tmp_path / 'cache',
                        tokenizer_path=tmp_path / 'ds' / 'tokenizer.json')
   np.testing.assert_array_equal(np.asarray(prepared.train_windows), text.train_windows)
@@ -93,12 +94,12 @@ def test_damaged_dataset_and_bad_inputs_are_clear_errors(sources, tmp_path):
   shard = tmp_path / 'ds' / m['shards'][3]['file']
   shard.write_bytes(shard.read_bytes()[:-2])
   with pytest.raises(ValueError, match=f'shard {m["shards"][3]["file"]} does not match'):
-    data.PreparedData(tmp_path / 'ds', seq_len=16)
+    shards.PreparedData(tmp_path / 'ds', seq_len=16)
   shard.unlink()
   with pytest.raises(ValueError, match='missing'):
-    data.TokenShards(tmp_path / 'ds')
+    shards.TokenShards(tmp_path / 'ds')
   with pytest.raises(ValueError, match='not a prepared dataset'):
-    data.TokenShards(tmp_path)
+    shards.TokenShards(tmp_path)
 
   bad = tmp_path / 'bad'
   bad.mkdir()
@@ -147,9 +148,9 @@ def test_prepared_windows_index_like_arrays(tmp_path):
   (tmp_path / 'src' / 'a.txt').write_text('one two three four five six seven eight ' * 40)
   prepare.prepare([tmp_path / 'src'], tmp_path / 'ds', vocab_size=280, shard_tokens=50,
                   workers=1, progress=False)
-  shards = data.TokenShards(tmp_path / 'ds')
-  tokens = shards.read(0, len(shards))
-  windows = data.TokenWindows(shards, 0, len(tokens), 7)
+  stream = shards.TokenShards(tmp_path / 'ds')
+  tokens = stream.read(0, len(stream))
+  windows = shards.TokenWindows(stream, 0, len(tokens), 7)
   want = data.pack(tokens, 7)
   assert windows.shape == want.shape and len(windows) == len(want)
   for key in (0, -1, len(want) - 1):
@@ -158,4 +159,10 @@ def test_prepared_windows_index_like_arrays(tmp_path):
   np.testing.assert_array_equal(np.asarray(windows[::5]), want[::5])
   with pytest.raises(IndexError):
     windows[np.array([[0]])]
-  assert pathlib.Path(tmp_path / 'ds' / 'manifest.json').is_file()
+
+  # Read from several threads at once (grain's readers), and after pickling.
+  fresh = shards.TokenWindows(shards.TokenShards(tmp_path / 'ds'), 0, len(tokens), 7)
+  with concurrent.futures.ThreadPoolExecutor(8) as pool:
+    got = list(pool.map(lambda i: fresh[int(i)], np.arange(len(want)).repeat(4)))
+  np.testing.assert_array_equal(np.stack(got), want.repeat(4, axis=0))
+  np.testing.assert_array_equal(pickle.loads(pickle.dumps(fresh))[3:6][np.arange(3)], want[3:6])

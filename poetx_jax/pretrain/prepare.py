@@ -19,7 +19,7 @@ by the shard size, not by the corpus. A source whose shards are written is
 recorded in ``parts/``; an interrupted prepare resumes from there, and
 running it again on unchanged inputs (same paths, sizes and modification
 times, same tokenizer) does nothing. Training reads the directory with
-:class:`poetx_jax.pretrain.data.PreparedData` (``poetx train --data DIR``).
+:class:`poetx_jax.pretrain.shards.PreparedData` (``poetx train --data DIR``).
 
 Without ``tokenizer`` a byte-level BPE of ``vocab_size`` is trained on a
 sample: from each source file its first documents, up to ``sample_chars /
@@ -40,10 +40,11 @@ from pathlib import Path
 import numpy as np
 
 from poetx_jax.pretrain import data as data_lib
+from poetx_jax.pretrain import shards
 from poetx_jax.pretrain.tokenizer import Tokenizer, _atomic_write, file_hash
 
-FORMAT = 'poetx-tokens-1'
-MANIFEST = 'manifest.json'
+FORMAT = shards.FORMAT
+MANIFEST = shards.MANIFEST
 DEFAULT_SHARD_TOKENS = 1 << 24
 DEFAULT_SAMPLE_CHARS = 100_000_000
 
@@ -189,7 +190,7 @@ def prepare(inputs: PathLike | tp.Sequence[PathLike], out: PathLike, *,
                        + ', '.join(map(str, files)))
     Tokenizer.train_bpe(sample, vocab_size=vocab_size, path=tok_path)
     del sample
-  tok = Tokenizer.load(tok_path)
+  tok, tok_hash = Tokenizer.load(tok_path), file_hash(tok_path)
   dtype = token_dtype(tok.vocab_size)
 
   parts_dir = out / 'parts'
@@ -199,7 +200,7 @@ def prepare(inputs: PathLike | tp.Sequence[PathLike], out: PathLike, *,
     part_file = parts_dir / f'{i:05d}.json'
     if part_file.is_file():
       part = json.loads(part_file.read_text())
-      if (_same_source(part['source'], rec) and part.get('tokenizer') == file_hash(tok_path)
+      if (_same_source(part['source'], rec) and part.get('tokenizer') == tok_hash
           and part.get('text_field') == text_field):
         parts[i] = part
         continue
@@ -212,7 +213,6 @@ def prepare(inputs: PathLike | tp.Sequence[PathLike], out: PathLike, *,
     from tqdm.auto import tqdm  # pylint: disable=g-import-not-at-top
     bar = tqdm(total=sum(t['source']['bytes'] for t in todo), unit='B', unit_scale=True,
                desc=f'tokenizing {len(todo)} of {len(files)} files')
-  tok_hash = file_hash(tok_path)
   n_workers = min(workers or os.cpu_count() or 1, max(len(todo), 1))
 
   def done(task, part):
@@ -250,8 +250,3 @@ def prepare(inputs: PathLike | tp.Sequence[PathLike], out: PathLike, *,
   _atomic_write(manifest_path, lambda tmp: Path(tmp).write_text(json.dumps(manifest, indent=1)),
                 '.json')
   return manifest
-
-
-def is_prepared(path: PathLike) -> bool:
-  """Whether ``path`` is a directory written by :func:`prepare`."""
-  return (Path(path) / MANIFEST).is_file()

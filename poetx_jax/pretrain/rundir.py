@@ -36,6 +36,7 @@ import jax
 
 from poetx_jax.models import llama
 from poetx_jax.pretrain import data as data_lib
+from poetx_jax.pretrain import shards
 from poetx_jax.pretrain.checkpoint import CheckpointError, Checkpointer
 from poetx_jax.pretrain.config import TrainConfig
 from poetx_jax.pretrain.factories import build_model, model_config
@@ -239,13 +240,12 @@ def open_run(cfg: TrainConfig, *, resume: bool, log=print) -> tp.Iterator[pathli
 
 
 def load_data(cfg: TrainConfig, tokenizer: str | pathlib.Path | None = None
-              ) -> data_lib.TextData | data_lib.PreparedData:
+              ) -> data_lib.TextData | shards.PreparedData:
   """The corpus of ``cfg`` tokenized (with ``tokenizer``, else ``cfg.tokenizer``,
   else a BPE trained on it), split and packed; a prepared dataset directory
   (``poetx prepare``) is read from its shards."""
-  from poetx_jax.pretrain.prepare import is_prepared  # pylint: disable=g-import-not-at-top
-  if cfg.data and len(cfg.data) == 1 and is_prepared(cfg.data[0]):
-    return data_lib.PreparedData(cfg.data[0], seq_len=cfg.seq_len,
+  if cfg.data and len(cfg.data) == 1 and shards.is_prepared(cfg.data[0]):
+    return shards.PreparedData(cfg.data[0], seq_len=cfg.seq_len,
                                  val_fraction=cfg.val_fraction,
                                  tokenizer_path=tokenizer or cfg.tokenizer)
   docs = data_lib.read_documents(cfg.data) if cfg.data else None
