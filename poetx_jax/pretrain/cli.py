@@ -38,17 +38,38 @@ def _train_parser(sub, *, defaults: bool = True):
                  help='with --resume: continue from checkpoint step N instead (the newer '
                       'checkpoints are moved to OUT_DIR/abandoned-checkpoints)')
   p.add_argument('--distributed', action='store_true',
-                 help='multi-host: call jax.distributed.initialize() first (it reads '
-                      'the coordinator and process ids from the cluster environment)')
+                 help='multi-process: call jax.distributed.initialize() first (it reads '
+                      'the coordinator and process ids from the cluster environment, '
+                      'or from the three options below). Every process runs the same '
+                      'command; they share OUT_DIR (a shared file system), the first '
+                      'writes the run files and metrics, each reads only its own rows '
+                      'of every batch')
+  p.add_argument('--coordinator', default=None, metavar='HOST:PORT',
+                 help='with --distributed: the address of process 0\'s coordinator '
+                      '(where no cluster environment names it)')
+  p.add_argument('--num-processes', type=int, default=None, metavar='N',
+                 help='with --distributed: the number of processes')
+  p.add_argument('--process-id', type=int, default=None, metavar='I',
+                 help='with --distributed: this process\'s index, 0 .. N-1')
   p.add_argument('--plot', default=None, metavar='PNG',
                  help='write the loss curves here when done (default: OUT_DIR/loss.png)')
   return p
 
 
 def cmd_train(a) -> int:
+  import jax
+  cluster = {'coordinator_address': a.coordinator, 'num_processes': a.num_processes,
+             'process_id': a.process_id}
+  given = [k for k, v in cluster.items() if v is not None]
+  if given and not a.distributed:
+    raise ValueError(f'--coordinator, --num-processes and --process-id need --distributed '
+                     f'(given: {", ".join(given)})')
+  if a.num_processes is not None and a.num_processes < 1:
+    raise ValueError(f'--num-processes must be >= 1, got {a.num_processes}')
+  if a.process_id is not None and not 0 <= a.process_id < (a.num_processes or 1 << 30):
+    raise ValueError(f'--process-id must be in [0, --num-processes), got {a.process_id}')
   if a.distributed:
-    import jax
-    jax.distributed.initialize()
+    jax.distributed.initialize(**{k: v for k, v in cluster.items() if v is not None})
   from poetx_jax.pretrain.config import TrainConfig, config_from_args
   from poetx_jax.pretrain.rundir import resumed_config
   from poetx_jax.pretrain.train import train
@@ -61,6 +82,16 @@ def cmd_train(a) -> int:
       given = {k for k, v in vars(cfg).items() if v != getattr(TrainConfig(), k)}
     cfg = resumed_config(cfg, given)
   summary = train(cfg, resume=a.resume, step=a.step)
+  if jax.process_index() == 0:  # of several processes, the first reports
+    _report(summary, a.plot)
+  if summary['stopped'] in ('SIGINT', 'SIGTERM'):  # 130, 143: the shells' convention
+    import signal
+    return 128 + signal.Signals[summary['stopped']].value
+  return 0
+
+
+def _report(summary: dict, plot: str | None) -> None:
+  """Prints a finished run's summary and draws its loss curves."""
   if 'val_before' in summary and 'val_after' in summary:
     print(f"validation perplexity: {summary['val_before']['ppl']:.2f} -> "
           f"{summary['val_after']['ppl']:.2f}")
@@ -69,17 +100,13 @@ def cmd_train(a) -> int:
         f"and checkpoints)" + (f"; peak device memory {summary['peak_gib']:.2f} GiB"
                                if 'peak_gib' in summary else ''))
   from poetx_jax.pretrain.plot import plot_runs
-  png = a.plot or str(pathlib.Path(summary['out_dir']) / 'loss.png')
+  png = plot or str(pathlib.Path(summary['out_dir']) / 'loss.png')
   try:
     print(f"loss curves: {plot_runs([summary['out_dir']], png)}")
   except ImportError:
     print('no loss plot: matplotlib is not installed (metrics.jsonl has the curves)')
   except (ValueError, OSError) as e:
     print(f'no loss plot: {e}')
-  if summary['stopped'] in ('SIGINT', 'SIGTERM'):  # 130, 143: the shells' convention
-    import signal
-    return 128 + signal.Signals[summary['stopped']].value
-  return 0
 
 
 def cmd_prepare(a) -> int:

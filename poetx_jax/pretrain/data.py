@@ -310,13 +310,15 @@ def token_hash(tokens: np.ndarray) -> str:
 
 
 class _WindowsToBatch:
-  """Maps an index array to a batch dict of those windows (picklable)."""
+  """Maps the window indices of a global batch to a batch dict of the rows
+  ``rows`` of it (picklable); only those windows are read."""
 
-  def __init__(self, windows: np.ndarray):
+  def __init__(self, windows: np.ndarray, rows: slice = slice(None)):
     self.windows = windows
+    self.rows = rows
 
   def __call__(self, idx: np.ndarray) -> dict[str, np.ndarray]:
-    return _to_batch(self.windows[np.asarray(idx)])
+    return _to_batch(self.windows[np.asarray(idx)[self.rows]])
 
 
 def _to_batch(w: np.ndarray) -> dict[str, np.ndarray]:
@@ -347,6 +349,7 @@ def _import_grain():
 
 
 def train_dataset(windows: np.ndarray, *, batch_size: int, seed: int,
+                  shard_index: int = 0, shard_count: int = 1,
                   read_options: grain.ReadOptions | None = None) -> grain.IterDataset:
   """An endless grain pipeline of shuffled training batches.
 
@@ -355,14 +358,23 @@ def train_dataset(windows: np.ndarray, *, batch_size: int, seed: int,
   ``{'inputs': (B, L) int32, 'targets': (B, L) int32}``, inputs ``window[:-1]``
   (padding -1 read as 0) and targets ``window[1:]`` (-1 = masked).
 
+  With ``shard_count`` > 1 (the processes of a multi-host run, each with its
+  ``shard_index``) the pipeline yields rows ``shard_index * B / shard_count``
+  up to the next share of each global batch of B, and reads only those
+  windows: the shares of one step, stacked in shard order, are the batch a
+  single process gets, so a run sees the same windows whatever its number of
+  processes.
+
   ``iter()`` of the result is a ``grain.DatasetIterator``; its ``get_state()``
   is a JSON-serialisable dict, and ``set_state`` on a fresh iterator of the same
   pipeline resumes with exactly the batches of an uninterrupted run.
 
   Args:
     windows: (N, L + 1) from :func:`pack`, N >= batch_size.
-    batch_size: B.
+    batch_size: B, the global batch.
     seed: a non-negative int.
+    shard_index, shard_count: this process's share of each batch;
+      ``shard_count`` must divide B.
     read_options: grain's threading and prefetch (default 2 threads, 8 batches).
   """
   windows = _check_windows(windows, batch_size)
@@ -371,6 +383,14 @@ def train_dataset(windows: np.ndarray, *, batch_size: int, seed: int,
                      f'batch_size={batch_size}')
   if not isinstance(seed, (int, np.integer)) or seed < 0:
     raise ValueError(f'seed must be a non-negative int, got {seed!r}')
+  if (not isinstance(shard_count, (int, np.integer)) or shard_count < 1
+      or batch_size % shard_count):
+    raise ValueError(f'shard_count must be a positive int dividing batch_size={batch_size}'
+                     f', got {shard_count!r}')
+  if not isinstance(shard_index, (int, np.integer)) or not 0 <= shard_index < shard_count:
+    raise ValueError(f'shard_index must be an int in [0, {shard_count}), got {shard_index!r}')
+  share = batch_size // shard_count
+  rows = slice(shard_index * share, (shard_index + 1) * share)
   # grain seeds epoch e with seed + e; mixing keeps nearby seeds' epochs apart.
   shuffle_seed = int(np.random.SeedSequence(int(seed)).generate_state(1)[0])
   grain = _import_grain()
@@ -378,7 +398,7 @@ def train_dataset(windows: np.ndarray, *, batch_size: int, seed: int,
         .shuffle(seed=shuffle_seed)
         .batch(batch_size, drop_remainder=True)
         .repeat()
-        .map(_WindowsToBatch(windows)))
+        .map(_WindowsToBatch(windows, rows)))
   if read_options is None:
     read_options = grain.ReadOptions(num_threads=2, prefetch_buffer_size=8)
   return ds.to_iter_dataset(read_options)

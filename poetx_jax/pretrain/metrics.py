@@ -39,16 +39,20 @@ class Metrics:
   """metrics.jsonl (and TensorBoard when tensorboardX is installed).
 
   On resume (``resume_step > 0``) the records past ``resume_step`` are dropped.
+  ``write=False`` (the other processes of a multi-process run) writes nothing.
   """
 
-  def __init__(self, out_dir: pathlib.Path, resume_step: int):
+  def __init__(self, out_dir: pathlib.Path, resume_step: int, *, write: bool = True):
     self.path = out_dir / 'metrics.jsonl'
+    self._write = write
+    self._tb = None
+    if not write:  # another process of the run writes them
+      return
     kept = []
     if resume_step and self.path.exists():  # drop records past the checkpoint
       kept = [l for l in self.path.read_text().splitlines()
               if l.strip() and json.loads(l)['step'] <= resume_step]
     self.path.write_text(''.join(l + '\n' for l in kept))
-    self._tb = None
     try:
       from tensorboardX import SummaryWriter  # optional
       self._tb = SummaryWriter(str(out_dir / 'tb'))
@@ -56,6 +60,8 @@ class Metrics:
       pass
 
   def write(self, record: dict) -> None:
+    if not self._write:
+      return
     with self.path.open('a') as f:
       f.write(json.dumps(record) + '\n')
     if self._tb is not None:
@@ -110,14 +116,14 @@ class Progress:
   steps): in place on a terminal, one line per update elsewhere (a log file).
   """
 
-  def __init__(self, total: int, *, initial: int = 0, stream=None):
+  def __init__(self, total: int, *, initial: int = 0, stream=None, disable: bool = False):
     stream = sys.stderr if stream is None else stream
     tty = stream.isatty()
     # Off a terminal: no line before the first update, none repeated at close.
     self._bar = tqdm.tqdm(total=total, initial=initial, unit='step',
                           file=stream if tty else _Lines(stream), dynamic_ncols=tty,
                           ncols=None if tty else 100, mininterval=0, miniters=1,
-                          delay=0 if tty else 1e-9, leave=tty)
+                          delay=0 if tty else 1e-9, leave=tty, disable=disable)
 
   def update(self, step: int, loss: float, tok_s: float) -> None:
     self._bar.set_postfix_str(f'loss {loss:.4f}, {tok_s:,.0f} tok/s', refresh=False)

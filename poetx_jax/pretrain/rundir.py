@@ -227,16 +227,29 @@ def open_run(cfg: TrainConfig, *, resume: bool, log=print) -> tp.Iterator[pathli
   run_file = out / RUN_FILE
   if resume:
     _check_resumable(run_file, cfg)
-  _make_dir(out)
-  # One lock per run: the first process takes it for all (multi-host runs).
-  with RunLock(out, log=log) if jax.process_index() == 0 else contextlib.nullcontext():
+  primary = jax.process_index() == 0
+  if primary:
+    _make_dir(out)
+  # One lock per run: the first process takes it and writes for all (the
+  # processes of a multi-process run share the directory).
+  with RunLock(out, log=log) if primary else contextlib.nullcontext():
     if not resume and Checkpointer(out / 'checkpoints').all_steps():
       raise CheckpointError(f'{out} already holds checkpoints of a run; continue it with '
                             f'--resume, or choose another --out-dir')
-    tmp = run_file.with_suffix('.tmp')  # whole, for whoever reads it meanwhile
-    tmp.write_text(json.dumps(dataclasses.asdict(cfg), indent=1))
-    tmp.replace(run_file)
+    if primary:
+      tmp = run_file.with_suffix('.tmp')  # whole, for whoever reads it meanwhile
+      tmp.write_text(json.dumps(dataclasses.asdict(cfg), indent=1))
+      tmp.replace(run_file)
+    barrier('run directory')
     yield out
+
+
+def barrier(name: str) -> None:
+  """Waits until every process of a multi-process run has come here (nothing
+  with one process): what the first process wrote is then there to read."""
+  if jax.process_count() > 1:
+    from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+    multihost_utils.sync_global_devices(name)
 
 
 def load_data(cfg: TrainConfig, tokenizer: str | pathlib.Path | None = None
@@ -316,9 +329,22 @@ def run_data(out: pathlib.Path, cfg: TrainConfig, *, resume: bool) -> data_lib.T
   """The data of a run: afresh, the corpus tokenized and the tokenizer stored in
   the run; resuming, the corpus tokenized with the stored tokenizer and
   checked to give the same splits as when the run started."""
+  # Of several processes, the first trains and caches the tokenizer and token
+  # stream and stores them in the run; the others then read them.
+  primary = jax.process_index() == 0
+  data = None
+  if primary:
+    data = _run_data(out, cfg, resume=resume, store=True)
+  barrier('run data')
+  return data if primary else _run_data(out, cfg, resume=resume, store=False)
+
+
+def _run_data(out: pathlib.Path, cfg: TrainConfig, *, resume: bool,
+              store: bool) -> data_lib.TextData:
   if not resume:
-    data = load_data(cfg)
-    store_data(out, data)
+    data = load_data(cfg, stored_tokenizer(out) if not store else None)
+    if store:
+      store_data(out, data)
     return data
   data = load_data(cfg, stored_tokenizer(out))
   check_data(out, data, ('train', 'val'), '--resume: ')

@@ -133,12 +133,14 @@ def train(cfg: TrainConfig, *, resume: bool = False, step: int | None = None, lo
   rundir.RunLocked (another training holds ``cfg.out_dir``).
   """
   cfg, probe_every = _checked(cfg, probe_every, resume, step)
+  primary = jax.process_index() == 0  # of several processes, the first reports
+  log = log if primary else (lambda *_: None)
   with rundir.open_run(cfg, resume=resume, log=log) as out:
     run = set_up(cfg, out, resume=resume, step=step, log=log, hook=hook)
     if run.step == 0:
       _start(run, probe, log)
     total = cfg.steps * cfg.grad_accum  # one iteration = one micro-batch
-    progress = Progress(total, initial=run.step)
+    progress = Progress(total, initial=run.step, disable=not primary)
     t0, start = time.perf_counter(), run.step
     with StopFlag() as stop, TrainClock() as clock:
       while run.step < total:
@@ -218,12 +220,12 @@ def set_up(cfg: TrainConfig, out: pathlib.Path, *, resume: bool, step: int | Non
   log(f'state: model {size_text(nnx.state(model))}, optimizer '
       f'{size_text(nnx.state(optimizer))}; gradients '
       f'{size_text(nnx.state(model, nnx.Param))} during a step')
-  # Each process reads its own share of the windows and feeds its own rows.
+  # Each process reads and feeds only its own rows of every global batch.
   pc, pi = jax.process_count(), jax.process_index()
   if cfg.batch_size % pc:
     raise ValueError(f'batch_size={cfg.batch_size} must be divisible by the {pc} processes')
-  batches = iter(data_lib.train_dataset(data.train_windows[pi::pc],
-                                        batch_size=cfg.batch_size // pc, seed=cfg.seed))
+  batches = iter(data_lib.train_dataset(data.train_windows, batch_size=cfg.batch_size,
+                                        seed=cfg.seed, shard_index=pi, shard_count=pc))
   val = data_lib.eval_batches(data.val_windows[:cfg.eval_batches * cfg.batch_size],
                                batch_size=cfg.batch_size)
   ckpt = Checkpointer(out / 'checkpoints', max_to_keep=cfg.keep)
@@ -233,7 +235,7 @@ def set_up(cfg: TrainConfig, out: pathlib.Path, *, resume: bool, step: int | Non
     total = cfg.steps * cfg.grad_accum
     log(f'resumed from step {step}' + (f': the run is complete ({total} steps); raise '
                                        f'--steps to extend it' if step >= total else ''))
-  metrics = Metrics(out, step or 0)
+  metrics = Metrics(out, step or 0, write=jax.process_index() == 0)
   on_merge = (merge_reporter(metrics, log, poet_lr=poet_lr, merge_every=cfg.merge_every)
               if poet_lr is not None else None)
   return Run(cfg, out, mesh, model, optimizer, make_step(cfg, on_merge=on_merge, mesh=mesh),
