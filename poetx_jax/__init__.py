@@ -34,6 +34,15 @@ from poetx_jax.optim import (
     poetx_partition,
     scale_by_poetx,
 )
+from poetx_jax.skewadam import (
+    FactoredRMSState,
+    poetx_skewadam,
+    scale_by_factored_rms,
+    scale_by_skewadam,
+    skewadam,
+    skewadam_labels,
+    state_bytes,
+)
 from poetx_jax.step import make_train_step
 
 __version__ = '0.1.0'
@@ -45,4 +54,6 @@ __all__ = [
     'merge_clip_bound', 'merge_due', 'merge_layer', 'ops', 'orthogonality_error',
     'poet_layers', 'poetize', 'poetx', 'poetx_labels', 'poetx_partition',
     'scale_by_lean_adam', 'scale_by_poetx', 'to_linear', 'unpoetize',
+    'FactoredRMSState', 'poetx_skewadam', 'scale_by_factored_rms', 'scale_by_skewadam',
+    'skewadam', 'skewadam_labels', 'state_bytes',
 ]

@@ -1,0 +1,303 @@
+"""SkewAdam: optimizer state sized per parameter population of an MoE model.
+
+Dimensions: L layers, E experts, I / O in / out features, R / C the last two
+axes of a leaf. A label per leaf (:func:`skewadam_labels`) picks its state
+through ``optax.partition``: ``'backbone'`` and ``'embeddings'`` a float32
+momentum and factored second moments (:func:`poetx_jax.scale_by_lean_adam`);
+``'experts'`` (stacked (E, I, O) or (L, E, I, O) weights) factored second
+moments only, I + O numbers per expert matrix (:func:`scale_by_factored_rms`);
+``'router'`` Adam; ``'poetx'`` (:func:`poetx_skewadam`) POET-X.
+
+Reference: "SkewAdam", arXiv 2026 (cs.LG).
+"""
+
+from __future__ import annotations
+
+import sys
+import typing as tp
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from poetx_jax.lean import _empty, _factored, scale_by_lean_adam
+from poetx_jax.linear import POETParam
+
+Array = jax.Array
+TIERS = ('backbone', 'experts', 'router', 'embeddings')
+EMBEDDING_NAMES = ('embed_tokens', 'lm_head')
+DEFAULT_MIN_DIM = 128
+
+
+class FactoredRMSState(tp.NamedTuple):
+  """State of :func:`scale_by_factored_rms`: ``LeanAdamState`` without ``mu``."""
+  count: Array
+  v_row: optax.Updates
+  v_col: optax.Updates
+  v_full: optax.Updates
+
+
+def _check_hparams(b1, b2, eps, min_dim_size_to_factor):
+  """Raises on an out-of-range number (traced values pass)."""
+  for name, v, ok, want in (('b1', b1, lambda v: 0 <= v < 1, 'in [0, 1)'),
+                            ('b2', b2, lambda v: 0 <= v < 1, 'in [0, 1)'),
+                            ('eps', eps, lambda v: v >= 0, '>= 0')):
+    if isinstance(v, (int, float)) and not ok(v):
+      raise ValueError(f'{name} must be {want}, got {v!r}')
+  if not isinstance(min_dim_size_to_factor, int) or min_dim_size_to_factor < 1:
+    raise ValueError(f'min_dim_size_to_factor must be an int >= 1, '
+                     f'got {min_dim_size_to_factor!r}')
+
+
+def scale_by_factored_rms(b2: float = 0.999, eps: float = 1e-8, *,
+                          min_dim_size_to_factor: int = 128) -> optax.GradientTransformation:
+  r"""RMS scaling by factored second moments, with no first moment.
+
+  For a leaf (..., R, C) whose last two sides are both at least
+  ``min_dim_size_to_factor``, per trailing R x C matrix (``t`` counts updates):
+
+  .. math::
+
+    r_t = \beta_2 r_{t-1} + (1-\beta_2)\,\mathrm{mean}_C(g^2), \quad
+    c_t = \beta_2 c_{t-1} + (1-\beta_2)\,\mathrm{mean}_R(g^2), \quad
+    \hat v = \frac{r_t c_t^\top}{\mathrm{mean}(r_t)\,(1-\beta_2^t)}, \quad
+    u = \frac{g}{\sqrt{\hat v} + \epsilon}
+
+  (:func:`poetx_jax.scale_by_lean_adam`'s factoring: an (L, E, I, O) leaf
+  holds L E (I + O) numbers). Other leaves keep an exact float32 ``v``.
+  Returns a transformation with :class:`FactoredRMSState`.
+  """
+  _check_hparams(0.0, b2, eps, min_dim_size_to_factor)
+  fac = lambda p: _factored(p.shape, min_dim_size_to_factor)
+  f32 = lambda shape: jnp.zeros(shape, jnp.float32)
+
+  def init_fn(params):
+    return FactoredRMSState(
+        count=jnp.zeros([], jnp.int32),
+        v_row=jax.tree.map(lambda p: f32(p.shape[:-1]) if fac(p) else _empty(), params),
+        v_col=jax.tree.map(lambda p: f32(p.shape[:-2] + p.shape[-1:]) if fac(p)
+                           else _empty(), params),
+        v_full=jax.tree.map(lambda p: _empty() if fac(p) else f32(p.shape), params))
+
+  def update_fn(updates, state, params=None):
+    del params
+    count = optax.safe_increment(state.count)
+    c2 = 1 - b2 ** count.astype(jnp.float32)
+
+    def leaf(g, row, col, full):
+      g32 = g.astype(jnp.float32)
+      g2 = jnp.square(g32)
+      if fac(g):
+        row = b2 * row + (1 - b2) * jnp.mean(g2, axis=-1)
+        col = b2 * col + (1 - b2) * jnp.mean(g2, axis=-2)
+        norm = jnp.maximum(jnp.mean(row, axis=-1, keepdims=True)[..., None], 1e-30)
+        v_hat = row[..., :, None] * col[..., None, :] / norm / c2
+      else:
+        full = b2 * full + (1 - b2) * g2
+        v_hat = full / c2
+      return (g32 / (jnp.sqrt(v_hat) + eps)).astype(g.dtype), row, col, full
+
+    treedef = jax.tree.structure(updates)
+    out = treedef.flatten_up_to(jax.tree.map(
+        leaf, updates, state.v_row, state.v_col, state.v_full))
+    if not out:
+      return updates, state._replace(count=count)
+    u, row, col, full = (treedef.unflatten(x) for x in zip(*out))
+    return u, FactoredRMSState(count, row, col, full)
+
+  return optax.GradientTransformation(init_fn, update_fn)
+
+
+def _label(path, leaf, poet: bool) -> str:
+  if poet and isinstance(leaf, POETParam):
+    return 'poetx'
+  name = jax.tree_util.keystr(path, simple=True, separator='/')
+  if 'experts' in name:
+    return 'experts'
+  if 'router' in name:
+    return 'router'
+  if any(e in name for e in EMBEDDING_NAMES):
+    return 'embeddings'
+  return 'backbone'
+
+
+def skewadam_labels(params_or_state, *, poet: bool = True, wrt=nnx.Param):
+  """The SkewAdam label of every leaf, from its '/'-joined path.
+
+  A path containing ``'experts'`` is ``'experts'``; else ``'router'`` is
+  ``'router'``; else ``'embed_tokens'`` or ``'lm_head'`` is ``'embeddings'``;
+  else ``'backbone'`` (substrings: ``shared_experts`` is ``'experts'``; pass
+  your own tree otherwise). With ``poet`` a :class:`poetx_jax.POETParam` is
+  ``'poetx'`` whatever its path; that needs its type, so label a model or its
+  ``nnx.state`` (not ``nnx.as_pure`` arrays) and pass the label tree on.
+
+  Args:
+    params_or_state: a pytree of arrays, an ``nnx.State`` of variables, or a
+      model (then ``nnx.state(model, wrt)``).
+    poet: label POET generators ``'poetx'``.
+    wrt: with a model, the variables the optimizer updates.
+
+  Returns:
+    A pytree of label strings in the structure of the parameters.
+  """
+  if isinstance(params_or_state, nnx.Module):
+    params_or_state = nnx.state(params_or_state, wrt)
+  return jax.tree_util.tree_map_with_path(
+      lambda path, leaf: _label(path, leaf, poet), params_or_state,
+      is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def _resolve_labels(labels, valid: tuple[str, ...], wrt):
+  """A label tree or function whose labels are checked against ``valid``."""
+  def check(tree):
+    bad = sorted(set(jax.tree.leaves(tree)) - set(valid), key=repr)
+    if bad:
+      hint = (" (POET generators: use poetx_skewadam, or skewadam_labels(..., poet=False))"
+              if 'poetx' in bad else '')
+      raise ValueError(f'unknown SkewAdam label(s) {bad}; valid labels: {list(valid)}{hint}')
+    return tree
+  if labels is None:
+    labels = skewadam_labels
+  if isinstance(labels, nnx.Module):
+    return check(skewadam_labels(labels, wrt=wrt or nnx.Param))
+  if callable(labels):
+    return lambda params: check(labels(params))
+  return check(labels)
+
+
+def _tiers(b1, b2, eps, min_dim_size_to_factor) -> dict[str, optax.GradientTransformation]:
+  if min_dim_size_to_factor is None:
+    min_dim_size_to_factor = DEFAULT_MIN_DIM
+  _check_hparams(b1, b2, eps, min_dim_size_to_factor)
+  lean = lambda min_dim: scale_by_lean_adam(b1, b2, eps, mu_dtype=jnp.float32,
+                                            min_dim_size_to_factor=min_dim)
+  return {'backbone': lean(min_dim_size_to_factor),
+          'experts': scale_by_factored_rms(b2, eps,
+                                           min_dim_size_to_factor=min_dim_size_to_factor),
+          'router': lean(sys.maxsize),  # never factored: Adam, float32 state
+          'embeddings': lean(min_dim_size_to_factor)}
+
+
+def scale_by_skewadam(labels=None, *, b1: float = 0.9, b2: float = 0.999,
+                      eps: float = 1e-8, min_dim_size_to_factor: int | None = None
+                      ) -> optax.GradientTransformation:
+  r"""SkewAdam's direction: a different state for each parameter tier.
+
+  With ``t`` the update count, ``g`` the gradient and bias-corrected
+  moments ``m_hat = m_t / (1 - b1^t)``, ``v_hat = v_t / (1 - b2^t)``:
+
+  * backbone, embeddings: ``m_t = b1 m_{t-1} + (1 - b1) g`` in float32,
+    ``v`` factored into row / column means for matrices (last two sides
+    >= ``min_dim_size_to_factor``), exact otherwise; ``u = m_hat / (sqrt(v_hat) + eps)``.
+  * experts: no ``m``; ``v`` factored per trailing matrix;
+    ``u = g / (sqrt(v_hat) + eps)`` (:func:`scale_by_factored_rms`).
+  * router: Adam, ``v_t = b2 v_{t-1} + (1 - b2) g^2`` exact in float32,
+    ``u = m_hat / (sqrt(v_hat) + eps)``. The method asks for exact second
+    moments for the router; the float32 momentum is this implementation's
+    choice (the router is small; it then moves like the backbone).
+
+  Args:
+    labels: a pytree of labels in :data:`TIERS`, a function of the
+      parameters returning one, or a model (its ``nnx.Param`` labelled);
+      None: :func:`skewadam_labels`.
+    b1, b2, eps: decay rates and denominator offset (traceable).
+    min_dim_size_to_factor: factor only matrices whose last two sides are
+      both at least this long (None: 128). Structural: under
+      ``optax.inject_hyperparams`` name it (and a label function or model)
+      in ``static_args``.
+
+  Returns:
+    An ``optax.partition`` over the four tiers.
+  """
+  return optax.partition(_tiers(b1, b2, eps, min_dim_size_to_factor),
+                         _resolve_labels(labels, TIERS, None))
+
+
+def skewadam(learning_rate, labels=None, *, b1: float = 0.9, b2: float = 0.999,
+             eps: float = 1e-8, weight_decay: float = 0.0, mask=None,
+             min_dim_size_to_factor: int | None = None) -> optax.GradientTransformation:
+  """SkewAdam: :func:`scale_by_skewadam`, decoupled weight decay, learning rate.
+
+  ``p <- p - lr_t * (u + weight_decay * p)`` (decay where ``mask`` is true).
+
+  Example::
+
+    >>> import jax, jax.numpy as jnp, poetx_jax
+    >>> params = {'attn': {'kernel': jnp.ones((128, 128))},
+    ...           'moe': {'router': {'kernel': jnp.ones((128, 4))},
+    ...                   'experts': {'up': jnp.ones((4, 128, 256))}}}
+    >>> poetx_jax.skewadam_labels(params)['moe']
+    {'experts': {'up': 'experts'}, 'router': {'kernel': 'router'}}
+    >>> tx = poetx_jax.skewadam(1e-3, weight_decay=0.1)
+    >>> state = tx.init(params)
+    >>> updates, state = tx.update(jax.tree.map(jnp.ones_like, params), state, params)
+    >>> poetx_jax.state_bytes(state, by_tier=True)['experts']  # 4 (128 + 256) + 2 words
+    6152
+
+  Args:
+    learning_rate: a float or an optax schedule.
+    labels, b1, b2, eps, min_dim_size_to_factor: see :func:`scale_by_skewadam`.
+    weight_decay: decoupled weight decay rate.
+    mask: where to decay, as ``optax.add_decayed_weights`` takes it.
+
+  References:
+    "SkewAdam", arXiv 2026 (cs.LG). Shazeer & Stern, Adafactor, ICML 2018.
+  """
+  return optax.chain(
+      scale_by_skewadam(labels, b1=b1, b2=b2, eps=eps,
+                        min_dim_size_to_factor=min_dim_size_to_factor),
+      optax.add_decayed_weights(weight_decay, mask),
+      optax.scale_by_learning_rate(learning_rate))
+
+
+def poetx_skewadam(labels, poet_tx: optax.GradientTransformation, learning_rate, *,
+                   b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
+                   weight_decay: float = 0.0, mask=None,
+                   min_dim_size_to_factor: int | None = None,
+                   wrt=None) -> optax.GradientTransformation:
+  """``optax.partition``: ``poet_tx`` on POET generators, SkewAdam's tiers on the rest.
+
+  Like :func:`poetx_jax.poetx_partition` with :func:`skewadam` as the other
+  optimizer, flattened into one partition over ``'poetx'`` and :data:`TIERS`.
+
+  Example::
+
+    >>> import optax, poetx_jax
+    >>> from flax import nnx
+    >>> model = poetx_jax.poetize(nnx.Linear(32, 32, rngs=nnx.Rngs(0)),
+    ...                           block_size=8, rngs=nnx.Rngs(1))
+    >>> tx = poetx_jax.poetx_skewadam(model, poetx_jax.poetx(1e-3), 1e-3)
+    >>> optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+  Args:
+    labels: a model (labelled by :func:`skewadam_labels`), or a label tree
+      (or function: it sees plain arrays in ``nnx.Optimizer.update``, where
+      POET generators cannot be told by type) over ``'poetx'`` and :data:`TIERS`.
+    poet_tx: the POET-X optimizer (:func:`poetx_jax.poetx`).
+    learning_rate, weight_decay, mask, b1, b2, eps, min_dim_size_to_factor:
+      as in :func:`skewadam`, for the tiers.
+    wrt: with a model, the variables the optimizer updates (None: ``nnx.Param``).
+  """
+  tail = (optax.add_decayed_weights(weight_decay, mask),
+          optax.scale_by_learning_rate(learning_rate))
+  tiers = {k: optax.chain(tx, *tail)
+           for k, tx in _tiers(b1, b2, eps, min_dim_size_to_factor).items()}
+  return optax.partition({'poetx': poet_tx, **tiers},
+                         _resolve_labels(labels, ('poetx',) + TIERS, wrt))
+
+
+def state_bytes(opt_state, *, by_tier: bool = False) -> int | dict[str, int]:
+  """Bytes of the arrays in an optimizer state; with ``by_tier``, per group
+  of its (first) ``optax.partition``: ``{label: bytes}``."""
+  size = lambda tree: sum(int(x.nbytes) for x in jax.tree.leaves(tree)
+                          if hasattr(x, 'nbytes'))
+  if not by_tier:
+    return size(opt_state)
+  parts = [s for s in jax.tree.leaves(
+      opt_state, is_leaf=lambda x: isinstance(x, optax.PartitionState))
+           if isinstance(s, optax.PartitionState)]
+  if not parts:
+    raise ValueError('by_tier=True needs an optax.partition state (from skewadam, '
+                     f'scale_by_skewadam or poetx_skewadam); got {type(opt_state).__name__}')
+  return {k: size(v) for k, v in parts[0].inner_states.items()}
