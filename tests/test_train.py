@@ -45,13 +45,16 @@ def _params(run):
   return step, nnx.to_pure_dict(nnx.state(model))
 
 
-@pytest.mark.parametrize('optimizer', ['poetx', 'adamw'])
-def test_resume_is_bit_exact_across_merges(tmp_path, corpus, optimizer):
-  straight = _cfg(tmp_path / 'a', corpus, optimizer=optimizer)
+@pytest.mark.parametrize('options', [dict(optimizer='poetx'), dict(optimizer='adamw'),
+                                     dict(optimizer='skewadam'),
+                                     dict(optimizer='poetx', skew_tiers=True)],
+                         ids=['poetx', 'adamw', 'skewadam', 'poetx-skew-tiers'])
+def test_resume_is_bit_exact_across_merges(tmp_path, corpus, options):
+  straight = _cfg(tmp_path / 'a', corpus, **options)
   s1 = train(straight, log=lambda *_: None)
   assert s1['step'] == 12 and s1['val_after']['loss'] < s1['val_before']['loss']
 
-  split = _cfg(tmp_path / 'b', corpus, optimizer=optimizer)
+  split = _cfg(tmp_path / 'b', corpus, **options)
   s2 = train(split, log=lambda *_: None, stop_after=6)  # stops mid merge cycle (4)
   assert s2['stopped'] == 'stop_after' and s2['step'] == 6
   train(split, resume=True, log=lambda *_: None)
@@ -242,6 +245,16 @@ def test_xq_int4_run_checkpoints_and_resumes(tmp_path, corpus):
   assert step == 4 and layer.kernel.dtype == jax.numpy.int4
   with pytest.raises(ValueError, match='needs optimizer poetx'):
     train(_cfg(tmp_path, corpus, quantize='int8', optimizer='adamw'))
+
+
+@pytest.mark.parametrize('options, match', [
+    (dict(optimizer='adamw', skew_tiers=True), "skew_tiers needs optimizer poetx \\(got 'adamw'"),
+    (dict(optimizer='skewadam', lean_state=True), 'lean_state and SkewAdam'),
+    (dict(optimizer='poetx', skew_tiers=True, lean_state=True), 'lean_state and SkewAdam'),
+])
+def test_skewadam_option_conflicts_are_named(options, match):
+  with pytest.raises(ValueError, match=match):
+    TrainConfig(**options).validate()
 
 
 @pytest.mark.parametrize('quantize', [None, 'int8'])

@@ -25,7 +25,7 @@ from poetx_jax import linear, ops, sharding
 from poetx_jax.models import llama
 from poetx_jax.pretrain.tokenizer import MIN_BPE_VOCAB
 
-OPTIMIZERS = ('poetx', 'adamw')
+OPTIMIZERS = ('poetx', 'adamw', 'skewadam')
 DTYPES = ('float32', 'bfloat16')
 
 
@@ -81,7 +81,8 @@ class TrainConfig:
   batch_size: int = _count(16, 'sequences per micro-batch')
   grad_accum: int = _count(1, 'micro-batches per optimizer update')
   steps: int = _count(600, 'optimizer updates')
-  optimizer: str = _option('poetx', 'POET-X, or AdamW (the baseline)', choices=OPTIMIZERS)
+  optimizer: str = _option('poetx', 'POET-X, or a dense-weight baseline: AdamW, or '
+                           "SkewAdam (per-population state for MoE models)", choices=OPTIMIZERS)
   lr: float = _option(3e-3, 'peak learning rate of AdamW (and of the non-POET parameters)',
                       min=0)
   poet_lr: float | None = _option(None, 'peak POET-X step size', gt=0,
@@ -114,6 +115,9 @@ class TrainConfig:
   lean_state: bool = _option(False, 'bf16 momenta; factored second moments for the non-POET '
                              'parameters (embeddings, head, norms; all of them for AdamW) and '
                              'one second moment per block for the POET generators')
+  skew_tiers: bool = _option(False, 'POET-X: SkewAdam tiers for the parameters it does '
+                             'not rotate (router Adam; embeddings, head and norms float32 '
+                             'momenta and factored second moments)')
   strategy: str = _option('dp', 'on several devices: replicate the state (dp) or shard it '
                           '(fsdp)', choices=sharding.STRATEGIES)
   fsdp: int = _count(1, 'size of the mesh axis that shards state (strategy fsdp); must '
@@ -145,6 +149,12 @@ class TrainConfig:
     if self.quantize is not None and self.optimizer != 'poetx':
       raise ValueError(f'quantize={self.quantize!r} needs optimizer poetx (the AdamW '
                        f'baseline trains its weights in full precision)')
+    if self.skew_tiers and self.optimizer != 'poetx':
+      raise ValueError(f'skew_tiers needs optimizer poetx (got {self.optimizer!r}; '
+                       f"optimizer 'skewadam' is SkewAdam for every parameter)")
+    if self.lean_state and (self.skew_tiers or self.optimizer == 'skewadam'):
+      raise ValueError('lean_state and SkewAdam (optimizer skewadam, skew_tiers) both choose '
+                       'the optimizer state of the same parameters: pick one')
     if device_count is not None and device_count % self.fsdp:
       valid = [n for n in range(1, device_count + 1) if device_count % n == 0]
       raise ValueError(f'fsdp={self.fsdp} must divide the {device_count} device(s); '

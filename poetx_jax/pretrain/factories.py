@@ -126,8 +126,19 @@ def model_poet_lr(cfg: TrainConfig, model) -> float:
 
 
 def build_optimizer(cfg: TrainConfig, model) -> nnx.Optimizer:
-  """The run's optimizer: POET-X for the generators and AdamW for the rest (or
-  AdamW for everything), clipped and accumulated as configured."""
+  """The run's optimizer: POET-X for the generators and AdamW (or SkewAdam's
+  tiers) for the rest, or AdamW or SkewAdam for everything, clipped and
+  accumulated as configured."""
+  if cfg.optimizer == 'skewadam' or cfg.skew_tiers:
+    lr = schedule(cfg.lr, cfg)
+    if cfg.optimizer == 'skewadam':
+      tx = poetx_jax.skewadam(lr, poetx_jax.skewadam_labels(model, poet=False),
+                              weight_decay=cfg.weight_decay)
+    else:
+      poet = poetx_jax.poetx(schedule(model_poet_lr(cfg, model), cfg),
+                             merge_every=cfg.merge_every)
+      tx = poetx_jax.poetx_skewadam(model, poet, lr, weight_decay=cfg.weight_decay)
+    return _finish_optimizer(cfg, model, tx)
   if cfg.lean_state:
     adamw = lean_adamw(schedule(cfg.lr, cfg), weight_decay=cfg.weight_decay)
   else:
@@ -142,6 +153,11 @@ def build_optimizer(cfg: TrainConfig, model) -> nnx.Optimizer:
         adamw)
   else:
     tx = adamw
+  return _finish_optimizer(cfg, model, tx)
+
+
+def _finish_optimizer(cfg: TrainConfig, model, tx) -> nnx.Optimizer:
+  """``tx`` clipped and accumulated as configured, over the model's Params."""
   if cfg.clip > 0:
     tx = optax.chain(optax.clip_by_global_norm(cfg.clip), tx)
   if cfg.grad_accum > 1:
