@@ -18,6 +18,7 @@ import typing as tp
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from flax.nnx.nn import initializers
 
@@ -37,7 +38,13 @@ def poetize(model, *, block_size: int, rngs: nnx.Rngs,
   """Returns a copy of ``model`` with every ``nnx.Linear`` made a ``POETLinear``.
 
   Each replacement keeps the state path of the layer it replaces and starts
-  equal to it (Q = 0), with its kernel as W0 and its bias.
+  equal to it (Q = 0), with its kernel as W0 and its bias. Only layers of type
+  exactly ``nnx.Linear`` are converted: subclasses (such as the router of
+  :mod:`poetx_jax.models.moe`) stay as they are. A Linear whose kernel has
+  leading axes, ``(..., in, out)`` (a stack of layers, such as the experts of
+  :mod:`poetx_jax.models.moe`), becomes a POETLinear stack with those leading
+  axes (:func:`stack_from_linear`): each entry its own W0, permutations and
+  generators.
 
   Args:
     model: any Flax NNX model.
@@ -76,9 +83,10 @@ def poetize(model, *, block_size: int, rngs: nnx.Rngs,
     name = path_str(path)
     if any(e in name for e in exclude):
       return node
+    from_linear = stack_from_linear if node.kernel.ndim > 2 else POETLinear.from_linear
     try:
-      layer = POETLinear.from_linear(node, block_size=block_size, rngs=rngs,
-                                     normalize_rows=normalize_rows, **layer_kwargs)
+      layer = from_linear(node, block_size=block_size, rngs=rngs,
+                          normalize_rows=normalize_rows, **layer_kwargs)
     except ValueError as e:
       raise ValueError(f'cannot poetize layer {name!r} '
                        f'(kernel {node.kernel.shape}): {e}') from e
@@ -92,6 +100,42 @@ def poetize(model, *, block_size: int, rngs: nnx.Rngs,
   return nnx.recursive_map(convert, model)
 
 
+def stack_from_linear(linear: nnx.Linear, *, block_size: int, rngs: nnx.Rngs,
+                      **kwargs) -> POETLinear:
+  """A POETLinear stack from an ``nnx.Linear`` whose kernel has leading axes.
+
+  ``linear.kernel`` (..., I, O) (and its bias (..., O)) holds one layer per
+  index of the leading axes; entry ``idx`` of the result is
+  ``POETLinear.from_linear`` of layer ``idx`` (layers in row-major order, each
+  drawing its permutations from ``rngs`` in turn), so its ``stack_shape`` is
+  the leading axes. The kernel's metadata (e.g. a stack's ``layer_axis``) is
+  copied to every variable of the result. ``kwargs``: as for ``from_linear``.
+  """
+  kernel = linear.kernel[...]
+  if kernel.ndim < 3:
+    raise ValueError(f'a stack needs a kernel with leading axes (..., in, out), '
+                     f'got shape {kernel.shape}')
+  lead = kernel.shape[:-2]
+  bias = linear.bias[...] if linear.bias is not None else None
+  graphdef, states = None, []
+  for idx in np.ndindex(*lead):
+    one = nnx.Linear(kernel.shape[-2], kernel.shape[-1], use_bias=bias is not None,
+                     dtype=linear.dtype, param_dtype=kernel.dtype,
+                     precision=linear.precision, kernel_init=lambda *_: kernel[idx],
+                     bias_init=lambda *_: bias[idx], rngs=nnx.Rngs(0))
+    graphdef, state = nnx.split(POETLinear.from_linear(one, block_size=block_size,
+                                                       rngs=rngs, **kwargs))
+    states.append(state)
+  stacked = jax.tree.map(lambda *xs: jnp.stack(xs).reshape(lead + xs[0].shape), *states)
+  layer = nnx.merge(graphdef, stacked)
+  meta = {k: v for k, v in linear.kernel.get_metadata().items() if k == 'layer_axis'}
+  if meta:
+    for _, v in nnx.iter_graph(layer):
+      if isinstance(v, nnx.Variable):
+        v.set_metadata(**meta)
+  return layer
+
+
 def poet_layers(model) -> list[tuple[str, POETLinear]]:
   """All POETLinear layers of ``model`` as (path, layer), in graph order."""
   return [(path_str(p), n) for p, n in nnx.iter_graph(model)
@@ -102,20 +146,19 @@ def for_each_layer(layer: POETLinear, fn: tp.Callable, *args, update: bool = Fal
   """``fn(one_layer, *args)`` on each layer of a stack in turn, or on ``layer``.
 
   One layer at a time (a loop, not vmap), so the scratch memory is one
-  layer's. ``args`` are stacked like the layers. With ``update``, fn may
+  layer's; a stack with several leading axes (layers of experts, (L, E))
+  loops over each in turn. ``args`` are stacked like the layers. With ``update``, fn may
   change its layer and the stack takes the new state, written back in place
   (when the caller's buffers are donated). Returns fn's outputs, stacked.
   """
   stack = layer.stack_shape
   if not stack:
     return fn(layer, *args)
-  if len(stack) != 1:
-    raise ValueError(f'one stacked layer axis is supported, got {stack}')
   graphdef, state = nnx.split(layer)
 
-  def one(layer_state, a):
+  def one(layer_state, a):  # nested stacks ((L, E) ...): one leading axis per level
     one_layer = nnx.merge(graphdef, layer_state)
-    out = fn(one_layer, *a)
+    out = for_each_layer(one_layer, fn, *a, update=update)
     return nnx.state(one_layer), out
 
   if not update:

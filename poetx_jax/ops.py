@@ -454,6 +454,34 @@ def poet_linear(x_TxI: Array, kernel_IxO: Array, q_in_KxP: Array, q_out_KxP: Arr
                perm_out_O)
 
 
+def poet_kernel(kernel_IxO: Array, q_in_KxP: Array, q_out_KxP: Array, perm_in_I: Array,
+                perm_out_O: Array, *, block_size: int, dtype: tp.Any,
+                terms: int = DEFAULT_TERMS, kernel_scale: Array | None = None) -> Array:
+  """The kernel :func:`poet_linear` multiplies by in ``form='weight'``, (I, O) in ``dtype``.
+
+  The effective kernel ``(R W0 P)^T`` formed from block products as the
+  weight form forms it for activations of ``dtype``: the base cast to
+  ``dtype``, rotated in float32 (series and products at full precision for
+  32-bit ``dtype``, the backend's default otherwise) and rounded to ``dtype``
+  once. Differentiable in the generators; the base gets no gradient. For
+  products the layer cannot express, e.g. grouped products over a stack of
+  expert kernels (``jax.vmap`` of this, then ``jax.lax.ragged_dot``).
+  ``kernel_scale``: POET-XQ scales of a quantised ``kernel_IxO``.
+  """
+  i, o = perm_in_I.shape[-1], perm_out_O.shape[-1]
+  exact = jnp.dtype(dtype).itemsize >= 4
+  cn_precision = jax.lax.Precision.HIGHEST if exact else jax.lax.Precision.DEFAULT
+  if kernel_scale is None:
+    kernel = kernel_IxO.astype(dtype)
+  else:
+    kernel = dequantize_kernel(kernel_IxO, kernel_scale, i, dtype)
+  g_in, g_out = rotation_blocks_pair(q_in_KxP, q_out_KxP, i, o, block_size, terms,
+                                     cn_precision)
+  kernel = rotate_kernel(jax.lax.stop_gradient(kernel).astype(jnp.float32), g_in, g_out,
+                         perm_in_I, perm_out_O, cn_precision)
+  return kernel.astype(dtype)
+
+
 def effective_kernel(kernel_IxO: Array, q_in_KxP: Array, q_out_KxP: Array,
                      perm_in_I: Array, perm_out_O: Array, *, block_size: int,
                      terms: int = DEFAULT_TERMS) -> Array:
