@@ -2,11 +2,12 @@
 
 Dimensions: L layers, E experts, I / O in / out features, R / C the last two
 axes of a leaf. A label per leaf (:func:`skewadam_labels`) picks its state
-through ``optax.partition``: ``'backbone'`` and ``'embeddings'`` a float32
-momentum and factored second moments (:func:`poetx_jax.scale_by_lean_adam`);
-``'experts'`` (stacked (E, I, O) or (L, E, I, O) weights) factored second
-moments only, I + O numbers per expert matrix (:func:`scale_by_factored_rms`);
-``'router'`` Adam; ``'poetx'`` (:func:`poetx_skewadam`) POET-X.
+through ``optax.partition``: ``'backbone'`` a float32 momentum and factored
+second moments (:func:`poetx_jax.scale_by_lean_adam`); ``'experts'`` (stacked
+(E, I, O) or (L, E, I, O) weights) and ``'embeddings'`` factored second
+moments only, I + O numbers per matrix (:func:`scale_by_factored_rms`);
+``'router'`` Adam; ``'poetx'`` (:func:`poetx_skewadam`) POET-X. Only the shared
+backbone (attention, norms) keeps a momentum.
 
 Reference: "SkewAdam", arXiv 2026 (cs.LG).
 """
@@ -176,7 +177,8 @@ def _tiers(b1, b2, eps, min_dim_size_to_factor) -> dict[str, optax.GradientTrans
           'experts': scale_by_factored_rms(b2, eps,
                                            min_dim_size_to_factor=min_dim_size_to_factor),
           'router': lean(sys.maxsize),  # never factored: Adam, float32 state
-          'embeddings': lean(min_dim_size_to_factor)}
+          'embeddings': scale_by_factored_rms(b2, eps,
+                                              min_dim_size_to_factor=min_dim_size_to_factor)}
 
 
 def scale_by_skewadam(labels=None, *, b1: float = 0.9, b2: float = 0.999,
@@ -187,11 +189,15 @@ def scale_by_skewadam(labels=None, *, b1: float = 0.9, b2: float = 0.999,
   With ``t`` the update count, ``g`` the gradient and bias-corrected
   moments ``m_hat = m_t / (1 - b1^t)``, ``v_hat = v_t / (1 - b2^t)``:
 
-  * backbone, embeddings: ``m_t = b1 m_{t-1} + (1 - b1) g`` in float32,
+  * backbone: ``m_t = b1 m_{t-1} + (1 - b1) g`` in float32,
     ``v`` factored into row / column means for matrices (last two sides
     >= ``min_dim_size_to_factor``), exact otherwise; ``u = m_hat / (sqrt(v_hat) + eps)``.
-  * experts: no ``m``; ``v`` factored per trailing matrix;
-    ``u = g / (sqrt(v_hat) + eps)`` (:func:`scale_by_factored_rms`).
+  * experts, embeddings: no ``m``; ``v`` factored per trailing matrix;
+    ``u = g / (sqrt(v_hat) + eps)`` (:func:`scale_by_factored_rms`). The
+    method sets the experts' state; giving the embeddings and LM head the
+    same is this implementation's choice (momentum only in the shared
+    backbone: for a 7 B MoE their momentum would be 1 GB, two thirds of the
+    whole state).
   * router: Adam, ``v_t = b2 v_{t-1} + (1 - b2) g^2`` exact in float32,
     ``u = m_hat / (sqrt(v_hat) + eps)``. The method asks for exact second
     moments for the router; the float32 momentum is this implementation's

@@ -118,7 +118,7 @@ def _reference(params, grads, min_dim=4):
       else:
         s['v'] = v = B2 * s['v'] + (1 - B2) * g ** 2
       v_hat = v / (1 - B2 ** t)
-      if label == 'experts':
+      if label in ('experts', 'embeddings'):
         num = g
       else:
         s['m'] = B1 * s['m'] + (1 - B1) * g
