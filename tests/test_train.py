@@ -463,3 +463,58 @@ def test_the_train_flags_are_generated_from_the_config(capsys):
   assert '(default: 0.1)' in text and 'one of tiny, 60m' in text
   assert cli.main(['train', '--model-overrides', 'layers']) == 2
   assert '--model-overrides wants K=V pairs' in capsys.readouterr().err
+
+
+MOE = dict(model='moe-tiny', model_overrides={'layers': 1, 'hidden': 32, 'mlp': 32, 'heads': 2,
+                                              'kv_heads': 1, 'experts': 4, 'top_k': 2,
+                                              'capacity_factor': 1.0})
+
+
+@pytest.mark.parametrize('options', [dict(optimizer='poetx', skew_tiers=True),
+                                     dict(optimizer='skewadam')],
+                         ids=['poetx-skew-tiers', 'skewadam'])
+def test_moe_run_resumes_bit_exactly_and_records_expert_load(tmp_path, corpus, options):
+  straight = _cfg(tmp_path / 'a', corpus, steps=8, eval_every=4, **MOE, **options)
+  s1 = train(straight, log=lambda *_: None)
+  assert s1['val_after']['loss'] < s1['val_before']['loss']
+  split = _cfg(tmp_path / 'b', corpus, steps=8, eval_every=4, **MOE, **options)
+  train(split, log=lambda *_: None, stop_after=3)  # mid merge cycle (4)
+  train(split, resume=True, log=lambda *_: None)
+  assert _losses(straight.out_dir) == _losses(split.out_dir)
+  chex.assert_trees_all_equal(_params(straight.out_dir), _params(split.out_dir))
+  recs = [json.loads(l) for l in
+          (pathlib.Path(straight.out_dir) / 'metrics.jsonl').read_text().splitlines()]
+  loads = [r for r in recs if 'expert_tokens' in r]
+  assert [r['step'] for r in loads] == [0, 4, 8]
+  for r in loads:  # one layer, top-2 of 4 experts over a batch of 4 x 32 tokens
+    assert len(r['expert_tokens']) == 4 and sum(r['expert_tokens']) == 2 * 4 * 32
+    assert 0 <= r['dropped'] <= 2 * 4 * 32 and r['load_balance'] >= 1.0 - 1e-6
+  if options['optimizer'] == 'poetx':
+    _, _, model, _ = load_run(straight.out_dir)
+    assert type(model.layers[0].mlp.router).__name__ == 'Router'  # dense, trained
+    assert model.layers[0].mlp.experts.up_proj.stack_shape == (4,)
+  with pytest.raises(ValueError, match="mixture-of-experts model 'moe-tiny', which has no "
+                                       'export yet'):
+    cli_export(straight.out_dir, tmp_path / 'hf')
+
+
+def cli_export(run, out):
+  from poetx_jax.pretrain.export import export_run
+  return export_run(run, out)
+
+
+def test_the_training_loss_of_an_moe_model_adds_its_weighted_aux_losses():
+  from poetx_jax.models import moe
+  model = moe.init_moe_model(moe.get_moe_config('moe-tiny', vocab_size=64))
+  rng = np.random.default_rng(0)
+  batch = {'inputs': rng.integers(0, 64, (2, 16)).astype(np.int32),
+           'targets': rng.integers(-1, 64, (2, 16)).astype(np.int32)}
+  logits, aux = model.forward_with_aux(batch['inputs'])
+  mask = batch['targets'] >= 0
+  logp = jax.nn.log_softmax(np.asarray(logits, np.float64), axis=-1)
+  ce = -np.sum(np.take_along_axis(logp, np.maximum(batch['targets'], 0)[..., None],
+                                  -1)[..., 0] * mask) / mask.sum()
+  want = ce + 0.01 * float(aux['load_balance']) + 1e-3 * float(aux['z_loss'])
+  assert float(aux['aux_loss']) > 0
+  np.testing.assert_allclose(float(evaluation.training_loss(model, batch)), want, rtol=1e-5)
+  np.testing.assert_allclose(float(evaluation.mean_loss(model, batch)), ce, rtol=1e-5)

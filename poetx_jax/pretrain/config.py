@@ -22,7 +22,7 @@ import json
 import typing as tp
 
 from poetx_jax import linear, ops, sharding
-from poetx_jax.models import llama
+from poetx_jax.models import llama, moe
 from poetx_jax.pretrain.tokenizer import MIN_BPE_VOCAB
 
 OPTIMIZERS = ('poetx', 'adamw', 'skewadam')
@@ -65,7 +65,8 @@ def _count(default: int, help: str, **metadata) -> tp.Any:  # pylint: disable=re
 @dataclasses.dataclass
 class TrainConfig:
   """Everything a run needs; saved as ``run.json`` in the run directory."""
-  model: str = _option('tiny', 'named Llama config', choices=tuple(llama.CONFIGS),
+  model: str = _option('tiny', 'named Llama or mixture-of-experts Llama config',
+                       choices=tuple(llama.CONFIGS) + tuple(moe.MOE_CONFIGS),
                        cli_choices=False)
   model_overrides: dict = _option(
       {}, 'override config fields, e.g. layers=4,hidden=128', metavar='K=V,...',

@@ -16,14 +16,17 @@ from flax import nnx
 from poetx_jax import sharding
 
 
-def token_loss(model, batch):
+def _cross_entropy(logits, targets):
   """(sum of token cross-entropies, number of target tokens); -1 targets masked."""
-  logits = model(batch['inputs']).astype(jnp.float32)
-  targets = batch['targets']
   mask = targets >= 0
   losses = optax.softmax_cross_entropy_with_integer_labels(
-      logits, jnp.where(mask, targets, 0))
+      logits.astype(jnp.float32), jnp.where(mask, targets, 0))
   return jnp.sum(losses * mask), jnp.sum(mask)
+
+
+def token_loss(model, batch):
+  """(sum of token cross-entropies, number of target tokens); -1 targets masked."""
+  return _cross_entropy(model(batch['inputs']), batch['targets'])
 
 
 def target_count(batch):
@@ -35,6 +38,35 @@ def mean_loss(model, batch):
   """The mean cross-entropy over the unmasked targets (the training loss)."""
   total, count = token_loss(model, batch)
   return total / jnp.maximum(count, 1)
+
+
+def training_loss(model, batch):
+  """What the train step minimises: :func:`mean_loss`, plus the weighted
+  auxiliary losses of a mixture-of-experts model (load balance, router
+  z-loss: its ``forward_with_aux``)."""
+  if not hasattr(model, 'forward_with_aux'):
+    return mean_loss(model, batch)
+  logits, aux = model.forward_with_aux(batch['inputs'])
+  total, count = _cross_entropy(logits, batch['targets'])
+  return total / jnp.maximum(count, 1) + aux['aux_loss']
+
+
+@nnx.jit
+def _routing(model, batch) -> dict:
+  _, aux = model.forward_with_aux(batch['inputs'])
+  return {k: aux[k] for k in ('tokens_per_expert', 'dropped', 'load_balance', 'z_loss')}
+
+
+def expert_load(model, batch, mesh=None) -> dict:
+  """A mixture-of-experts model's routing on the global host ``batch``:
+  ``expert_tokens`` (token slots routed to each expert, summed over layers),
+  ``dropped`` (slots over capacity, summed over layers), ``load_balance`` and
+  ``router_z_loss`` (means over layers); plain numbers."""
+  b = batch if mesh is None else sharding.local_rows(batch)
+  r = jax.device_get(_routing(model, place_batch(b, mesh)))
+  return {'expert_tokens': [int(x) for x in r['tokens_per_expert']],
+          'dropped': int(r['dropped']), 'load_balance': float(r['load_balance']),
+          'router_z_loss': float(r['z_loss'])}
 
 
 def place_batch(batch, mesh):

@@ -246,6 +246,9 @@ def export_model(model, mc: llama.LlamaConfig, out_dir: str | pathlib.Path,
       the tokenizer's vocabulary is not the model's.
   """
   from safetensors.numpy import save_file  # pylint: disable=g-import-not-at-top
+  if hasattr(mc, 'experts'):
+    raise ValueError(f'export writes the Hugging Face Llama layout: a mixture-of-experts '
+                     f'model ({type(mc).__name__}, {mc.experts} experts) has no export yet')
   out = pathlib.Path(out_dir)
   held = check_destination(out, force=force)
   files: dict[str, tp.Callable[[str], object]] = {}
@@ -285,6 +288,10 @@ def export_run(run: str | pathlib.Path, out_dir: str | pathlib.Path,
     raise ValueError(f'the export directory {out_dir} is the run directory; choose '
                      f'another one')
   check_destination(out_dir, force=force)  # before the checkpoint is read
+  model_name = rundir.read_config(run).model
+  if model_name.startswith('moe-'):
+    raise ValueError(f'export writes the Hugging Face Llama layout: {run} trained the '
+                     f'mixture-of-experts model {model_name!r}, which has no export yet')
   tokenizer = rundir.stored_tokenizer(run)
   _, mc, model, _ = rundir.load_model(run, step=step)
   return export_model(model, mc, out_dir, tokenizer, force=force)

@@ -21,9 +21,9 @@ from flax import nnx
 import poetx_jax
 from poetx_jax import sharding
 from poetx_jax.lean import lean_adamw
-from poetx_jax.models import llama
+from poetx_jax.models import llama, moe
 from poetx_jax.pretrain.config import TrainConfig
-from poetx_jax.pretrain.evaluation import mean_loss, target_count
+from poetx_jax.pretrain.evaluation import target_count, training_loss
 
 
 def compute_dtype(name: str):
@@ -34,8 +34,12 @@ def compute_dtype(name: str):
 
 
 def model_config(cfg: TrainConfig, vocab_size: int) -> llama.LlamaConfig:
-  """The named config with overrides, its vocabulary set to the tokenizer's."""
-  mc = llama.get_config(cfg.model, **cfg.model_overrides)
+  """The named config with overrides (a ``moe.MoEConfig`` for the names of
+  ``moe.MOE_CONFIGS``), its vocabulary set to the tokenizer's."""
+  if cfg.model in moe.MOE_CONFIGS:
+    mc = moe.get_moe_config(cfg.model, **cfg.model_overrides)
+  else:
+    mc = llama.get_config(cfg.model, **cfg.model_overrides)
   mc = dataclasses.replace(mc, vocab_size=vocab_size)
   if cfg.seq_len > mc.max_seq_len:
     raise ValueError(f'seq_len={cfg.seq_len} is longer than model {cfg.model!r} '
@@ -44,7 +48,8 @@ def model_config(cfg: TrainConfig, vocab_size: int) -> llama.LlamaConfig:
 
 
 def build_model(cfg: TrainConfig, mc: llama.LlamaConfig, mesh=None):
-  """The Llama (poetized for POET-X) as it is at step 0 of the run.
+  """The Llama or MoE Llama (poetized for POET-X: its experts too, not its
+  routers) as it is at step 0 of the run.
 
   For POET-X each decoder layer is converted as soon as it is built (its dense
   kernels freed), so the dense weights of only one layer are resident at a
@@ -64,7 +69,8 @@ def build_model(cfg: TrainConfig, mc: llama.LlamaConfig, mesh=None):
   if mesh is not None and cfg.strategy == 'fsdp' and cfg.scan_layers:
     place = sharding.placement(mesh, cfg.strategy)
   convert = _layer_converter(cfg, mc) if cfg.optimizer == 'poetx' else None
-  return llama.Llama(mc, dtype=dtype, param_dtype=param_dtype, remat=cfg.remat,
+  model_class = moe.MoELlama if isinstance(mc, moe.MoEConfig) else llama.Llama
+  return model_class(mc, dtype=dtype, param_dtype=param_dtype, remat=cfg.remat,
                      attention=cfg.attention, rngs=nnx.Rngs(jax.random.key(cfg.seed)), convert_layer=convert,
                      scan_layers=cfg.scan_layers, place=place)
 
@@ -171,10 +177,10 @@ def make_step(cfg: TrainConfig, on_merge=None, mesh=None):
   ``mesh``: the training mesh, if any."""
   if cfg.optimizer == 'poetx':
     dp = mesh if mesh is not None and cfg.strategy == 'dp' else None
-    return poetx_jax.make_train_step(mean_loss, merge_every=cfg.merge_every * cfg.grad_accum,
+    return poetx_jax.make_train_step(training_loss, merge_every=cfg.merge_every * cfg.grad_accum,
                                      seed=cfg.seed, on_merge=on_merge,
                                      data_parallel=dp, loss_weight=target_count)
-  return poetx_jax.make_train_step(mean_loss)  # AdamW: never merges
+  return poetx_jax.make_train_step(training_loss)  # AdamW, SkewAdam: never merge
 
 
 def make_training_mesh(cfg: TrainConfig):

@@ -25,7 +25,7 @@ from poetx_jax.pretrain import data as data_lib
 from poetx_jax.pretrain import rundir
 from poetx_jax.pretrain.checkpoint import Checkpointer
 from poetx_jax.pretrain.config import TrainConfig
-from poetx_jax.pretrain.evaluation import evaluate, place_batch
+from poetx_jax.pretrain.evaluation import evaluate, expert_load, place_batch
 from poetx_jax.pretrain.factories import (build_model, build_optimizer, compute_dtype,
                                           make_step, make_training_mesh, model_config,
                                           model_poet_lr, size_text)
@@ -93,9 +93,14 @@ class Run:
     raise NonFiniteLoss(f'training diverged: {what}; nothing was saved from it, {kept}')
 
   def validate(self) -> tuple[float, float]:
-    """(validation loss, perplexity) now, also written to metrics.jsonl."""
+    """(validation loss, perplexity) now, also written to metrics.jsonl (for a
+    mixture-of-experts model with its routing on the first validation batch:
+    :func:`~poetx_jax.pretrain.evaluation.expert_load`)."""
     loss, ppl = evaluate(self.model, self.val, self.mesh)
-    self.metrics.write({'step': self.step, 'val_loss': loss, 'val_ppl': ppl})
+    record = {'step': self.step, 'val_loss': loss, 'val_ppl': ppl}
+    if hasattr(self.model, 'forward_with_aux'):
+      record.update(expert_load(self.model, self.val[0], self.mesh))
+    self.metrics.write(record)
     return loss, ppl
 
 
@@ -214,8 +219,11 @@ def set_up(cfg: TrainConfig, out: pathlib.Path, *, resume: bool, step: int | Non
     sharding.shard_state(optimizer, mesh, cfg.strategy)
     log(f'mesh: {dict(mesh.shape)}, strategy {cfg.strategy}')
   n_params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+  active = (f', {mc.active_params():,} active per token'
+            if hasattr(mc, 'active_params') else '')
   log(f'model: {cfg.model} ({n_params:,} trainable parameters, '
-      f'{mc.num_params():,} in the dense model), optimizer {cfg.optimizer}, '
+      f'{mc.num_params():,} in the dense model{active}), optimizer {cfg.optimizer}'
+      f'{" with SkewAdam tiers" if cfg.skew_tiers else ""}, '
       f'dtype {jnp.dtype(compute_dtype(cfg.dtype)).name}')
   log(f'state: model {size_text(nnx.state(model))}, optimizer '
       f'{size_text(nnx.state(optimizer))}; gradients '
