@@ -13,7 +13,9 @@ reads the device's peak memory. One table at the end; ``--json`` keeps it all.
 
 A run is ``optimizer[:mode[:remat[:quantize[:form[:implementation]]]]]``, e.g.
 ``poetx:mem:block:int8``, ``poetx:fast:none::weight`` or ``poetx:::::pallas``
-(an empty field keeps its default).
+(an empty field keeps its default); the optimizer is ``poetx``, ``adamw``,
+``skewadam`` or ``poetx+tiers`` (POET-X with SkewAdam's tiers for the other
+parameters, ``--skew-tiers``).
 """
 
 from __future__ import annotations
@@ -64,12 +66,14 @@ def run_config(a, run: str):
   from poetx_jax.pretrain.config import TrainConfig
   parts = run.split(':') + [None] * 5
   optimizer, mode, remat = parts[0], parts[1] or 'fast', parts[2] or 'none'
+  tiers = optimizer == 'poetx+tiers'
+  optimizer = 'poetx' if tiers else optimizer
   quant, form, impl = parts[3] or None, parts[4] or 'input', parts[5] or 'xla'
   overrides = json.loads(a.model_overrides) if a.model_overrides else {}
   cfg = TrainConfig(model=a.model, model_overrides=overrides, seq_len=a.seq_len,
                     batch_size=a.batch_size, steps=1000, optimizer=optimizer,
                     mode=mode, form=form, implementation=impl, remat=remat,
-                    quantize=quant,
+                    quantize=quant, skew_tiers=tiers,
                     lean_state=a.lean_state, dtype=a.dtype, block_size=a.block_size,
                     merge_every=a.merge_every,
                     param_dtype=getattr(a, 'param_dtype', 'float32'),

@@ -1,4 +1,4 @@
-"""Training quality: POET-X against optax AdamW on the same tokens in the same order.
+"""Training quality: POET-X against AdamW (and SkewAdam) on the same tokens in the same order.
 
 Every run is ``poetx_jax.pretrain.train.train`` with one ``TrainConfig`` that differs
 only in the optimizer and its learning rates: the same ``--seed`` gives the same
@@ -78,6 +78,19 @@ leave the Cayley–Neumann series' region of convergence (BENCHMARKS.md, where
 the rates recorded before the learning rate became the step size are twice
 the step).
 
+Mixture-of-experts models (``--model moe-tiny`` / ``moe-60m``) add SkewAdam runs
+(``--skewadam-lrs``) and, with ``--tiers``, POET-X runs whose non-POET
+parameters take SkewAdam's tiers instead of AdamW. Their report adds the
+routing of each run's last validation: the share of token slots of the most
+and least loaded expert (summed over layers) and the slots dropped over
+capacity. The spectrum probes then cover the attention q projections only
+(an expert projection is a stack of kernels). On one H200::
+
+    python3 experiments/compare_quality.py --model moe-60m --seq-len 256 --batch-size 64 \\
+        --steps 400 --eval-every 50 --merge-every 100 --block-sizes 128 \\
+        --adamw-lrs 1e-3,3e-3 --skewadam-lrs 1e-3,3e-3 --poet-lrs 1e-3,2e-3 --tiers \\
+        --data data/builtin --out runs/moe-quality
+
 The default corpus is the built-in one of ``poetx train`` (pydoc topics plus
 the Python 3.11 documentation sources when installed: about 3.2 M tokens with
 vocab 4096); ``--data`` trains on other text. The corpus line is printed and
@@ -98,7 +111,7 @@ import time
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from bench_train import progress  # noqa: E402
 
-MODELS = ('tiny', '60m', '130m')
+MODELS = ('tiny', '60m', '130m', 'moe-tiny', 'moe-60m')
 TOP_K = 4            # singular values kept at each end of the spectrum
 SPIKE_FACTOR = 1.5   # a logged loss above this times the running median is a spike
 SPIKE_WINDOW = 10    # logged losses in that running median
@@ -138,6 +151,10 @@ def parse_args(argv=None):
   p.add_argument('--merge-every', type=int, default=200)
   p.add_argument('--block-sizes', default='128,256')
   p.add_argument('--adamw-lrs', default='1e-3,3e-3')
+  p.add_argument('--skewadam-lrs', default='',
+                 help='SkewAdam learning rates (MoE models; empty: no SkewAdam runs)')
+  p.add_argument('--tiers', action='store_true',
+                 help="POET-X runs: SkewAdam's tiers for the non-POET parameters")
   p.add_argument('--poet-lrs', default='5e-4,1e-3',
                  help='POET generator step sizes')
   p.add_argument('--poet-other-lr', default='best',
@@ -178,6 +195,8 @@ def parse_args(argv=None):
     p.error(f'--warmup must be in [0, --steps), got {a.warmup}')
   a.block_sizes = _numbers(p, '--block-sizes', a.block_sizes, int)
   a.adamw_lrs = _numbers(p, '--adamw-lrs', a.adamw_lrs, float)
+  a.skewadam_lrs = (_numbers(p, '--skewadam-lrs', a.skewadam_lrs, float)
+                    if a.skewadam_lrs.strip() else [])
   a.poet_lrs = _numbers(p, '--poet-lrs', a.poet_lrs, float)
   if a.poet_other_lr != 'best':
     try:
@@ -206,11 +225,12 @@ def parse_args(argv=None):
 
 
 # ------------------------------------------------------------------------ probe
-def probed_layers(num_layers: int) -> list[str]:
-  """Paths of the probed projections: first and last layer, q and down."""
+def probed_layers(num_layers: int, moe: bool = False) -> list[str]:
+  """Paths of the probed projections: first and last layer, q and (dense
+  models) down."""
   out = []
   for i in dict.fromkeys((0, num_layers - 1)):
-    out += [f'layers.{i}.self_attn.q_proj', f'layers.{i}.mlp.down_proj']
+    out += [f'layers.{i}.self_attn.q_proj'] + ([] if moe else [f'layers.{i}.mlp.down_proj'])
   return out
 
 
@@ -297,6 +317,13 @@ def summarise(spec: dict, out_dir: pathlib.Path, tokens_per_step: int) -> dict:
   losses = sorted((s, r['loss']) for s, r in logs.items())
   last = logs[max(logs)]
   spikes = loss_spikes(losses)
+  routing = {}
+  loads = [r for r in recs if 'expert_tokens' in r]
+  if loads:  # a mixture-of-experts model: its last validation's routing
+    t = loads[-1]['expert_tokens']
+    routing = {'expert_share_max': max(t) / sum(t), 'expert_share_min': min(t) / sum(t),
+               'dropped_share': loads[-1]['dropped'] / sum(t),
+               'load_balance': loads[-1]['load_balance'], 'expert_tokens': t}
 
   def worst(suffix):
     vals = [v for p in probes for k, v in p.items() if k.endswith(suffix)]
@@ -310,12 +337,15 @@ def summarise(spec: dict, out_dir: pathlib.Path, tokens_per_step: int) -> dict:
           'compile_s': last['compile_s'], 'steady_s': steady[max(logs)],
           'steady_tokens_per_s': max(logs) * tokens_per_step / max(steady[max(logs)], 1e-9),
           'losses': losses, 'loss_spikes': spikes, 'probes': probes,
-          'max_sv_rel_change': worst('/sv_rel_change'), 'max_orth_err': worst('/orth_err')}
+          'max_sv_rel_change': worst('/sv_rel_change'), 'max_orth_err': worst('/orth_err'),
+          **routing}
 
 
 # ----------------------------------------------------------------------- plots
 def _group(r: dict) -> str:
-  return 'AdamW' if r['optimizer'] == 'adamw' else f'POET-X B={r["block_size"]}'
+  if r['optimizer'] != 'poetx':
+    return {'adamw': 'AdamW', 'skewadam': 'SkewAdam'}[r['optimizer']]
+  return f'POET-X B={r["block_size"]}' + (' + tiers' if r.get('tiers') else '')
 
 
 def plot_quality(runs: list[dict], best: dict[str, str], path: pathlib.Path) -> None:
@@ -343,6 +373,11 @@ def plot_quality(runs: list[dict], best: dict[str, str], path: pathlib.Path) -> 
   fig.tight_layout()
   fig.savefig(path, dpi=110)
   plt.close(fig)
+
+
+def _any_positive(runs: list[dict], paths: list[str], key: str) -> bool:
+  """Whether a log axis of ``key`` has a point (every probe at a merge: none)."""
+  return any(x.get(f'{p}/{key}', 0) > 0 for r in runs for x in r['probes'] for p in paths)
 
 
 def plot_spectrum(runs: list[dict], best: dict[str, str], paths: list[str],
@@ -376,10 +411,12 @@ def plot_spectrum(runs: list[dict], best: dict[str, str], paths: list[str],
   for ax in (ax_d, ax_e, ax_o):
     for m in range(merge_every, last + 1, merge_every):
       ax.axvline(m, color='0.6', lw=0.8, ls=':')
-  ax_d.set(xlabel='step', ylabel='||s - s0|| / ||s0||', yscale='log',
+  ax_d.set(xlabel='step', ylabel='||s - s0|| / ||s0||',
+           yscale='log' if _any_positive(chosen, paths, 'sv_rel_change') else 'linear',
            title='singular-value drift from step 0')
   ax_e.set(xlabel='step', ylabel='entropy of s / sum(s) (nats)', title='SVD entropy')
-  ax_o.set(xlabel='step (dotted: POET-X merges)', ylabel='max ||G^T G - I||_F / sqrt(B)', yscale='log',
+  ax_o.set(xlabel='step (dotted: POET-X merges)', ylabel='max ||G^T G - I||_F / sqrt(B)',
+           yscale='log' if _any_positive(chosen, paths, 'orth_err') else 'linear',
            title='POET-X orthogonality error (exactly 0 after a merge)')
   from matplotlib.lines import Line2D
   handles = ([Line2D([], [], color=c, label=f'{g} ({best[g]})') for g, c in colors.items()]
@@ -406,7 +443,8 @@ def report(res: dict) -> str:
   h, runs = res['header'], res['runs']
   budget = res['equal_time_s']
   lines = [
-      '# Training quality: POET-X against AdamW',
+      '# Training quality: POET-X against ' + ' and '.join(
+          sorted({_group(r) for r in runs if r['optimizer'] != 'poetx'})),
       '',
       f"Model {h['model']} ({h['dense_params']:,} parameters, vocab {h['vocab_size']}), "
       f"seq {h['seq_len']}, batch {h['batch_size']}, {h['steps']} updates = "
@@ -422,11 +460,12 @@ def report(res: dict) -> str:
       '',
       f'Equal time = {budget:.1f} s of steady-state training (the shortest run); '
       'steady-state time = training-loop wall time less evaluation, probes, checkpoints '
-      'and tracing/compilation (see the script docstring). AdamW lr: of every weight for '
-      'AdamW, of the non-POET parameters (embeddings, norms, LM head) for POET-X. '
+      'and tracing/compilation (see the script docstring). lr: of every weight for '
+      'AdamW and SkewAdam, of the non-POET parameters (embeddings, norms, LM head, routers) '
+      'for POET-X (with AdamW, or SkewAdam\'s tiers: + tiers). '
       f"Loss spikes: {h['spike_rule']}.",
       '',
-      '| run | AdamW lr | POET lr | final ppl | best ppl | ppl at equal time | steady s '
+      '| run | lr | POET lr | final ppl | best ppl | ppl at equal time | steady s '
       '| tokens/s | compile s | loss spikes | max sv drift | max orth err |',
       '|---|---|---|---|---|---|---|---|---|---|---|---|',
   ]
@@ -438,6 +477,16 @@ def report(res: dict) -> str:
         f"| {_fmt(r['val_ppl_at_equal_time'])} | {r['steady_s']:.1f} "
         f"| {r['steady_tokens_per_s']:,.0f} | {r['compile_s']:.1f} | {len(r['loss_spikes'])} "
         f"| {_fmt(r['max_sv_rel_change'], '.2e')} | {_fmt(r['max_orth_err'], '.1e')} |")
+  if any('expert_tokens' in r for r in runs):
+    lines += ['', '## Routing at the last validation', '',
+              'Token slots routed to each expert, summed over layers, on the first '
+              'validation batch: the most and least loaded expert\'s share (uniform: '
+              f"1/{len(runs[0]['expert_tokens'])}), the share dropped over capacity, and "
+              'the load-balance loss (1 when uniform).', '',
+              '| run | max share | min share | dropped | load balance |', '|---|---|---|---|---|']
+    for r in runs:
+      lines.append(f"| {r['name']} | {r['expert_share_max']:.3f} | {r['expert_share_min']:.3f}"
+                   f" | {r['dropped_share']:.3f} | {r['load_balance']:.3f} |")
   steps = [e['step'] for e in runs[0]['evals']]
   lines += ['', '## Validation perplexity at every evaluation (step: tokens seen)', '',
             '| run | ' + ' | '.join(f"{s}: {_tokens(s * h['tokens_per_step'])}" for s in steps)
@@ -469,8 +518,11 @@ def run_specs(a) -> list[dict]:
   """AdamW runs first (POET-X may take the best AdamW learning rate)."""
   specs = [{'name': f'adamw-lr{lr:g}', 'optimizer': 'adamw', 'block_size': None,
             'lr': lr, 'poet_lr': None} for lr in a.adamw_lrs]
-  specs += [{'name': f'poetx-b{b}-lr{plr:g}', 'optimizer': 'poetx', 'block_size': b,
-             'lr': a.poet_other_lr, 'poet_lr': plr}
+  specs += [{'name': f'skewadam-lr{lr:g}', 'optimizer': 'skewadam', 'block_size': None,
+             'lr': lr, 'poet_lr': None} for lr in a.skewadam_lrs]
+  specs += [{'name': f'poetx-b{b}-lr{plr:g}' + ('-tiers' if a.tiers else ''),
+             'optimizer': 'poetx', 'block_size': b, 'lr': a.poet_other_lr, 'poet_lr': plr,
+             'tiers': a.tiers}
             for b in a.block_sizes for plr in a.poet_lrs]
   return specs
 
@@ -482,6 +534,7 @@ def run_config(a, spec: dict):
       model=a.model, model_overrides=a.overrides, data=a.data, tokenizer=a.tokenizer,
       vocab_size=a.vocab_size, seq_len=a.seq_len, batch_size=a.batch_size,
       steps=a.steps, optimizer=spec['optimizer'], lr=spec['lr'], poet_lr=spec['poet_lr'],
+      skew_tiers=spec.get('tiers', False),
       warmup=a.warmup, clip=a.clip, merge_every=a.merge_every,
       block_size=spec['block_size'], dtype=a.dtype, seed=a.seed, eval_every=a.eval_every,
       eval_batches=a.eval_batches, log_every=a.log_every, checkpoint_every=a.steps, keep=1,
@@ -508,7 +561,7 @@ def main(argv=None):
   data = rundir.load_data(run_config(a, specs[0]))
   print(f'data: {data.description}', flush=True)
   mc = factories.model_config(run_config(a, specs[0]), data.tokenizer.vocab_size)
-  paths = probed_layers(mc.layers)
+  paths = probed_layers(mc.layers, moe=hasattr(mc, 'experts'))
   tokens_per_step = a.batch_size * a.seq_len
   val_windows = min(len(data.val_windows), a.eval_batches * a.batch_size)
   train_tokens = int(data.train_windows.shape[0]) * a.seq_len
