@@ -208,9 +208,10 @@ def one_run(a, run: str) -> dict:
   if optimizer == 'poetx':
     # After the peak is read (the dense copy would count): the POET model, its
     # generators trained and merged a few times, computes its exported model.
-    # Past EXPORT_CHECK_MAX_PARAMS a dense copy may not fit beside the model:
-    # then one POET layer is checked against its exported kernel.
-    if mc.num_params() <= EXPORT_CHECK_MAX_PARAMS:
+    # Past EXPORT_CHECK_MAX_PARAMS a dense copy may not fit beside the model
+    # (and an MoE model's would be slow to form, expert by expert): then one
+    # POET layer is checked against its exported kernel.
+    if mc.num_params() <= EXPORT_CHECK_MAX_PARAMS and not hasattr(mc, 'experts'):
       probe = batches[0]['inputs'][:1, :min(a.seq_len, 128)]
       y_ref = poetx_jax.unpoetize(model)(probe)
       y = model(probe)
