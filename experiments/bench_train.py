@@ -216,7 +216,8 @@ def one_run(a, run: str) -> dict:
       y_ref = poetx_jax.unpoetize(model)(probe)
       y = model(probe)
     else:
-      layer = poetx_jax.poet_layers(model.layers[0])[0][1]  # a copy when stacked
+      layer = next(l for _, l in poetx_jax.poet_layers(model.layers[0])  # a copy when
+                   if not l.stack_shape)  # stacked; not an expert stack
       x = jax.random.normal(jax.random.key(1), (8, layer.in_features),
                             layer.dtype or jnp.float32)
       y = layer(x).astype(jnp.float32)
