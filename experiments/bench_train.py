@@ -11,9 +11,10 @@ reads the device's peak memory. One table at the end; ``--json`` keeps it all.
         --runs poetx:mem:block,adamw --lean-state
     python3 experiments/bench_train.py --model tiny --seq-len 64 --steps 3   # CPU smoke test
 
-A run is ``optimizer[:mode[:remat[:quantize[:form[:implementation]]]]]``, e.g.
-``poetx:mem:block:int8``, ``poetx:fast:none::weight`` or ``poetx:::::pallas``
-(an empty field keeps its default); the optimizer is ``poetx``, ``adamw``,
+A run is ``optimizer[:mode[:remat[:quantize[:form[:implementation[:param_dtype]]]]]]``,
+e.g. ``poetx:mem:block:int8``, ``poetx:fast:none::weight``, ``poetx:::::pallas`` or
+``poetx:fast:block::::bfloat16`` (an empty field keeps its default, the last
+``--param-dtype``); the optimizer is ``poetx``, ``adamw``,
 ``skewadam`` or ``poetx+tiers`` (POET-X with SkewAdam's tiers for the other
 parameters, ``--skew-tiers``).
 """
@@ -64,7 +65,7 @@ def run_child(cmd: list[str], label: str, env=None) -> tuple[dict | None, str | 
 def run_config(a, run: str):
   """The TrainConfig of run ``optimizer[:mode[:remat[:quantize[:form]]]]``."""
   from poetx_jax.pretrain.config import TrainConfig
-  parts = run.split(':') + [None] * 5
+  parts = run.split(':') + [None] * 6
   optimizer, mode, remat = parts[0], parts[1] or 'fast', parts[2] or 'none'
   tiers = optimizer == 'poetx+tiers'
   optimizer = 'poetx' if tiers else optimizer
@@ -76,7 +77,7 @@ def run_config(a, run: str):
                     quantize=quant, skew_tiers=tiers,
                     lean_state=a.lean_state, dtype=a.dtype, block_size=a.block_size,
                     merge_every=a.merge_every,
-                    param_dtype=getattr(a, 'param_dtype', 'float32'),
+                    param_dtype=parts[6] or getattr(a, 'param_dtype', 'float32'),
                     scan_layers=getattr(a, 'scan_layers', False),
                     strategy=getattr(a, 'strategy', None) or 'dp',
                     attention=getattr(a, 'attention', 'auto'))
