@@ -53,6 +53,29 @@ def _empty():
   return jnp.zeros((1,), jnp.float32)
 
 
+def _second_moments(params, min_dim) -> tuple[optax.Updates, optax.Updates, optax.Updates]:
+  """Zero ``(v_row, v_col, v_full)`` for ``params``: row and column moments of
+  the factored leaves, exact ones of the others, placeholders elsewhere."""
+  fac = lambda p: _factored(p.shape, min_dim)
+  f32 = lambda shape: jnp.zeros(shape, jnp.float32)
+  return (jax.tree.map(lambda p: f32(p.shape[:-1]) if fac(p) else _empty(), params),
+          jax.tree.map(lambda p: f32(p.shape[:-2] + p.shape[-1:]) if fac(p) else _empty(),
+                       params),
+          jax.tree.map(lambda p: _empty() if fac(p) else f32(p.shape), params))
+
+
+def _second_moment_step(g2, row, col, full, *, b2, c2, factored: bool):
+  """One step of the second moments of a leaf whose squared gradient is
+  ``g2``: ``(v_hat, row, col, full)``, v_hat bias-corrected by ``c2``."""
+  if factored:
+    row = b2 * row + (1 - b2) * jnp.mean(g2, axis=-1)
+    col = b2 * col + (1 - b2) * jnp.mean(g2, axis=-2)
+    norm = jnp.maximum(jnp.mean(row, axis=-1, keepdims=True)[..., None], 1e-30)
+    return row[..., :, None] * col[..., None, :] / norm / c2, row, col, full
+  full = b2 * full + (1 - b2) * g2
+  return full / c2, row, col, full
+
+
 def scale_by_lean_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *,
                        mu_dtype: tp.Any = jnp.bfloat16,
                        min_dim_size_to_factor: int = 128) -> optax.GradientTransformation:
@@ -73,16 +96,11 @@ def scale_by_lean_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *,
     if isinstance(v, (int, float)) and not 0 <= v < 1:
       raise ValueError(f'{name} must be in [0, 1), got {v!r}')
   fac = lambda p: _factored(p.shape, min_dim_size_to_factor)
-  f32 = lambda shape: jnp.zeros(shape, jnp.float32)
 
   def init_fn(params):
-    return LeanAdamState(
-        count=jnp.zeros([], jnp.int32),
-        mu=optax.tree.zeros_like(params, dtype=mu_dtype),
-        v_row=jax.tree.map(lambda p: f32(p.shape[:-1]) if fac(p) else _empty(), params),
-        v_col=jax.tree.map(lambda p: f32(p.shape[:-2] + p.shape[-1:]) if fac(p)
-                           else _empty(), params),
-        v_full=jax.tree.map(lambda p: _empty() if fac(p) else f32(p.shape), params))
+    return LeanAdamState(jnp.zeros([], jnp.int32),
+                         optax.tree.zeros_like(params, dtype=mu_dtype),
+                         *_second_moments(params, min_dim_size_to_factor))
 
   def update_fn(updates, state, params=None):
     del params
@@ -93,15 +111,8 @@ def scale_by_lean_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *,
     def leaf(g, m, row, col, full):
       g32 = g.astype(jnp.float32)
       m = b1 * m.astype(jnp.float32) + (1 - b1) * g32
-      g2 = jnp.square(g32)
-      if fac(g):
-        row = b2 * row + (1 - b2) * jnp.mean(g2, axis=-1)
-        col = b2 * col + (1 - b2) * jnp.mean(g2, axis=-2)
-        norm = jnp.maximum(jnp.mean(row, axis=-1, keepdims=True)[..., None], 1e-30)
-        v_hat = row[..., :, None] * col[..., None, :] / norm / c2
-      else:
-        full = b2 * full + (1 - b2) * g2
-        v_hat = full / c2
+      v_hat, row, col, full = _second_moment_step(jnp.square(g32), row, col, full, b2=b2,
+                                                  c2=c2, factored=fac(g))
       u = (m / c1) / (jnp.sqrt(v_hat) + eps)
       return u.astype(g.dtype), m.astype(mu_dtype or g.dtype), row, col, full
 

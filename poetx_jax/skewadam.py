@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from poetx_jax.lean import _empty, _factored, scale_by_lean_adam
+from poetx_jax.lean import _factored, _second_moment_step, _second_moments, scale_by_lean_adam
 from poetx_jax.linear import POETParam
 
 Array = jax.Array
@@ -71,15 +71,10 @@ def scale_by_factored_rms(b2: float = 0.999, eps: float = 1e-8, *,
   """
   _check_hparams(0.0, b2, eps, min_dim_size_to_factor)
   fac = lambda p: _factored(p.shape, min_dim_size_to_factor)
-  f32 = lambda shape: jnp.zeros(shape, jnp.float32)
 
   def init_fn(params):
-    return FactoredRMSState(
-        count=jnp.zeros([], jnp.int32),
-        v_row=jax.tree.map(lambda p: f32(p.shape[:-1]) if fac(p) else _empty(), params),
-        v_col=jax.tree.map(lambda p: f32(p.shape[:-2] + p.shape[-1:]) if fac(p)
-                           else _empty(), params),
-        v_full=jax.tree.map(lambda p: _empty() if fac(p) else f32(p.shape), params))
+    return FactoredRMSState(jnp.zeros([], jnp.int32),
+                            *_second_moments(params, min_dim_size_to_factor))
 
   def update_fn(updates, state, params=None):
     del params
@@ -88,15 +83,8 @@ def scale_by_factored_rms(b2: float = 0.999, eps: float = 1e-8, *,
 
     def leaf(g, row, col, full):
       g32 = g.astype(jnp.float32)
-      g2 = jnp.square(g32)
-      if fac(g):
-        row = b2 * row + (1 - b2) * jnp.mean(g2, axis=-1)
-        col = b2 * col + (1 - b2) * jnp.mean(g2, axis=-2)
-        norm = jnp.maximum(jnp.mean(row, axis=-1, keepdims=True)[..., None], 1e-30)
-        v_hat = row[..., :, None] * col[..., None, :] / norm / c2
-      else:
-        full = b2 * full + (1 - b2) * g2
-        v_hat = full / c2
+      v_hat, row, col, full = _second_moment_step(jnp.square(g32), row, col, full, b2=b2,
+                                                  c2=c2, factored=fac(g))
       return (g32 / (jnp.sqrt(v_hat) + eps)).astype(g.dtype), row, col, full
 
     treedef = jax.tree.structure(updates)
