@@ -94,8 +94,8 @@ def hf_state_dict(model: Llama) -> dict[str, np.ndarray]:
   Linear weights are (out, in) = kernel.T. Every projection must be a plain
   ``nnx.Linear``; a POET model raises ValueError (unpoetize it first).
   """
-  if not isinstance(model, Llama):
-    raise ValueError(f'model must be a Llama, got {type(model).__name__}')
+  if not isinstance(model, Llama) or hasattr(model, 'forward_with_aux'):
+    raise ValueError(f'model must be a dense Llama, got {type(model).__name__}')
   if type(model.embed_tokens) is not nnx.Embed:
     raise ValueError(f'embed_tokens is a {type(model.embed_tokens).__name__}, not an '
                      f'nnx.Embed')

@@ -325,14 +325,18 @@ class Llama(nnx.Module):
     (2, 8, 4096)
   """
 
+  decoder_layer: tp.ClassVar[type] = DecoderLayer  # what each of ``layers`` is
+  config_class: tp.ClassVar[type] = LlamaConfig
+
   def __init__(self, config: LlamaConfig, *, dtype: tp.Any = jnp.float32,
                param_dtype: tp.Any = jnp.float32, remat: str = 'none',
                attention: str = 'auto', rngs: nnx.Rngs,
                convert_layer: tp.Callable[[nnx.Module], nnx.Module] | None = None,
                scan_layers: bool = False,
                place: tp.Callable[[tuple], jax.sharding.Sharding] | None = None):
-    if not isinstance(config, LlamaConfig):
-      raise ValueError(f'config must be a LlamaConfig, got {type(config).__name__}')
+    if not isinstance(config, self.config_class):
+      raise ValueError(f'config must be a {self.config_class.__name__}, got '
+                       f'{type(config).__name__}')
     if remat not in REMAT_POLICIES:
       raise ValueError(f'remat must be one of {tuple(REMAT_POLICIES)}, got {remat!r}')
     if place is not None and not scan_layers:
@@ -347,8 +351,8 @@ class Llama(nnx.Module):
 
     def make_layer(i):
       del i
-      return convert_layer(DecoderLayer(config, dtype=dtype, param_dtype=param_dtype,
-                                        attention=attention, rngs=rngs))
+      return convert_layer(self.decoder_layer(config, dtype=dtype, param_dtype=param_dtype,
+                                              attention=attention, rngs=rngs))
 
     if scan_layers:
       self.layers = StackedLayers(make_layer, config.layers, place=place)
@@ -362,16 +366,7 @@ class Llama(nnx.Module):
 
   def __call__(self, tokens: Array) -> Array:
     """tokens (B, T) int, T <= max_seq_len -> logits (B, T, V) float32."""
-    tokens = jnp.asarray(tokens)
-    if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
-      raise ValueError(f'tokens must be a 2-D integer array (B, T), got shape '
-                       f'{tokens.shape} dtype {tokens.dtype}')
-    t = tokens.shape[1]
-    if t > self.config.max_seq_len:
-      raise ValueError(f'sequence length {t} exceeds max_seq_len '
-                       f'{self.config.max_seq_len}')
-    positions = jnp.arange(t)[None]
-    h = self.embed_tokens(tokens)
+    h, positions = self.embed(tokens)
     policy = REMAT_POLICIES[self.remat]
     if isinstance(self.layers, StackedLayers):
       h = self.layers(h, positions, policy=policy)
@@ -381,6 +376,22 @@ class Llama(nnx.Module):
         call = nnx.remat(call, policy=policy)
       for layer in self.layers:
         h = call(layer, h, positions)
+    return self.logits(h)
+
+  def embed(self, tokens: Array) -> tuple[Array, Array]:
+    """tokens (B, T) int, T <= max_seq_len -> (embeddings (B, T, H), positions (1, T))."""
+    tokens = jnp.asarray(tokens)
+    if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
+      raise ValueError(f'tokens must be a 2-D integer array (B, T), got shape '
+                       f'{tokens.shape} dtype {tokens.dtype}')
+    t = tokens.shape[1]
+    if t > self.config.max_seq_len:
+      raise ValueError(f'sequence length {t} exceeds max_seq_len '
+                       f'{self.config.max_seq_len}')
+    return self.embed_tokens(tokens), jnp.arange(t)[None]
+
+  def logits(self, h: Array) -> Array:
+    """The last layer's output (B, T, H) -> logits (B, T, V) float32 (final norm, head)."""
     h = self.norm(h)
     if self.config.tie_embeddings:
       logits = self.embed_tokens.attend(h)

@@ -45,7 +45,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from poetx_jax import ops
 from poetx_jax.linear import POETLinear
-from poetx_jax.models.llama import REMAT_POLICIES, Attention, LlamaConfig, RMSNorm, _linear
+from poetx_jax.models.llama import REMAT_POLICIES, Attention, Llama, LlamaConfig, RMSNorm
 from poetx_jax.models.stack import StackedLayers
 
 Array = jax.Array
@@ -349,7 +349,7 @@ def _scan_layers(stack: StackedLayers, h: Array, positions: Array, totals: dict,
   return h, totals
 
 
-class MoELlama(nnx.Module):
+class MoELlama(Llama):
   """Mixture-of-experts Llama: tokens (B, T) int -> logits (B, T, V) float32.
 
   Embedding, decoder layers (:class:`MoEDecoderLayer`), final norm, lm_head,
@@ -372,39 +372,8 @@ class MoELlama(nnx.Module):
     ((2, 8, 4096), (4,))
   """
 
-  def __init__(self, config: MoEConfig, *, dtype: tp.Any = jnp.float32,
-               param_dtype: tp.Any = jnp.float32, remat: str = 'none',
-               attention: str = 'auto', rngs: nnx.Rngs,
-               convert_layer: tp.Callable[[nnx.Module], nnx.Module] | None = None,
-               scan_layers: bool = False,
-               place: tp.Callable[[tuple], jax.sharding.Sharding] | None = None):
-    if not isinstance(config, MoEConfig):
-      raise ValueError(f'config must be a MoEConfig, got {type(config).__name__}')
-    if remat not in REMAT_POLICIES:
-      raise ValueError(f'remat must be one of {tuple(REMAT_POLICIES)}, got {remat!r}')
-    if place is not None and not scan_layers:
-      raise ValueError('place needs scan_layers=True (it shards the stacked layers)')
-    self.config = config
-    self.remat = remat
-    self.embed_tokens = nnx.Embed(config.vocab_size, config.hidden, dtype=dtype,
-                                  param_dtype=param_dtype,
-                                  embedding_init=initializers.normal(config.init_std),
-                                  rngs=rngs)
-    convert_layer = convert_layer or (lambda layer: layer)
-
-    def make_layer(_):
-      return convert_layer(MoEDecoderLayer(config, dtype=dtype, param_dtype=param_dtype,
-                                           attention=attention, rngs=rngs))
-
-    if scan_layers:
-      self.layers = StackedLayers(make_layer, config.layers, place=place)
-    else:
-      self.layers = nnx.List([make_layer(i) for i in range(config.layers)])
-    self.norm = RMSNorm(config.hidden, eps=config.norm_eps, param_dtype=param_dtype,
-                        rngs=rngs)
-    if not config.tie_embeddings:
-      self.lm_head = _linear(config.hidden, config.vocab_size, config, dtype,
-                             param_dtype, rngs)
+  decoder_layer = MoEDecoderLayer
+  config_class = MoEConfig
 
   def forward_with_aux(self, tokens: Array) -> tuple[Array, dict]:
     """tokens (B, T) int -> (logits (B, T, V) float32, aux).
@@ -414,16 +383,7 @@ class MoELlama(nnx.Module):
     ``tokens_per_expert`` (E,) int32 and ``dropped`` (int32 slots), both
     summed over layers.
     """
-    tokens = jnp.asarray(tokens)
-    if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
-      raise ValueError(f'tokens must be a 2-D integer array (B, T), got shape '
-                       f'{tokens.shape} dtype {tokens.dtype}')
-    t = tokens.shape[1]
-    if t > self.config.max_seq_len:
-      raise ValueError(f'sequence length {t} exceeds max_seq_len '
-                       f'{self.config.max_seq_len}')
-    positions = jnp.arange(t)[None]
-    h = self.embed_tokens(tokens)
+    h, positions = self.embed(tokens)
     policy = REMAT_POLICIES[self.remat]
     zero = jnp.zeros((), jnp.float32)
     totals = {'load_balance': zero, 'z_loss': zero, 'dropped': jnp.zeros((), jnp.int32),
@@ -437,16 +397,11 @@ class MoELlama(nnx.Module):
       for layer in self.layers:
         h, stats = call(layer, h, positions)
         totals = jax.tree.map(jnp.add, totals, stats)
-    h = self.norm(h)
-    if self.config.tie_embeddings:
-      logits = self.embed_tokens.attend(h)
-    else:
-      logits = self.lm_head(h)
     c = self.config
     aux = dict(totals, load_balance=totals['load_balance'] / c.layers,
                z_loss=totals['z_loss'] / c.layers)
     aux['aux_loss'] = c.aux_loss_coef * aux['load_balance'] + c.z_loss_coef * aux['z_loss']
-    return logits.astype(jnp.float32), aux
+    return self.logits(h), aux
 
   def __call__(self, tokens: Array) -> Array:
     """tokens (B, T) int, T <= max_seq_len -> logits (B, T, V) float32."""
