@@ -11,6 +11,8 @@ train wall time (start-up to the end of the first step, two evaluations
 included) and train peak RSS.
 
     python3 experiments/bench_prepare.py --sizes-mb 10,256,512,1024 --work /tmp/bench_prepare
+    python3 experiments/bench_prepare.py --sizes-mb 10,1024 --work /tmp/bench_prepare \\
+        --train-repeats 3   # first step: the median of 3 runs per size
     python3 experiments/bench_prepare.py --sizes-mb 1,2 --work /tmp/bp --no-train   # quick
 """
 
@@ -20,6 +22,8 @@ import argparse
 import json
 import os
 import pathlib
+import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -86,6 +90,9 @@ def main(argv=None) -> list[dict]:
                   help='corpus sizes in MiB, comma-separated, smallest first')
   ap.add_argument('--work', required=True, help='a directory for the corpora and datasets')
   ap.add_argument('--no-train', action='store_true', help='prepare only')
+  ap.add_argument('--train-repeats', type=int, default=1,
+                  help='train runs per size (fresh run directories); their medians are '
+                       'reported')
   ap.add_argument('--json', default=None, help='write the results here')
   a = ap.parse_args(argv)
   sizes = [int(float(s) * 2**20) for s in a.sizes_mb.split(',')]
@@ -106,11 +113,18 @@ def main(argv=None) -> list[dict]:
            'prepare_s': prep['wall_s'], 'prepare_mb_per_s': nbytes / 1e6 / prep['wall_s'],
            'prepare_peak_rss_gib': prep['peak_rss_gib']}
     if not a.no_train:
-      tr = run_sampled(poetx + ['train', '--data', str(ds), '--steps', '1', '--out-dir',
-                                str(work / f'run-{size}')])
-      row.update(train_first_step_s=tr['wall_s'], train_peak_rss_gib=tr['peak_rss_gib'])
+      runs = []
+      for k in range(a.train_repeats):
+        out = work / f'run-{size}-{k}'
+        shutil.rmtree(out, ignore_errors=True)
+        runs.append(run_sampled(poetx + ['train', '--data', str(ds), '--steps', '1',
+                                         '--out-dir', str(out)]))
+      row.update(train_first_step_s=statistics.median(r['wall_s'] for r in runs),
+                 train_peak_rss_gib=statistics.median(r['peak_rss_gib'] for r in runs),
+                 train_first_step_each_s=[round(r['wall_s'], 2) for r in runs])
     results.append(row)
-    print(' '.join(f'{k} {v:,.3f}' if isinstance(v, float) else f'{k} {v:,}'
+    print(' '.join(f'{k} {v:,.3f}' if isinstance(v, float) else
+                   f'{k} {v:,}' if isinstance(v, int) else f'{k} {v}'
                    for k, v in row.items()), flush=True)
   if a.json:
     pathlib.Path(a.json).write_text(json.dumps(results, indent=1))
