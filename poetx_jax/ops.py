@@ -301,6 +301,23 @@ def _gather(x_TxN, idx_N):
                                                          unique_indices=True)))
 
 
+@jax.custom_vjp
+def permute_rows(x_NxT: Array, perm_N: Array) -> Array:
+  """x[perm]: a row gather whose backward is the inverse gather (see :func:`permute`)."""
+  return x_NxT.at[perm_N].get(mode='promise_in_bounds', unique_indices=True)
+
+
+def _permute_rows_fwd(x_NxT, perm_N):
+  return permute_rows(x_NxT, perm_N), perm_N
+
+
+def _permute_rows_bwd(perm_N, g_NxT):
+  return permute_rows(g_NxT, invert_permutation(perm_N)), None
+
+
+permute_rows.defvjp(_permute_rows_fwd, _permute_rows_bwd)
+
+
 def _permute_fwd(x_TxN, perm_N):
   return permute(x_TxN, perm_N), perm_N
 
@@ -478,8 +495,11 @@ def poet_kernel(kernel_IxO: Array, q_in_KxP: Array, q_out_KxP: Array, perm_in_I:
   g_in, g_out = rotation_blocks_pair(q_in_KxP, q_out_KxP, i, o, block_size, terms,
                                      cn_precision)
   kernel = rotate_kernel(jax.lax.stop_gradient(kernel).astype(jnp.float32), g_in, g_out,
-                         perm_in_I, perm_out_O, cn_precision)
-  return kernel.astype(dtype)
+                         perm_in_I, perm_out_O, cn_precision, permute_input=False,
+                         permute_output=False).astype(dtype)
+  # Permuted after the rounding (the same values): the gathers move dtype's bytes.
+  kernel = permute_rows(kernel, invert_permutation(perm_in_I))    # Phi_I (...)
+  return permute(kernel, invert_permutation(perm_out_O))          # (...) Phi_O^T
 
 
 def effective_kernel(kernel_IxO: Array, q_in_KxP: Array, q_out_KxP: Array,

@@ -188,24 +188,6 @@ def route(logits_NxE: Array, top_k: int, capacity_factor: float | None = None) -
   return Routing(expert, jnp.where(kept, weight, 0.0), kept, order, sizes, stats)
 
 
-@jax.custom_vjp
-def permute_rows(x_SxH: Array, perm_S: Array) -> Array:
-  """``x[perm]`` for a permutation of the rows; its backward is the inverse
-  gather (autodiff would scatter-add)."""
-  return x_SxH.at[perm_S].get(mode='promise_in_bounds', unique_indices=True)
-
-
-def _permute_rows_fwd(x, perm):
-  return permute_rows(x, perm), perm
-
-
-def _permute_rows_bwd(perm, g):
-  return permute_rows(g, ops.invert_permutation(perm)), None
-
-
-permute_rows.defvjp(_permute_rows_fwd, _permute_rows_bwd)
-
-
 # ------------------------------------------------------------------- experts
 class Router(nnx.Linear):
   """The router, an ``nnx.Linear`` (H -> E, float32 compute, full precision).
@@ -300,9 +282,9 @@ class MoEMLP(nnx.Module):
     shape, k = x.shape, self.top_k
     x_NxH = x.reshape(-1, shape[-1])
     r = route(self.router(x_NxH), k, self.capacity_factor)
-    x_SxH = permute_rows(jnp.repeat(x_NxH, k, axis=0), r.order_S)
+    x_SxH = ops.permute_rows(jnp.repeat(x_NxH, k, axis=0), r.order_S)
     y_SxH = self.experts(x_SxH, r.group_sizes_E)
-    y_SxH = permute_rows(y_SxH, ops.invert_permutation(r.order_S))   # slot order
+    y_SxH = ops.permute_rows(y_SxH, ops.invert_permutation(r.order_S))   # slot order
     y_SxH = jnp.where(r.kept_S[:, None], y_SxH.astype(jnp.float32) * r.weight_S[:, None], 0.0)
     y = jnp.sum(y_SxH.reshape(-1, k, shape[-1]), axis=1)
     return y.astype(x.dtype).reshape(shape), r.stats
