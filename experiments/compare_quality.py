@@ -52,8 +52,8 @@ is tokenized and cached)::
         --adamw-lrs 3e-3 --poet-lrs 2.5e-3,5e-3 --dtype float32 --out runs/quality-smoke
 
 On one H200 (bf16 compute), Llama-60M (vocab 4096: 29.5 M parameters), seq 256,
-batch 64: each run sees 400 x 64 x 256 = 6,553,600 tokens (0.7 passes over the
-built-in corpus's 8.9 M training tokens, under CPython 3.12 without Debian's
+batch 64: each run sees 400 x 64 x 256 = 6,553,600 tokens (0.28 passes over the
+built-in corpus's 23.7 M training tokens, under CPython 3.12 without Debian's
 Python documentation); 2 AdamW + 2 POET-X runs::
 
     python3 experiments/compare_quality.py --model 60m --seq-len 256 --batch-size 64 \\
@@ -89,11 +89,11 @@ capacity. The spectrum probes then cover the attention q projections only
     python3 experiments/compare_quality.py --model moe-60m --seq-len 256 --batch-size 64 \\
         --steps 400 --eval-every 50 --merge-every 100 --block-sizes 128 \\
         --adamw-lrs 1e-3,3e-3 --skewadam-lrs 1e-3,3e-3 --poet-lrs 1e-3,2e-3 --tiers \\
-        --data data/builtin --out runs/moe-quality
+        --poet-other-lr 3e-3 --data data/builtin --out runs/moe-quality
 
-The default corpus is the built-in one of ``poetx train`` (pydoc topics plus
-the Python 3.11 documentation sources when installed: about 3.2 M tokens with
-vocab 4096); ``--data`` trains on other text. The corpus line is printed and
+The default corpus is the built-in one of ``poetx train`` (the README says
+what it holds: 25.0 M tokens with vocab 4096 under CPython 3.12, without
+Debian's Python documentation); ``--data`` trains on other text. The corpus line is printed and
 written into the report.
 """
 

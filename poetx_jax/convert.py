@@ -108,8 +108,9 @@ def stack_from_linear(linear: nnx.Linear, *, block_size: int, rngs: nnx.Rngs,
   index of the leading axes; entry ``idx`` of the result is
   ``POETLinear.from_linear`` of layer ``idx`` (layers in row-major order, each
   drawing its permutations from ``rngs`` in turn), so its ``stack_shape`` is
-  the leading axes. The kernel's metadata (e.g. a stack's ``layer_axis``) is
-  copied to every variable of the result. ``kwargs``: as for ``from_linear``.
+  the leading axes. The kernel's ``layer_axis`` metadata (a scanned stack's)
+  is copied to every variable of the result, no other. ``kwargs``: as for
+  ``from_linear``.
   """
   kernel = linear.kernel[...]
   if kernel.ndim < 3:

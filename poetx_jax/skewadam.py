@@ -184,8 +184,7 @@ def scale_by_skewadam(labels=None, *, b1: float = 0.9, b2: float = 0.999,
     ``u = g / (sqrt(v_hat) + eps)`` (:func:`scale_by_factored_rms`). The
     method sets the experts' state; giving the embeddings and LM head the
     same is this implementation's choice (momentum only in the shared
-    backbone: for a 7 B MoE their momentum would be 1 GB, two thirds of the
-    whole state).
+    backbone: for ``moe-7b`` theirs would be 0.49 GiB, a third more state).
   * router: Adam, ``v_t = b2 v_{t-1} + (1 - b2) g^2`` exact in float32,
     ``u = m_hat / (sqrt(v_hat) + eps)``. The method asks for exact second
     moments for the router; the float32 momentum is this implementation's

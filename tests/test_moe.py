@@ -390,3 +390,10 @@ def test_scanned_poet_model_nested_stacks(keys):
   up = model.layers.layer.mlp.experts.up_proj
   assert float(jnp.abs(up.q_in[...]).max()) == 0.0
   assert rel_err(poetx_jax.effective_kernel(up), eff) < 1e-5
+
+
+def test_a_dense_llama_refuses_an_moe_config():
+  from poetx_jax.models.llama import Llama
+  with pytest.raises(ValueError, match='MoEConfig describes a mixture-of-experts model: '
+                                       'build it with poetx_jax.models.moe.MoELlama'):
+    Llama(moe.get_moe_config('moe-tiny'), rngs=nnx.Rngs(0))

@@ -126,14 +126,18 @@ def test_two_processes_train_on_the_windows_of_one_with_its_losses(tmp_path):
             '--eval-batches', '2', '--checkpoint-every', '3',
             '--cache-dir', str(tmp_path / f'cache-{name}'), '--out-dir', str(tmp_path / name)]
 
-  one = _poetx(args('one'), devices=4)
-  port = _free_port()
-  two = [_poetx(args('two'), devices=2,
-                extra=['--distributed', '--coordinator', f'localhost:{port}',
-                       '--num-processes', '2', '--process-id', str(i)]) for i in range(2)]
-  outs = [p.communicate(timeout=600) for p in (one, *two)]
-  for p, (out, err) in zip((one, *two), outs):
-    assert p.returncode == 0, err[-3000:]
+  def run(one_args, two_args):
+    one = _poetx(one_args, devices=4)
+    port = _free_port()
+    two = [_poetx(two_args, devices=2,
+                  extra=['--distributed', '--coordinator', f'localhost:{port}',
+                         '--num-processes', '2', '--process-id', str(i)]) for i in range(2)]
+    outs = [p.communicate(timeout=600) for p in (one, *two)]
+    for p, (out, err) in zip((one, *two), outs):
+      assert p.returncode == 0, err[-3000:]
+    return outs
+
+  outs = run(args('one'), args('two'))
   assert 'validation perplexity' in outs[1][0]  # process 0 reports, process 1 does not
   assert 'validation perplexity' not in outs[2][0] and 'tokens/s' not in outs[2][0]
 
@@ -149,3 +153,11 @@ def test_two_processes_train_on_the_windows_of_one_with_its_losses(tmp_path):
     assert Checkpointer(tmp_path / name / 'checkpoints').all_steps() == [3, 6]
   assert json.loads((tmp_path / 'one' / 'data.json').read_text()) == json.loads(
       (tmp_path / 'two' / 'data.json').read_text())
+
+  # Both resume, extended by two steps: every process restores the checkpoint
+  # and its data position, and the runs stay together.
+  run(*[['--resume', '--steps', '8', '--out-dir', str(tmp_path / name)]
+        for name in ('one', 'two')])
+  (loss1, _), (loss2, _) = _losses(tmp_path / 'one'), _losses(tmp_path / 'two')
+  assert sorted(loss1) == sorted(loss2) == list(range(1, 9))
+  np.testing.assert_allclose([loss2[s] for s in loss1], list(loss1.values()), rtol=1e-5)

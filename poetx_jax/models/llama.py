@@ -337,6 +337,9 @@ class Llama(nnx.Module):
     if not isinstance(config, self.config_class):
       raise ValueError(f'config must be a {self.config_class.__name__}, got '
                        f'{type(config).__name__}')
+    if self.decoder_layer is DecoderLayer and hasattr(config, 'experts'):
+      raise ValueError(f'a {type(config).__name__} describes a mixture-of-experts model: '
+                       f'build it with poetx_jax.models.moe.MoELlama')
     if remat not in REMAT_POLICIES:
       raise ValueError(f'remat must be one of {tuple(REMAT_POLICIES)}, got {remat!r}')
     if place is not None and not scan_layers:

@@ -25,6 +25,8 @@ import orbax.checkpoint as ocp
 from etils import epath
 from flax import nnx
 
+from poetx_jax.pretrain import processes
+
 JSON_ITEMS = ('meta', 'data')
 
 
@@ -263,10 +265,14 @@ class Checkpointer:
     """Moves checkpoint ``step`` out of this directory, to ``folder/step``, where
     neither restores nor saves see it; returns its new path."""
     dest = pathlib.Path(folder) / str(step)
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    if dest.exists():
-      shutil.rmtree(dest)
-    shutil.move(self.directory / str(step), dest)
+
+    def move():  # once, by the first of several processes
+      dest.parent.mkdir(parents=True, exist_ok=True)
+      if dest.exists():
+        shutil.rmtree(dest)
+      shutil.move(self.directory / str(step), dest)
+
+    processes.on_primary(f'setting checkpoint step {step} aside', move)
     self._mgr.reload()
     return dest
 

@@ -117,8 +117,8 @@ class TrainConfig:
                              'parameters (embeddings, head, norms; all of them for AdamW) and '
                              'one second moment per block for the POET generators')
   skew_tiers: bool = _option(False, 'POET-X: SkewAdam tiers for the parameters it does '
-                             'not rotate (router Adam; embeddings, head and norms float32 '
-                             'momenta and factored second moments)')
+                             'not rotate (routers Adam; norms a float32 momentum; '
+                             'embeddings and head factored second moments only)')
   strategy: str = _option('dp', 'on several devices: replicate the state (dp) or shard it '
                           '(fsdp)', choices=sharding.STRATEGIES)
   fsdp: int = _count(1, 'size of the mesh axis that shards state (strategy fsdp); must '

@@ -176,7 +176,10 @@ def make_step(cfg: TrainConfig, on_merge=None, mesh=None):
   called as ``on_merge(step, orthogonality_error)`` at each POET-X merge;
   ``mesh``: the training mesh, if any."""
   if cfg.optimizer == 'poetx':
-    dp = mesh if mesh is not None and cfg.strategy == 'dp' else None
+    # Not for MoE models: per-device programs would route each device's rows
+    # alone (capacity and aux losses per shard), not the global batch.
+    dp = (mesh if mesh is not None and cfg.strategy == 'dp'
+          and cfg.model not in moe.MOE_CONFIGS else None)
     return poetx_jax.make_train_step(training_loss, merge_every=cfg.merge_every * cfg.grad_accum,
                                      seed=cfg.seed, on_merge=on_merge,
                                      data_parallel=dp, loss_weight=target_count)

@@ -36,6 +36,7 @@ import jax
 
 from poetx_jax.models import llama
 from poetx_jax.pretrain import data as data_lib
+from poetx_jax.pretrain import processes
 from poetx_jax.pretrain import shards
 from poetx_jax.pretrain.checkpoint import CheckpointError, Checkpointer
 from poetx_jax.pretrain.config import TrainConfig
@@ -227,29 +228,26 @@ def open_run(cfg: TrainConfig, *, resume: bool, log=print) -> tp.Iterator[pathli
   run_file = out / RUN_FILE
   if resume:
     _check_resumable(run_file, cfg)
-  primary = jax.process_index() == 0
-  if primary:
-    _make_dir(out)
   # One lock per run: the first process takes it and writes for all (the
   # processes of a multi-process run share the directory).
-  with RunLock(out, log=log) if primary else contextlib.nullcontext():
-    if not resume and Checkpointer(out / 'checkpoints').all_steps():
-      raise CheckpointError(f'{out} already holds checkpoints of a run; continue it with '
-                            f'--resume, or choose another --out-dir')
-    if primary:
+  with contextlib.ExitStack() as held:
+
+    def lock():
+      _make_dir(out)
+      held.enter_context(RunLock(out, log=log))
+
+    def write_run_file():
       tmp = run_file.with_suffix('.tmp')  # whole, for whoever reads it meanwhile
       tmp.write_text(json.dumps(dataclasses.asdict(cfg), indent=1))
       tmp.replace(run_file)
-    barrier('run directory')
+
+    processes.on_primary('opening the run directory', lock)
+    # Every process: orbax's checkpoint manager is collective.
+    if not resume and Checkpointer(out / 'checkpoints').all_steps():
+      raise CheckpointError(f'{out} already holds checkpoints of a run; continue it with '
+                            f'--resume, or choose another --out-dir')
+    processes.on_primary('writing run.json', write_run_file)
     yield out
-
-
-def barrier(name: str) -> None:
-  """Waits until every process of a multi-process run has come here (nothing
-  with one process): what the first process wrote is then there to read."""
-  if jax.process_count() > 1:
-    from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
-    multihost_utils.sync_global_devices(name)
 
 
 def load_data(cfg: TrainConfig, tokenizer: str | pathlib.Path | None = None
@@ -330,21 +328,20 @@ def run_data(out: pathlib.Path, cfg: TrainConfig, *, resume: bool) -> data_lib.T
   the run; resuming, the corpus tokenized with the stored tokenizer and
   checked to give the same splits as when the run started."""
   # Of several processes, the first trains and caches the tokenizer and token
-  # stream and stores them in the run; the others then read them.
-  primary = jax.process_index() == 0
-  data = None
-  if primary:
-    data = _run_data(out, cfg, resume=resume, store=True)
-  barrier('run data')
-  return data if primary else _run_data(out, cfg, resume=resume, store=False)
+  # stream and stores them in the run; the others then read them with that
+  # tokenizer and check they have the same splits.
+  data = processes.on_primary('reading the data',
+                              lambda: _run_data(out, cfg, resume=resume))
+  if data is None:
+    data = load_data(cfg, stored_tokenizer(out))
+    check_data(out, data, ('train', 'val'), f'process {jax.process_index()}: ')
+  return data
 
 
-def _run_data(out: pathlib.Path, cfg: TrainConfig, *, resume: bool,
-              store: bool) -> data_lib.TextData:
+def _run_data(out: pathlib.Path, cfg: TrainConfig, *, resume: bool) -> data_lib.TextData:
   if not resume:
-    data = load_data(cfg, stored_tokenizer(out) if not store else None)
-    if store:
-      store_data(out, data)
+    data = load_data(cfg)
+    store_data(out, data)
     return data
   data = load_data(cfg, stored_tokenizer(out))
   check_data(out, data, ('train', 'val'), '--resume: ')

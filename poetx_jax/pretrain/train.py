@@ -22,7 +22,7 @@ from flax import nnx
 
 from poetx_jax import sharding
 from poetx_jax.pretrain import data as data_lib
-from poetx_jax.pretrain import rundir
+from poetx_jax.pretrain import processes, rundir
 from poetx_jax.pretrain.checkpoint import Checkpointer
 from poetx_jax.pretrain.config import TrainConfig
 from poetx_jax.pretrain.evaluation import evaluate, expert_load, place_batch
@@ -138,7 +138,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, step: int | None = None, lo
   rundir.RunLocked (another training holds ``cfg.out_dir``).
   """
   cfg, probe_every = _checked(cfg, probe_every, resume, step)
-  primary = jax.process_index() == 0  # of several processes, the first reports
+  primary = processes.is_primary()  # of several processes, the first reports
   log = log if primary else (lambda *_: None)
   with rundir.open_run(cfg, resume=resume, log=log) as out:
     run = set_up(cfg, out, resume=resume, step=step, log=log, hook=hook)
@@ -157,14 +157,27 @@ def train(cfg: TrainConfig, *, resume: bool = False, step: int | None = None, lo
         if run.step % cfg.log_every == 0 or last:
           loss = _log_step(run, loss, progress, clock, t0, start)
         _periodic(run, loss, clock, last, probe, probe_every)
-        if stop.signal or (stop_after is not None and run.step - start >= stop_after):
-          run.stopped = stop.signal or 'stop_after'
+        signal = _agreed(stop.signal, at_log=run.step % cfg.log_every == 0)
+        if signal or (stop_after is not None and run.step - start >= stop_after):
+          run.stopped = signal or 'stop_after'
           if run.step % cfg.checkpoint_every:
             with clock.paused(loss):
               run.save(run.stopped)
           break
     progress.close()
     return _finish(run, clock, t0, start, log)
+
+
+_SIGNALS = (None, 'SIGINT', 'SIGTERM')
+
+
+def _agreed(signal: str | None, *, at_log: bool) -> str | None:
+  """The stop signal every process acts on: with one process its own at once;
+  with several, the one any process caught, agreed at logging steps only (a
+  collective each time), so that all leave the loop after the same step."""
+  if jax.process_count() == 1:
+    return signal
+  return _SIGNALS[processes.agree_max(_SIGNALS.index(signal))] if at_log else None
 
 
 def _periodic(run: Run, loss, clock: TrainClock, last: bool, probe,
@@ -243,7 +256,7 @@ def set_up(cfg: TrainConfig, out: pathlib.Path, *, resume: bool, step: int | Non
     total = cfg.steps * cfg.grad_accum
     log(f'resumed from step {step}' + (f': the run is complete ({total} steps); raise '
                                        f'--steps to extend it' if step >= total else ''))
-  metrics = Metrics(out, step or 0, write=jax.process_index() == 0)
+  metrics = Metrics(out, step or 0, write=processes.is_primary())
   on_merge = (merge_reporter(metrics, log, poet_lr=poet_lr, merge_every=cfg.merge_every)
               if poet_lr is not None else None)
   return Run(cfg, out, mesh, model, optimizer, make_step(cfg, on_merge=on_merge, mesh=mesh),
