@@ -270,7 +270,9 @@ class MLP(nnx.Module):
 
 
 class DecoderLayer(nnx.Module):
-  """Pre-norm residual block: attention, then MLP."""
+  """Pre-norm residual block: attention, then MLP (an ``mlp_class``)."""
+
+  mlp_class: tp.ClassVar[type] = MLP
 
   def __init__(self, config: LlamaConfig, *, dtype: tp.Any = jnp.float32,
                param_dtype: tp.Any = jnp.float32, attention: str = 'auto',
@@ -281,7 +283,7 @@ class DecoderLayer(nnx.Module):
     self.self_attn = Attention(config, attention=attention, **kw)
     self.post_attention_layernorm = RMSNorm(config.hidden, eps=config.norm_eps,
                                             param_dtype=param_dtype, rngs=rngs)
-    self.mlp = MLP(config, **kw)
+    self.mlp = self.mlp_class(config, **kw)
 
   def __call__(self, x: Array, positions: Array | None = None) -> Array:
     x = x + self.self_attn(self.input_layernorm(x), positions)
@@ -370,16 +372,24 @@ class Llama(nnx.Module):
   def __call__(self, tokens: Array) -> Array:
     """tokens (B, T) int, T <= max_seq_len -> logits (B, T, V) float32."""
     h, positions = self.embed(tokens)
+    return self.logits(self.run_layers(h, positions))
+
+  def run_layers(self, h: Array, positions: Array, totals=None):
+    """The decoder layers on ``h`` (scanned or one by one, rematerialised as
+    ``remat`` says). With ``totals``, each layer returns ``(h, stats)`` and the
+    result is ``(h, totals + the layers' stats)``."""
     policy = REMAT_POLICIES[self.remat]
     if isinstance(self.layers, StackedLayers):
-      h = self.layers(h, positions, policy=policy)
-    else:
-      call = DecoderLayer.__call__
-      if policy is not None:
-        call = nnx.remat(call, policy=policy)
-      for layer in self.layers:
-        h = call(layer, h, positions)
-    return self.logits(h)
+      return self.layers(h, positions, policy=policy, totals=totals)
+    call = self.decoder_layer.__call__
+    if policy is not None:
+      call = nnx.remat(call, policy=policy)
+    for layer in self.layers:
+      h = call(layer, h, positions)
+      if totals is not None:
+        h, stats = h
+        totals = jax.tree.map(jnp.add, totals, stats)
+    return h if totals is None else (h, totals)
 
   def embed(self, tokens: Array) -> tuple[Array, Array]:
     """tokens (B, T) int, T <= max_seq_len -> (embeddings (B, T, H), positions (1, T))."""

@@ -45,8 +45,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from poetx_jax import ops
 from poetx_jax.linear import POETLinear
-from poetx_jax.models.llama import REMAT_POLICIES, Attention, Llama, LlamaConfig, RMSNorm
-from poetx_jax.models.stack import StackedLayers
+from poetx_jax.models.llama import DecoderLayer, Llama, LlamaConfig
 
 Array = jax.Array
 
@@ -291,44 +290,16 @@ class MoEMLP(nnx.Module):
 
 
 # --------------------------------------------------------------------- model
-class MoEDecoderLayer(nnx.Module):
+class MoEDecoderLayer(DecoderLayer):
   """Pre-norm residual block: Llama's attention, then the routed MLP;
   ``layer(x, positions) -> (x, stats)``."""
 
-  def __init__(self, config: MoEConfig, *, dtype: tp.Any = jnp.float32,
-               param_dtype: tp.Any = jnp.float32, attention: str = 'auto',
-               rngs: nnx.Rngs):
-    kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-    self.input_layernorm = RMSNorm(config.hidden, eps=config.norm_eps,
-                                   param_dtype=param_dtype, rngs=rngs)
-    self.self_attn = Attention(config, attention=attention, **kw)
-    self.post_attention_layernorm = RMSNorm(config.hidden, eps=config.norm_eps,
-                                            param_dtype=param_dtype, rngs=rngs)
-    self.mlp = MoEMLP(config, **kw)
+  mlp_class = MoEMLP
 
   def __call__(self, x: Array, positions: Array | None = None) -> tuple[Array, dict]:
     x = x + self.self_attn(self.input_layernorm(x), positions)
     y, stats = self.mlp(self.post_attention_layernorm(x))
     return x + y, stats
-
-
-def _scan_layers(stack: StackedLayers, h: Array, positions: Array, totals: dict,
-                 policy) -> tuple[Array, dict]:
-  """The stacked layers run by ``lax.scan``, the layers' stats summed in the carry
-  (activations pinned to ``stack.carry_sharding`` when set, as StackedLayers does)."""
-  graphdef, state = nnx.split(stack.layer)
-  pin = ((lambda x: jax.lax.with_sharding_constraint(x, stack.carry_sharding))
-         if stack.carry_sharding is not None else (lambda x: x))
-
-  def body(carry, layer_state):
-    h, totals = carry
-    h, stats = nnx.merge(graphdef, layer_state)(pin(h), positions)
-    return (pin(h), jax.tree.map(jnp.add, totals, stats)), None
-
-  if policy is not None:
-    body = jax.checkpoint(body, policy=policy, prevent_cse=False)
-  (h, totals), _ = jax.lax.scan(body, (h, totals), state)
-  return h, totals
 
 
 class MoELlama(Llama):
@@ -366,19 +337,10 @@ class MoELlama(Llama):
     summed over layers.
     """
     h, positions = self.embed(tokens)
-    policy = REMAT_POLICIES[self.remat]
     zero = jnp.zeros((), jnp.float32)
     totals = {'load_balance': zero, 'z_loss': zero, 'dropped': jnp.zeros((), jnp.int32),
               'tokens_per_expert': jnp.zeros((self.config.experts,), jnp.int32)}
-    if isinstance(self.layers, StackedLayers):
-      h, totals = _scan_layers(self.layers, h, positions, totals, policy)
-    else:
-      call = MoEDecoderLayer.__call__
-      if policy is not None:
-        call = nnx.remat(call, policy=policy)
-      for layer in self.layers:
-        h, stats = call(layer, h, positions)
-        totals = jax.tree.map(jnp.add, totals, stats)
+    h, totals = self.run_layers(h, positions, totals)
     c = self.config
     aux = dict(totals, load_balance=totals['load_balance'] / c.layers,
                z_loss=totals['z_loss'] / c.layers)

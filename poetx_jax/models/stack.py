@@ -88,18 +88,26 @@ class StackedLayers(nnx.Module):
   def __iter__(self):
     return (self[i] for i in range(self.length))
 
-  def __call__(self, h: Array, *args, policy=None) -> Array:
+  def __call__(self, h: Array, *args, policy=None, totals=None):
     """``h = layer_i(h, *args)`` for i = 0 .. length-1; ``policy``: a
-    ``jax.checkpoint`` policy per layer (None: no rematerialisation)."""
+    ``jax.checkpoint`` policy per layer (None: no rematerialisation).
+
+    With ``totals`` (a pytree), each layer returns ``(h, stats)``, stats like
+    ``totals``, and the call returns ``(h, totals + the layers' stats)``."""
     graphdef, state = nnx.split(self.layer)
 
     pin = ((lambda x: jax.lax.with_sharding_constraint(x, self.carry_sharding))
            if self.carry_sharding is not None else (lambda x: x))
 
-    def body(h, layer_state):
-      return pin(nnx.merge(graphdef, layer_state)(pin(h), *args)), None
+    def body(carry, layer_state):
+      h, totals = carry
+      out = nnx.merge(graphdef, layer_state)(pin(h), *args)
+      if totals is None:
+        return (pin(out), None), None
+      h, stats = out
+      return (pin(h), jax.tree.map(jnp.add, totals, stats)), None
 
     if policy is not None:
       body = jax.checkpoint(body, policy=policy, prevent_cse=False)
-    h, _ = jax.lax.scan(body, h, state)
-    return h
+    (h, totals_out), _ = jax.lax.scan(body, (h, totals), state)
+    return h if totals is None else (h, totals_out)
