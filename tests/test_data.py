@@ -13,6 +13,7 @@ import numpy as np
 import optax
 import pytest
 
+from poetx_jax.pretrain import corpus as corpus_lib
 from poetx_jax.pretrain import data, tokenizer
 
 DOCS = [
@@ -112,9 +113,9 @@ def test_read_documents_errors(tmp_path, monkeypatch):
 
 
 def test_default_corpus():
-  docs, desc = data.default_corpus(doc_root='/nonexistent')
-  sources = data.stdlib_sources()
-  packages, found = data.package_sources()
+  docs, desc = corpus_lib.default_corpus(doc_root='/nonexistent')
+  sources = corpus_lib.stdlib_sources()
+  packages, found = corpus_lib.package_sources()
   assert len(sources) > 500 and sum(map(len, sources)) > 10_000_000
   assert docs[:len(sources)] == sources
   stdlib = Path(sysconfig.get_paths()['stdlib'])
@@ -139,14 +140,14 @@ def test_stdlib_sources_skip_installed_packages_and_bad_files(tmp_path):
   for skipped in ('site-packages', 'pydoc_data'):
     (tmp_path / skipped).mkdir()
     (tmp_path / skipped / 'c.py').write_text('y = 2\n')
-  assert data.stdlib_sources(tmp_path) == ['x = 1\n', 'import os\n']
+  assert corpus_lib.stdlib_sources(tmp_path) == ['x = 1\n', 'import os\n']
   bundled = tmp_path / 'ensurepip' / '_bundled'
   bundled.mkdir(parents=True)
   with zipfile.ZipFile(bundled / 'pip-1.0-py3-none-any.whl', 'w') as z:
     z.writestr('pip/z.py', 'z = 3\n')
     z.writestr('pip/__init__.py', 'w = 4\n')
     z.writestr('pip/README.txt', 'not a source')
-  assert data.stdlib_sources(tmp_path) == ['x = 1\n', 'import os\n', 'w = 4\n', 'z = 3\n']
+  assert corpus_lib.stdlib_sources(tmp_path) == ['x = 1\n', 'import os\n', 'w = 4\n', 'z = 3\n']
 
 
 def test_package_sources(tmp_path, monkeypatch):
@@ -156,14 +157,14 @@ def test_package_sources(tmp_path, monkeypatch):
   (pkg / 'sub' / 'mod.py').write_text('def f():\n  return 1\n')
   (pkg / 'latin1.py').write_bytes(b'# \xe9\n')
   monkeypatch.syspath_prepend(str(tmp_path))
-  docs, found = data.package_sources(['no_such_package_here', 'corpus_pkg', 'optax'])
+  docs, found = corpus_lib.package_sources(['no_such_package_here', 'corpus_pkg', 'optax'])
   assert docs[:2] == ['"""A package."""\n', 'def f():\n  return 1\n']
   assert found == ['corpus_pkg', f'optax {optax.__version__}']
   assert len(docs) > 50 and 'def adamw(' in ''.join(docs[2:])
 
 
 def test_default_corpus_doc_sources(tmp_path):
-  topics_only, desc = data.default_corpus(doc_root=tmp_path / 'missing', stdlib_root=False,
+  topics_only, desc = corpus_lib.default_corpus(doc_root=tmp_path / 'missing', stdlib_root=False,
                                                packages=())
   assert 'documentation sources' not in desc and 'standard library' not in desc
   assert desc.endswith(f'({len(topics_only)} pydoc_data.topics entries)')
@@ -173,7 +174,7 @@ def test_default_corpus_doc_sources(tmp_path):
     (src / 'os.rst.txt').write_text(f'The os module of 3.{minor}.')
     (src / 'skip.html').write_text('not a source')
   os.symlink(tmp_path / 'python3.12', tmp_path / 'python3.12-doc')  # an alias
-  docs, desc = data.default_corpus(doc_root=tmp_path, stdlib_root=False, packages=())
+  docs, desc = corpus_lib.default_corpus(doc_root=tmp_path, stdlib_root=False, packages=())
   assert docs == topics_only + ['The os module of 3.12.']
   assert '1 Python 3.12 documentation sources' in desc
 
@@ -183,7 +184,7 @@ def test_default_corpus_doc_sources(tmp_path):
 
 @pytest.fixture(scope='module')
 def corpus():
-  docs, _ = data.default_corpus(doc_root='/nonexistent', stdlib_root=False,
+  docs, _ = corpus_lib.default_corpus(doc_root='/nonexistent', stdlib_root=False,
                                 packages=())  # quick to train on
   return docs[:25] + DOCS
 
