@@ -188,6 +188,7 @@ def one_run(a, run: str) -> dict:
 
   import poetx_jax
   from poetx_jax import sharding
+  from poetx_jax.models import moe
 
   s = setup_run(a, run)
   cfg, mc, model, opt, step = s['cfg'], s['mc'], s['model'], s['opt'], s['step']
@@ -212,7 +213,7 @@ def one_run(a, run: str) -> dict:
     # Past EXPORT_CHECK_MAX_PARAMS a dense copy may not fit beside the model
     # (and an MoE model's would be slow to form, expert by expert): then one
     # POET layer is checked against its exported kernel.
-    if mc.num_params() <= EXPORT_CHECK_MAX_PARAMS and not hasattr(mc, 'experts'):
+    if mc.num_params() <= EXPORT_CHECK_MAX_PARAMS and not isinstance(mc, moe.MoEConfig):
       probe = batches[0]['inputs'][:1, :min(a.seq_len, 128)]
       y_ref = poetx_jax.unpoetize(model)(probe)
       y = model(probe)

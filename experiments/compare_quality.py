@@ -544,6 +544,7 @@ def run_config(a, spec: dict):
 def main(argv=None):
   a = parse_args(argv)
   import jax
+  from poetx_jax.models import moe
   from poetx_jax.pretrain import factories, rundir
   from poetx_jax.pretrain import train as train_lib
 
@@ -561,7 +562,7 @@ def main(argv=None):
   data = rundir.load_data(run_config(a, specs[0]))
   print(f'data: {data.description}', flush=True)
   mc = factories.model_config(run_config(a, specs[0]), data.tokenizer.vocab_size)
-  paths = probed_layers(mc.layers, moe=hasattr(mc, 'experts'))
+  paths = probed_layers(mc.layers, moe=isinstance(mc, moe.MoEConfig))
   tokens_per_step = a.batch_size * a.seq_len
   val_windows = min(len(data.val_windows), a.eval_batches * a.batch_size)
   train_tokens = int(data.train_windows.shape[0]) * a.seq_len

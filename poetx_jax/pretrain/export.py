@@ -40,7 +40,7 @@ import tempfile
 import typing as tp
 
 import poetx_jax
-from poetx_jax.models import hf, llama
+from poetx_jax.models import hf, llama, moe
 
 # A directory holding any of these holds an export: the files written here, and
 # those of other Hugging Face exports that a loader would read beside them.
@@ -246,7 +246,7 @@ def export_model(model, mc: llama.LlamaConfig, out_dir: str | pathlib.Path,
       the tokenizer's vocabulary is not the model's.
   """
   from safetensors.numpy import save_file  # pylint: disable=g-import-not-at-top
-  if hasattr(mc, 'experts'):
+  if isinstance(mc, moe.MoEConfig):
     raise ValueError(f'export writes the Hugging Face Llama layout: a mixture-of-experts '
                      f'model ({type(mc).__name__}, {mc.experts} experts) has no export yet')
   out = pathlib.Path(out_dir)
@@ -289,7 +289,7 @@ def export_run(run: str | pathlib.Path, out_dir: str | pathlib.Path,
                      f'another one')
   check_destination(out_dir, force=force)  # before the checkpoint is read
   model_name = rundir.read_config(run).model
-  if model_name.startswith('moe-'):
+  if model_name in moe.MOE_CONFIGS:
     raise ValueError(f'export writes the Hugging Face Llama layout: {run} trained the '
                      f'mixture-of-experts model {model_name!r}, which has no export yet')
   tokenizer = rundir.stored_tokenizer(run)
