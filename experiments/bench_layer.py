@@ -186,7 +186,7 @@ def bench_shape(i, o, b, t, iters, key, only=()):
 
   # Correctness first: outputs against x @ effective_kernel (float32), and the
   # POET gradients of the fast and mem paths against a float32 run.
-  eff = ops.effective_kernel(w, q_in, q_out, p_in, p_out, block_size=b)
+  eff = ops.poet_kernel(w, q_in, q_out, p_in, p_out, block_size=b)
   y_ref = x.astype(jnp.float32) @ eff
   f32 = fwd_bwd(lambda x, qi, qo, w, p_in, p_out: ops.poet_linear(
       x, w.astype(jnp.float32), qi, qo, p_in, p_out, block_size=b), 3)

@@ -123,9 +123,10 @@ def compiled_memory(a, run: str) -> dict:
   import jax.numpy as jnp
   from poetx_jax.pretrain import factories as F
   cfg = run_config(a, run)
-  model, opt = F.abstract_state(cfg, F.model_config(cfg, a.vocab_size))
+  mc = F.model_config(cfg, a.vocab_size)
+  model, opt = F.abstract_state(cfg, mc)
   tokens = jax.ShapeDtypeStruct((a.batch_size, a.seq_len), jnp.int32)
-  step = F.make_step(cfg)
+  step = F.make_step(cfg, mc)
   t0 = time.perf_counter()
   compiled = step.lower(
       model, opt, {'inputs': tokens, 'targets': tokens}).compile()
@@ -165,7 +166,7 @@ def setup_run(a, run: str) -> dict:
     sharding.shard_state(model, mesh, cfg.strategy)
     sharding.shard_state(opt, mesh, cfg.strategy)
     batches = [sharding.shard_batch(b, mesh) for b in batches]
-  step = F.make_step(cfg, mesh=mesh)
+  step = F.make_step(cfg, mc, mesh=mesh)
   progress(f'{run}: set up in {time.perf_counter() - t_setup:.0f} s; compiling the step')
   t0 = time.perf_counter()
   loss0 = float(step(model, opt, batches[0]))

@@ -578,8 +578,11 @@ def main(argv=None):
     progress(f'run {k + 1}/{len(specs)}: {spec["name"]} (lr {spec["lr"]:g}'
              + (f', POET lr {spec["poet_lr"]:g}' if spec['poet_lr'] else '') + ')')
     cfg = run_config(a, spec)
+    probe = make_probe(paths)
+    hook = train_lib.Hook(lambda run, probe=probe: probe(run.step, run.model),
+                          every=a.probe_every, at_start=True)
     summary = train_lib.train(cfg, log=lambda m, n=spec['name']: progress(f'{n}: {m}'),
-                              probe=make_probe(paths), probe_every=a.probe_every)
+                              hooks=[hook])
     r = summarise(spec, pathlib.Path(summary['out_dir']), tokens_per_step)
     progress(f'{spec["name"]}: val ppl {r["val_ppl_start"]:.2f} -> {r["val_ppl_final"]:.2f}, '
              f'{r["steady_s"]:.1f} s steady + {r["compile_s"]:.1f} s compiling')

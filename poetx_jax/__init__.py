@@ -23,7 +23,14 @@ from poetx_jax.convert import (
 )
 from poetx_jax.cycle import MergeClock, merge, merge_due, merge_layer
 from poetx_jax.lean import lean_adamw, scale_by_lean_adam
-from poetx_jax.linear import FrozenKernel, Permutation, POETLinear, POETParam
+from poetx_jax.linear import (
+    FrozenKernel,
+    Permutation,
+    POETLinear,
+    POETParam,
+    linear_operands,
+    swiglu,
+)
 from poetx_jax.optim import (
     ScaleByPoetxState,
     clip_by_global_norm_after_merge,
@@ -52,8 +59,8 @@ __all__ = [
     'ScaleByPoetxState', 'clip_by_global_norm_after_merge', 'default_poet_lr',
     'effective_kernel', 'for_each_layer', 'lean_adamw', 'make_train_step', 'merge',
     'merge_clip_bound', 'merge_due', 'merge_layer', 'ops', 'orthogonality_error',
-    'poet_layers', 'poetize', 'poetx', 'poetx_labels', 'poetx_partition',
-    'scale_by_lean_adam', 'scale_by_poetx', 'to_linear', 'unpoetize',
+    'linear_operands', 'poet_layers', 'poetize', 'poetx', 'poetx_labels', 'poetx_partition',
+    'scale_by_lean_adam', 'scale_by_poetx', 'swiglu', 'to_linear', 'unpoetize',
     'FactoredRMSState', 'poetx_skewadam', 'scale_by_factored_rms', 'scale_by_skewadam',
     'skewadam', 'skewadam_labels', 'state_bytes',
 ]

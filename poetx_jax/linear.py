@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 from flax.nnx.nn import dtypes, initializers
+from jax.ad_checkpoint import checkpoint_name
 
 from poetx_jax import ops
 
@@ -281,9 +282,31 @@ class POETLinear(nnx.Module):
     """``(R W0 P)^T`` in (in, out) layout, float32: the weight the layer
     applies. ``blocks``: :meth:`rotation_blocks`, if already computed."""
     self._one_layer('effective_kernel', 'poetx_jax.effective_kernel(layer) takes a stack')
-    g_in, g_out = self.rotation_blocks() if blocks is None else blocks
-    return ops.kernel_from_blocks(self.frozen_kernel(), g_in, g_out, self.perm_in[...],
-                                  self.perm_out[...])
+    return ops.poet_kernel(self.frozen_kernel(), self.q_in[...], self.q_out[...],
+                           self.perm_in[...], self.perm_out[...], block_size=self.block_size,
+                           terms=self.terms, blocks=blocks)
+
+  def compute_kernel(self, dtype) -> Array:
+    """The kernel the layer multiplies activations of ``dtype`` by in the
+    weight form (:func:`poetx_jax.ops.poet_kernel`), (..., I, O): for a stack
+    each layer's, along its leading axes (e.g. for grouped products over
+    experts). Differentiable in the generators; under ``mode='mem'`` it is
+    recomputed in the backward instead of kept."""
+    if self.use_bias:
+      raise ValueError('compute_kernel forms the kernel alone: this layer has a bias')
+
+    def form(kernel, scale, q_in, q_out, perm_in, perm_out):
+      return ops.poet_kernel(kernel, q_in, q_out, perm_in, perm_out, dtype=dtype,
+                             block_size=self.block_size, terms=self.terms,
+                             kernel_scale=scale)
+
+    if self.mode == 'mem':
+      form = jax.checkpoint(form, policy=jax.checkpoint_policies.nothing_saveable)
+    scale = self.kernel_scale[...] if self.quantize is not None else None
+    for _ in self.stack_shape:
+      form = jax.vmap(form, in_axes=(0, None if scale is None else 0, 0, 0, 0, 0))
+    return form(self.kernel[...], scale, self.q_in[...], self.q_out[...], self.perm_in[...],
+                self.perm_out[...])
 
   def orthogonality_error(self, blocks: tuple[Array, Array] | None = None) -> Array:
     """How far the factors are from orthogonal: the larger over R and P of
@@ -293,3 +316,60 @@ class POETLinear(nnx.Module):
     self._one_layer('orthogonality_error', 'poetx_jax.orthogonality_error(layer) takes a stack')
     g_in, g_out = self.rotation_blocks() if blocks is None else blocks
     return jnp.maximum(ops.orthogonality_error(g_in), ops.orthogonality_error(g_out))
+
+
+def linear_operands(layer: nnx.Linear | POETLinear, x: Array) -> tuple[Array, Array]:
+  """``(x, kernel)`` in the compute dtype, such that ``x @ kernel`` is what
+  a bias-free ``layer`` computes: for an ``nnx.Linear`` its kernel (leading
+  axes and all) promoted with ``x`` as the layer promotes them; for a
+  POETLinear (or a stack of them) :meth:`POETLinear.compute_kernel`. For
+  products a layer's own call cannot express, e.g. grouped products
+  (``jax.lax.ragged_dot``) over a stack of expert kernels."""
+  if not isinstance(layer, POETLinear):
+    x, kernel = dtypes.promote_dtype((x, layer.kernel[...]), dtype=layer.dtype)
+    return x, kernel
+  dtype = layer.dtype or jnp.result_type(x, layer.kernel[...] if layer.quantize is None
+                                         else jnp.float32)
+  return x.astype(dtype), layer.compute_kernel(dtype)
+
+
+def swiglu(gate: nnx.Linear | POETLinear, up: nnx.Linear | POETLinear,
+           down: nnx.Linear | POETLinear, x: Array, *,
+           activation: tp.Callable[[Array], Array] = jax.nn.silu,
+           hidden_name: str | None = None) -> Array:
+  """``down(activation(gate(x)) * up(x))``, the gated MLP of Llama, for plain
+  or POET layers.
+
+  When all three are POET layers, the gate and up outputs are gathered
+  straight into the down projection's input order
+  (:func:`poetx_jax.ops.gather_between`): two activation gathers instead of
+  three. Gathers are exact, so the values are those of the plain formula.
+
+  Args:
+    gate, up, down: the three projections (``nnx.Linear`` or POETLinear).
+    x: the input (..., hidden).
+    activation: applied to the gate's output.
+    hidden_name: a ``jax.ad_checkpoint.checkpoint_name`` for the hidden
+      activation (for rematerialisation policies), or None.
+
+  Example::
+
+    >>> import jax.numpy as jnp
+    >>> from flax import nnx
+    >>> import poetx_jax
+    >>> lin = lambda i, o, s: nnx.Linear(i, o, use_bias=False, rngs=nnx.Rngs(s))
+    >>> mlp = nnx.Dict(gate=lin(32, 64, 0), up=lin(32, 64, 1), down=lin(64, 32, 2))
+    >>> poet = poetx_jax.poetize(mlp, block_size=16, rngs=nnx.Rngs(3))
+    >>> x = jnp.ones((2, 32))
+    >>> y = poetx_jax.swiglu(poet['gate'], poet['up'], poet['down'], x)
+    >>> want = poet['down'](jax.nn.silu(poet['gate'](x)) * poet['up'](x))
+    >>> bool(jnp.allclose(y, want, atol=1e-6))
+    True
+  """
+  name = (lambda h: checkpoint_name(h, hidden_name)) if hidden_name else (lambda h: h)
+  if not all(isinstance(lin, POETLinear) for lin in (gate, up, down)):
+    return down(name(activation(gate(x)) * up(x)))
+  perm = down.perm_in[...]
+  g = ops.permute(gate(x, permute_output=False), ops.gather_between(gate.perm_out[...], perm))
+  u = ops.permute(up(x, permute_output=False), ops.gather_between(up.perm_out[...], perm))
+  return down(name(activation(g) * u), permute_input=False)

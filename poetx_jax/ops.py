@@ -51,6 +51,8 @@ import numpy as np
 
 from poetx_jax.layout import materialized, row_major
 from poetx_jax.quant import QUANT_BITS, dequantize_kernel, quantize_kernel  # noqa: F401
+from poetx_jax.skew import (  # noqa: F401
+    check_block_size, num_blocks, pack_skew, ragged_mask, skew_size, unpack_skew)
 
 Array = jax.Array
 
@@ -71,95 +73,6 @@ class Implementation(tp.NamedTuple):
   series: tp.Callable | None = None
   rotate: tp.Callable | None = None
   permute: tp.Callable | None = None
-
-
-# --------------------------------------------------------------------------- sizes
-def num_blocks(n: int, block_size: int) -> int:
-  """K = ceil(n / B): the number of B x B blocks that cover n features."""
-  return -(-n // block_size)
-
-
-def skew_size(block_size: int) -> int:
-  """P = B(B-1)/2: packed parameters per skew-symmetric B x B block."""
-  return block_size * (block_size - 1) // 2
-
-
-def check_block_size(block_size, *dims: int, what: str = 'block_size') -> None:
-  """Raises ValueError unless 1 < block_size <= every dimension in ``dims``."""
-  if isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer)):
-    raise TypeError(f'{what} must be an int > 1, got {block_size!r}')
-  if block_size <= 1:
-    raise ValueError(f'{what} must be > 1, got {block_size}')
-  for d in dims:
-    if block_size > d:
-      raise ValueError(
-          f'{what}={block_size} is larger than the dimension {d}; '
-          f'valid block sizes are 2..{min(dims)}')
-
-
-# ---------------------------------------------------------------- skew packing
-def _triu(block_size: int):
-  return np.triu_indices(block_size, k=1)
-
-
-@functools.lru_cache(maxsize=None)
-def _skew_index(block_size: int):
-  """(B, B) index into [0, q...] and the sign that builds Q from packed q."""
-  rows, cols = _triu(block_size)
-  idx = np.zeros((block_size, block_size), np.int32)
-  idx[rows, cols] = idx[cols, rows] = np.arange(1, rows.size + 1)
-  sign = np.zeros((block_size, block_size), np.float32)
-  sign[rows, cols], sign[cols, rows] = 1.0, -1.0
-  return idx, sign
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
-def _unpack(q_KxP, block_size):
-  idx, sign = _skew_index(block_size)
-  flat = jnp.concatenate([jnp.zeros(q_KxP.shape[:-1] + (1,), q_KxP.dtype), q_KxP], -1)
-  return jnp.take(flat, idx, axis=-1) * sign.astype(q_KxP.dtype)
-
-
-def _unpack_fwd(q_KxP, block_size):
-  return _unpack(q_KxP, block_size), None
-
-
-def _unpack_bwd(block_size, _, g_KxBxB):
-  # Q = U - U^T, so dq = upper triangle of (dQ - dQ^T): a gather, not a scatter.
-  return (pack_skew(g_KxBxB - jnp.swapaxes(g_KxBxB, -1, -2)),)
-
-
-_unpack.defvjp(_unpack_fwd, _unpack_bwd)
-
-
-def unpack_skew(q_KxP: Array, block_size: int) -> Array:
-  """Packed strict upper triangles (K, P) -> skew-symmetric blocks (K, B, B)."""
-  if q_KxP.shape[-1] != skew_size(block_size):
-    raise ValueError(
-        f'packed skew parameters have last dim {q_KxP.shape[-1]}, expected '
-        f'B(B-1)/2 = {skew_size(block_size)} for block_size={block_size}')
-  return _unpack(q_KxP, block_size)
-
-
-def pack_skew(q_KxBxB: Array) -> Array:
-  """Skew-symmetric blocks (K, B, B) -> their strict upper triangles (K, P)."""
-  rows, cols = _triu(q_KxBxB.shape[-1])
-  return q_KxBxB[..., rows, cols]
-
-
-def ragged_mask(n: int, block_size: int) -> np.ndarray | None:
-  """(K, P) float mask that confines the last block to its r x r corner.
-
-  Returns None when ``block_size`` divides ``n`` (nothing to mask).
-  """
-  k = num_blocks(n, block_size)
-  r = n - (k - 1) * block_size
-  if r == block_size:
-    return None
-  rows, cols = _triu(block_size)
-  mask = np.ones((k, rows.size), np.float32)
-  mask[-1] = (cols < r).astype(np.float32)  # cols > rows, so this covers both
-  return mask
 
 
 # ------------------------------------------------------------- Cayley–Neumann
@@ -357,7 +270,7 @@ def _poet_core(x, kernel_IxO, g_in, g_out, perm_in, perm_out, precision, impl, s
   return perm(z, invert_permutation(perm_out)) if sides[1] else z
 
 
-def rotate_kernel(kernel_IxO, g_in, g_out, perm_in, perm_out, precision=None, *,
+def rotate_weight(kernel_IxO, g_in, g_out, perm_in, perm_out, precision=None, *,
                   permute_input=True, permute_output=True):
   """``Phi_I G_P^T kernel G_R^T Phi_O^T`` from the blocks of both factors: block
   products and gathers on the weight (without ``Phi_I`` / ``Phi_O^T`` where
@@ -375,9 +288,9 @@ def rotate_kernel(kernel_IxO, g_in, g_out, perm_in, perm_out, precision=None, *,
 def _poet_weight_core(x, kernel_IxO, g_in, g_out, perm_in, perm_out, precision,
                       rot_precision, sides):
   # The kernel is rotated in float32 and rounded to x's dtype once.
-  kernel = rotate_kernel(jax.lax.stop_gradient(kernel_IxO).astype(jnp.float32),
-                          g_in, g_out, perm_in, perm_out, rot_precision,
-                          permute_input=sides[0], permute_output=sides[1])
+  kernel = rotate_weight(jax.lax.stop_gradient(kernel_IxO).astype(jnp.float32),
+                         g_in, g_out, perm_in, perm_out, rot_precision,
+                         permute_input=sides[0], permute_output=sides[1])
   return jnp.matmul(x, kernel.astype(x.dtype), precision=precision)
 
 
@@ -472,18 +385,29 @@ def poet_linear(x_TxI: Array, kernel_IxO: Array, q_in_KxP: Array, q_out_KxP: Arr
 
 
 def poet_kernel(kernel_IxO: Array, q_in_KxP: Array, q_out_KxP: Array, perm_in_I: Array,
-                perm_out_O: Array, *, block_size: int, dtype: tp.Any,
-                terms: int = DEFAULT_TERMS, kernel_scale: Array | None = None) -> Array:
-  """The kernel :func:`poet_linear` multiplies by in ``form='weight'``, (I, O) in ``dtype``.
+                perm_out_O: Array, *, block_size: int, terms: int = DEFAULT_TERMS,
+                dtype: tp.Any = jnp.float32, kernel_scale: Array | None = None,
+                blocks: tuple[Array, Array] | None = None) -> Array:
+  """The effective kernel ``(R W0 P)^T`` in the (in, out) layout of
+  ``nnx.Linear``, (I, O) in ``dtype``, formed from block products
+  (``Phi_I G_P^T kernel G_R^T Phi_O^T``): the weight a POET layer applies.
 
-  The effective kernel ``(R W0 P)^T`` formed from block products as the
-  weight form forms it for activations of ``dtype``: the base cast to
-  ``dtype``, rotated in float32 (series and products at full precision for
-  32-bit ``dtype``, the backend's default otherwise) and rounded to ``dtype``
+  For a 32-bit ``dtype`` (the default: the weight itself, as merges and
+  export use it) every product runs at full float32 precision. For a 16-bit
+  ``dtype`` it is the kernel :func:`poet_linear`'s weight form multiplies
+  activations of that dtype by: the base cast to ``dtype``, rotated in
+  float32 with the backend's default precision and rounded to ``dtype``
   once. Differentiable in the generators; the base gets no gradient. For
   products the layer cannot express, e.g. grouped products over a stack of
   expert kernels (``jax.vmap`` of this, then ``jax.lax.ragged_dot``).
-  ``kernel_scale``: POET-XQ scales of a quantised ``kernel_IxO``.
+
+  Args:
+    kernel_IxO, q_in_KxP, q_out_KxP, perm_in_I, perm_out_O, block_size,
+      terms: the layer's state and shape, as for :func:`poet_linear`.
+    dtype: the result's dtype (above).
+    kernel_scale: POET-XQ scales of a quantised ``kernel_IxO``.
+    blocks: ``(G_P, G_R)`` blocks of :func:`rotation_blocks_pair`, when
+      already computed (then ``q_in_KxP``, ``q_out_KxP`` are unused).
   """
   i, o = perm_in_I.shape[-1], perm_out_O.shape[-1]
   exact = jnp.dtype(dtype).itemsize >= 4
@@ -492,33 +416,14 @@ def poet_kernel(kernel_IxO: Array, q_in_KxP: Array, q_out_KxP: Array, perm_in_I:
     kernel = kernel_IxO.astype(dtype)
   else:
     kernel = dequantize_kernel(kernel_IxO, kernel_scale, i, dtype)
-  g_in, g_out = rotation_blocks_pair(q_in_KxP, q_out_KxP, i, o, block_size, terms,
-                                     cn_precision)
-  kernel = rotate_kernel(jax.lax.stop_gradient(kernel).astype(jnp.float32), g_in, g_out,
+  if blocks is None:
+    blocks = rotation_blocks_pair(q_in_KxP, q_out_KxP, i, o, block_size, terms, cn_precision)
+  kernel = rotate_weight(jax.lax.stop_gradient(kernel).astype(jnp.float32), *blocks,
                          perm_in_I, perm_out_O, cn_precision, permute_input=False,
                          permute_output=False).astype(dtype)
   # Permuted after the rounding (the same values): the gathers move dtype's bytes.
   kernel = permute_rows(kernel, invert_permutation(perm_in_I))    # Phi_I (...)
   return permute(kernel, invert_permutation(perm_out_O))          # (...) Phi_O^T
-
-
-def effective_kernel(kernel_IxO: Array, q_in_KxP: Array, q_out_KxP: Array,
-                     perm_in_I: Array, perm_out_O: Array, *, block_size: int,
-                     terms: int = DEFAULT_TERMS) -> Array:
-  """(R W0 P)^T in the (in, out) layout of nnx.Linear, computed in float32.
-
-  Uses block products only: ``Phi_I G_P^T kernel G_R^T Phi_O^T``.
-  """
-  i, o = kernel_IxO.shape
-  g_in, g_out = rotation_blocks_pair(q_in_KxP, q_out_KxP, i, o, block_size, terms)
-  return kernel_from_blocks(kernel_IxO, g_in, g_out, perm_in_I, perm_out_O)
-
-
-def kernel_from_blocks(kernel_IxO: Array, g_in: Array, g_out: Array, perm_in_I: Array,
-                       perm_out_O: Array) -> Array:
-  """:func:`effective_kernel` from the rotation blocks (float32, full precision)."""
-  return rotate_kernel(kernel_IxO.astype(jnp.float32), g_in, g_out, perm_in_I,
-                        perm_out_O, jax.lax.Precision.HIGHEST)
 
 
 def permute_kernel(kernel_IxO: Array, perm_in_I: Array, perm_out_O: Array) -> Array:

@@ -38,7 +38,7 @@ def build(scan=False, place=None):
 
 def loss_fn(m, b):
   """The mean over unmasked (>= 0) targets, as ``poetx train`` computes it."""
-  total, count = evaluation.token_loss(m, b)
+  total, count, _ = evaluation.token_loss(m, b)
   return total / count
 
 

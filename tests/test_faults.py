@@ -33,18 +33,18 @@ TINY = dict(model='tiny', model_overrides={'layers': 1, 'hidden': 32, 'mlp': 64,
             block_size=8, eval_every=6, eval_batches=2, log_every=1, checkpoint_every=4,
             dtype='float32')
 
-# A training in a subprocess that kills itself (SIGKILL, as kill -9) at
-# ``hook(event, run)`` of the given event and step.
+# A training in a subprocess that kills itself (SIGKILL, as kill -9) in a
+# hook right after the given step is dispatched, or after its save starts.
 KILLED = '''
 import json, os, signal, sys
 import jax
 from flax import nnx
 from poetx_jax.pretrain.config import TrainConfig
-from poetx_jax.pretrain.train import train
+from poetx_jax.pretrain.train import Hook, train
 cfg, event, at, resume = json.loads(sys.argv[1])
 
-def hook(e, run):
-  if run.step != at or e != ('save' if event == 'save' else 'step'):
+def kill(run):
+  if run.step != at:
     return
   if event in ('step', 'merged'):  # the checkpoints before are written
     run.ckpt.wait()
@@ -52,7 +52,8 @@ def hook(e, run):
     jax.block_until_ready(nnx.state(run.model))
   os.kill(os.getpid(), signal.SIGKILL)
 
-train(TrainConfig(**cfg), resume=resume, hook=hook)
+on = 'save' if event == 'save' else 'step'
+train(TrainConfig(**cfg), resume=resume, hooks=[Hook(kill, wait=False, on=on)])
 '''
 
 
@@ -206,12 +207,13 @@ def test_non_finite_state_keeps_the_last_good_checkpoint_newest(tmp_path, corpus
                                                                 monkeypatch):
   """The state goes NaN after step 6; with no loss logged before the
   checkpoint of step 8, that save is refused: exit 3, one line, step 4 newest."""
-  def poison(event, run):
-    if event == 'step' and run.step == 6:
+  def poison(run):
+    if run.step == 6:
       emb = run.model.embed_tokens.embedding
       emb[...] = emb[...] * float('nan')
 
-  monkeypatch.setattr(train_lib, 'train', lambda *a, **k: _train(*a, hook=poison, **k))
+  monkeypatch.setattr(train_lib, 'train', lambda *a, **k: _train(
+      *a, hooks=[train_lib.Hook(poison, wait=False)], **k))
   run = tmp_path / 'run'
   code = cli.main(['train', '--model-overrides', 'layers=1,hidden=32,mlp=64,heads=2,kv_heads=1',
                    '--data', str(corpus), '--vocab-size', '300', '--seq-len', '32',

@@ -14,7 +14,8 @@ from conftest import assert_trees_rel_close, rel_err
 import poetx_jax
 from poetx_jax import ops
 from poetx_jax.models import hf, llama
-from poetx_jax.models.llama import Llama, get_config
+from poetx_jax.models import get_config, init_model
+from poetx_jax.models.llama import Llama
 
 TINY = get_config('tiny')
 
@@ -116,7 +117,8 @@ def test_tied_embeddings(keys):
   tokens = _tokens(keys(), 2, 8)
   h = m.embed_tokens(tokens)
   for layer in m.layers:
-    h = layer(h)
+    h, stats = layer(h)
+    assert stats == {}
   want = m.norm(h) @ m.embed_tokens.embedding[...].T
   assert rel_err(_forward(m, tokens), want) < 1e-6
   n = sum(x.size for x in jax.tree.leaves(nnx.state(m, nnx.Param)))
@@ -133,9 +135,10 @@ def test_configs_and_errors():
   assert llama.CONFIGS['8b'].kv_heads == 8 and llama.CONFIGS['8b'].head_dim == 128
   assert 7.0e9 < llama.CONFIGS['8b'].num_params() < 7.5e9
   assert get_config('60m', max_seq_len=256).max_seq_len == 256
-  with pytest.raises(ValueError, match="unknown Llama config 'huge'.*'tiny'"):
+  assert get_config('moe-tiny').model_class is poetx_jax.models.MoELlama  # one registry
+  with pytest.raises(ValueError, match="unknown model config 'huge'.*'moe-tiny'.*'tiny'"):
     get_config('huge')
-  with pytest.raises(ValueError, match="'hiden'.*'hidden'"):
+  with pytest.raises(ValueError, match="LlamaConfig field.*'hiden'.*'hidden'"):
     get_config('tiny', hiden=32)
   with pytest.raises(ValueError, match='heads=4, kv_heads=3'):
     get_config('tiny', kv_heads=3)
@@ -167,10 +170,10 @@ def test_init_model_is_seeded():
   other draws in every random leaf; layers draw independently; the draw does
   not depend on the compute dtype, the remat policy or the scanned layout; the
   weights follow N(0, init_std) (norms start at one) in either param dtype."""
-  built = llama.init_model(TINY, seed=0)
+  built = init_model(TINY, seed=0)
   params = _params(built)
-  chex.assert_trees_all_equal(_params(llama.init_model(TINY, seed=0)), params)
-  other = _params(llama.init_model(TINY, seed=1))
+  chex.assert_trees_all_equal(_params(init_model(TINY, seed=0)), params)
+  other = _params(init_model(TINY, seed=1))
   chex.assert_trees_all_equal_shapes_and_dtypes(other, params)
 
   def differs_unless_norm(path, x, y):
@@ -181,14 +184,14 @@ def test_init_model_is_seeded():
   jax.tree_util.tree_map_with_path(differs_unless_norm, params, other)
   q = [np.asarray(l.self_attn.q_proj.kernel[...]) for l in built.layers]
   assert not np.allclose(q[0], q[1])  # each layer its own draw
-  chex.assert_trees_all_equal(_params(llama.init_model(TINY, seed=0, dtype=jnp.bfloat16)),
+  chex.assert_trees_all_equal(_params(init_model(TINY, seed=0, dtype=jnp.bfloat16)),
                               params)
-  chex.assert_trees_all_equal(_params(llama.init_model(TINY, seed=0, remat='block')),
+  chex.assert_trees_all_equal(_params(init_model(TINY, seed=0, remat='block')),
                               params)
-  scanned = llama.init_model(TINY, seed=0, scan_layers=True)
+  scanned = init_model(TINY, seed=0, scan_layers=True)
   assert isinstance(scanned.layers, llama.StackedLayers)
   chex.assert_trees_all_equal(hf.hf_state_dict(scanned), hf.hf_state_dict(built))
-  half = llama.init_model(TINY, seed=0, param_dtype=jnp.bfloat16)
+  half = init_model(TINY, seed=0, param_dtype=jnp.bfloat16)
   for tree, dtype in ((params, jnp.float32), (_params(half), jnp.bfloat16)):
     for path, x in jax.tree_util.tree_leaves_with_path(tree):
       assert x.dtype == dtype, jax.tree_util.keystr(path)
@@ -200,7 +203,7 @@ def test_init_model_is_seeded():
         assert abs(x.mean()) < 0.1 * TINY.init_std, jax.tree_util.keystr(path)
   for bad in (True, 1.5, '0'):
     with pytest.raises(ValueError, match=f'seed must be an int, got {bad!r}'):
-      llama.init_model(TINY, seed=bad)
+      init_model(TINY, seed=bad)
 
 
 def test_poetize_replaces_projections(model, keys):
@@ -277,14 +280,14 @@ def test_remat_policies_save_only_named_residuals():
   cfg = get_config('tiny', layers=2, vocab_size=97)
   tokens = jnp.arange(2 * 12, dtype=jnp.int32).reshape(2, 12) % 97
   inside = lambda lines: [l for l in lines if any(
-      k in l for k in ('Attention.__call__', 'MLP.__call__', 'poetx_jax/ops.py'))]
+      k in l for k in ('Attention.__call__', 'swiglu', 'poetx_jax/ops.py'))]
   saved = {}
   for remat in ('none', 'block', 'attn'):
     model = poetx_jax.poetize(Llama(cfg, remat=remat, rngs=nnx.Rngs(0)), block_size=16,
                               rngs=nnx.Rngs(1))
     saved[remat] = _saved(model, tokens)
   # No remat keeps the attention and MLP internals and the POET block products.
-  assert any('MLP.__call__' in l for l in inside(saved['none']))
+  assert any('swiglu' in l for l in inside(saved['none']))
   assert any('poetx_jax/ops.py' in l for l in inside(saved['none']))
   # 'block' keeps nothing from inside a layer; 'attn' only the named outputs.
   assert inside(saved['block']) == [], saved['block']
@@ -329,7 +332,7 @@ def test_scanned_remat_block_saves_only_layer_inputs():
   saved = {r: _saved(Llama(cfg, remat=r, rngs=nnx.Rngs(0), scan_layers=True), tokens)
            for r in ('none', 'block')}
   inside = lambda lines: [l for l in lines if any(
-      k in l for k in ('Attention.__call__', 'MLP.__call__'))]
+      k in l for k in ('Attention.__call__', 'swiglu'))]
   assert inside(saved['none']) and not inside(saved['block']), saved['block']
 
 

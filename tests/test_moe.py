@@ -14,15 +14,16 @@ import poetx_jax
 from poetx_jax import ops
 from poetx_jax.linear import POETLinear, POETParam
 from poetx_jax.models import moe
-from poetx_jax.models.moe import MoEConfig, MoELlama, MoEMLP, get_moe_config, route
+from poetx_jax.models import get_config
+from poetx_jax.models.moe import MoEConfig, MoELlama, MoEMLP, route
 
-TINY = get_moe_config('moe-tiny')
+TINY = get_config('moe-tiny')
 HIGH = jax.lax.Precision.HIGHEST
 
 
 # ------------------------------------------------------------------- config
 def test_configs_and_validation():
-  big = get_moe_config('moe-7b')
+  big = get_config('moe-7b')
   assert 6.5e9 <= big.num_params() <= 7.5e9
   assert big.active_params() < big.num_params() / 4
   shapes = nnx.eval_shape(lambda: MoELlama(TINY, rngs=nnx.Rngs(0)))
@@ -31,7 +32,7 @@ def test_configs_and_validation():
   h, m, e, k = TINY.hidden, TINY.expert_inner, TINY.experts, TINY.top_k
   assert TINY.num_params() - TINY.active_params() == TINY.layers * (e - k) * 3 * h * m
   assert TINY.expert_inner == TINY.mlp
-  cfg = get_moe_config('moe-tiny', expert_mlp=40, top_k=1)
+  cfg = get_config('moe-tiny', expert_mlp=40, top_k=1)
   assert cfg.expert_inner == 40 and isinstance(cfg, poetx_jax.models.llama.LlamaConfig)
   assert MoEMLP(cfg, rngs=nnx.Rngs(0)).experts.down_proj.kernel.shape == (e, 40, h)
   for bad, msg in [(dict(top_k=5), 'top_k must be an int between 1 and experts=4, got 5'),
@@ -41,13 +42,15 @@ def test_configs_and_validation():
                    (dict(z_loss_coef=-1.0), 'z_loss_coef must be a number >= 0'),
                    (dict(heads=5), 'hidden must be divisible by heads')]:
     with pytest.raises(ValueError, match=msg):
-      get_moe_config('moe-tiny', **bad)
-  with pytest.raises(ValueError, match="unknown MoE config 'moe-huge'; valid names"):
-    get_moe_config('moe-huge')
+      get_config('moe-tiny', **bad)
+  with pytest.raises(ValueError, match="unknown model config 'moe-huge'; valid names"):
+    get_config('moe-huge')
   with pytest.raises(ValueError, match=r"unknown MoEConfig field\(s\) \['expert'\]"):
-    get_moe_config('moe-tiny', expert=3)
-  with pytest.raises(ValueError, match='config must be a MoEConfig'):
-    MoELlama(poetx_jax.models.llama.get_config('tiny'), rngs=nnx.Rngs(0))
+    get_config('moe-tiny', expert=3)
+  with pytest.raises(ValueError, match='a MoELlama needs a MoEConfig; a LlamaConfig describes '
+                                       'a Llama: build it with config.build'):
+    MoELlama(get_config('tiny'), rngs=nnx.Rngs(0))
+  assert type(TINY.build(rngs=nnx.Rngs(0))) is MoELlama
 
 
 # ------------------------------------------------------------------ routing
@@ -176,7 +179,7 @@ def test_grouped_experts_match_dense_loop(keys, dtype, tol):
 
 
 def test_capacity_drops_reach_the_output(keys):
-  cfg = get_moe_config('moe-tiny', capacity_factor=0.5)
+  cfg = get_config('moe-tiny', capacity_factor=0.5)
   mlp = MoEMLP(cfg, rngs=nnx.Rngs(1))
   x = jax.random.normal(keys(), (32, cfg.hidden))
   y, stats = nnx.jit(lambda m, x: m(x))(mlp, x)
@@ -225,7 +228,7 @@ def test_poet_experts_match_effective_kernels(keys, mode, dtype, tol):
       y, _ = mlp(x)
       return jnp.sum(y.astype(jnp.float32) * c), y
     out = nnx.value_and_grad(loss, argnums=nnx.DiffState(0, POETParam), has_aux=True)(mlp)
-    return out, moe.expert_kernels(mlp.experts.up_proj, x)[1]
+    return out, poetx_jax.linear_operands(mlp.experts.up_proj, x)[1]
 
   ((_, y), grads), formed = run(mlp)
   ex = mlp.experts
@@ -236,7 +239,7 @@ def test_poet_experts_match_effective_kernels(keys, mode, dtype, tol):
     kernels = []
     for n in ('gate_proj', 'up_proj', 'down_proj'):
       p = getattr(ex, n)
-      kernels.append(jax.vmap(lambda *a: ops.effective_kernel(
+      kernels.append(jax.vmap(lambda *a: ops.poet_kernel(
           *a, block_size=p.block_size, terms=p.terms))(
               p.kernel[...], *qs[n], p.perm_in[...], p.perm_out[...]))
     y = _dense_moe(x, mlp.router.kernel[...], kernels, TINY.top_k)
@@ -299,7 +302,7 @@ def _tokens(key, b=2, t=16):
 @nnx.jit
 def _loss_and_grads(model, tokens):
   def loss(model):
-    logits, aux = model.forward_with_aux(tokens)
+    logits, aux = model.forward(tokens)
     lm = -jnp.mean(jax.nn.log_softmax(logits)[..., 0])
     return lm + aux['aux_loss'], (logits, aux)
   (_, out), grads = nnx.value_and_grad(loss, has_aux=True)(model)
@@ -343,11 +346,11 @@ def test_model_forward_backward_scanned_and_aux(keys):
   assert float(jnp.abs(grads.layers[1].mlp.router.kernel[...]).max()) > 0
   lb, z = _reference_aux(flat, tokens)
   np.testing.assert_allclose(aux['load_balance'], lb, rtol=1e-5)
-  np.testing.assert_allclose(aux['z_loss'], z, rtol=1e-5)
+  np.testing.assert_allclose(aux['router_z_loss'], z, rtol=1e-5)
   assert float(aux['aux_loss']) == pytest.approx(TINY.aux_loss_coef * lb
                                                  + TINY.z_loss_coef * z, rel=1e-5)
   assert float(aux['aux_loss']) > 0 and int(aux['dropped']) == 0
-  assert int(aux['tokens_per_expert'].sum()) == TINY.layers * 2 * 16 * TINY.top_k
+  assert int(aux['expert_tokens'].sum()) == TINY.layers * 2 * 16 * TINY.top_k
 
   (logits_s, aux_s), grads_s = _loss_and_grads(scanned, tokens)
   assert rel_err(logits_s, logits) < 1e-5
@@ -368,7 +371,7 @@ def test_scanned_poet_model_nested_stacks(keys):
   up = model.layers.layer.mlp.experts.up_proj
   assert isinstance(up, POETLinear) and up.stack_shape == (TINY.layers, TINY.experts)
   assert type(model.layers.layer.mlp.router) is moe.Router
-  fwd = nnx.jit(lambda m, t: m.forward_with_aux(t))
+  fwd = nnx.jit(lambda m, t: m.forward(t))
   assert rel_err(fwd(model, tokens)[0], fwd(dense, tokens)[0]) < 1e-5  # Q = 0
   key = keys()
   for _, layer in poetx_jax.poet_layers(model):
@@ -386,7 +389,7 @@ def test_scanned_poet_model_nested_stacks(keys):
   poetx_jax.merge(model, rngs=nnx.Rngs(2))
   after, aux_after = fwd(model, tokens)
   assert rel_err(after, before) < 1e-5
-  np.testing.assert_array_equal(aux_after['tokens_per_expert'], aux['tokens_per_expert'])
+  np.testing.assert_array_equal(aux_after['expert_tokens'], aux['expert_tokens'])
   up = model.layers.layer.mlp.experts.up_proj
   assert float(jnp.abs(up.q_in[...]).max()) == 0.0
   assert rel_err(poetx_jax.effective_kernel(up), eff) < 1e-5
@@ -394,6 +397,6 @@ def test_scanned_poet_model_nested_stacks(keys):
 
 def test_a_dense_llama_refuses_an_moe_config():
   from poetx_jax.models.llama import Llama
-  with pytest.raises(ValueError, match='MoEConfig describes a mixture-of-experts model: '
-                                       'build it with poetx_jax.models.moe.MoELlama'):
-    Llama(moe.get_moe_config('moe-tiny'), rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match='a Llama needs a LlamaConfig; a MoEConfig describes '
+                                       'a MoELlama: build it with config.build'):
+    Llama(get_config('moe-tiny'), rngs=nnx.Rngs(0))

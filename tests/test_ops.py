@@ -154,12 +154,19 @@ def test_poet_linear_bf16(keys, form):
     assert rel_err(a, r) < 2e-2
 
 
-def test_effective_kernel_matches_dense(keys):
+def test_poet_kernel_matches_dense(keys):
+  """poet_kernel is (R W0 P)^T: in float32 to float32 rounding (the same from
+  precomputed blocks), in bf16 to bf16 rounding; the layer multiplies by it."""
   x, kernel, q_in, q_out, p_in, p_out = _layer_inputs(keys, 20, 12, 8)
   stored = ops.permute_kernel(kernel, p_in, p_out)
-  eff = ops.effective_kernel(stored, q_in, q_out, p_in, p_out, block_size=8)
+  eff = ops.poet_kernel(stored, q_in, q_out, p_in, p_out, block_size=8)
   want = _dense_weight(kernel, q_in, q_out, p_in, p_out, 8).T
-  assert rel_err(eff, want) < 1e-6
+  assert eff.dtype == jnp.float32 and rel_err(eff, want) < 1e-6
+  blocks = ops.rotation_blocks_pair(q_in, q_out, 20, 12, 8)
+  np.testing.assert_array_equal(
+      ops.poet_kernel(stored, None, None, p_in, p_out, block_size=8, blocks=blocks), eff)
+  half = ops.poet_kernel(stored, q_in, q_out, p_in, p_out, block_size=8, dtype=jnp.bfloat16)
+  assert half.dtype == jnp.bfloat16 and rel_err(half, want) < 1e-2
   y = ops.poet_linear(x, stored, q_in, q_out, p_in, p_out, block_size=8)
   assert rel_err(x @ eff, y) < 1e-5
 

@@ -70,9 +70,10 @@ def test_int8_bases_add_no_dequantised_copies_under_remat():
         param_dtype='bfloat16', dtype='bfloat16', seq_len=256, batch_size=1,
         model_overrides={'layers': 4, 'hidden': 256, 'mlp': 512, 'heads': 4,
                          'kv_heads': 4, 'max_seq_len': 256, 'block_size': 64})
-    model, opt = F.abstract_state(cfg, F.model_config(cfg, 512))
+    mc = F.model_config(cfg, 512)
+    model, opt = F.abstract_state(cfg, mc)
     tokens = jax.ShapeDtypeStruct((1, 256), jnp.int32)
-    compiled = F.make_step(cfg).lower(
+    compiled = F.make_step(cfg, mc).lower(
         model, opt, {'inputs': tokens, 'targets': tokens}).compile()
     return compiled.memory_analysis().temp_size_in_bytes
 

@@ -15,7 +15,7 @@ from poetx_jax.pretrain import evaluation, factories
 from poetx_jax.pretrain.checkpoint import CheckpointError, Checkpointer, DamagedCheckpoint
 from poetx_jax.pretrain.config import TrainConfig
 from poetx_jax.pretrain.rundir import load_run
-from poetx_jax.pretrain.train import train
+from poetx_jax.pretrain.train import Hook, train
 from conftest import write_corpus
 
 
@@ -136,7 +136,7 @@ def test_default_poet_lr_shrinks_with_the_block_size():
     model = factories.build_model(c, mc)
     opt = factories.build_optimizer(c, model)
     for _ in range(2):  # the first update is at learning rate 0 (warmup)
-      opt.update(model, nnx.grad(evaluation.mean_loss)(model, batch))
+      opt.update(model, nnx.grad(evaluation.training_loss)(model, batch))
     return np.asarray(model.layers[0].mlp.up_proj.q_in[...])
 
   q = q_after_two_updates(None)
@@ -263,13 +263,13 @@ def test_poet_model_is_built_layer_by_layer_with_the_whole_model_result(quantize
   resident) and gives exactly poetize(init_model(...)) with the run's seeds."""
   import jax.numpy as jnp
   import poetx_jax
-  from poetx_jax.models import llama
+  from poetx_jax.models import init_model
   cfg = TrainConfig(model='tiny', optimizer='poetx', quantize=quantize, seed=3,
                     model_overrides={'layers': 2})
   mc = factories.model_config(cfg, 512)
   built = nnx.to_flat_state(nnx.state(factories.build_model(cfg, mc)))
   eager = poetx_jax.poetize(
-      llama.init_model(mc, seed=3, dtype=factories.compute_dtype(cfg.dtype), param_dtype=jnp.float32),
+      init_model(mc, seed=3, dtype=factories.compute_dtype(cfg.dtype), param_dtype=jnp.float32),
       block_size=mc.block_size, rngs=nnx.Rngs(4), quantize=quantize)
   eager = nnx.to_flat_state(nnx.state(eager))
   assert [p for p, _ in built] == [p for p, _ in eager]
@@ -281,9 +281,9 @@ def _spectrum_probe(calls):
   """A probe recording the singular values of layer 0's down projection."""
   import poetx_jax
 
-  def probe(step, model):
-    calls.append(step)
-    layer = model.layers[0].mlp.down_proj
+  def probe(run):
+    calls.append(run.step)
+    layer = run.model.layers[0].mlp.down_proj
     w = (poetx_jax.effective_kernel(layer) if isinstance(layer, poetx_jax.POETLinear)
          else layer.kernel[...])
     return {'sv': np.linalg.svd(np.asarray(w, np.float64), compute_uv=False).tolist()}
@@ -292,13 +292,13 @@ def _spectrum_probe(calls):
 
 
 def test_probe_hook_records_without_changing_training(tmp_path, corpus):
-  """train(probe=...) calls the probe at step 0 and after each evaluation (or
-  every probe_every steps), writes its records to metrics.jsonl and leaves the
-  run unchanged. POET-X keeps the initial weights' singular values across its
+  """A Hook with at_start calls the probe at step 0 and every ``every``
+  steps, writes its records to metrics.jsonl and leaves the run unchanged. POET-X keeps the initial weights' singular values across its
   merges (step 12 is right after the third); AdamW's move."""
   calls = []
   probed = _cfg(tmp_path / 'a', corpus)  # poetx: merge every 4, evaluate every 6
-  train(probed, log=lambda *_: None, probe=_spectrum_probe(calls))
+  train(probed, log=lambda *_: None, hooks=[Hook(_spectrum_probe(calls), every=6,
+                                                 at_start=True)])
   assert calls == [0, 6, 12]
   plain = _cfg(tmp_path / 'b', corpus)
   train(plain, log=lambda *_: None)
@@ -319,7 +319,8 @@ def test_probe_hook_records_without_changing_training(tmp_path, corpus):
 
   calls = []
   adamw = _cfg(tmp_path / 'c', corpus, optimizer='adamw')
-  train(adamw, log=lambda *_: None, probe=_spectrum_probe(calls), probe_every=4)
+  train(adamw, log=lambda *_: None, hooks=[Hook(_spectrum_probe(calls), every=4,
+                                                at_start=True)])
   assert calls == [0, 4, 8, 12]
   sv_adamw = {r['step']: np.array(r['sv']) for r in records(adamw.out_dir) if 'sv' in r}
   np.testing.assert_allclose(sv_adamw[0], sv[0], rtol=1e-6)  # the same initial weights
@@ -496,7 +497,8 @@ def test_moe_run_resumes_bit_exactly_and_records_expert_load(tmp_path, corpus, o
     _, _, model, _ = load_run(straight.out_dir)
     assert type(model.layers[0].mlp.router).__name__ == 'Router'  # dense, trained
     assert model.layers[0].mlp.experts.up_proj.stack_shape == (4,)
-  with pytest.raises(ValueError, match="mixture-of-experts model 'moe-tiny', which has no "
+  with pytest.raises(ValueError, match="trained model 'moe-tiny': export writes the Hugging "
+                                       'Face Llama layout: a MoELlama .MoEConfig. has no '
                                        'export yet'):
     cli_export(straight.out_dir, tmp_path / 'hf')
 
@@ -507,17 +509,18 @@ def cli_export(run, out):
 
 
 def test_the_training_loss_of_an_moe_model_adds_its_weighted_aux_losses():
-  from poetx_jax.models import moe
-  model = moe.init_moe_model(moe.get_moe_config('moe-tiny', vocab_size=64))
+  from poetx_jax.models import get_config, init_model
+  model = init_model(get_config('moe-tiny', vocab_size=64))
   rng = np.random.default_rng(0)
   batch = {'inputs': rng.integers(0, 64, (2, 16)).astype(np.int32),
            'targets': rng.integers(-1, 64, (2, 16)).astype(np.int32)}
-  logits, aux = model.forward_with_aux(batch['inputs'])
+  logits, aux = model.forward(batch['inputs'])
   mask = batch['targets'] >= 0
   logp = jax.nn.log_softmax(np.asarray(logits, np.float64), axis=-1)
   ce = -np.sum(np.take_along_axis(logp, np.maximum(batch['targets'], 0)[..., None],
                                   -1)[..., 0] * mask) / mask.sum()
-  want = ce + 0.01 * float(aux['load_balance']) + 1e-3 * float(aux['z_loss'])
+  want = ce + 0.01 * float(aux['load_balance']) + 1e-3 * float(aux['router_z_loss'])
   assert float(aux['aux_loss']) > 0
   np.testing.assert_allclose(float(evaluation.training_loss(model, batch)), want, rtol=1e-5)
-  np.testing.assert_allclose(float(evaluation.mean_loss(model, batch)), ce, rtol=1e-5)
+  total, count, _ = evaluation.token_loss(model, batch)
+  np.testing.assert_allclose(float(total / count), ce, rtol=1e-5)

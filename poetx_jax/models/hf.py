@@ -19,6 +19,16 @@ from poetx_jax.models.llama import Llama, LlamaConfig
 Array = jax.Array
 
 
+def check_exportable(config: LlamaConfig) -> None:
+  """Raises ValueError unless ``config`` describes a model with a Hugging Face
+  ``LlamaForCausalLM`` form: a dense :class:`Llama` (a mixture-of-experts
+  model has no export yet)."""
+  if not isinstance(config, LlamaConfig) or config.model_class is not Llama:
+    what = getattr(config, 'model_class', type(config)).__name__
+    raise ValueError(f'export writes the Hugging Face Llama layout: a {what} '
+                     f'({type(config).__name__}) has no export yet')
+
+
 def hf_config(config: LlamaConfig, *, bos_token_id: int | None = None,
               eos_token_id: int | None = None, pad_token_id: int | None = None) -> dict:
   """The Hugging Face ``LlamaConfig`` (config.json) dict for ``config``.
@@ -32,7 +42,12 @@ def hf_config(config: LlamaConfig, *, bos_token_id: int | None = None,
 
   Returns:
     The config.json dict (``LlamaForCausalLM``, float32 weights).
+
+  Raises:
+    ValueError: the config has no such form (:func:`check_exportable`), or
+      an id is outside the vocabulary.
   """
+  check_exportable(config)
   ids = _token_ids(config, bos_token_id=bos_token_id, eos_token_id=eos_token_id,
                    pad_token_id=pad_token_id)
   return {
@@ -94,8 +109,9 @@ def hf_state_dict(model: Llama) -> dict[str, np.ndarray]:
   Linear weights are (out, in) = kernel.T. Every projection must be a plain
   ``nnx.Linear``; a POET model raises ValueError (unpoetize it first).
   """
-  if not isinstance(model, Llama) or hasattr(model, 'forward_with_aux'):
+  if not isinstance(model, Llama):
     raise ValueError(f'model must be a dense Llama, got {type(model).__name__}')
+  check_exportable(model.config)
   if type(model.embed_tokens) is not nnx.Embed:
     raise ValueError(f'embed_tokens is a {type(model.embed_tokens).__name__}, not an '
                      f'nnx.Embed')

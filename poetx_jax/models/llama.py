@@ -26,8 +26,7 @@ from flax import nnx
 from flax.nnx.nn import initializers
 from jax.ad_checkpoint import checkpoint_name
 
-from poetx_jax import ops
-from poetx_jax.linear import POETLinear
+from poetx_jax.linear import swiglu
 from poetx_jax.models.stack import StackedLayers
 
 Array = jax.Array
@@ -132,6 +131,26 @@ class LlamaConfig:
     head = 0 if self.tie_embeddings else h * self.vocab_size
     return self.vocab_size * h + self.layers * per_layer + h + head
 
+  def active_params(self) -> int:
+    """Parameters one token passes through: all of them in a dense model."""
+    return self.num_params()
+
+  @property
+  def model_class(self) -> type[Llama]:
+    """The model this config describes (:meth:`build` makes one)."""
+    return Llama
+
+  @property
+  def rows_independent(self) -> bool:
+    """Whether each row of a batch is computed on its own, so that a batch
+    may be split across devices and the per-device results combined (a
+    routed model couples its rows: capacity and auxiliary losses are per batch)."""
+    return True
+
+  def build(self, **kwargs) -> Llama:
+    """``model_class(self, **kwargs)``: the model, with the options of :class:`Llama`."""
+    return self.model_class(self, **kwargs)
+
 
 CONFIGS: dict[str, LlamaConfig] = {
     'tiny': LlamaConfig(vocab_size=4096, hidden=64, mlp=176, layers=2, heads=4,
@@ -151,17 +170,6 @@ CONFIGS: dict[str, LlamaConfig] = {
     '13b': LlamaConfig(vocab_size=32000, hidden=5120, mlp=13824, layers=40, heads=40,
                        kv_heads=40),
 }
-
-
-def get_config(name: str, **overrides) -> LlamaConfig:
-  """The named config of :data:`CONFIGS`, with fields replaced by ``overrides``."""
-  if name not in CONFIGS:
-    raise ValueError(f'unknown Llama config {name!r}; valid names: {sorted(CONFIGS)}')
-  fields = [f.name for f in dataclasses.fields(LlamaConfig)]
-  bad = sorted(set(overrides) - set(fields))
-  if bad:
-    raise ValueError(f'unknown LlamaConfig field(s) {bad}; valid fields: {fields}')
-  return dataclasses.replace(CONFIGS[name], **overrides)
 
 
 class RMSNorm(nnx.Module):
@@ -254,23 +262,13 @@ class MLP(nnx.Module):
     self.down_proj = lin(config.mlp, config.hidden)
 
   def __call__(self, x: Array) -> Array:
-    gate, up, down = self.gate_proj, self.up_proj, self.down_proj
-    if not all(isinstance(lin, POETLinear) for lin in (gate, up, down)):
-      hidden = jax.nn.silu(gate(x)) * up(x)
-      return down(checkpoint_name(hidden, 'mlp_hidden'))
-    # POET layers: the gate and up outputs are gathered straight into the down
-    # projection's input order (ops.gather_between), two activation gathers
-    # instead of three; gathers are exact, so the values are those above.
-    perm = down.perm_in[...]
-    g = ops.permute(gate(x, permute_output=False),
-                    ops.gather_between(gate.perm_out[...], perm))
-    u = ops.permute(up(x, permute_output=False), ops.gather_between(up.perm_out[...], perm))
-    hidden = checkpoint_name(jax.nn.silu(g) * u, 'mlp_hidden')
-    return down(hidden, permute_input=False)
+    return swiglu(self.gate_proj, self.up_proj, self.down_proj, x, hidden_name='mlp_hidden')
 
 
 class DecoderLayer(nnx.Module):
-  """Pre-norm residual block: attention, then MLP (an ``mlp_class``)."""
+  """Pre-norm residual block: attention, then MLP (an ``mlp_class``);
+  ``layer(x, positions) -> (x, stats)``, stats the layer's contribution to
+  the model's auxiliary outputs (none here: ``{}``)."""
 
   mlp_class: tp.ClassVar[type] = MLP
 
@@ -285,13 +283,17 @@ class DecoderLayer(nnx.Module):
                                             param_dtype=param_dtype, rngs=rngs)
     self.mlp = self.mlp_class(config, **kw)
 
-  def __call__(self, x: Array, positions: Array | None = None) -> Array:
+  def __call__(self, x: Array, positions: Array | None = None) -> tuple[Array, dict]:
     x = x + self.self_attn(self.input_layernorm(x), positions)
-    return x + self.mlp(self.post_attention_layernorm(x))
+    return x + self.mlp(self.post_attention_layernorm(x)), {}
 
 
 class Llama(nnx.Module):
   """Llama causal language model: tokens (B, T) int -> logits (B, T, V) float32.
+
+  :meth:`forward` gives ``(logits, aux)``, the auxiliary outputs every model
+  reports through one channel (a dense Llama: none, ``{}``; a routed model's
+  in :mod:`poetx_jax.models.moe`); calling the model gives the logits.
 
   Args:
     config: the model shape.
@@ -321,10 +323,11 @@ class Llama(nnx.Module):
 
     >>> import jax.numpy as jnp
     >>> from flax import nnx
-    >>> from poetx_jax.models.llama import Llama, get_config
-    >>> model = Llama(get_config('tiny'), rngs=nnx.Rngs(0))
-    >>> model(jnp.zeros((2, 8), jnp.int32)).shape
-    (2, 8, 4096)
+    >>> from poetx_jax.models import get_config
+    >>> model = get_config('tiny').build(rngs=nnx.Rngs(0))
+    >>> logits, aux = model.forward(jnp.zeros((2, 8), jnp.int32))
+    >>> logits.shape, aux
+    ((2, 8, 4096), {})
   """
 
   decoder_layer: tp.ClassVar[type] = DecoderLayer  # what each of ``layers`` is
@@ -336,12 +339,11 @@ class Llama(nnx.Module):
                convert_layer: tp.Callable[[nnx.Module], nnx.Module] | None = None,
                scan_layers: bool = False,
                place: tp.Callable[[tuple], jax.sharding.Sharding] | None = None):
-    if not isinstance(config, self.config_class):
-      raise ValueError(f'config must be a {self.config_class.__name__}, got '
-                       f'{type(config).__name__}')
-    if self.decoder_layer is DecoderLayer and hasattr(config, 'experts'):
-      raise ValueError(f'a {type(config).__name__} describes a mixture-of-experts model: '
-                       f'build it with poetx_jax.models.moe.MoELlama')
+    if not isinstance(config, self.config_class) or not isinstance(self, config.model_class):
+      raise ValueError(f'a {type(self).__name__} needs a {self.config_class.__name__}; '
+                       f'a {type(config).__name__} describes a '
+                       f'{getattr(config, "model_class", type(None)).__name__}: '
+                       f'build it with config.build(...)')
     if remat not in REMAT_POLICIES:
       raise ValueError(f'remat must be one of {tuple(REMAT_POLICIES)}, got {remat!r}')
     if place is not None and not scan_layers:
@@ -371,13 +373,26 @@ class Llama(nnx.Module):
 
   def __call__(self, tokens: Array) -> Array:
     """tokens (B, T) int, T <= max_seq_len -> logits (B, T, V) float32."""
-    h, positions = self.embed(tokens)
-    return self.logits(self.run_layers(h, positions))
+    return self.forward(tokens)[0]
 
-  def run_layers(self, h: Array, positions: Array, totals=None):
+  def forward(self, tokens: Array) -> tuple[Array, dict]:
+    """tokens (B, T) int -> (logits (B, T, V) float32, aux): the layers'
+    stats summed from :meth:`aux_init` and finished by :meth:`aux_summary`."""
+    h, positions = self.embed(tokens)
+    h, totals = self.run_layers(h, positions, self.aux_init())
+    return self.logits(h), self.aux_summary(totals)
+
+  def aux_init(self) -> dict:
+    """The zero of the per-layer stats the decoder layers add up (none here)."""
+    return {}
+
+  def aux_summary(self, totals: dict) -> dict:
+    """The ``aux`` of :meth:`forward` from the layers' summed stats (none here)."""
+    return totals
+
+  def run_layers(self, h: Array, positions: Array, totals: dict) -> tuple[Array, dict]:
     """The decoder layers on ``h`` (scanned or one by one, rematerialised as
-    ``remat`` says). With ``totals``, each layer returns ``(h, stats)`` and the
-    result is ``(h, totals + the layers' stats)``."""
+    ``remat`` says): ``(h, totals + the layers' stats)``."""
     policy = REMAT_POLICIES[self.remat]
     if isinstance(self.layers, StackedLayers):
       return self.layers(h, positions, policy=policy, totals=totals)
@@ -385,11 +400,9 @@ class Llama(nnx.Module):
     if policy is not None:
       call = nnx.remat(call, policy=policy)
     for layer in self.layers:
-      h = call(layer, h, positions)
-      if totals is not None:
-        h, stats = h
-        totals = jax.tree.map(jnp.add, totals, stats)
-    return h if totals is None else (h, totals)
+      h, stats = call(layer, h, positions)
+      totals = jax.tree.map(jnp.add, totals, stats)
+    return h, totals
 
   def embed(self, tokens: Array) -> tuple[Array, Array]:
     """tokens (B, T) int, T <= max_seq_len -> (embeddings (B, T, H), positions (1, T))."""
@@ -411,21 +424,3 @@ class Llama(nnx.Module):
     else:
       logits = self.lm_head(h)
     return logits.astype(jnp.float32)
-
-
-def init_model(config: LlamaConfig, *, seed: int = 0, dtype: tp.Any = jnp.float32,
-               param_dtype: tp.Any = jnp.float32, remat: str = 'none',
-               scan_layers: bool = False) -> Llama:
-  """``Llama(config, ..., rngs=nnx.Rngs(seed))``, its parameters drawn on the device.
-
-  Built op by op rather than in one jitted program: each initialiser is one
-  small compiled program per parameter shape, reused by every layer, where a
-  whole-model program compiles a copy of it per layer (for Llama-1B on an
-  H200, about a minute against seconds).
-  """
-  if not isinstance(config, LlamaConfig):
-    raise ValueError(f'config must be a LlamaConfig, got {type(config).__name__}')
-  if not isinstance(seed, (int, np.integer)) or isinstance(seed, bool):
-    raise ValueError(f'seed must be an int, got {seed!r}')
-  return Llama(config, dtype=dtype, param_dtype=param_dtype, remat=remat,
-               rngs=nnx.Rngs(jax.random.key(int(seed))), scan_layers=scan_layers)

@@ -19,7 +19,7 @@ Experts (:class:`Experts`): ``gate_proj``, ``up_proj``, ``down_proj`` each one
 (``stack_shape`` (E,); (L, E) in a scanned model): each expert's projections
 train as ``R W0 P`` with rotations of their own and merge like every other
 POET layer; the forward forms each expert's effective kernel from block
-products (``ops.poet_kernel``) for the same grouped products. The
+products (``poetx_jax.linear_operands``) for the same grouped products. The
 :class:`Router` stays a dense, trainable ``nnx.Linear``.
 
 Auxiliary losses, per layer: load balance ``E sum_e f_e p_e`` (Switch /
@@ -27,7 +27,7 @@ GShard; f_e the fraction of slots routed to expert e before capacity, p_e its
 mean router probability; 1 under uniform routing) and router z-loss
 ``mean_n logsumexp(logits_n)^2``. The model reports their means over layers
 and ``aux_loss = aux_loss_coef * load_balance + z_loss_coef * z_loss``, to add
-to the language-model loss.
+to the language-model loss, in the ``aux`` of ``MoELlama.forward``.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ from flax.nnx.nn import dtypes, initializers
 from jax.ad_checkpoint import checkpoint_name
 
 from poetx_jax import ops
-from poetx_jax.linear import POETLinear
+from poetx_jax.linear import linear_operands
 from poetx_jax.models.llama import DecoderLayer, Llama, LlamaConfig
 
 Array = jax.Array
@@ -109,6 +109,16 @@ class MoEConfig(LlamaConfig):
     """Parameters one token passes through: ``num_params`` with k experts per layer."""
     return self._params(self.top_k)
 
+  @property
+  def model_class(self) -> type[MoELlama]:
+    """The model this config describes: :class:`MoELlama`."""
+    return MoELlama
+
+  @property
+  def rows_independent(self) -> bool:
+    """False: routing couples the rows of a batch (capacity, auxiliary losses)."""
+    return False
+
 
 MOE_CONFIGS: dict[str, MoEConfig] = {
     'moe-tiny': MoEConfig(vocab_size=4096, hidden=64, mlp=96, layers=2, heads=4,
@@ -121,17 +131,6 @@ MOE_CONFIGS: dict[str, MoEConfig] = {
     'moe-7b': MoEConfig(vocab_size=32000, hidden=2048, mlp=2816, layers=24, heads=16,
                         kv_heads=8, experts=16, top_k=2),
 }
-
-
-def get_moe_config(name: str, **overrides) -> MoEConfig:
-  """The named config of :data:`MOE_CONFIGS`, with fields replaced by ``overrides``."""
-  if name not in MOE_CONFIGS:
-    raise ValueError(f'unknown MoE config {name!r}; valid names: {sorted(MOE_CONFIGS)}')
-  fields = [f.name for f in dataclasses.fields(MoEConfig)]
-  bad = sorted(set(overrides) - set(fields))
-  if bad:
-    raise ValueError(f'unknown MoEConfig field(s) {bad}; valid fields: {fields}')
-  return dataclasses.replace(MOE_CONFIGS[name], **overrides)
 
 
 def expert_capacity(tokens: int, experts: int, top_k: int,
@@ -194,39 +193,17 @@ class Router(nnx.Linear):
   exactly ``nnx.Linear``, keeps it a plain trainable layer."""
 
 
-def expert_kernels(proj: nnx.Linear | POETLinear, x: Array) -> tuple[Array, Array]:
-  """(x, kernels (E, I, O)) of one projection of every expert, in the compute
-  dtype. For a POET stack, each expert's effective kernel from block products
-  (``ops.poet_kernel``: the weight form, in jnp, whatever the stack's ``form``
-  and ``implementation``; recomputed in the backward under ``mode='mem'``)."""
-  if not isinstance(proj, POETLinear):
-    x, kernel = dtypes.promote_dtype((x, proj.kernel[...]), dtype=proj.dtype)
-    return x, kernel
-  if proj.use_bias or len(proj.stack_shape) != 1:
-    raise ValueError(f'expert projections must be a bias-free stack of POET layers with '
-                     f'one leading expert axis, got stack_shape {proj.stack_shape}, '
-                     f'use_bias={proj.use_bias}')
-  dtype = proj.dtype or jnp.result_type(x, proj.kernel[...] if proj.quantize is None
-                                        else jnp.float32)
-  x = x.astype(dtype)
-
-  def form(kernel, scale, q_in, q_out, perm_in, perm_out):
-    return ops.poet_kernel(kernel, q_in, q_out, perm_in, perm_out, dtype=dtype,
-                           block_size=proj.block_size, terms=proj.terms, kernel_scale=scale)
-
-  if proj.mode == 'mem':
-    form = jax.checkpoint(form, policy=jax.checkpoint_policies.nothing_saveable)
-  scale = proj.kernel_scale[...] if proj.quantize is not None else None
-  kernels = jax.vmap(form, in_axes=(0, None if scale is None else 0, 0, 0, 0, 0))(
-      proj.kernel[...], scale, proj.q_in[...], proj.q_out[...], proj.perm_in[...],
-      proj.perm_out[...])
-  return x, kernels
-
-
-def grouped_linear(proj: nnx.Linear | POETLinear, x_SxI: Array, group_sizes_E: Array) -> Array:
+def grouped_linear(proj: nnx.Linear, x_SxI: Array, group_sizes_E: Array) -> Array:
   """Each row of ``x`` (sorted by expert, group e of size ``group_sizes_E[e]``)
-  times its expert's kernel; rows past the groups give zeros."""
-  x, kernels = expert_kernels(proj, x_SxI)
+  times its expert's kernel; rows past the groups give zeros. ``proj`` is a
+  bias-free stack of E kernels (E, I, O): an ``nnx.Linear`` or what
+  ``poetize`` makes of it (its kernels then formed from block products)."""
+  if proj.use_bias:
+    raise ValueError('expert projections must be bias-free')
+  x, kernels = linear_operands(proj, x_SxI)
+  if kernels.ndim != 3:
+    raise ValueError(f'expert projections must stack their kernels along one leading '
+                     f'expert axis, got kernels of shape {kernels.shape}')
   return jax.lax.ragged_dot(x, kernels, group_sizes_E, precision=proj.precision)
 
 
@@ -292,7 +269,7 @@ class MoEMLP(nnx.Module):
 # --------------------------------------------------------------------- model
 class MoEDecoderLayer(DecoderLayer):
   """Pre-norm residual block: Llama's attention, then the routed MLP;
-  ``layer(x, positions) -> (x, stats)``."""
+  ``layer(x, positions) -> (x, stats)``, stats the routing's (:class:`Routing`)."""
 
   mlp_class = MoEMLP
 
@@ -307,59 +284,37 @@ class MoELlama(Llama):
 
   Embedding, decoder layers (:class:`MoEDecoderLayer`), final norm, lm_head,
   with the state paths of ``llama.Llama`` (the MLP's ``mlp/router`` and
-  ``mlp/experts/{gate,up,down}_proj``). Arguments as for ``llama.Llama``:
-  ``dtype``, ``param_dtype``, ``remat`` (a key of ``llama.REMAT_POLICIES``),
-  ``attention``, ``rngs``, ``convert_layer`` (e.g. ``poetize`` of each layer
-  as it is built), ``scan_layers`` (layers stored as a ``StackedLayers``, run
-  by ``lax.scan`` carrying the summed losses) and ``place``.
-  :meth:`forward_with_aux` also returns the auxiliary losses and load.
+  ``mlp/experts/{gate,up,down}_proj``). Arguments as for ``llama.Llama``.
+  :meth:`forward`'s ``aux`` holds the routing and the auxiliary loss.
 
   Example::
 
     >>> import jax.numpy as jnp
     >>> from flax import nnx
-    >>> from poetx_jax.models.moe import MoELlama, get_moe_config
-    >>> model = MoELlama(get_moe_config('moe-tiny'), rngs=nnx.Rngs(0))
-    >>> logits, aux = model.forward_with_aux(jnp.zeros((2, 8), jnp.int32))
-    >>> logits.shape, aux['tokens_per_expert'].shape
+    >>> from poetx_jax.models import get_config
+    >>> model = get_config('moe-tiny').build(rngs=nnx.Rngs(0))
+    >>> logits, aux = model.forward(jnp.zeros((2, 8), jnp.int32))
+    >>> logits.shape, aux['expert_tokens'].shape
     ((2, 8, 4096), (4,))
   """
 
   decoder_layer = MoEDecoderLayer
   config_class = MoEConfig
 
-  def forward_with_aux(self, tokens: Array) -> tuple[Array, dict]:
-    """tokens (B, T) int -> (logits (B, T, V) float32, aux).
-
-    ``aux``: ``aux_loss`` (the weighted sum to add to the training loss),
-    ``load_balance`` and ``z_loss`` (means over layers, unweighted),
-    ``tokens_per_expert`` (E,) int32 and ``dropped`` (int32 slots), both
-    summed over layers.
-    """
-    h, positions = self.embed(tokens)
+  def aux_init(self) -> dict:
     zero = jnp.zeros((), jnp.float32)
-    totals = {'load_balance': zero, 'z_loss': zero, 'dropped': jnp.zeros((), jnp.int32),
-              'tokens_per_expert': jnp.zeros((self.config.experts,), jnp.int32)}
-    h, totals = self.run_layers(h, positions, totals)
+    return {'load_balance': zero, 'z_loss': zero, 'dropped': jnp.zeros((), jnp.int32),
+            'tokens_per_expert': jnp.zeros((self.config.experts,), jnp.int32)}
+
+  def aux_summary(self, totals: dict) -> dict:
+    """``aux``: ``aux_loss`` (the weighted sum to add to the training loss),
+    ``load_balance`` and ``router_z_loss`` (means over layers, unweighted),
+    ``expert_tokens`` (E,) int32 (slots routed to each expert) and
+    ``dropped`` (int32 slots over capacity), both summed over layers."""
     c = self.config
-    aux = dict(totals, load_balance=totals['load_balance'] / c.layers,
-               z_loss=totals['z_loss'] / c.layers)
-    aux['aux_loss'] = c.aux_loss_coef * aux['load_balance'] + c.z_loss_coef * aux['z_loss']
-    return self.logits(h), aux
-
-  def __call__(self, tokens: Array) -> Array:
-    """tokens (B, T) int, T <= max_seq_len -> logits (B, T, V) float32."""
-    return self.forward_with_aux(tokens)[0]
-
-
-def init_moe_model(config: MoEConfig, *, seed: int = 0, dtype: tp.Any = jnp.float32,
-                   param_dtype: tp.Any = jnp.float32, remat: str = 'none',
-                   scan_layers: bool = False) -> MoELlama:
-  """``MoELlama(config, ..., rngs=nnx.Rngs(seed))``, built op by op as
-  ``llama.init_model`` builds a Llama."""
-  if not isinstance(config, MoEConfig):
-    raise ValueError(f'config must be a MoEConfig, got {type(config).__name__}')
-  if not isinstance(seed, (int, np.integer)) or isinstance(seed, bool):
-    raise ValueError(f'seed must be an int, got {seed!r}')
-  return MoELlama(config, dtype=dtype, param_dtype=param_dtype, remat=remat,
-                  rngs=nnx.Rngs(jax.random.key(int(seed))), scan_layers=scan_layers)
+    aux = {'expert_tokens': totals['tokens_per_expert'], 'dropped': totals['dropped'],
+           'load_balance': totals['load_balance'] / c.layers,
+           'router_z_loss': totals['z_loss'] / c.layers}
+    aux['aux_loss'] = (c.aux_loss_coef * aux['load_balance']
+                       + c.z_loss_coef * aux['router_z_loss'])
+    return aux

@@ -127,9 +127,10 @@ def cmd_eval(a) -> int:
   from poetx_jax.pretrain.rundir import load_run
   cfg, data, model, step = load_run(a.run, step=a.step)
   batches = data_lib.eval_batches(data.val_windows, batch_size=cfg.batch_size)
-  loss, ppl = evaluate(model, batches)
-  print(json.dumps({'run': a.run, 'step': step, 'val_loss': loss, 'val_ppl': ppl,
-                    'val_tokens': int(data.val_windows.size)}))
+  result = evaluate(model, batches)
+  print(json.dumps({'run': a.run, 'step': step, 'val_loss': result.loss,
+                    'val_ppl': result.ppl, 'val_tokens': int(data.val_windows.size),
+                    **result.aux}))
   return 0
 
 

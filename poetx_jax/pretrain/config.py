@@ -21,8 +21,8 @@ import dataclasses
 import json
 import typing as tp
 
-from poetx_jax import linear, ops, sharding
-from poetx_jax.models import llama, moe
+from poetx_jax import linear, models, ops, sharding
+from poetx_jax.models import llama
 from poetx_jax.pretrain.tokenizer import MIN_BPE_VOCAB
 
 OPTIMIZERS = ('poetx', 'adamw', 'skewadam')
@@ -66,7 +66,7 @@ def _count(default: int, help: str, **metadata) -> tp.Any:  # pylint: disable=re
 class TrainConfig:
   """Everything a run needs; saved as ``run.json`` in the run directory."""
   model: str = _option('tiny', 'named Llama or mixture-of-experts Llama config',
-                       choices=tuple(llama.CONFIGS) + tuple(moe.MOE_CONFIGS),
+                       choices=tuple(models.CONFIGS),
                        cli_choices=False)
   model_overrides: dict = _option(
       {}, 'override config fields, e.g. layers=4,hidden=128', metavar='K=V,...',

@@ -7,6 +7,7 @@ A batch is ``{'inputs': (B, L) int32, 'targets': (B, L) int32}``; targets
 from __future__ import annotations
 
 import math
+import typing as tp
 
 import jax
 import jax.numpy as jnp
@@ -25,48 +26,24 @@ def _cross_entropy(logits, targets):
 
 
 def token_loss(model, batch):
-  """(sum of token cross-entropies, number of target tokens); -1 targets masked."""
-  return _cross_entropy(model(batch['inputs']), batch['targets'])
+  """(sum of token cross-entropies, number of target tokens, the model's
+  ``aux``); -1 targets masked."""
+  logits, aux = model.forward(batch['inputs'])
+  return (*_cross_entropy(logits, batch['targets']), aux)
 
 
 def target_count(batch):
-  """The unmasked targets of a batch: what :func:`mean_loss` averages over."""
+  """The unmasked targets of a batch: what :func:`training_loss` averages over."""
   return jnp.sum(batch['targets'] >= 0)
 
 
-def mean_loss(model, batch):
-  """The mean cross-entropy over the unmasked targets (the training loss)."""
-  total, count = token_loss(model, batch)
-  return total / jnp.maximum(count, 1)
-
-
 def training_loss(model, batch):
-  """What the train step minimises: :func:`mean_loss`, plus the weighted
-  auxiliary losses of a mixture-of-experts model (load balance, router
-  z-loss: its ``forward_with_aux``)."""
-  if not hasattr(model, 'forward_with_aux'):
-    return mean_loss(model, batch)
-  logits, aux = model.forward_with_aux(batch['inputs'])
-  total, count = _cross_entropy(logits, batch['targets'])
-  return total / jnp.maximum(count, 1) + aux['aux_loss']
-
-
-@nnx.jit
-def _routing(model, batch) -> dict:
-  _, aux = model.forward_with_aux(batch['inputs'])
-  return {k: aux[k] for k in ('tokens_per_expert', 'dropped', 'load_balance', 'z_loss')}
-
-
-def expert_load(model, batch, mesh=None) -> dict:
-  """A mixture-of-experts model's routing on the global host ``batch``:
-  ``expert_tokens`` (token slots routed to each expert, summed over layers),
-  ``dropped`` (slots over capacity, summed over layers), ``load_balance`` and
-  ``router_z_loss`` (means over layers); plain numbers."""
-  b = batch if mesh is None else sharding.local_rows(batch)
-  r = jax.device_get(_routing(model, place_batch(b, mesh)))
-  return {'expert_tokens': [int(x) for x in r['tokens_per_expert']],
-          'dropped': int(r['dropped']), 'load_balance': float(r['load_balance']),
-          'router_z_loss': float(r['z_loss'])}
+  """What the train step minimises: the mean cross-entropy over the unmasked
+  targets, plus the model's ``aux_loss`` where its ``aux`` has one (a
+  mixture-of-experts model's weighted load-balance and router z-losses)."""
+  total, count, aux = token_loss(model, batch)
+  loss = total / jnp.maximum(count, 1)
+  return loss + aux['aux_loss'] if 'aux_loss' in aux else loss
 
 
 def place_batch(batch, mesh):
@@ -76,15 +53,32 @@ def place_batch(batch, mesh):
   return sharding.shard_batch(batch, mesh)
 
 
-_eval_sum = nnx.jit(token_loss)
+_eval_batch = nnx.jit(token_loss)
 
 
-def evaluate(model, batches, mesh=None) -> tuple[float, float]:
-  """(mean validation loss per token, perplexity) over global host ``batches``."""
-  total, count = 0.0, 0
-  for b in batches:
+class Evaluation(tp.NamedTuple):
+  """What :func:`evaluate` measures: the mean loss per target token, its
+  perplexity and the model's auxiliary outputs on the first batch as plain
+  numbers (``{}`` for a dense Llama; a routed model's expert loads), all but
+  ``aux_loss``."""
+  loss: float
+  ppl: float
+  aux: dict
+
+
+def _plain(x):
+  x = jax.device_get(x)
+  return x.tolist() if getattr(x, 'ndim', 0) else x.item()
+
+
+def evaluate(model, batches, mesh=None) -> Evaluation:
+  """The :class:`Evaluation` of ``model`` over global host ``batches``."""
+  total, count, first = 0.0, 0, {}
+  for i, b in enumerate(batches):
     b = b if mesh is None else sharding.local_rows(b)
-    t, c = _eval_sum(model, place_batch(b, mesh))
+    t, c, aux = _eval_batch(model, place_batch(b, mesh))
     total, count = total + float(t), count + int(c)
+    if i == 0:
+      first = {k: _plain(v) for k, v in aux.items() if k != 'aux_loss'}
   loss = total / max(count, 1)
-  return loss, math.exp(min(loss, 50.0))
+  return Evaluation(loss, math.exp(min(loss, 50.0)), first)

@@ -40,7 +40,8 @@ import tempfile
 import typing as tp
 
 import poetx_jax
-from poetx_jax.models import hf, llama, moe
+from poetx_jax import models
+from poetx_jax.models import hf
 
 # A directory holding any of these holds an export: the files written here, and
 # those of other Hugging Face exports that a loader would read beside them.
@@ -223,7 +224,7 @@ def check_destination(out_dir: str | pathlib.Path, *, force: bool = False) -> li
   return held
 
 
-def export_model(model, mc: llama.LlamaConfig, out_dir: str | pathlib.Path,
+def export_model(model, mc: models.LlamaConfig, out_dir: str | pathlib.Path,
                  tokenizer_path: str | pathlib.Path | None = None, *,
                  force: bool = False) -> list[pathlib.Path]:
   """Writes ``model`` (POET or plain Llama) and its tokenizer to ``out_dir``.
@@ -246,9 +247,7 @@ def export_model(model, mc: llama.LlamaConfig, out_dir: str | pathlib.Path,
       the tokenizer's vocabulary is not the model's.
   """
   from safetensors.numpy import save_file  # pylint: disable=g-import-not-at-top
-  if isinstance(mc, moe.MoEConfig):
-    raise ValueError(f'export writes the Hugging Face Llama layout: a mixture-of-experts '
-                     f'model ({type(mc).__name__}, {mc.experts} experts) has no export yet')
+  hf.check_exportable(mc)
   out = pathlib.Path(out_dir)
   held = check_destination(out, force=force)
   files: dict[str, tp.Callable[[str], object]] = {}
@@ -288,10 +287,11 @@ def export_run(run: str | pathlib.Path, out_dir: str | pathlib.Path,
     raise ValueError(f'the export directory {out_dir} is the run directory; choose '
                      f'another one')
   check_destination(out_dir, force=force)  # before the checkpoint is read
-  model_name = rundir.read_config(run).model
-  if model_name in moe.MOE_CONFIGS:
-    raise ValueError(f'export writes the Hugging Face Llama layout: {run} trained the '
-                     f'mixture-of-experts model {model_name!r}, which has no export yet')
+  cfg = rundir.read_config(run)
+  try:
+    hf.check_exportable(models.get_config(cfg.model, **cfg.model_overrides))
+  except ValueError as e:
+    raise ValueError(f'{run} trained model {cfg.model!r}: {e}') from None
   tokenizer = rundir.stored_tokenizer(run)
   _, mc, model, _ = rundir.load_model(run, step=step)
   return export_model(model, mc, out_dir, tokenizer, force=force)

@@ -2,9 +2,9 @@
 the optimizer, the train step and the device mesh.
 
     mc = model_config(cfg, vocab_size)
-    model = build_model(cfg, mc)
-    optimizer = build_optimizer(cfg, model)
-    step = make_step(cfg)
+    mesh = make_training_mesh(cfg)
+    model, optimizer = build_state(cfg, mc, mesh)   # placed on the mesh
+    step = make_step(cfg, mc, mesh=mesh)
     loss = step(model, optimizer, batch)
 """
 
@@ -21,7 +21,8 @@ from flax import nnx
 import poetx_jax
 from poetx_jax import sharding
 from poetx_jax.lean import lean_adamw
-from poetx_jax.models import llama, moe
+from poetx_jax import models
+from poetx_jax.models.llama import LlamaConfig
 from poetx_jax.pretrain.config import TrainConfig
 from poetx_jax.pretrain.evaluation import target_count, training_loss
 
@@ -33,23 +34,20 @@ def compute_dtype(name: str):
   return jnp.dtype(name)
 
 
-def model_config(cfg: TrainConfig, vocab_size: int) -> llama.LlamaConfig:
-  """The named config with overrides (a ``moe.MoEConfig`` for the names of
-  ``moe.MOE_CONFIGS``), its vocabulary set to the tokenizer's."""
-  if cfg.model in moe.MOE_CONFIGS:
-    mc = moe.get_moe_config(cfg.model, **cfg.model_overrides)
-  else:
-    mc = llama.get_config(cfg.model, **cfg.model_overrides)
-  mc = dataclasses.replace(mc, vocab_size=vocab_size)
+def model_config(cfg: TrainConfig, vocab_size: int) -> LlamaConfig:
+  """The named config (dense or mixture-of-experts) with overrides, its
+  vocabulary set to the tokenizer's."""
+  mc = dataclasses.replace(models.get_config(cfg.model, **cfg.model_overrides),
+                           vocab_size=vocab_size)
   if cfg.seq_len > mc.max_seq_len:
     raise ValueError(f'seq_len={cfg.seq_len} is longer than model {cfg.model!r} '
                      f'supports (max_seq_len={mc.max_seq_len})')
   return mc
 
 
-def build_model(cfg: TrainConfig, mc: llama.LlamaConfig, mesh=None):
-  """The Llama or MoE Llama (poetized for POET-X: its experts too, not its
-  routers) as it is at step 0 of the run.
+def build_model(cfg: TrainConfig, mc: LlamaConfig, mesh=None):
+  """The model ``mc`` describes (poetized for POET-X: a mixture-of-experts
+  model's experts too, not its routers) as it is at step 0 of the run.
 
   For POET-X each decoder layer is converted as soon as it is built (its dense
   kernels freed), so the dense weights of only one layer are resident at a
@@ -62,20 +60,35 @@ def build_model(cfg: TrainConfig, mc: llama.LlamaConfig, mesh=None):
   stacked decoder layers are allocated sharded and each layer is written into
   its shards as it is built: a model whose weights do not fit on one device
   is never gathered on one (the rest, embeddings and head, start on the
-  default device; :func:`poetx_jax.sharding.shard_state` places them).
+  default device; :func:`build_state` places them).
   """
   dtype, param_dtype = compute_dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
   place = None
   if mesh is not None and cfg.strategy == 'fsdp' and cfg.scan_layers:
     place = sharding.placement(mesh, cfg.strategy)
   convert = _layer_converter(cfg, mc) if cfg.optimizer == 'poetx' else None
-  model_class = moe.MoELlama if isinstance(mc, moe.MoEConfig) else llama.Llama
-  return model_class(mc, dtype=dtype, param_dtype=param_dtype, remat=cfg.remat,
-                     attention=cfg.attention, rngs=nnx.Rngs(jax.random.key(cfg.seed)), convert_layer=convert,
-                     scan_layers=cfg.scan_layers, place=place)
+  return mc.build(dtype=dtype, param_dtype=param_dtype, remat=cfg.remat,
+                  attention=cfg.attention, rngs=nnx.Rngs(jax.random.key(cfg.seed)),
+                  convert_layer=convert, scan_layers=cfg.scan_layers, place=place)
 
 
-def _layer_converter(cfg: TrainConfig, mc: llama.LlamaConfig):
+def build_state(cfg: TrainConfig, mc: LlamaConfig, mesh=None) -> tuple[nnx.Module,
+                                                                       nnx.Optimizer]:
+  """``(model, optimizer)`` of the run at step 0 (:func:`build_model`,
+  :func:`build_optimizer`), placed on ``mesh`` by ``cfg.strategy`` (None:
+  the default device)."""
+  model = build_model(cfg, mc, mesh)
+  optimizer = build_optimizer(cfg, model)
+  if mesh is not None:
+    if cfg.batch_size % mesh.size:
+      raise ValueError(f'batch_size={cfg.batch_size} must be divisible by the '
+                       f'{mesh.size} devices')
+    sharding.shard_state(model, mesh, cfg.strategy)
+    sharding.shard_state(optimizer, mesh, cfg.strategy)
+  return model, optimizer
+
+
+def _layer_converter(cfg: TrainConfig, mc: LlamaConfig):
   """``convert(layer)``: a decoder layer poetized as the run configures, its
   dense kernels consumed; permutations drawn from ``seed + 1``, layer after layer."""
   poet_rngs = nnx.Rngs(jax.random.key(cfg.seed + 1))
@@ -101,7 +114,7 @@ def size_text(tree) -> str:
   return f'{n / 2 ** 30:.2f} GiB' if n >= 2 ** 30 else f'{n / 2 ** 20:.1f} MiB'
 
 
-def abstract_state(cfg: TrainConfig, mc: llama.LlamaConfig):
+def abstract_state(cfg: TrainConfig, mc: LlamaConfig):
   """``(model, optimizer)`` of the run as shapes only (``nnx.eval_shape``):
   for sizing and compiling without allocating anything."""
 
@@ -171,15 +184,15 @@ def _finish_optimizer(cfg: TrainConfig, model, tx) -> nnx.Optimizer:
   return nnx.Optimizer(model, tx, wrt=nnx.Param)
 
 
-def make_step(cfg: TrainConfig, on_merge=None, mesh=None):
+def make_step(cfg: TrainConfig, mc: LlamaConfig, on_merge=None, mesh=None):
   """The run's train step ``step(model, optimizer, batch) -> loss``; ``on_merge``:
   called as ``on_merge(step, orthogonality_error)`` at each POET-X merge;
   ``mesh``: the training mesh, if any."""
   if cfg.optimizer == 'poetx':
-    # Not for MoE models: per-device programs would route each device's rows
-    # alone (capacity and aux losses per shard), not the global batch.
-    dp = (mesh if mesh is not None and cfg.strategy == 'dp'
-          and cfg.model not in moe.MOE_CONFIGS else None)
+    # Per-device programs only where each row is computed on its own (a
+    # routed model's capacity and aux losses are per global batch).
+    dp = (mesh if mesh is not None and cfg.strategy == 'dp' and mc.rows_independent
+          else None)
     return poetx_jax.make_train_step(training_loss, merge_every=cfg.merge_every * cfg.grad_accum,
                                      seed=cfg.seed, on_merge=on_merge,
                                      data_parallel=dp, loss_weight=target_count)

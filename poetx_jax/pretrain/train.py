@@ -20,15 +20,14 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from poetx_jax import sharding
 from poetx_jax.pretrain import data as data_lib
 from poetx_jax.pretrain import processes, rundir
 from poetx_jax.pretrain.checkpoint import Checkpointer
 from poetx_jax.pretrain.config import TrainConfig
-from poetx_jax.pretrain.evaluation import evaluate, expert_load, place_batch
-from poetx_jax.pretrain.factories import (build_model, build_optimizer, compute_dtype,
-                                          make_step, make_training_mesh, model_config,
-                                          model_poet_lr, size_text)
+from poetx_jax.pretrain.evaluation import evaluate, place_batch
+from poetx_jax.pretrain.factories import (build_state, compute_dtype, make_step,
+                                          make_training_mesh, model_config, model_poet_lr,
+                                          size_text)
 from poetx_jax.pretrain.metrics import (Metrics, Progress, StopFlag, TrainClock,
                                         merge_reporter)
 
@@ -52,10 +51,46 @@ def all_finite(tree) -> bool:
   return bool(_finite(leaves)) if leaves else True
 
 
+@dataclasses.dataclass(frozen=True)
+class Hook:
+  """Something the training loop does every ``every`` micro-steps, and after
+  the last: ``fn(run)`` with the :class:`Run`; a dict it returns is written to
+  ``metrics.jsonl`` as ``{'step': run.step, **result}``.
+
+  Attributes:
+    fn: ``fn(run) -> dict | None``; it must not change the model unless it
+      means to (a fault injected by a test).
+    every: micro-steps between calls (the last step always calls it).
+    at_start: also call it at step 0 of a fresh run (after its validation).
+    wait: call it with the training clock paused, once the dispatched steps
+      are done (evaluations, probes, checkpoints); False: at once, the step
+      just dispatched (its time counts as training).
+    on: ``'step'``, after a step; ``'save'``, after each checkpoint save
+      starts (``every`` then counts micro-steps as well).
+
+  The loop's own work is hooks too (:func:`loop_hooks`): the log line, the
+  validation, the merge report, the checkpoint.
+  """
+  fn: tp.Callable[['Run'], dict | None]
+  every: int = 1
+  at_start: bool = False
+  wait: bool = True
+  on: str = 'step'
+
+  def __post_init__(self):
+    if not isinstance(self.every, int) or isinstance(self.every, bool) or self.every < 1:
+      raise ValueError(f'Hook every must be an int >= 1, got {self.every!r}')
+    if self.on not in ('step', 'save'):
+      raise ValueError(f"Hook on must be 'step' or 'save', got {self.on!r}")
+
+  def due(self, step: int, last: bool) -> bool:
+    return last or step % self.every == 0
+
+
 @dataclasses.dataclass
 class Run:
-  """A run being trained: its configuration, directory, state, data and writers,
-  the step it is at, and its validations so far."""
+  """A run being trained: its configuration, directory, state, data, writers
+  and hooks, the step it is at, and its validations so far."""
   cfg: TrainConfig
   out: pathlib.Path
   mesh: tp.Any
@@ -67,10 +102,19 @@ class Run:
   ckpt: Checkpointer
   metrics: Metrics
   step: int
+  hooks: list[Hook] = dataclasses.field(default_factory=list)
   first_val: tuple[float, float] | None = None
   last_val: tuple[float, float] | None = None
   stopped: str | None = None
-  hook: tp.Callable[[str, 'Run'], None] | None = None
+  merges: list = dataclasses.field(default_factory=list)  # (step, error) to report
+  # The loop's state: the last step's loss (a device array until logged),
+  # the clock, the progress bar and where this call started.
+  loss: tp.Any = None
+  clock: TrainClock | None = None
+  progress: Progress | None = None
+  t0: float = 0.0
+  start: int = 0
+  saved_at: int | None = None
 
   def save(self, reason: str) -> None:
     """Starts an asynchronous checkpoint of the state and the data position,
@@ -80,8 +124,10 @@ class Run:
     meta = {'step': self.step, 'config': dataclasses.asdict(self.cfg), 'reason': reason}
     self.ckpt.save(self.step, self.model, self.optimizer,
                    data_state=self.batches.get_state(), meta=meta)
-    if self.hook is not None:
-      self.hook('save', self)
+    self.saved_at = self.step
+    for hook in self.hooks:
+      if hook.on == 'save' and hook.due(self.step, False):
+        _call(self, hook)
 
   def diverged(self, what: str) -> tp.NoReturn:
     """Raises NonFiniteLoss once the earlier checkpoints are written, naming the
@@ -93,22 +139,23 @@ class Run:
     raise NonFiniteLoss(f'training diverged: {what}; nothing was saved from it, {kept}')
 
   def validate(self) -> tuple[float, float]:
-    """(validation loss, perplexity) now, also written to metrics.jsonl (for a
-    mixture-of-experts model with its routing on the first validation batch:
-    :func:`~poetx_jax.pretrain.evaluation.expert_load`)."""
-    loss, ppl = evaluate(self.model, self.val, self.mesh)
-    record = {'step': self.step, 'val_loss': loss, 'val_ppl': ppl}
-    if hasattr(self.model, 'forward_with_aux'):
-      record.update(expert_load(self.model, self.val[0], self.mesh))
-    self.metrics.write(record)
-    return loss, ppl
+    """(validation loss, perplexity) now, also written to metrics.jsonl with
+    the model's auxiliary outputs on the first validation batch (a
+    mixture-of-experts model's routing; :func:`~poetx_jax.pretrain.evaluation.evaluate`)."""
+    result = evaluate(self.model, self.val, self.mesh)
+    self.metrics.write({'step': self.step, 'val_loss': result.loss, 'val_ppl': result.ppl,
+                        **result.aux})
+    return result.loss, result.ppl
+
+
+def _call(run: Run, hook: Hook) -> None:
+  out = hook.fn(run)
+  if out:
+    run.metrics.write({'step': run.step, **out})
 
 
 def train(cfg: TrainConfig, *, resume: bool = False, step: int | None = None, log=print,
-          stop_after: int | None = None,
-          probe: tp.Callable[[int, tp.Any], dict] | None = None,
-          probe_every: int | None = None,
-          hook: tp.Callable[[str, Run], None] | None = None) -> dict:
+          stop_after: int | None = None, hooks: tp.Sequence[Hook] = ()) -> dict:
   """Runs (or resumes) a training run; returns a summary dict.
 
   Writes the run directory (rundir.py), locked while it trains, its
@@ -124,48 +171,88 @@ def train(cfg: TrainConfig, *, resume: bool = False, step: int | None = None, lo
     log: where progress messages go.
     stop_after: stop (and checkpoint) after this many steps of this call, as a
       SIGTERM would (used by tests and for time-limited jobs).
-    probe: ``probe(step, model) -> dict`` of numbers or lists, called at step
-      0 (after its evaluation) and after the training step at every
-      ``probe_every`` steps and at the last; each result is written to
-      ``metrics.jsonl`` as ``{'step': step, **result}``. It must not change
-      the model; its time is in ``elapsed_s`` but not in ``train_s``.
-    probe_every: steps between probes (default: ``cfg.eval_every``, the probe
-      then following each evaluation).
-    hook: ``hook(event, run)`` after each step is dispatched (``'step'``) and
-      each checkpoint save starts (``'save'``): where tests inject faults.
+    hooks: :class:`Hook` s run beside the loop's own (probes that record the
+      spectrum, faults injected by tests): those with ``wait=False`` right
+      after each step is dispatched, the others after its validation and
+      before its checkpoint.
 
   Raises NonFiniteLoss (nothing saved from a diverged state) and
   rundir.RunLocked (another training holds ``cfg.out_dir``).
   """
-  cfg, probe_every = _checked(cfg, probe_every, resume, step)
+  _checked(cfg, resume, step)
+  cfg = dataclasses.replace(cfg, out_dir=rundir.default_out_dir(cfg))
   primary = processes.is_primary()  # of several processes, the first reports
   log = log if primary else (lambda *_: None)
   with rundir.open_run(cfg, resume=resume, log=log) as out:
-    run = set_up(cfg, out, resume=resume, step=step, log=log, hook=hook)
+    run = set_up(cfg, out, resume=resume, step=step, log=log)
+    run.hooks = loop_hooks(run, hooks, log)
     if run.step == 0:
-      _start(run, probe, log)
+      _start(run, log)
     total = cfg.steps * cfg.grad_accum  # one iteration = one micro-batch
-    progress = Progress(total, initial=run.step, disable=not primary)
-    t0, start = time.perf_counter(), run.step
-    with StopFlag() as stop, TrainClock() as clock:
+    run.progress = Progress(total, initial=run.step, disable=not primary)
+    run.t0, run.start = time.perf_counter(), run.step
+    with StopFlag() as stop, TrainClock() as run.clock:
       while run.step < total:
-        loss = run.step_fn(run.model, run.optimizer, place_batch(next(run.batches), run.mesh))
+        run.loss = run.step_fn(run.model, run.optimizer,
+                               place_batch(next(run.batches), run.mesh))
         run.step += 1
-        if hook is not None:
-          hook('step', run)
-        last = run.step == total
-        if run.step % cfg.log_every == 0 or last:
-          loss = _log_step(run, loss, progress, clock, t0, start)
-        _periodic(run, loss, clock, last, probe, probe_every)
+        _after_step(run, last=run.step == total)
         signal = _agreed(stop.signal, at_log=run.step % cfg.log_every == 0)
-        if signal or (stop_after is not None and run.step - start >= stop_after):
+        if signal or (stop_after is not None and run.step - run.start >= stop_after):
           run.stopped = signal or 'stop_after'
-          if run.step % cfg.checkpoint_every:
-            with clock.paused(loss):
+          if run.saved_at != run.step:
+            with run.clock.paused(run.loss):
               run.save(run.stopped)
           break
-    progress.close()
-    return _finish(run, clock, t0, start, log)
+    run.progress.close()
+    return _finish(run, log)
+
+
+def loop_hooks(run: Run, hooks: tp.Sequence[Hook], log) -> list[Hook]:
+  """The hooks of a run in the order they run after a step: the report of
+  the merges the step made (POET-X); the given ones that do not wait; the
+  log line (every ``log_every``: the loss fetched and checked finite, the
+  progress bar, a metrics record); the validation (every ``eval_every``); the given ones that
+  wait; the checkpoint (every ``checkpoint_every``)."""
+  cfg = run.cfg
+  hooks = list(hooks)
+  for h in hooks:
+    if not isinstance(h, Hook):
+      raise ValueError(f'hooks must be Hook instances, got {h!r}')
+  report = (merge_reporter(run.metrics, log, poet_lr=model_poet_lr(cfg, run.model),
+                           merge_every=cfg.merge_every)
+            if cfg.optimizer == 'poetx' else None)
+
+  def report_merges(run):
+    while run.merges:
+      report(*run.merges.pop(0))
+
+  def validate(run):
+    run.last_val = run.validate()
+
+  def save(run):
+    run.save('final' if run.step == cfg.steps * cfg.grad_accum else 'periodic')
+
+  return (([Hook(report_merges, wait=False)] if report else [])
+          + [h for h in hooks if not h.wait]
+          + [Hook(_log_step, every=cfg.log_every, wait=False)]
+          + [Hook(validate, every=cfg.eval_every)]
+          + [h for h in hooks if h.wait]
+          + [Hook(save, every=cfg.checkpoint_every)])
+
+
+def _after_step(run: Run, last: bool) -> None:
+  """Runs the step hooks that are due: those that do not wait at once, the
+  others with the clock paused (and the step waited for) only then."""
+  due = [h for h in run.hooks if h.on == 'step' and h.due(run.step, last)]
+  for hook in due:
+    if not hook.wait:
+      _call(run, hook)
+  waiting = [h for h in due if h.wait]
+  if waiting:
+    with run.clock.paused(run.loss):
+      for hook in waiting:
+        _call(run, hook)
 
 
 _SIGNALS = (None, 'SIGINT', 'SIGTERM')
@@ -180,39 +267,16 @@ def _agreed(signal: str | None, *, at_log: bool) -> str | None:
   return _SIGNALS[processes.agree_max(_SIGNALS.index(signal))] if at_log else None
 
 
-def _periodic(run: Run, loss, clock: TrainClock, last: bool, probe,
-              probe_every: int) -> None:
-  """Validates, probes and checkpoints after the step when each is due, the
-  clock paused (and the step waited for) only then."""
-  s, cfg = run.step, run.cfg
-  validate = s % cfg.eval_every == 0 or last
-  probing = probe is not None and (s % probe_every == 0 or last)
-  save = s % cfg.checkpoint_every == 0 or last
-  if validate or probing or save:
-    with clock.paused(loss):
-      if validate:
-        run.last_val = run.validate()
-      if probing:
-        run.metrics.write({'step': s, **probe(s, run.model)})
-      if save:
-        run.save('final' if last else 'periodic')
-
-
-def _checked(cfg: TrainConfig, probe_every: int | None, resume: bool,
-             step: int | None) -> tuple[TrainConfig, int]:
-  """``cfg`` validated for this machine's devices, its ``out_dir`` filled in; the
-  probe interval."""
+def _checked(cfg: TrainConfig, resume: bool, step: int | None) -> None:
+  """Raises ValueError unless ``cfg`` can run on this machine's devices and
+  ``step`` names a checkpoint to resume from."""
   cfg.validate(device_count=jax.device_count())
-  if probe_every is not None and (not isinstance(probe_every, int) or probe_every < 1):
-    raise ValueError(f'probe_every must be an int >= 1, got {probe_every!r}')
   if step is not None and not (resume and isinstance(step, int) and step >= 0):
     raise ValueError(f'step={step!r}: choosing a checkpoint needs resume and a step >= 0')
-  cfg = dataclasses.replace(cfg, out_dir=rundir.default_out_dir(cfg))
-  return cfg, probe_every or cfg.eval_every
 
 
 def set_up(cfg: TrainConfig, out: pathlib.Path, *, resume: bool, step: int | None = None,
-           log=print, hook=None) -> Run:
+           log=print) -> Run:
   """The run of ``cfg`` ready for its first (or, resuming, next) step in its
   (open) run directory ``out``: the data read, the model, optimizer and train
   step built and placed on the devices, the state restored when resuming
@@ -221,26 +285,10 @@ def set_up(cfg: TrainConfig, out: pathlib.Path, *, resume: bool, step: int | Non
   log(f'data: {data.description}')
   mc = model_config(cfg, data.tokenizer.vocab_size)
   mesh = make_training_mesh(cfg)
-  model = build_model(cfg, mc, mesh)
-  optimizer = build_optimizer(cfg, model)
-  poet_lr = model_poet_lr(cfg, model) if cfg.optimizer == 'poetx' else None
+  model, optimizer = build_state(cfg, mc, mesh)
   if mesh is not None:
-    if cfg.batch_size % mesh.size:
-      raise ValueError(f'batch_size={cfg.batch_size} must be divisible by the '
-                       f'{mesh.size} devices')
-    sharding.shard_state(model, mesh, cfg.strategy)
-    sharding.shard_state(optimizer, mesh, cfg.strategy)
     log(f'mesh: {dict(mesh.shape)}, strategy {cfg.strategy}')
-  n_params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
-  active = (f', {mc.active_params():,} active per token'
-            if hasattr(mc, 'active_params') else '')
-  log(f'model: {cfg.model} ({n_params:,} trainable parameters, '
-      f'{mc.num_params():,} in the dense model{active}), optimizer {cfg.optimizer}'
-      f'{" with SkewAdam tiers" if cfg.skew_tiers else ""}, '
-      f'dtype {jnp.dtype(compute_dtype(cfg.dtype)).name}')
-  log(f'state: model {size_text(nnx.state(model))}, optimizer '
-      f'{size_text(nnx.state(optimizer))}; gradients '
-      f'{size_text(nnx.state(model, nnx.Param))} during a step')
+  _log_sizes(cfg, mc, model, optimizer, log)
   # Each process reads and feeds only its own rows of every global batch.
   pc, pi = jax.process_count(), jax.process_index()
   if cfg.batch_size % pc:
@@ -257,45 +305,58 @@ def set_up(cfg: TrainConfig, out: pathlib.Path, *, resume: bool, step: int | Non
     log(f'resumed from step {step}' + (f': the run is complete ({total} steps); raise '
                                        f'--steps to extend it' if step >= total else ''))
   metrics = Metrics(out, step or 0, write=processes.is_primary())
-  on_merge = (merge_reporter(metrics, log, poet_lr=poet_lr, merge_every=cfg.merge_every)
-              if poet_lr is not None else None)
-  return Run(cfg, out, mesh, model, optimizer, make_step(cfg, on_merge=on_merge, mesh=mesh),
-             batches, val, ckpt, metrics, step or 0, hook=hook)
+  merges = []  # the step function's merges, reported by a hook (loop_hooks)
+  step_fn = make_step(cfg, mc, on_merge=lambda *merge: merges.append(merge), mesh=mesh)
+  return Run(cfg, out, mesh, model, optimizer, step_fn, batches, val, ckpt, metrics,
+             step or 0, merges=merges)
 
 
-def _start(run: Run, probe, log) -> None:
-  """Step 0: validates (and probes) the initial model."""
+def _log_sizes(cfg: TrainConfig, mc, model, optimizer, log) -> None:
+  """Logs the model's parameters and the sizes of the state."""
+  n_params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+  active = (f', {mc.active_params():,} active per token'
+            if mc.active_params() != mc.num_params() else '')
+  log(f'model: {cfg.model} ({n_params:,} trainable parameters, '
+      f'{mc.num_params():,} in the dense model{active}), optimizer {cfg.optimizer}'
+      f'{" with SkewAdam tiers" if cfg.skew_tiers else ""}, '
+      f'dtype {jnp.dtype(compute_dtype(cfg.dtype)).name}')
+  log(f'state: model {size_text(nnx.state(model))}, optimizer '
+      f'{size_text(nnx.state(optimizer))}; gradients '
+      f'{size_text(nnx.state(model, nnx.Param))} during a step')
+
+
+def _start(run: Run, log) -> None:
+  """Step 0: validates the initial model, then runs the hooks ``at_start``."""
   run.first_val = run.validate()
   log(f'step 0: validation loss {run.first_val[0]:.4f}, perplexity {run.first_val[1]:.2f}')
-  if probe is not None:
-    run.metrics.write({'step': 0, **probe(0, run.model)})
+  for hook in run.hooks:
+    if hook.at_start and hook.on == 'step':
+      _call(run, hook)
 
 
-def _log_step(run: Run, loss, progress: Progress, clock: TrainClock, t0: float,
-              start: int) -> float:
+def _log_step(run: Run) -> None:
   """Fetches the loss (stopping on a non-finite one), updates the progress bar
-  and writes the step's record; returns the loss."""
-  loss = float(loss)
+  and writes the step's record."""
+  run.loss = loss = float(run.loss)
   if not math.isfinite(loss):
     run.diverged(f'the loss became {loss} at step {run.step}')
-  elapsed = time.perf_counter() - t0
-  tok_s = (run.step - start) * (run.cfg.batch_size * run.cfg.seq_len) / elapsed
-  progress.update(run.step, loss, tok_s)
+  elapsed = time.perf_counter() - run.t0
+  tok_s = (run.step - run.start) * (run.cfg.batch_size * run.cfg.seq_len) / elapsed
+  run.progress.update(run.step, loss, tok_s)
   run.metrics.write({'step': run.step, 'loss': loss, 'tokens_per_s': tok_s,
-                     'elapsed_s': elapsed, 'train_s': elapsed - clock.paused_s,
-                     'compile_s': clock.compile_s()})
-  return loss
+                     'elapsed_s': elapsed, 'train_s': elapsed - run.clock.paused_s,
+                     'compile_s': run.clock.compile_s()})
 
 
-def _finish(run: Run, clock: TrainClock, t0: float, start: int, log) -> dict:
+def _finish(run: Run, log) -> dict:
   """Waits for the checkpoint writes, closes the writers; the run's summary."""
   closing = time.perf_counter()
   run.ckpt.close()  # waits for the asynchronous checkpoint writes
   closing = time.perf_counter() - closing
   run.metrics.close()
-  elapsed = time.perf_counter() - t0
-  tokens = (run.step - start) * (run.cfg.batch_size * run.cfg.seq_len)
-  steady_s = elapsed - clock.paused_s - clock.compile_s() - closing
+  elapsed = time.perf_counter() - run.t0
+  tokens = (run.step - run.start) * (run.cfg.batch_size * run.cfg.seq_len)
+  steady_s = elapsed - run.clock.paused_s - run.clock.compile_s() - closing
   summary = {'step': run.step, 'stopped': run.stopped, 'elapsed_s': elapsed,
              'out_dir': str(run.out), 'tokens_per_s': tokens / max(elapsed, 1e-9),
              'steady_tokens_per_s': tokens / max(steady_s, 1e-9)}
