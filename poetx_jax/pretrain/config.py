@@ -94,6 +94,9 @@ class TrainConfig:
   clip: float = _option(1.0, 'global-norm clip (0: off)', min=0)
   merge_every: int = _count(50, 'POET-X merge interval in updates')
   block_size: int | None = _option(None, 'POET block size', min=2, none="the model config's")
+  normalize_rows: bool = _option(False, 'POET-X: scale each output row of every converted '
+                                 'weight to unit norm at conversion (the published POET-X '
+                                 'does; the spectrum POET-X then keeps)')
   mode: str = _option('fast', 'POET-X fast (keeps activations) or mem (recomputes)',
                       choices=linear.MODES)
   form: str = _option('input', 'POET layer product order: rotate the activations (input) '
@@ -150,6 +153,9 @@ class TrainConfig:
     if self.quantize is not None and self.optimizer != 'poetx':
       raise ValueError(f'quantize={self.quantize!r} needs optimizer poetx (the AdamW '
                        f'baseline trains its weights in full precision)')
+    if self.normalize_rows and self.optimizer != 'poetx':
+      raise ValueError(f'normalize_rows needs optimizer poetx (it sets the spectrum POET-X '
+                       f'keeps; got {self.optimizer!r})')
     if self.skew_tiers and self.optimizer != 'poetx':
       raise ValueError(f'skew_tiers needs optimizer poetx (got {self.optimizer!r}; '
                        f"optimizer 'skewadam' is SkewAdam for every parameter)")
