@@ -22,6 +22,7 @@ from poetx_jax.convert import (
     unpoetize,
 )
 from poetx_jax.cycle import MergeClock, merge, merge_due, merge_layer
+from poetx_jax.hyperparams import check_hyperparameters
 from poetx_jax.lean import lean_adamw, scale_by_lean_adam
 from poetx_jax.linear import FrozenKernel, Permutation, POETLinear, POETParam
 from poetx_jax.optim import (
@@ -55,5 +56,5 @@ __all__ = [
     'poet_layers', 'poetize', 'poetx', 'poetx_labels', 'poetx_partition',
     'scale_by_lean_adam', 'scale_by_poetx', 'to_linear', 'unpoetize',
     'FactoredRMSState', 'poetx_skewadam', 'scale_by_factored_rms', 'scale_by_skewadam',
-    'skewadam', 'skewadam_labels', 'state_bytes',
+    'skewadam', 'skewadam_labels', 'state_bytes', 'check_hyperparameters',
 ]

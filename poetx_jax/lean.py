@@ -26,6 +26,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from poetx_jax.hyperparams import check_hyperparameters
+
 Array = jax.Array
 
 
@@ -92,9 +94,7 @@ def scale_by_lean_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *,
     min_dim_size_to_factor: factor only matrices whose last two dims are both
       at least this long.
   """
-  for name, v in (('b1', b1), ('b2', b2)):
-    if isinstance(v, (int, float)) and not 0 <= v < 1:
-      raise ValueError(f'{name} must be in [0, 1), got {v!r}')
+  check_hyperparameters(b1=b1, b2=b2, eps=eps, min_dim_size_to_factor=min_dim_size_to_factor)
   fac = lambda p: _factored(p.shape, min_dim_size_to_factor)
 
   def init_fn(params):

@@ -17,7 +17,6 @@ The merge itself, and when it happens, is described in :mod:`poetx_jax.cycle`.
 
 from __future__ import annotations
 
-import numbers
 import typing as tp
 
 import jax
@@ -25,27 +24,11 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from poetx_jax.hyperparams import check_hyperparameters
 from poetx_jax.linear import POETParam
 
 Array = jax.Array
 ScalarOrSchedule = float | Array | optax.Schedule
-
-
-def _is_number(x) -> bool:
-  return isinstance(x, numbers.Number) and not isinstance(x, bool)
-
-
-def _check_merge_every(merge_every):
-  if merge_every is None:
-    return
-  if _is_number(merge_every) and (merge_every < 1 or int(merge_every) != merge_every):
-    raise ValueError(f'merge_every must be an int >= 1 (or None: never merge), '
-                     f'got {merge_every!r}')
-
-
-def _check_nonnegative(name, value):
-  if _is_number(value) and value < 0:
-    raise ValueError(f'{name} must be >= 0, got {value!r}')
 
 
 def default_poet_lr(block_size: int) -> float:
@@ -59,9 +42,7 @@ def default_poet_lr(block_size: int) -> float:
   5e-3 trains well at B = 16 and leaves the series' region of convergence at
   B = 256, where 1e-3 trains well (BENCHMARKS.md).
   """
-  if isinstance(block_size, bool) or not isinstance(block_size, numbers.Integral) \
-      or block_size < 2:
-    raise ValueError(f'block_size must be an int >= 2, got {block_size!r}')
+  check_hyperparameters(block_size=block_size)
   return min(5e-3, 0.25 / block_size)
 
 
@@ -124,14 +105,10 @@ def scale_by_poetx(*, merge_every: int | None = 200, b1: float = 0.9,
     arXiv:2406.16793 (2024).
     Qiu et al., POET-X, arXiv:2603.05500 (ICML 2026): the reset at merges.
   """
-  _check_merge_every(merge_every)
+  check_hyperparameters(merge_every=merge_every, b1=b1, b2=b2, eps=eps)
   if second_moment not in SECOND_MOMENTS:
     raise ValueError(f'second_moment must be one of {SECOND_MOMENTS}, '
                      f'got {second_moment!r}')
-  for name, v in (('b1', b1), ('b2', b2)):
-    if _is_number(v) and not 0 <= v < 1:
-      raise ValueError(f'{name} must be in [0, 1), got {v!r}')
-  _check_nonnegative('eps', eps)
   mu_dtype = None if mu_dtype is None else jax.dtypes.canonicalize_dtype(mu_dtype)
   blockwise = second_moment == 'block'
 
@@ -214,7 +191,7 @@ def poetx(learning_rate: ScalarOrSchedule, *, merge_every: int | None = 200,
     Qiu et al., Reparameterized LLM Training via Orthogonal Equivalence
     Transformation (POET), NeurIPS 2025; POET-X, arXiv:2603.05500 (ICML 2026).
   """
-  _check_nonnegative('learning_rate', learning_rate)
+  check_hyperparameters(learning_rate=learning_rate)
   return optax.chain(
       scale_by_poetx(merge_every=merge_every, b1=b1, b2=b2, eps=eps,
                      mu_dtype=mu_dtype, second_moment=second_moment),
@@ -293,12 +270,7 @@ def clip_by_global_norm_after_merge(
   Returns:
     A transformation with ``tx``'s state.
   """
-  if _is_number(max_norm) and max_norm <= 0:
-    raise ValueError(f'max_norm must be > 0, got {max_norm!r}')
-  if not isinstance(ramp_steps, int) or ramp_steps < 1:
-    raise ValueError(f'ramp_steps must be an int >= 1, got {ramp_steps!r}')
-  if _is_number(min_ratio) and not 0 < min_ratio <= 1:
-    raise ValueError(f'min_ratio must be in (0, 1], got {min_ratio!r}')
+  check_hyperparameters(max_norm=max_norm, ramp_steps=ramp_steps, min_ratio=min_ratio)
   tx = optax.with_extra_args_support(tx)
 
   def init_fn(params):

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from poetx_jax.hyperparams import check_hyperparameters
 from poetx_jax.lean import _factored, _second_moment_step, _second_moments, scale_by_lean_adam
 from poetx_jax.linear import POETParam
 
@@ -37,18 +38,6 @@ class FactoredRMSState(tp.NamedTuple):
   v_row: optax.Updates
   v_col: optax.Updates
   v_full: optax.Updates
-
-
-def _check_hparams(b1, b2, eps, min_dim_size_to_factor):
-  """Raises on an out-of-range number (traced values pass)."""
-  for name, v, ok, want in (('b1', b1, lambda v: 0 <= v < 1, 'in [0, 1)'),
-                            ('b2', b2, lambda v: 0 <= v < 1, 'in [0, 1)'),
-                            ('eps', eps, lambda v: v >= 0, '>= 0')):
-    if isinstance(v, (int, float)) and not ok(v):
-      raise ValueError(f'{name} must be {want}, got {v!r}')
-  if not isinstance(min_dim_size_to_factor, int) or min_dim_size_to_factor < 1:
-    raise ValueError(f'min_dim_size_to_factor must be an int >= 1, '
-                     f'got {min_dim_size_to_factor!r}')
 
 
 def scale_by_factored_rms(b2: float = 0.999, eps: float = 1e-8, *,
@@ -69,7 +58,7 @@ def scale_by_factored_rms(b2: float = 0.999, eps: float = 1e-8, *,
   holds L E (I + O) numbers). Other leaves keep an exact float32 ``v``.
   Returns a transformation with :class:`FactoredRMSState`.
   """
-  _check_hparams(0.0, b2, eps, min_dim_size_to_factor)
+  check_hyperparameters(b2=b2, eps=eps, min_dim_size_to_factor=min_dim_size_to_factor)
   fac = lambda p: _factored(p.shape, min_dim_size_to_factor)
 
   def init_fn(params):
@@ -158,7 +147,6 @@ def _resolve_labels(labels, valid: tuple[str, ...], wrt):
 def _tiers(b1, b2, eps, min_dim_size_to_factor) -> dict[str, optax.GradientTransformation]:
   if min_dim_size_to_factor is None:
     min_dim_size_to_factor = DEFAULT_MIN_DIM
-  _check_hparams(b1, b2, eps, min_dim_size_to_factor)
   lean = lambda min_dim: scale_by_lean_adam(b1, b2, eps, mu_dtype=jnp.float32,
                                             min_dim_size_to_factor=min_dim)
   return {'backbone': lean(min_dim_size_to_factor),
