@@ -5,7 +5,7 @@ axes of a leaf. A label per leaf (:func:`skewadam_labels`) picks its state
 through ``optax.partition``: ``'backbone'`` a float32 momentum and factored
 second moments (:func:`poetx_jax.scale_by_lean_adam`); ``'experts'`` (stacked
 (E, I, O) or (L, E, I, O) weights) and ``'embeddings'`` factored second
-moments only, I + O numbers per matrix (:func:`scale_by_factored_rms`);
+moments only, I + O numbers per matrix (:func:`poetx_jax.scale_by_factored_rms`);
 ``'router'`` Adam; ``'poetx'`` (:func:`poetx_skewadam`) POET-X. Only the shared
 backbone (attention, norms) keeps a momentum.
 
@@ -15,76 +15,19 @@ Reference: "SkewAdam", arXiv 2026 (cs.LG).
 from __future__ import annotations
 
 import sys
-import typing as tp
 
 import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from poetx_jax.hyperparams import check_hyperparameters
-from poetx_jax.lean import _factored, _second_moment_step, _second_moments, scale_by_lean_adam
+from poetx_jax.factored import FactoredRMSState, scale_by_factored_rms  # noqa: F401 (importable here too)
+from poetx_jax.lean import scale_by_lean_adam
 from poetx_jax.linear import POETParam
 
-Array = jax.Array
 TIERS = ('backbone', 'experts', 'router', 'embeddings')
 EMBEDDING_NAMES = ('embed_tokens', 'lm_head')
 DEFAULT_MIN_DIM = 128
-
-
-class FactoredRMSState(tp.NamedTuple):
-  """State of :func:`scale_by_factored_rms`: ``LeanAdamState`` without ``mu``."""
-  count: Array
-  v_row: optax.Updates
-  v_col: optax.Updates
-  v_full: optax.Updates
-
-
-def scale_by_factored_rms(b2: float = 0.999, eps: float = 1e-8, *,
-                          min_dim_size_to_factor: int = 128) -> optax.GradientTransformation:
-  r"""RMS scaling by factored second moments, with no first moment.
-
-  For a leaf (..., R, C) whose last two sides are both at least
-  ``min_dim_size_to_factor``, per trailing R x C matrix (``t`` counts updates):
-
-  .. math::
-
-    r_t = \beta_2 r_{t-1} + (1-\beta_2)\,\mathrm{mean}_C(g^2), \quad
-    c_t = \beta_2 c_{t-1} + (1-\beta_2)\,\mathrm{mean}_R(g^2), \quad
-    \hat v = \frac{r_t c_t^\top}{\mathrm{mean}(r_t)\,(1-\beta_2^t)}, \quad
-    u = \frac{g}{\sqrt{\hat v} + \epsilon}
-
-  (:func:`poetx_jax.scale_by_lean_adam`'s factoring: an (L, E, I, O) leaf
-  holds L E (I + O) numbers). Other leaves keep an exact float32 ``v``.
-  Returns a transformation with :class:`FactoredRMSState`.
-  """
-  check_hyperparameters(b2=b2, eps=eps, min_dim_size_to_factor=min_dim_size_to_factor)
-  fac = lambda p: _factored(p.shape, min_dim_size_to_factor)
-
-  def init_fn(params):
-    return FactoredRMSState(jnp.zeros([], jnp.int32),
-                            *_second_moments(params, min_dim_size_to_factor))
-
-  def update_fn(updates, state, params=None):
-    del params
-    count = optax.safe_increment(state.count)
-    c2 = 1 - b2 ** count.astype(jnp.float32)
-
-    def leaf(g, row, col, full):
-      g32 = g.astype(jnp.float32)
-      v_hat, row, col, full = _second_moment_step(jnp.square(g32), row, col, full, b2=b2,
-                                                  c2=c2, factored=fac(g))
-      return (g32 / (jnp.sqrt(v_hat) + eps)).astype(g.dtype), row, col, full
-
-    treedef = jax.tree.structure(updates)
-    out = treedef.flatten_up_to(jax.tree.map(
-        leaf, updates, state.v_row, state.v_col, state.v_full))
-    if not out:
-      return updates, state._replace(count=count)
-    u, row, col, full = (treedef.unflatten(x) for x in zip(*out))
-    return u, FactoredRMSState(count, row, col, full)
-
-  return optax.GradientTransformation(init_fn, update_fn)
 
 
 def _label(path, leaf, poet: bool) -> str:
@@ -169,7 +112,7 @@ def scale_by_skewadam(labels=None, *, b1: float = 0.9, b2: float = 0.999,
     ``v`` factored into row / column means for matrices (last two sides
     >= ``min_dim_size_to_factor``), exact otherwise; ``u = m_hat / (sqrt(v_hat) + eps)``.
   * experts, embeddings: no ``m``; ``v`` factored per trailing matrix;
-    ``u = g / (sqrt(v_hat) + eps)`` (:func:`scale_by_factored_rms`). The
+    ``u = g / (sqrt(v_hat) + eps)`` (:func:`poetx_jax.scale_by_factored_rms`). The
     method sets the experts' state; giving the embeddings and LM head the
     same is this implementation's choice (momentum only in the shared
     backbone: for ``moe-7b`` theirs would be 0.49 GiB, a third more state).
