@@ -14,10 +14,12 @@ Reference: "SkewAdam", arXiv 2026 (cs.LG).
 
 from __future__ import annotations
 
+import math
 import sys
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 
@@ -211,17 +213,48 @@ def poetx_skewadam(labels, poet_tx: optax.GradientTransformation, learning_rate,
                          _resolve_labels(labels, ('poetx',) + TIERS, wrt))
 
 
-def state_bytes(opt_state, *, by_tier: bool = False) -> int | dict[str, int]:
-  """Bytes of the arrays in an optimizer state; with ``by_tier``, per group
-  of its (first) ``optax.partition``: ``{label: bytes}``."""
-  size = lambda tree: sum(int(x.nbytes) for x in jax.tree.leaves(tree)
-                          if hasattr(x, 'nbytes'))
+def _nbytes(x) -> int:
+  """Bytes of an array leaf, concrete or abstract: its size times its
+  dtype's item size (numpy's, so int4 counts one byte); 0 for a non-array."""
+  if not (hasattr(x, 'shape') and hasattr(x, 'dtype')):
+    return 0
+  dtype = x.dtype
+  extended = jax.dtypes.issubdtype(dtype, jax.dtypes.extended)  # PRNG keys
+  return math.prod(x.shape) * (dtype.itemsize if extended else np.dtype(dtype).itemsize)
+
+
+def state_bytes(tree, *, by_tier: bool = False) -> int | dict[str, int]:
+  """Bytes of the arrays in a pytree: an optimizer state, a model's ``nnx.State``, ...
+
+  Every array leaf counts its number of elements times its dtype's numpy
+  item size (int4 one byte, bfloat16 two, a PRNG key its key data); abstract
+  leaves (``jax.ShapeDtypeStruct``, e.g. from ``nnx.eval_shape``) count like
+  the arrays they describe, so a state can be sized without allocating it.
+  Leaves that are not arrays (Python numbers) count nothing.
+
+  Example::
+
+    >>> import jax, jax.numpy as jnp, poetx_jax
+    >>> poetx_jax.state_bytes({'w': jnp.zeros((4, 8), jnp.bfloat16),
+    ...                        'q': jax.ShapeDtypeStruct((3,), jnp.float32)})
+    76
+
+  Args:
+    tree: any pytree.
+    by_tier: break the count down by the groups of the first
+      ``optax.partition`` state in ``tree`` (from :func:`skewadam`,
+      :func:`scale_by_skewadam`, :func:`poetx_skewadam` or any partition).
+
+  Returns:
+    The bytes, or with ``by_tier`` a dict ``{label: bytes}``.
+  """
+  size = lambda tree: sum(_nbytes(x) for x in jax.tree.leaves(tree))
   if not by_tier:
-    return size(opt_state)
+    return size(tree)
   parts = [s for s in jax.tree.leaves(
-      opt_state, is_leaf=lambda x: isinstance(x, optax.PartitionState))
+      tree, is_leaf=lambda x: isinstance(x, optax.PartitionState))
            if isinstance(s, optax.PartitionState)]
   if not parts:
     raise ValueError('by_tier=True needs an optax.partition state (from skewadam, '
-                     f'scale_by_skewadam or poetx_skewadam); got {type(opt_state).__name__}')
+                     f'scale_by_skewadam or poetx_skewadam); got {type(tree).__name__}')
   return {k: size(v) for k, v in parts[0].inner_states.items()}

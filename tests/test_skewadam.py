@@ -90,6 +90,27 @@ def test_expert_stack_state_is_a_small_fraction_of_adams():
   assert poetx_jax.state_bytes(ours) / poetx_jax.state_bytes(adam) == 3077 / 524289 < 0.006
 
 
+
+def test_state_bytes_counts_any_tree_concrete_or_abstract():
+  """Every array leaf at its numpy item size; an abstract state (nnx.eval_shape)
+  counts what the concrete one holds."""
+  def build():
+    model = poetx_jax.poetize(nnx.Linear(16, 8, rngs=nnx.Rngs(0)), block_size=8,
+                              rngs=nnx.Rngs(1))
+    tx = poetx_skewadam(model, poetx_jax.poetx(1e-3), 1e-3, min_dim_size_to_factor=8)
+    return model, nnx.Optimizer(model, tx, wrt=nnx.Param)
+  model, opt = build()
+  abstract_model, abstract_opt = nnx.eval_shape(build)
+  assert isinstance(jax.tree.leaves(nnx.state(abstract_opt))[0], jax.ShapeDtypeStruct)
+  for concrete, abstract in ((model, abstract_model), (opt, abstract_opt)):
+    want = sum(x.nbytes for x in jax.tree.leaves(nnx.state(concrete)))
+    assert poetx_jax.state_bytes(nnx.state(abstract)) == want > 0
+  tree = {'int4': jnp.zeros((3, 5), jnp.int4), 'bf16': jnp.zeros((7,), jnp.bfloat16),
+          'keys': jax.random.split(jax.random.key(0), 2), 'python': 1.0}
+  assert poetx_jax.state_bytes(tree) == 15 + 14 + 2 * 8
+  with pytest.raises(ValueError, match='by_tier=True needs an optax.partition state'):
+    poetx_jax.state_bytes(tree, by_tier=True)
+
 B1, B2, EPS, LR, WD = 0.8, 0.95, 1e-8, 0.1, 0.01
 SHAPES = {'attn': {'kernel': (8, 6), 'scale': (6,)}, 'embed_tokens': (10, 6),
           'router': (6, 5), 'experts': {'up': (3, 8, 6), 'stack': (2, 3, 8, 6), 'b': (3, 2)}}
