@@ -111,21 +111,11 @@ def scale_by_poetx(*, merge_every: int | None = 200, b1: float = 0.9,
                      f'got {second_moment!r}')
   mu_dtype = None if mu_dtype is None else jax.dtypes.canonicalize_dtype(mu_dtype)
   blockwise = second_moment == 'block'
-
-  def nu_like(p):
-    if blockwise and p.ndim >= 2:
-      return jnp.zeros(p.shape[:-1] + (1,), p.dtype)
-    return jnp.zeros_like(p)
-
-  def square(g):
-    g2 = jnp.square(g)
-    if blockwise and g.ndim >= 2:
-      return jnp.mean(g2, axis=-1, keepdims=True)
-    return g2
+  square = lambda g: _squared(g, blockwise)
 
   def init_fn(params):
     mu = optax.tree.zeros_like(params, dtype=mu_dtype)
-    nu = jax.tree.map(nu_like, params)
+    nu = jax.tree.map(lambda p: _zero_second_moment(p, blockwise), params)
     return ScaleByPoetxState(count=jnp.zeros([], jnp.int32),
                              cycle=jnp.zeros([], jnp.int32), mu=mu, nu=nu)
 
@@ -141,14 +131,36 @@ def scale_by_poetx(*, merge_every: int | None = 200, b1: float = 0.9,
     nu_hat = optax.tree.bias_correction(nu, b2, t)
     new = jax.tree.map(lambda m, v: m / (jnp.sqrt(v) + eps), mu_hat, nu_hat)
     count = optax.safe_increment(state.count)
-    if merge_every is None:
-      cycle = optax.safe_increment(state.cycle)
-    else:
-      cycle = t % jnp.asarray(merge_every, jnp.int32)
     mu = optax.tree.cast(mu, mu_dtype)
-    return new, ScaleByPoetxState(count=count, cycle=cycle, mu=mu, nu=nu)
+    return new, ScaleByPoetxState(count=count, cycle=_cycle_after(state.cycle, merge_every),
+                                  mu=mu, nu=nu)
 
   return optax.GradientTransformation(init_fn, update_fn)
+
+
+def _zero_second_moment(p: Array, blockwise: bool) -> Array:
+  """Zero ``v`` for generators ``p``: one per row of its last axis for
+  ``blockwise`` and two or more dims, else one per entry."""
+  if blockwise and p.ndim >= 2:
+    return jnp.zeros(p.shape[:-1] + (1,), p.dtype)
+  return jnp.zeros_like(p)
+
+
+def _squared(g: Array, blockwise: bool) -> Array:
+  """``s(g)`` of :func:`scale_by_poetx`: ``g**2``, or its mean over the last
+  axis for ``blockwise`` and two or more dims."""
+  g2 = jnp.square(g)
+  if blockwise and g.ndim >= 2:
+    return jnp.mean(g2, axis=-1, keepdims=True)
+  return g2
+
+
+def _cycle_after(cycle: Array, merge_every) -> Array:
+  """The cycle position after an update from position ``cycle``: back to 0
+  every ``merge_every`` updates (never with None)."""
+  if merge_every is None:
+    return optax.safe_increment(cycle)
+  return (cycle + 1) % jnp.asarray(merge_every, jnp.int32)
 
 
 def poetx(learning_rate: ScalarOrSchedule, *, merge_every: int | None = 200,
