@@ -23,7 +23,8 @@ import numpy as np
 import optax
 from flax import nnx
 
-from poetx_jax.factored import FactoredRMSState, scale_by_factored_rms  # noqa: F401 (importable here too)
+# FactoredRMSState stays importable from here, beside the tiers built on it.
+from poetx_jax.factored import FactoredRMSState, scale_by_factored_rms  # noqa: F401
 from poetx_jax.lean import scale_by_lean_adam
 from poetx_jax.linear import POETParam
 
