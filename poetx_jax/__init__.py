@@ -22,6 +22,14 @@ from poetx_jax.convert import (
     unpoetize,
 )
 from poetx_jax.cycle import MergeClock, merge, merge_due, merge_layer
+from poetx_jax.factored import (
+    FactoredRMSState,
+    factored_moments_like,
+    is_factored,
+    scale_by_factored_rms,
+    update_factored_moment,
+)
+from poetx_jax.hyperparams import check_hyperparameters
 from poetx_jax.lean import lean_adamw, scale_by_lean_adam
 from poetx_jax.linear import (
     FrozenKernel,
@@ -42,9 +50,7 @@ from poetx_jax.optim import (
     scale_by_poetx,
 )
 from poetx_jax.skewadam import (
-    FactoredRMSState,
     poetx_skewadam,
-    scale_by_factored_rms,
     scale_by_skewadam,
     skewadam,
     skewadam_labels,
@@ -62,5 +68,6 @@ __all__ = [
     'linear_operands', 'poet_layers', 'poetize', 'poetx', 'poetx_labels', 'poetx_partition',
     'scale_by_lean_adam', 'scale_by_poetx', 'swiglu', 'to_linear', 'unpoetize',
     'FactoredRMSState', 'poetx_skewadam', 'scale_by_factored_rms', 'scale_by_skewadam',
-    'skewadam', 'skewadam_labels', 'state_bytes',
+    'skewadam', 'skewadam_labels', 'state_bytes', 'check_hyperparameters',
+    'factored_moments_like', 'is_factored', 'update_factored_moment',
 ]

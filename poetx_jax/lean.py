@@ -6,7 +6,8 @@ a billion entries). :func:`scale_by_lean_adam` is Adam with
 
 * the first moment stored in a low-precision dtype (bf16 by default), and
 * the second moment of every matrix factored Adafactor-style into its row and
-  column means: ``v ~ outer(r, c) / mean(r)``, R + C numbers instead of R * C.
+  column means: ``v ~ outer(r, c) / mean(r)``, R + C numbers instead of R * C
+  (the building blocks of :mod:`poetx_jax.factored`).
 
 Vectors (and matrices with a side shorter than ``min_dim_size_to_factor``)
 keep an exact float32 second moment. Select it per parameter group with
@@ -26,6 +27,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from poetx_jax.factored import factored_moments_like, is_factored, update_factored_moment
+from poetx_jax.hyperparams import check_hyperparameters
+
 Array = jax.Array
 
 
@@ -33,47 +37,15 @@ class LeanAdamState(tp.NamedTuple):
   """State of :func:`scale_by_lean_adam`.
 
   ``v_row`` / ``v_col`` hold the factored second moments of matrix leaves and
-  ``v_full`` the exact ones of the others; unused entries are one-element placeholders, so
-  each field has the parameters' tree structure.
+  ``v_full`` the exact ones of the others (:func:`poetx_jax.factored_moments_like`);
+  unused entries are one-element placeholders, so each field has the
+  parameters' tree structure.
   """
   count: Array
   mu: optax.Updates
   v_row: optax.Updates
   v_col: optax.Updates
   v_full: optax.Updates
-
-
-def _factored(shape, min_dim) -> bool:
-  return len(shape) >= 2 and min(shape[-2:]) >= min_dim
-
-
-def _empty():
-  """Placeholder for an unused moment: one element (orbax saves no empty
-  arrays), a buffer of its own each time (jit may donate every state leaf)."""
-  return jnp.zeros((1,), jnp.float32)
-
-
-def _second_moments(params, min_dim) -> tuple[optax.Updates, optax.Updates, optax.Updates]:
-  """Zero ``(v_row, v_col, v_full)`` for ``params``: row and column moments of
-  the factored leaves, exact ones of the others, placeholders elsewhere."""
-  fac = lambda p: _factored(p.shape, min_dim)
-  f32 = lambda shape: jnp.zeros(shape, jnp.float32)
-  return (jax.tree.map(lambda p: f32(p.shape[:-1]) if fac(p) else _empty(), params),
-          jax.tree.map(lambda p: f32(p.shape[:-2] + p.shape[-1:]) if fac(p) else _empty(),
-                       params),
-          jax.tree.map(lambda p: _empty() if fac(p) else f32(p.shape), params))
-
-
-def _second_moment_step(g2, row, col, full, *, b2, c2, factored: bool):
-  """One step of the second moments of a leaf whose squared gradient is
-  ``g2``: ``(v_hat, row, col, full)``, v_hat bias-corrected by ``c2``."""
-  if factored:
-    row = b2 * row + (1 - b2) * jnp.mean(g2, axis=-1)
-    col = b2 * col + (1 - b2) * jnp.mean(g2, axis=-2)
-    norm = jnp.maximum(jnp.mean(row, axis=-1, keepdims=True)[..., None], 1e-30)
-    return row[..., :, None] * col[..., None, :] / norm / c2, row, col, full
-  full = b2 * full + (1 - b2) * g2
-  return full / c2, row, col, full
 
 
 def scale_by_lean_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *,
@@ -84,7 +56,8 @@ def scale_by_lean_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *,
   For a matrix leaf (..., R, C) the state holds ``r`` (..., R) and ``c``
   (..., C), exponential moving averages of the row and column means of ``g**2``;
   the second-moment estimate is ``r[:, None] * c[None, :] / mean(r)`` (exact
-  whenever ``g**2`` has rank one). Other leaves keep Adam's ``v``.
+  whenever ``g**2`` has rank one; :func:`poetx_jax.update_factored_moment`).
+  Other leaves keep Adam's ``v``.
 
   Args:
     b1, b2, eps: Adam's decay rates and denominator offset.
@@ -92,15 +65,14 @@ def scale_by_lean_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *,
     min_dim_size_to_factor: factor only matrices whose last two dims are both
       at least this long.
   """
-  for name, v in (('b1', b1), ('b2', b2)):
-    if isinstance(v, (int, float)) and not 0 <= v < 1:
-      raise ValueError(f'{name} must be in [0, 1), got {v!r}')
-  fac = lambda p: _factored(p.shape, min_dim_size_to_factor)
+  check_hyperparameters(b1=b1, b2=b2, eps=eps, min_dim_size_to_factor=min_dim_size_to_factor)
+  fac = lambda p: is_factored(p.shape, min_dim_size_to_factor)
 
   def init_fn(params):
     return LeanAdamState(jnp.zeros([], jnp.int32),
                          optax.tree.zeros_like(params, dtype=mu_dtype),
-                         *_second_moments(params, min_dim_size_to_factor))
+                         *factored_moments_like(
+                             params, min_dim_size_to_factor=min_dim_size_to_factor))
 
   def update_fn(updates, state, params=None):
     del params
@@ -111,8 +83,8 @@ def scale_by_lean_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *,
     def leaf(g, m, row, col, full):
       g32 = g.astype(jnp.float32)
       m = b1 * m.astype(jnp.float32) + (1 - b1) * g32
-      v_hat, row, col, full = _second_moment_step(jnp.square(g32), row, col, full, b2=b2,
-                                                  c2=c2, factored=fac(g))
+      v_hat, row, col, full = update_factored_moment(
+          jnp.square(g32), row, col, full, b2=b2, bias_correction=c2, factored=fac(g))
       u = (m / c1) / (jnp.sqrt(v_hat) + eps)
       return u.astype(g.dtype), m.astype(mu_dtype or g.dtype), row, col, full
 

@@ -17,7 +17,6 @@ The merge itself, and when it happens, is described in :mod:`poetx_jax.cycle`.
 
 from __future__ import annotations
 
-import numbers
 import typing as tp
 
 import jax
@@ -25,27 +24,11 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from poetx_jax.hyperparams import check_hyperparameters
 from poetx_jax.linear import POETParam
 
 Array = jax.Array
 ScalarOrSchedule = float | Array | optax.Schedule
-
-
-def _is_number(x) -> bool:
-  return isinstance(x, numbers.Number) and not isinstance(x, bool)
-
-
-def _check_merge_every(merge_every):
-  if merge_every is None:
-    return
-  if _is_number(merge_every) and (merge_every < 1 or int(merge_every) != merge_every):
-    raise ValueError(f'merge_every must be an int >= 1 (or None: never merge), '
-                     f'got {merge_every!r}')
-
-
-def _check_nonnegative(name, value):
-  if _is_number(value) and value < 0:
-    raise ValueError(f'{name} must be >= 0, got {value!r}')
 
 
 def default_poet_lr(block_size: int) -> float:
@@ -59,9 +42,7 @@ def default_poet_lr(block_size: int) -> float:
   5e-3 trains well at B = 16 and leaves the series' region of convergence at
   B = 256, where 1e-3 trains well (BENCHMARKS.md).
   """
-  if isinstance(block_size, bool) or not isinstance(block_size, numbers.Integral) \
-      or block_size < 2:
-    raise ValueError(f'block_size must be an int >= 2, got {block_size!r}')
+  check_hyperparameters(block_size=block_size)
   return min(5e-3, 0.25 / block_size)
 
 
@@ -124,31 +105,17 @@ def scale_by_poetx(*, merge_every: int | None = 200, b1: float = 0.9,
     arXiv:2406.16793 (2024).
     Qiu et al., POET-X, arXiv:2603.05500 (ICML 2026): the reset at merges.
   """
-  _check_merge_every(merge_every)
+  check_hyperparameters(merge_every=merge_every, b1=b1, b2=b2, eps=eps)
   if second_moment not in SECOND_MOMENTS:
     raise ValueError(f'second_moment must be one of {SECOND_MOMENTS}, '
                      f'got {second_moment!r}')
-  for name, v in (('b1', b1), ('b2', b2)):
-    if _is_number(v) and not 0 <= v < 1:
-      raise ValueError(f'{name} must be in [0, 1), got {v!r}')
-  _check_nonnegative('eps', eps)
   mu_dtype = None if mu_dtype is None else jax.dtypes.canonicalize_dtype(mu_dtype)
   blockwise = second_moment == 'block'
-
-  def nu_like(p):
-    if blockwise and p.ndim >= 2:
-      return jnp.zeros(p.shape[:-1] + (1,), p.dtype)
-    return jnp.zeros_like(p)
-
-  def square(g):
-    g2 = jnp.square(g)
-    if blockwise and g.ndim >= 2:
-      return jnp.mean(g2, axis=-1, keepdims=True)
-    return g2
+  square = lambda g: _squared(g, blockwise)
 
   def init_fn(params):
     mu = optax.tree.zeros_like(params, dtype=mu_dtype)
-    nu = jax.tree.map(nu_like, params)
+    nu = jax.tree.map(lambda p: _zero_second_moment(p, blockwise), params)
     return ScaleByPoetxState(count=jnp.zeros([], jnp.int32),
                              cycle=jnp.zeros([], jnp.int32), mu=mu, nu=nu)
 
@@ -164,14 +131,36 @@ def scale_by_poetx(*, merge_every: int | None = 200, b1: float = 0.9,
     nu_hat = optax.tree.bias_correction(nu, b2, t)
     new = jax.tree.map(lambda m, v: m / (jnp.sqrt(v) + eps), mu_hat, nu_hat)
     count = optax.safe_increment(state.count)
-    if merge_every is None:
-      cycle = optax.safe_increment(state.cycle)
-    else:
-      cycle = t % jnp.asarray(merge_every, jnp.int32)
     mu = optax.tree.cast(mu, mu_dtype)
-    return new, ScaleByPoetxState(count=count, cycle=cycle, mu=mu, nu=nu)
+    return new, ScaleByPoetxState(count=count, cycle=_cycle_after(state.cycle, merge_every),
+                                  mu=mu, nu=nu)
 
   return optax.GradientTransformation(init_fn, update_fn)
+
+
+def _zero_second_moment(p: Array, blockwise: bool) -> Array:
+  """Zero ``v`` for generators ``p``: one per row of its last axis for
+  ``blockwise`` and two or more dims, else one per entry."""
+  if blockwise and p.ndim >= 2:
+    return jnp.zeros(p.shape[:-1] + (1,), p.dtype)
+  return jnp.zeros_like(p)
+
+
+def _squared(g: Array, blockwise: bool) -> Array:
+  """``s(g)`` of :func:`scale_by_poetx`: ``g**2``, or its mean over the last
+  axis for ``blockwise`` and two or more dims."""
+  g2 = jnp.square(g)
+  if blockwise and g.ndim >= 2:
+    return jnp.mean(g2, axis=-1, keepdims=True)
+  return g2
+
+
+def _cycle_after(cycle: Array, merge_every) -> Array:
+  """The cycle position after an update from position ``cycle``: back to 0
+  every ``merge_every`` updates (never with None)."""
+  if merge_every is None:
+    return optax.safe_increment(cycle)
+  return (cycle + 1) % jnp.asarray(merge_every, jnp.int32)
 
 
 def poetx(learning_rate: ScalarOrSchedule, *, merge_every: int | None = 200,
@@ -214,7 +203,7 @@ def poetx(learning_rate: ScalarOrSchedule, *, merge_every: int | None = 200,
     Qiu et al., Reparameterized LLM Training via Orthogonal Equivalence
     Transformation (POET), NeurIPS 2025; POET-X, arXiv:2603.05500 (ICML 2026).
   """
-  _check_nonnegative('learning_rate', learning_rate)
+  check_hyperparameters(learning_rate=learning_rate)
   return optax.chain(
       scale_by_poetx(merge_every=merge_every, b1=b1, b2=b2, eps=eps,
                      mu_dtype=mu_dtype, second_moment=second_moment),
@@ -293,12 +282,7 @@ def clip_by_global_norm_after_merge(
   Returns:
     A transformation with ``tx``'s state.
   """
-  if _is_number(max_norm) and max_norm <= 0:
-    raise ValueError(f'max_norm must be > 0, got {max_norm!r}')
-  if not isinstance(ramp_steps, int) or ramp_steps < 1:
-    raise ValueError(f'ramp_steps must be an int >= 1, got {ramp_steps!r}')
-  if _is_number(min_ratio) and not 0 < min_ratio <= 1:
-    raise ValueError(f'min_ratio must be in (0, 1], got {min_ratio!r}')
+  check_hyperparameters(max_norm=max_norm, ramp_steps=ramp_steps, min_ratio=min_ratio)
   tx = optax.with_extra_args_support(tx)
 
   def init_fn(params):

@@ -5,7 +5,7 @@ axes of a leaf. A label per leaf (:func:`skewadam_labels`) picks its state
 through ``optax.partition``: ``'backbone'`` a float32 momentum and factored
 second moments (:func:`poetx_jax.scale_by_lean_adam`); ``'experts'`` (stacked
 (E, I, O) or (L, E, I, O) weights) and ``'embeddings'`` factored second
-moments only, I + O numbers per matrix (:func:`scale_by_factored_rms`);
+moments only, I + O numbers per matrix (:func:`poetx_jax.scale_by_factored_rms`);
 ``'router'`` Adam; ``'poetx'`` (:func:`poetx_skewadam`) POET-X. Only the shared
 backbone (attention, norms) keeps a momentum.
 
@@ -14,88 +14,23 @@ Reference: "SkewAdam", arXiv 2026 (cs.LG).
 
 from __future__ import annotations
 
+import math
 import sys
-import typing as tp
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 
-from poetx_jax.lean import _factored, _second_moment_step, _second_moments, scale_by_lean_adam
+# FactoredRMSState stays importable from here, beside the tiers built on it.
+from poetx_jax.factored import FactoredRMSState, scale_by_factored_rms  # noqa: F401
+from poetx_jax.lean import scale_by_lean_adam
 from poetx_jax.linear import POETParam
 
-Array = jax.Array
 TIERS = ('backbone', 'experts', 'router', 'embeddings')
 EMBEDDING_NAMES = ('embed_tokens', 'lm_head')
 DEFAULT_MIN_DIM = 128
-
-
-class FactoredRMSState(tp.NamedTuple):
-  """State of :func:`scale_by_factored_rms`: ``LeanAdamState`` without ``mu``."""
-  count: Array
-  v_row: optax.Updates
-  v_col: optax.Updates
-  v_full: optax.Updates
-
-
-def _check_hparams(b1, b2, eps, min_dim_size_to_factor):
-  """Raises on an out-of-range number (traced values pass)."""
-  for name, v, ok, want in (('b1', b1, lambda v: 0 <= v < 1, 'in [0, 1)'),
-                            ('b2', b2, lambda v: 0 <= v < 1, 'in [0, 1)'),
-                            ('eps', eps, lambda v: v >= 0, '>= 0')):
-    if isinstance(v, (int, float)) and not ok(v):
-      raise ValueError(f'{name} must be {want}, got {v!r}')
-  if not isinstance(min_dim_size_to_factor, int) or min_dim_size_to_factor < 1:
-    raise ValueError(f'min_dim_size_to_factor must be an int >= 1, '
-                     f'got {min_dim_size_to_factor!r}')
-
-
-def scale_by_factored_rms(b2: float = 0.999, eps: float = 1e-8, *,
-                          min_dim_size_to_factor: int = 128) -> optax.GradientTransformation:
-  r"""RMS scaling by factored second moments, with no first moment.
-
-  For a leaf (..., R, C) whose last two sides are both at least
-  ``min_dim_size_to_factor``, per trailing R x C matrix (``t`` counts updates):
-
-  .. math::
-
-    r_t = \beta_2 r_{t-1} + (1-\beta_2)\,\mathrm{mean}_C(g^2), \quad
-    c_t = \beta_2 c_{t-1} + (1-\beta_2)\,\mathrm{mean}_R(g^2), \quad
-    \hat v = \frac{r_t c_t^\top}{\mathrm{mean}(r_t)\,(1-\beta_2^t)}, \quad
-    u = \frac{g}{\sqrt{\hat v} + \epsilon}
-
-  (:func:`poetx_jax.scale_by_lean_adam`'s factoring: an (L, E, I, O) leaf
-  holds L E (I + O) numbers). Other leaves keep an exact float32 ``v``.
-  Returns a transformation with :class:`FactoredRMSState`.
-  """
-  _check_hparams(0.0, b2, eps, min_dim_size_to_factor)
-  fac = lambda p: _factored(p.shape, min_dim_size_to_factor)
-
-  def init_fn(params):
-    return FactoredRMSState(jnp.zeros([], jnp.int32),
-                            *_second_moments(params, min_dim_size_to_factor))
-
-  def update_fn(updates, state, params=None):
-    del params
-    count = optax.safe_increment(state.count)
-    c2 = 1 - b2 ** count.astype(jnp.float32)
-
-    def leaf(g, row, col, full):
-      g32 = g.astype(jnp.float32)
-      v_hat, row, col, full = _second_moment_step(jnp.square(g32), row, col, full, b2=b2,
-                                                  c2=c2, factored=fac(g))
-      return (g32 / (jnp.sqrt(v_hat) + eps)).astype(g.dtype), row, col, full
-
-    treedef = jax.tree.structure(updates)
-    out = treedef.flatten_up_to(jax.tree.map(
-        leaf, updates, state.v_row, state.v_col, state.v_full))
-    if not out:
-      return updates, state._replace(count=count)
-    u, row, col, full = (treedef.unflatten(x) for x in zip(*out))
-    return u, FactoredRMSState(count, row, col, full)
-
-  return optax.GradientTransformation(init_fn, update_fn)
 
 
 def _label(path, leaf, poet: bool) -> str:
@@ -158,7 +93,6 @@ def _resolve_labels(labels, valid: tuple[str, ...], wrt):
 def _tiers(b1, b2, eps, min_dim_size_to_factor) -> dict[str, optax.GradientTransformation]:
   if min_dim_size_to_factor is None:
     min_dim_size_to_factor = DEFAULT_MIN_DIM
-  _check_hparams(b1, b2, eps, min_dim_size_to_factor)
   lean = lambda min_dim: scale_by_lean_adam(b1, b2, eps, mu_dtype=jnp.float32,
                                             min_dim_size_to_factor=min_dim)
   return {'backbone': lean(min_dim_size_to_factor),
@@ -181,7 +115,7 @@ def scale_by_skewadam(labels=None, *, b1: float = 0.9, b2: float = 0.999,
     ``v`` factored into row / column means for matrices (last two sides
     >= ``min_dim_size_to_factor``), exact otherwise; ``u = m_hat / (sqrt(v_hat) + eps)``.
   * experts, embeddings: no ``m``; ``v`` factored per trailing matrix;
-    ``u = g / (sqrt(v_hat) + eps)`` (:func:`scale_by_factored_rms`). The
+    ``u = g / (sqrt(v_hat) + eps)`` (:func:`poetx_jax.scale_by_factored_rms`). The
     method sets the experts' state; giving the embeddings and LM head the
     same is this implementation's choice (momentum only in the shared
     backbone: for ``moe-7b`` theirs would be 0.49 GiB, a third more state).
@@ -280,17 +214,48 @@ def poetx_skewadam(labels, poet_tx: optax.GradientTransformation, learning_rate,
                          _resolve_labels(labels, ('poetx',) + TIERS, wrt))
 
 
-def state_bytes(opt_state, *, by_tier: bool = False) -> int | dict[str, int]:
-  """Bytes of the arrays in an optimizer state; with ``by_tier``, per group
-  of its (first) ``optax.partition``: ``{label: bytes}``."""
-  size = lambda tree: sum(int(x.nbytes) for x in jax.tree.leaves(tree)
-                          if hasattr(x, 'nbytes'))
+def _nbytes(x) -> int:
+  """Bytes of an array leaf, concrete or abstract: its size times its
+  dtype's item size (numpy's, so int4 counts one byte); 0 for a non-array."""
+  if not (hasattr(x, 'shape') and hasattr(x, 'dtype')):
+    return 0
+  dtype = x.dtype
+  extended = jax.dtypes.issubdtype(dtype, jax.dtypes.extended)  # PRNG keys
+  return math.prod(x.shape) * (dtype.itemsize if extended else np.dtype(dtype).itemsize)
+
+
+def state_bytes(tree, *, by_tier: bool = False) -> int | dict[str, int]:
+  """Bytes of the arrays in a pytree: an optimizer state, a model's ``nnx.State``, ...
+
+  Every array leaf counts its number of elements times its dtype's numpy
+  item size (int4 one byte, bfloat16 two, a PRNG key its key data); abstract
+  leaves (``jax.ShapeDtypeStruct``, e.g. from ``nnx.eval_shape``) count like
+  the arrays they describe, so a state can be sized without allocating it.
+  Leaves that are not arrays (Python numbers) count nothing.
+
+  Example::
+
+    >>> import jax, jax.numpy as jnp, poetx_jax
+    >>> poetx_jax.state_bytes({'w': jnp.zeros((4, 8), jnp.bfloat16),
+    ...                        'q': jax.ShapeDtypeStruct((3,), jnp.float32)})
+    76
+
+  Args:
+    tree: any pytree.
+    by_tier: break the count down by the groups of the first
+      ``optax.partition`` state in ``tree`` (from :func:`skewadam`,
+      :func:`scale_by_skewadam`, :func:`poetx_skewadam` or any partition).
+
+  Returns:
+    The bytes, or with ``by_tier`` a dict ``{label: bytes}``.
+  """
+  size = lambda tree: sum(_nbytes(x) for x in jax.tree.leaves(tree))
   if not by_tier:
-    return size(opt_state)
+    return size(tree)
   parts = [s for s in jax.tree.leaves(
-      opt_state, is_leaf=lambda x: isinstance(x, optax.PartitionState))
+      tree, is_leaf=lambda x: isinstance(x, optax.PartitionState))
            if isinstance(s, optax.PartitionState)]
   if not parts:
     raise ValueError('by_tier=True needs an optax.partition state (from skewadam, '
-                     f'scale_by_skewadam or poetx_skewadam); got {type(opt_state).__name__}')
+                     f'scale_by_skewadam or poetx_skewadam); got {type(tree).__name__}')
   return {k: size(v) for k, v in parts[0].inner_states.items()}

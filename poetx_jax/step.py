@@ -56,11 +56,9 @@ def make_train_step(loss_fn: tp.Callable, *, merge_every: int | None = None,
       when the POET learning rate is too large for the block size.
     data_parallel: the mesh when the training state is replicated over it and
       each batch split over all its axes. Each device then computes the
-      gradients of its own rows and one all-reduce averages them, exactly the
-      trainable arrays (the compiler's own partitioning reduces the POET
-      generators' gradients as full B x B blocks, twice their size). The loss
-      must be a mean (over rows, or over what ``loss_weight`` counts) and the
-      rows split evenly. Not with ``has_aux``.
+      gradients of its own rows and one all-reduce of exactly the trainable
+      arrays averages them. The loss must be a mean (over rows, or over what
+      ``loss_weight`` counts) and the rows split evenly. Not with ``has_aux``.
     loss_weight: with ``data_parallel``: ``loss_weight(batch)`` is how many
       items a device's loss averages over on its rows (e.g. its unmasked
       tokens). The devices' losses and gradients are then averaged with these
@@ -68,24 +66,52 @@ def make_train_step(loss_fn: tp.Callable, *, merge_every: int | None = None,
       weighs the devices equally (a mean over rows).
 
   Returns:
-    The step function; it returns the loss (and aux) before the update. On
-    its first call with a model and optimizer it finds their variables once
-    and from then on passes their arrays straight to one compiled program (no
-    traversal of the module graph per call); it finds them again when given
-    other objects. Change the structure of a model in place (not its values:
-    merges and checkpoint restores are fine) only between steps made by
-    different step functions. ``step.lower(model, optimizer, batch)`` lowers
-    the gradient-and-update program, which returns ``(out, merge_due,
+    The step function; it returns the loss (and aux) before the update. It
+    finds the variables of the model and optimizer it is given once (again
+    when given other objects), so change a model's structure in place (not
+    its values: merges and checkpoint restores are fine) only between steps
+    made by different step functions. ``step.lower(model, optimizer, batch)``
+    lowers the gradient-and-update program, which returns ``(out, merge_due,
     merge_key)`` (abstract model and optimizer states work).
   """
   base_key = jax.random.key(seed)
-  clock = MergeClock(merge_every) if merge_every is not None else None
-  value_and_grad = nnx.value_and_grad(loss_fn, has_aux=has_aux)
-  if data_parallel is not None:
-    if has_aux:
-      raise ValueError('data_parallel does not take has_aux=True (auxiliary outputs '
-                       'cannot be averaged over devices in general)')
-    value_and_grad = _per_device_grads(loss_fn, data_parallel, loss_weight)
+  verdicts = _MergeVerdicts(merge_every)
+  value_and_grad = _value_and_grad(loss_fn, has_aux, data_parallel, loss_weight)
+  programs = _Programs(_update_fn(value_and_grad, base_key), donate)
+
+  def step(model, optimizer: nnx.Optimizer, batch):
+    if not programs.has_cycle(optimizer):
+      return programs.run(model, optimizer, batch)[0]
+    verdicts.before_call(optimizer)
+    out, flag, key = programs.run(model, optimizer, batch)
+    if verdicts.after_call(optimizer, flag):
+      error = merge(model, rngs=key)
+      if on_merge is not None:
+        on_merge(int(optimizer.step[...]), error)
+    return out
+
+  step.lower = programs.lower
+  return step
+
+
+def _value_and_grad(loss_fn: tp.Callable, has_aux: bool,
+                    data_parallel: jax.sharding.Mesh | None,
+                    loss_weight: tp.Callable | None) -> tp.Callable:
+  """``value_and_grad(model, batch)`` of ``loss_fn``: ``nnx.value_and_grad``,
+  or with ``data_parallel`` per device and averaged (:func:`_per_device_grads`)."""
+  if data_parallel is None:
+    return nnx.value_and_grad(loss_fn, has_aux=has_aux)
+  if has_aux:
+    raise ValueError('data_parallel does not take has_aux=True (auxiliary outputs '
+                     'cannot be averaged over devices in general)')
+  return _per_device_grads(loss_fn, data_parallel, loss_weight)
+
+
+def _update_fn(value_and_grad: tp.Callable, base_key: jax.Array) -> tp.Callable:
+  """The step's device program: ``update(model, optimizer, batch) -> (out,
+  merge_due, merge_key)``. It applies the gradients with ``optimizer.update``;
+  ``merge_due`` says whether that completed a POET-X merge cycle (always False
+  without a ``poetx`` state) and ``merge_key`` is ``fold_in(base_key, step)``."""
 
   def update(model, optimizer: nnx.Optimizer, batch):
     out, grads = value_and_grad(model, batch)
@@ -97,40 +123,45 @@ def make_train_step(loss_fn: tp.Callable, *, merge_every: int | None = None,
       due = jnp.zeros((), bool)
     return out, due, jax.random.fold_in(base_key, optimizer.step[...])
 
-  programs = _Programs(update, donate)
-  unchecked = []  # (the device's verdict, the host's, the call) awaiting comparison
+  return update
 
-  def check(flag, host_due, call):
+
+class _MergeVerdicts:
+  """Whether each call of the step completed a merge cycle.
+
+  With ``merge_every`` the host's :class:`poetx_jax.cycle.MergeClock` says so
+  with no device read, and each of its verdicts is checked against the
+  optimizer's once that is computed: at once if it is ready, else when it is
+  two calls old, so the device always has work queued. Without it the
+  optimizer's verdict is read back after every call.
+  """
+
+  def __init__(self, merge_every: int | None):
+    self.merge_every = merge_every
+    self.clock = MergeClock(merge_every) if merge_every is not None else None
+    self.unchecked = []  # (the device's verdict, the host's, the call)
+
+  def before_call(self, optimizer: nnx.Optimizer) -> None:
+    if self.clock is not None:
+      self.clock.before_call(optimizer)
+
+  def after_call(self, optimizer: nnx.Optimizer, flag: jax.Array) -> bool:
+    """The verdict on the call just made; ``flag`` is the optimizer's."""
+    if self.clock is None:
+      return bool(flag)
+    due = self.clock.after_call(optimizer)
+    self.unchecked.append((flag, due, self.clock.calls))
+    while self.unchecked and (self.unchecked[0][0].is_ready() or len(self.unchecked) > 2):
+      self._check(*self.unchecked.pop(0))
+    return due
+
+  def _check(self, flag, host_due: bool, call: int) -> None:
     if bool(flag) != host_due:
       raise RuntimeError(
-          f'make_train_step(merge_every={merge_every}) and the optimizer disagree on '
+          f'make_train_step(merge_every={self.merge_every}) and the optimizer disagree on '
           f'whether call {call} completed a merge cycle (optimizer: {bool(flag)}): '
           f'merge_every must be the optimizer\'s merge_every times the micro-steps '
           f'per update')
-
-  def step(model, optimizer: nnx.Optimizer, batch):
-    if not programs.has_cycle(optimizer):
-      return programs.run(model, optimizer, batch)[0]
-    if clock is not None:
-      clock.before_call(optimizer)
-    out, flag, key = programs.run(model, optimizer, batch)
-    if clock is None:
-      due = bool(flag)
-    else:
-      due = clock.after_call(optimizer)
-      unchecked.append((flag, due, clock.calls))
-      # Verdicts already computed are checked at once; the host waits for one
-      # only when it is two calls old, so the device always has work queued.
-      while unchecked and (unchecked[0][0].is_ready() or len(unchecked) > 2):
-        check(*unchecked.pop(0))
-    if due:
-      error = merge(model, rngs=key)
-      if on_merge is not None:
-        on_merge(int(optimizer.step[...]), error)
-    return out
-
-  step.lower = programs.lower
-  return step
 
 
 def _is_variable(x) -> bool:
@@ -141,8 +172,9 @@ class _Programs:
   """``fn(model, optimizer, batch)`` as one jitted function of their arrays.
 
   The variables of (model, optimizer) are found once per pair of objects (by
-  identity) and their arrays passed in a fixed order; the new arrays are set
-  back into the same Variable objects, so the objects stay the state.
+  identity) and their arrays passed in a fixed order, with no traversal of
+  the module graph per call; the new arrays are set back into the same
+  Variable objects, so the objects stay the state.
   """
 
   def __init__(self, fn: tp.Callable, donate: bool):
@@ -208,7 +240,9 @@ def _plain(variable: nnx.Variable) -> bool:
 def _per_device_grads(loss_fn: tp.Callable, mesh: jax.sharding.Mesh,
                       loss_weight: tp.Callable | None) -> tp.Callable:
   """``value_and_grad(loss_fn)`` with each device on its rows, then one mean
-  over devices (weighted by ``loss_weight`` of their rows, if given)."""
+  over devices (weighted by ``loss_weight`` of their rows, if given) of
+  exactly the trainable arrays: the compiler's own partitioning would reduce
+  the POET generators' gradients as full B x B blocks, twice their size."""
   from jax.sharding import PartitionSpec as P
   axes = tuple(mesh.axis_names)
 

@@ -7,7 +7,8 @@ and bfloat16 parameters that keep their dtype, ``optax.inject_hyperparams``
 (every numeric hyperparameter traced; a learning-rate schedule), gradient
 accumulation with ``optax.MultiSteps``, composition with ``optax.chain`` and
 ``optax.partition``, descent on a quadratic and finite updates. Maths against
-hand-written references lives in test_optim.py and test_lean.py.
+hand-written references lives in test_optim.py, test_lean.py, test_factored.py
+and test_skewadam.py.
 """
 
 import dataclasses
@@ -30,6 +31,26 @@ def clipped_poetx(learning_rate, *, merge_every=3, max_norm=1.0):
   """poetx inside clip_by_global_norm_after_merge (a ramp of 2 updates)."""
   return poetx_jax.clip_by_global_norm_after_merge(
       poetx_jax.poetx(learning_rate, merge_every=merge_every), max_norm, ramp_steps=2)
+
+
+# A SkewAdam tier for each leaf of the parameters of _params (or a subtree).
+SKEW_TIERS = {'w': 'experts', 'b': 'router', 's': 'backbone'}
+POETX_SKEW_TIERS = {'w': 'poetx', 'b': 'router', 's': 'experts'}
+
+
+def skew_tiers(params):
+  """SkewAdam labels by leaf name (:data:`SKEW_TIERS`): each tier's
+  transformation once (the embeddings' is the experts')."""
+  return {k: SKEW_TIERS[k] for k in params}
+
+
+def poetx_with_skewadam(learning_rate, *, merge_every=3, b1=0.9, b2=0.999, eps=1e-8,
+                        weight_decay=0.0, min_dim_size_to_factor=None):
+  """poetx_skewadam: poetx on 'w', SkewAdam's router and expert tiers on 'b' and 's'."""
+  return poetx_jax.poetx_skewadam(
+      lambda params: {k: POETX_SKEW_TIERS[k] for k in params},
+      poetx_jax.poetx(learning_rate, merge_every=merge_every), learning_rate, b1=b1, b2=b2,
+      eps=eps, weight_decay=weight_decay, min_dim_size_to_factor=min_dim_size_to_factor)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,6 +96,20 @@ OPTIMIZERS = [
     Spec('scale_by_lean_adam', poetx_jax.scale_by_lean_adam, dict(b1=0.8, b2=0.99),
          dict(mu_dtype=jnp.bfloat16, min_dim_size_to_factor=4), has_lr=False, rtol=1e-2),
     Spec('clip_after_merge', clipped_poetx, dict(merge_every=3, max_norm=1.0)),
+    Spec('scale_by_factored_rms', poetx_jax.scale_by_factored_rms, dict(b2=0.99, eps=1e-8),
+         dict(min_dim_size_to_factor=4), has_lr=False),
+    # A label function and min_dim_size_to_factor are structural: static under
+    # inject_hyperparams.
+    Spec('scale_by_skewadam', poetx_jax.scale_by_skewadam, dict(b1=0.8, b2=0.99),
+         dict(labels=skew_tiers, min_dim_size_to_factor=4), has_lr=False),
+    Spec('skewadam', poetx_jax.skewadam, dict(b1=0.8, b2=0.99, weight_decay=1e-2),
+         dict(labels=skew_tiers, min_dim_size_to_factor=4)),
+    # Default labels (all 'backbone' by path) and min_dim_size_to_factor: the
+    # defaults alone need no static_args.
+    Spec('skewadam_defaults', poetx_jax.skewadam, dict(weight_decay=1e-2)),
+    Spec('poetx_skewadam', poetx_with_skewadam,
+         dict(merge_every=3, b1=0.8, b2=0.99, weight_decay=1e-2),
+         dict(min_dim_size_to_factor=4)),
 ]
 WITH_LR = [s for s in OPTIMIZERS if s.has_lr]
 
