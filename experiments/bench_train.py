@@ -95,14 +95,15 @@ def resident_state(a, run: str) -> dict:
   scales); ``trainable``: the ``nnx.Param``s (one gradient each during a
   step); ``optimizer``: the optimizer state. ``model + grads + optimizer`` is
   a floor for the peak: activations and temporaries come on top. Sizes count
-  each element's dtype at its numpy item size (``factories.state_bytes``).
+  each element's dtype at its numpy item size (``poetx_jax.state_bytes``).
   """
   from flax import nnx
+  import poetx_jax
   from poetx_jax.pretrain import factories as F
   cfg = run_config(a, run)
   mc = F.model_config(cfg, a.vocab_size)
   model, opt = F.abstract_state(cfg, mc)
-  gib = lambda tree: F.state_bytes(tree) / 2 ** 30
+  gib = lambda tree: poetx_jax.state_bytes(tree) / 2 ** 30
   r = {'run': run, 'model': a.model, 'dense_params': mc.num_params(),
        'model_gib': gib(nnx.state(model)), 'trainable_gib': gib(nnx.state(model, nnx.Param)),
        'optimizer_gib': gib(nnx.state(opt))}

@@ -14,7 +14,6 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from flax import nnx
 
@@ -103,15 +102,9 @@ def _layer_converter(cfg: TrainConfig, mc: LlamaConfig):
   return convert
 
 
-def state_bytes(tree) -> int:
-  """Bytes of a state's arrays (concrete or abstract), each element at its
-  numpy item size (int4 counts one byte)."""
-  return sum(x.size * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
-
-
 def size_text(tree) -> str:
-  """:func:`state_bytes` as text ('1.23 GiB' or '456.7 MiB')."""
-  n = state_bytes(tree)
+  """:func:`poetx_jax.state_bytes` as text ('1.23 GiB' or '456.7 MiB')."""
+  n = poetx_jax.state_bytes(tree)
   return f'{n / 2 ** 30:.2f} GiB' if n >= 2 ** 30 else f'{n / 2 ** 20:.1f} MiB'
 
 
