@@ -87,6 +87,9 @@ class POETLinear(nnx.Module):
     out_features: O.
     block_size: B, 1 < B <= min(I, O).
     terms: number of Cayley–Neumann powers (default 4).
+    max_generator_norm: cap each block's generator at this spectral norm
+      (:func:`poetx_jax.ops.cap_generators`: the series then stays inside its
+      region of convergence whatever step the optimizer takes); None: no cap.
     mode: ``'fast'`` keeps the activations the backward needs; ``'mem'``
       (POET-Xmem) keeps only the layer input and recomputes the rest.
     form: the order of the product (same function): ``'input'`` rotates and
@@ -119,6 +122,7 @@ class POETLinear(nnx.Module):
       *,
       block_size: int = 256,
       terms: int = ops.DEFAULT_TERMS,
+      max_generator_norm: float | None = None,
       mode: str = 'fast',
       form: str = 'input',
       implementation: str = 'xla',
@@ -150,6 +154,11 @@ class POETLinear(nnx.Module):
           f"implementation='xla' here")
     if not isinstance(terms, int) or terms < 1:
       raise ValueError(f'terms must be an int >= 1, got {terms!r}')
+    if max_generator_norm is not None and not (
+        isinstance(max_generator_norm, (int, float)) and not isinstance(max_generator_norm, bool)
+        and 0 < max_generator_norm < 1):
+      raise ValueError(f'max_generator_norm must be None or a number in (0, 1) (the series '
+                       f'converges for norms below 1), got {max_generator_norm!r}')
     if quantize is not None and quantize not in ops.QUANT_BITS:
       raise ValueError(f'quantize must be None or one of {tuple(ops.QUANT_BITS)}, '
                        f'got {quantize!r}')
@@ -178,6 +187,7 @@ class POETLinear(nnx.Module):
     self.out_features = out_features
     self.block_size = block_size
     self.terms = terms
+    self.max_generator_norm = max_generator_norm
     self.mode = mode
     self.form = form
     self.implementation = implementation
@@ -263,6 +273,7 @@ class POETLinear(nnx.Module):
     y = ops.poet_linear(x, kernel, self.q_in[...], self.q_out[...],
                         self.perm_in[...], self.perm_out[...],
                         block_size=self.block_size, terms=self.terms,
+                        max_norm=self.max_generator_norm,
                         remat=self.mode == 'mem', form=self.form,
                         precision=self.precision,
                         implementation=implementation_for(self.implementation,
@@ -276,7 +287,8 @@ class POETLinear(nnx.Module):
   def rotation_blocks(self) -> tuple[Array, Array]:
     """The float32 Cayley–Neumann blocks of P and R (full precision)."""
     return ops.rotation_blocks_pair(self.q_in[...], self.q_out[...], self.in_features,
-                                    self.out_features, self.block_size, self.terms)
+                                    self.out_features, self.block_size, self.terms,
+                                    max_norm=self.max_generator_norm)
 
   def effective_kernel(self, blocks: tuple[Array, Array] | None = None) -> Array:
     """``(R W0 P)^T`` in (in, out) layout, float32: the weight the layer
@@ -284,7 +296,7 @@ class POETLinear(nnx.Module):
     self._one_layer('effective_kernel', 'poetx_jax.effective_kernel(layer) takes a stack')
     return ops.poet_kernel(self.frozen_kernel(), self.q_in[...], self.q_out[...],
                            self.perm_in[...], self.perm_out[...], block_size=self.block_size,
-                           terms=self.terms, blocks=blocks)
+                           terms=self.terms, blocks=blocks, max_norm=self.max_generator_norm)
 
   def compute_kernel(self, dtype) -> Array:
     """The kernel the layer multiplies activations of ``dtype`` by in the
@@ -298,6 +310,7 @@ class POETLinear(nnx.Module):
     def form(kernel, scale, q_in, q_out, perm_in, perm_out):
       return ops.poet_kernel(kernel, q_in, q_out, perm_in, perm_out, dtype=dtype,
                              block_size=self.block_size, terms=self.terms,
+                        max_norm=self.max_generator_norm,
                              kernel_scale=scale)
 
     if self.mode == 'mem':

@@ -52,7 +52,8 @@ import numpy as np
 from poetx_jax.layout import materialized, row_major
 from poetx_jax.quant import QUANT_BITS, dequantize_kernel, quantize_kernel  # noqa: F401
 from poetx_jax.skew import (  # noqa: F401
-    check_block_size, num_blocks, pack_skew, ragged_mask, skew_size, unpack_skew)
+    cap_generators, check_block_size, generator_bound_sq, num_blocks, pack_skew, ragged_mask,
+    skew_size, unpack_skew)
 
 Array = jax.Array
 
@@ -101,13 +102,16 @@ def cayley_neumann(q_KxBxB: Array, terms: int = DEFAULT_TERMS,
 
 def rotation_blocks(q_KxP: Array, n: int, block_size: int,
                     terms: int = DEFAULT_TERMS,
-                    precision=jax.lax.Precision.HIGHEST) -> Array:
+                    precision=jax.lax.Precision.HIGHEST,
+                    max_norm: float | None = None) -> Array:
   """Packed parameters of one side -> its (K, B, B) rotation blocks G (float32).
 
-  Applies the ragged-block mask when ``block_size`` does not divide ``n``.
+  Applies the ragged-block mask when ``block_size`` does not divide ``n``,
+  and :func:`cap_generators` when ``max_norm`` is given.
   """
-  return cayley_neumann(unpack_skew(_masked(q_KxP, n, block_size), block_size),
-                        terms, precision)
+  q = unpack_skew(_masked(q_KxP, n, block_size), block_size)
+  return cayley_neumann(q if max_norm is None else cap_generators(q, max_norm), terms,
+                        precision)
 
 
 def _masked(q_KxP: Array, n: int, block_size: int) -> Array:
@@ -120,15 +124,19 @@ def _masked(q_KxP: Array, n: int, block_size: int) -> Array:
 def rotation_blocks_pair(q_in_KxP: Array, q_out_KxP: Array, i: int, o: int,
                          block_size: int, terms: int = DEFAULT_TERMS,
                          precision=jax.lax.Precision.HIGHEST,
-                         series: tp.Callable | None = None) -> tuple[Array, Array]:
+                         series: tp.Callable | None = None,
+                         max_norm: float | None = None) -> tuple[Array, Array]:
   """rotation_blocks for both sides of a layer as one batched series.
 
   Same values as two ``rotation_blocks`` calls, in half the (small) kernels.
   ``series(q_KxBxB, terms)``, if given, replaces :func:`cayley_neumann` (a
   kernel implementation of the same map; ``precision`` is then unused).
+  ``max_norm``: :func:`cap_generators` first (None: no cap).
   """
   q = jnp.concatenate([_masked(q_in_KxP, i, block_size), _masked(q_out_KxP, o, block_size)])
   q = unpack_skew(q, block_size)
+  if max_norm is not None:
+    q = cap_generators(q, max_norm)
   g = cayley_neumann(q, terms, precision) if series is None else series(q, terms)
   return g[:q_in_KxP.shape[0]], g[q_in_KxP.shape[0]:]
 
@@ -294,51 +302,68 @@ def _poet_weight_core(x, kernel_IxO, g_in, g_out, perm_in, perm_out, precision,
   return jnp.matmul(x, kernel.astype(x.dtype), precision=precision)
 
 
+def _poet_layer(x, kernel, scale, q_in, q_out, perm_in, perm_out, *, block_size, terms,
+                form, precision, impl, sides, max_norm):
+  """The body of :func:`poet_linear` (rematerialised whole under ``remat``)."""
+  i, o = perm_in.shape[-1], perm_out.shape[-1]
+  cn_precision = (jax.lax.Precision.HIGHEST if jnp.dtype(x.dtype).itemsize >= 4
+                  else jax.lax.Precision.DEFAULT)
+  # The series and the dequantisation depend on parameters only; tied to x
+  # here, the compiler cannot run them (or a rematerialised layer's
+  # recomputation of them) for every layer at once, ahead of their use.
+  # (BENCHMARKS.md has the temporaries it saves.)
+  _, kernel, scale, q_in, q_out = jax.lax.optimization_barrier((x, kernel, scale, q_in, q_out))
+  if scale is None:
+    kernel = kernel.astype(x.dtype)
+  else:
+    kernel = dequantize_kernel(kernel, scale, i, x.dtype)
+  g_in, g_out = rotation_blocks_pair(q_in, q_out, i, o, block_size, terms, cn_precision,
+                                     impl.series, max_norm)
+  if form == 'input':
+    return _poet_core(x, kernel, g_in.astype(x.dtype), g_out.astype(x.dtype),
+                      perm_in, perm_out, precision, impl, sides)
+  return _poet_weight_core(x, kernel, g_in, g_out, perm_in, perm_out, precision,
+                           cn_precision, sides)
+
+
 def poet_linear(x_TxI: Array, kernel_IxO: Array, q_in_KxP: Array, q_out_KxP: Array,
                 perm_in_I: Array, perm_out_O: Array, *, block_size: int,
                 terms: int = DEFAULT_TERMS, remat: bool = False,
                 form: str = 'input', precision=None,
                 implementation: Implementation | None = None,
                 kernel_scale: Array | None = None, permute_input: bool = True,
-                permute_output: bool = True) -> Array:
+                permute_output: bool = True, max_norm: float | None = None) -> Array:
   """The POET-X layer ``y = x @ effective_kernel``.
 
-  Two orders of the same product (equal up to rounding):
-
-  * ``form='input'`` (input-centric, the POET-X paper's): permute x, rotate its
-    blocks, frozen GEMM, rotate blocks, permute. The backward has no
-    weight-gradient GEMM, but every rotation and gather is activation-sized
-    (T x I or T x O).
-  * ``form='weight'``: rotate and permute the frozen kernel (I x O, independent
-    of T), then one GEMM. The backward has the weight-gradient GEMM of a dense
-    layer, and all block products and gathers are weight-sized. The
-    rotations run in float32 (TF32 products for 16-bit x) and the rotated
-    kernel is rounded to x's dtype once.
+  Two orders of the same product (equal up to rounding): ``form='input'``
+  (input-centric, the POET-X paper's) permutes x, rotates its blocks, runs
+  the frozen GEMM, rotates blocks, permutes: no weight-gradient GEMM in the
+  backward, but every rotation and gather is activation-sized (T x I or
+  T x O). ``form='weight'`` rotates and permutes the frozen kernel (I x O,
+  independent of T; in float32, rounded to x's dtype once), then runs one
+  GEMM: a dense layer's backward, all block products and gathers weight-sized.
 
   Args:
     x_TxI: activations (..., I) in the compute dtype.
     kernel_IxO: the frozen permuted base weight ``W0'^T``; gets no gradient.
     q_in_KxP, q_out_KxP: packed skew parameters of P (input side) and R.
     perm_in_I, perm_out_O: the permutations Phi_I and Phi_O as index arrays.
-    block_size: B.
-    terms: Cayley–Neumann terms.
+    block_size, terms: B and the Cayley–Neumann terms.
     remat: POET-Xmem: keep only x for the backward and recompute the rest,
-      the Cayley–Neumann series included (its powers, kept by POET-Xfast,
-      are several K x B x B float32 arrays per side). False is POET-Xfast.
+      the series included (POET-Xfast keeps its powers: several K x B x B
+      float32 arrays per side).
     form: ``'input'`` or ``'weight'`` (above).
     precision: precision of the activation-sized products.
-    implementation: replacements (:class:`Implementation`) for the
-      Cayley–Neumann step and, in the input form, the block products and the
-      gathers; None computes every piece with the jnp functions here.
-    kernel_scale: POET-XQ: ``kernel_IxO`` is then the quantised base of
-      :func:`quantize_kernel` (rows padded to whole groups) and this its
-      scales; it is dequantised to x's dtype inside the layer, so with
-      ``remat`` only the quantised base is kept.
-    permute_input: False: ``x_TxI`` is given already permuted,
-      ``x[..., perm_in_I]``, and the layer skips that gather (the caller's
-      gather did it, e.g. one composed by :func:`gather_between`).
-    permute_output: False: the result is returned permuted,
-      ``y[..., perm_out_O]``, without the layer's last gather.
+    implementation: replacements (:class:`Implementation`) for the series
+      and, in the input form, the block products and gathers; None: jnp.
+    kernel_scale: POET-XQ: ``kernel_IxO`` is the quantised base of
+      :func:`quantize_kernel` and this its scales, dequantised to x's dtype
+      inside the layer (with ``remat`` only the quantised base is kept).
+    permute_input: False: ``x_TxI`` is given permuted, ``x[..., perm_in_I]``
+      (e.g. by a gather of :func:`gather_between`), and that gather is skipped.
+    permute_output: False: the result is returned as ``y[..., perm_out_O]``.
+    max_norm: :func:`cap_generators` on every block before the series (None:
+      no cap).
 
   Returns:
     y of shape (..., O) in x's dtype (no bias), or ``y[..., perm_out_O]``.
@@ -349,45 +374,25 @@ def poet_linear(x_TxI: Array, kernel_IxO: Array, q_in_KxP: Array, q_out_KxP: Arr
   """
   if form not in FORMS:
     raise ValueError(f'form must be one of {FORMS}, got {form!r}')
-  i, o = perm_in_I.shape[-1], perm_out_O.shape[-1]
+  i = perm_in_I.shape[-1]
   if x_TxI.ndim < 1 or x_TxI.shape[-1] != i:
     raise ValueError(f'the inputs have shape {tuple(x_TxI.shape)}: their last axis must '
                      f'hold the layer\'s {i} input features, it holds '
                      f'{x_TxI.shape[-1] if x_TxI.ndim else "none"}')
-  exact = jnp.dtype(x_TxI.dtype).itemsize >= 4
-  impl = Implementation() if implementation is None else implementation
-  cn_precision = jax.lax.Precision.HIGHEST if exact else jax.lax.Precision.DEFAULT
-  sides = (bool(permute_input), bool(permute_output))
-
-  def layer(x, kernel, scale, q_in, q_out, perm_in, perm_out):
-    # The series and the dequantisation depend on parameters only; tied to x
-    # here, the compiler cannot run them (or a rematerialised layer's
-    # recomputation of them) for every layer at once, ahead of their use.
-    # (BENCHMARKS.md has the temporaries it saves.)
-    _, kernel, scale, q_in, q_out = jax.lax.optimization_barrier(
-        (x, kernel, scale, q_in, q_out))
-    if scale is None:
-      kernel = kernel.astype(x.dtype)
-    else:
-      kernel = dequantize_kernel(kernel, scale, i, x.dtype)
-    g_in, g_out = rotation_blocks_pair(q_in, q_out, i, o, block_size, terms,
-                                      cn_precision, impl.series)
-    if form == 'input':
-      return _poet_core(x, kernel, g_in.astype(x.dtype), g_out.astype(x.dtype),
-                        perm_in, perm_out, precision, impl, sides)
-    return _poet_weight_core(x, kernel, g_in, g_out, perm_in, perm_out, precision,
-                             cn_precision, sides)
-
+  layer = functools.partial(
+      _poet_layer, block_size=block_size, terms=terms, form=form, precision=precision,
+      impl=Implementation() if implementation is None else implementation,
+      sides=(bool(permute_input), bool(permute_output)), max_norm=max_norm)
   if remat:  # the series too: its saved powers are K x B x B float32 arrays per side
     layer = jax.checkpoint(layer, policy=jax.checkpoint_policies.nothing_saveable)
-  return layer(x_TxI, kernel_IxO, kernel_scale, q_in_KxP, q_out_KxP, perm_in_I,
-               perm_out_O)
+  return layer(x_TxI, kernel_IxO, kernel_scale, q_in_KxP, q_out_KxP, perm_in_I, perm_out_O)
 
 
 def poet_kernel(kernel_IxO: Array, q_in_KxP: Array, q_out_KxP: Array, perm_in_I: Array,
                 perm_out_O: Array, *, block_size: int, terms: int = DEFAULT_TERMS,
                 dtype: tp.Any = jnp.float32, kernel_scale: Array | None = None,
-                blocks: tuple[Array, Array] | None = None) -> Array:
+                blocks: tuple[Array, Array] | None = None,
+                max_norm: float | None = None) -> Array:
   """The effective kernel ``(R W0 P)^T`` in the (in, out) layout of
   ``nnx.Linear``, (I, O) in ``dtype``, formed from block products
   (``Phi_I G_P^T kernel G_R^T Phi_O^T``): the weight a POET layer applies.
@@ -408,6 +413,7 @@ def poet_kernel(kernel_IxO: Array, q_in_KxP: Array, q_out_KxP: Array, perm_in_I:
     kernel_scale: POET-XQ scales of a quantised ``kernel_IxO``.
     blocks: ``(G_P, G_R)`` blocks of :func:`rotation_blocks_pair`, when
       already computed (then ``q_in_KxP``, ``q_out_KxP`` are unused).
+    max_norm: :func:`cap_generators` before the series, as in :func:`poet_linear`.
   """
   i, o = perm_in_I.shape[-1], perm_out_O.shape[-1]
   exact = jnp.dtype(dtype).itemsize >= 4
@@ -417,7 +423,8 @@ def poet_kernel(kernel_IxO: Array, q_in_KxP: Array, q_out_KxP: Array, perm_in_I:
   else:
     kernel = dequantize_kernel(kernel_IxO, kernel_scale, i, dtype)
   if blocks is None:
-    blocks = rotation_blocks_pair(q_in_KxP, q_out_KxP, i, o, block_size, terms, cn_precision)
+    blocks = rotation_blocks_pair(q_in_KxP, q_out_KxP, i, o, block_size, terms, cn_precision,
+                                  max_norm=max_norm)
   kernel = rotate_weight(jax.lax.stop_gradient(kernel).astype(jnp.float32), *blocks,
                          perm_in_I, perm_out_O, cn_precision, permute_input=False,
                          permute_output=False).astype(dtype)
@@ -429,13 +436,3 @@ def poet_kernel(kernel_IxO: Array, q_in_KxP: Array, q_out_KxP: Array, perm_in_I:
 def permute_kernel(kernel_IxO: Array, perm_in_I: Array, perm_out_O: Array) -> Array:
   """Folds permutations into a plain kernel: ``Phi_I^T K Phi_O`` (= W0'^T)."""
   return jnp.take(jnp.take(kernel_IxO, perm_in_I, axis=0), perm_out_O, axis=1)
-
-
-def dense_rotation(q_KxP: Array, perm_N: Array, n: int, *, block_size: int,
-                   terms: int = DEFAULT_TERMS) -> Array:
-  """The dense n x n matrix ``Phi G Phi^T`` (tests and analysis only)."""
-  g = rotation_blocks(q_KxP, n, block_size, terms)
-  k = g.shape[0]
-  bd = jax.scipy.linalg.block_diag(*[g[j] for j in range(k)])[:n, :n]
-  phi = jnp.zeros((n, n), jnp.float32).at[perm_N, jnp.arange(n)].set(1.0)
-  return phi @ bd @ phi.T

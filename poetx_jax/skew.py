@@ -108,3 +108,30 @@ def ragged_mask(n: int, block_size: int) -> np.ndarray | None:
   mask[-1] = (cols < r).astype(np.float32)  # cols > rows, so this covers both
   return mask
 
+
+
+def generator_bound_sq(q_KxBxB: Array) -> Array:
+  """(K,) squared upper bounds on each block's spectral norm: ``||Q^T Q||_inf``,
+  the largest absolute row sum of ``Q^T Q`` (= ``-Q^2``), which is
+  ``>= ||Q^T Q||_2 = ||Q||_2^2``. Exact when Q has rank two (one plane of
+  rotation, the direction an Adam step of sign-like entries pushes a block
+  in); at most about ``B^(1/4) / 2`` times too large for random blocks."""
+  q = q_KxBxB.astype(jnp.float32)
+  qtq = jnp.matmul(jnp.swapaxes(q, -1, -2), q, precision=jax.lax.Precision.HIGHEST)
+  return jnp.max(jnp.sum(jnp.abs(qtq), axis=-1), axis=-1)
+
+
+def cap_generators(q_KxBxB: Array, max_norm: float) -> Array:
+  """Each block ``Q`` scaled by ``min(1, max_norm / b)``, b the bound of
+  :func:`generator_bound_sq` (its square root), so that ``||Q||_2 <= max_norm``.
+
+  The truncated Cayley–Neumann series converges only for ``||Q||_2 < 1`` and
+  its orthogonality error grows like ``||Q||^(k+2)``; a cap below 1 keeps every
+  rotation the series forms close to orthogonal, however large a step the
+  optimizer takes. Blocks under the cap are unchanged (scale exactly 1).
+  Differentiable, also at ``Q = 0``.
+  """
+  bound_sq = generator_bound_sq(q_KxBxB)
+  over = bound_sq > max_norm ** 2
+  scale = jnp.where(over, max_norm * jax.lax.rsqrt(jnp.where(over, bound_sq, 1.0)), 1.0)
+  return q_KxBxB * scale[..., None, None].astype(q_KxBxB.dtype)

@@ -77,3 +77,12 @@ def write_corpus(directory, *, docs=40, words=120):
   for i in range(docs):
     (directory / f'doc{i:02d}.txt').write_text(' '.join(rng.choice(WORDS, size=words)) + '.\n')
   return directory
+
+
+def dense_rotation(q_KxP, perm_N, n, *, block_size, terms=4, max_norm=None):
+  """The dense n x n matrix ``Phi G Phi^T`` of one side of a POET layer."""
+  from poetx_jax import ops
+  g = ops.rotation_blocks(q_KxP, n, block_size, terms, max_norm=max_norm)
+  bd = jax.scipy.linalg.block_diag(*[g[j] for j in range(g.shape[0])])[:n, :n]
+  phi = jnp.zeros((n, n), jnp.float32).at[perm_N, jnp.arange(n)].set(1.0)
+  return phi @ bd @ phi.T

@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 from jax.ad_checkpoint import print_saved_residuals
 
-from conftest import randomize_generators, rel_err
+from conftest import dense_rotation, randomize_generators, rel_err
 from poetx_jax import POETLinear, POETParam, ops
 
 
@@ -29,8 +29,8 @@ def _as_function(layer):
 def _naive(layer, x, q_in, q_out):
   """x @ (R W0 P)^T + b with R and P materialised as dense matrices."""
   i, o, b = layer.in_features, layer.out_features, layer.block_size
-  p = ops.dense_rotation(q_in, layer.perm_in[...], i, block_size=b)
-  r = ops.dense_rotation(q_out, layer.perm_out[...], o, block_size=b)
+  p = dense_rotation(q_in, layer.perm_in[...], i, block_size=b)
+  r = dense_rotation(q_out, layer.perm_out[...], o, block_size=b)
   w0 = ops.permute_kernel(layer.kernel[...].astype(jnp.float32),
                           ops.invert_permutation(layer.perm_in[...]),
                           ops.invert_permutation(layer.perm_out[...])).T

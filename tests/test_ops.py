@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from jax.test_util import check_grads
 
-from conftest import rel_err, skew_params
+from conftest import dense_rotation, rel_err, skew_params
 from poetx_jax import ops
 
 
@@ -72,7 +72,7 @@ def test_ragged_last_block_is_orthogonal_and_isolated(keys):
   last = ops.rotation_blocks(q, n, b)[-1]
   np.testing.assert_array_equal(last[3], jnp.eye(b)[3])  # padding maps to itself
   np.testing.assert_array_equal(last[:, 3], jnp.eye(b)[:, 3])
-  full = ops.dense_rotation(q, jnp.arange(n), n, block_size=b)
+  full = dense_rotation(q, jnp.arange(n), n, block_size=b)
   assert float(ops.orthogonality_error(full[None])) < 1e-4
 
 
@@ -103,8 +103,8 @@ def _layer_inputs(keys, i, o, b, t=9, scale=0.1):
 def _dense_weight(kernel, q_in, q_out, p_in, p_out, b):
   """W = R W0 P with everything materialised (W0 = kernel^T, unpermuted)."""
   i, o = kernel.shape
-  p = ops.dense_rotation(q_in, p_in, i, block_size=b)
-  r = ops.dense_rotation(q_out, p_out, o, block_size=b)
+  p = dense_rotation(q_in, p_in, i, block_size=b)
+  r = dense_rotation(q_out, p_out, o, block_size=b)
   return r @ kernel.T @ p
 
 

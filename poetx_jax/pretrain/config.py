@@ -94,6 +94,10 @@ class TrainConfig:
   clip: float = _option(1.0, 'global-norm clip (0: off)', min=0)
   merge_every: int = _count(50, 'POET-X merge interval in updates')
   block_size: int | None = _option(None, 'POET block size', min=2, none="the model config's")
+  max_generator_norm: float | None = _option(
+      None, "POET-X: cap each block generator's spectral norm (an upper bound of it) so "
+      'the Cayley–Neumann series stays in its region of convergence whatever the step',
+      gt=0, lt=1, none='no cap')
   normalize_rows: bool = _option(False, 'POET-X: scale each output row of every converted '
                                  'weight to unit norm at conversion (the published POET-X '
                                  'does; the spectrum POET-X then keeps)')
@@ -153,6 +157,8 @@ class TrainConfig:
     if self.quantize is not None and self.optimizer != 'poetx':
       raise ValueError(f'quantize={self.quantize!r} needs optimizer poetx (the AdamW '
                        f'baseline trains its weights in full precision)')
+    if self.max_generator_norm is not None and self.optimizer != 'poetx':
+      raise ValueError(f'max_generator_norm needs optimizer poetx (got {self.optimizer!r})')
     if self.normalize_rows and self.optimizer != 'poetx':
       raise ValueError(f'normalize_rows needs optimizer poetx (it sets the spectrum POET-X '
                        f'keeps; got {self.optimizer!r})')

@@ -95,6 +95,7 @@ def _layer_converter(cfg: TrainConfig, mc: LlamaConfig):
   def convert(layer):
     return poetx_jax.poetize(layer, rngs=poet_rngs, consume=True,
                              normalize_rows=cfg.normalize_rows,
+                             max_generator_norm=cfg.max_generator_norm,
                              block_size=cfg.block_size or mc.block_size, mode=cfg.mode,
                              form=cfg.form, implementation=cfg.implementation,
                              quantize=cfg.quantize, group_size=cfg.group_size)
