@@ -41,7 +41,8 @@ import numpy as np
 
 from poetx_jax.pretrain import data as data_lib
 from poetx_jax.pretrain import shards
-from poetx_jax.pretrain.tokenizer import Tokenizer, _atomic_write, file_hash
+from poetx_jax.pretrain.files import atomic_write
+from poetx_jax.pretrain.tokenizer import Tokenizer, file_hash
 
 FORMAT = shards.FORMAT
 MANIFEST = shards.MANIFEST
@@ -94,7 +95,7 @@ def _tokenize_source(task: dict) -> dict:
       return
     arr = np.concatenate(pending)
     name = f'shard-{index:05d}-{len(shards):05d}.bin'
-    _atomic_write(out / name, lambda tmp: arr.tofile(tmp), '.bin')
+    atomic_write(out / name, arr.tofile)
     shards.append({'file': name, 'tokens': int(arr.size),
                    'sha256': hashlib.sha256(arr.tobytes()).hexdigest()})
     pending, n_pending = [], 0
@@ -181,7 +182,7 @@ def prepare(inputs: PathLike | tp.Sequence[PathLike], out: PathLike, *,
       raise ValueError(f'prepare takes a tokenizers JSON file, got {src}')
     Tokenizer.load(src)  # readable
     if not tok_path.is_file() or file_hash(tok_path) != file_hash(src):
-      _atomic_write(tok_path, lambda tmp: shutil.copyfile(src, tmp), '.json')
+      atomic_write(tok_path, lambda tmp: shutil.copyfile(src, tmp))
   elif not tok_path.is_file():
     sample = list(_sample(files, text_field, sample_chars))
     sample = [d for d in sample if d.strip()]
@@ -217,8 +218,8 @@ def prepare(inputs: PathLike | tp.Sequence[PathLike], out: PathLike, *,
 
   def done(task, part):
     part['tokenizer'], part['text_field'] = tok_hash, text_field
-    _atomic_write(parts_dir / f'{task["index"]:05d}.json',
-                  lambda tmp: Path(tmp).write_text(json.dumps(part)), '.json')
+    atomic_write(parts_dir / f'{task["index"]:05d}.json',
+                 lambda tmp: Path(tmp).write_text(json.dumps(part)))
     parts[task['index']] = part
     if bar is not None:
       bar.update(task['source']['bytes'])
@@ -247,6 +248,5 @@ def prepare(inputs: PathLike | tp.Sequence[PathLike], out: PathLike, *,
               'sources': [p['source'] for p in ordered], 'shards': shards,
               'documents': sum(p['documents'] for p in ordered),
               'tokens': sum(s['tokens'] for s in shards)}
-  _atomic_write(manifest_path, lambda tmp: Path(tmp).write_text(json.dumps(manifest, indent=1)),
-                '.json')
+  atomic_write(manifest_path, lambda tmp: Path(tmp).write_text(json.dumps(manifest, indent=1)))
   return manifest

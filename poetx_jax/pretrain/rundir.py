@@ -41,6 +41,7 @@ from poetx_jax.pretrain import shards
 from poetx_jax.pretrain.checkpoint import CheckpointError, Checkpointer
 from poetx_jax.pretrain.config import TrainConfig
 from poetx_jax.pretrain.factories import build_model, model_config
+from poetx_jax.pretrain.files import atomic_write
 from poetx_jax.pretrain.tokenizer import file_hash
 
 RUN_FILE, DATA_FILE = 'run.json', 'data.json'
@@ -236,10 +237,9 @@ def open_run(cfg: TrainConfig, *, resume: bool, log=print) -> tp.Iterator[pathli
       _make_dir(out)
       held.enter_context(RunLock(out, log=log))
 
-    def write_run_file():
-      tmp = run_file.with_suffix('.tmp')  # whole, for whoever reads it meanwhile
-      tmp.write_text(json.dumps(dataclasses.asdict(cfg), indent=1))
-      tmp.replace(run_file)
+    def write_run_file():  # whole, for whoever reads it meanwhile
+      text = json.dumps(dataclasses.asdict(cfg), indent=1)
+      atomic_write(run_file, lambda tmp: pathlib.Path(tmp).write_text(text))
 
     processes.on_primary('opening the run directory', lock)
     # Every process: orbax's checkpoint manager is collective.
@@ -274,7 +274,8 @@ def store_data(out: pathlib.Path, data: data_lib.TextData) -> None:
     shutil.copyfile(src, out / name)
   record = {'tokenizer': name, 'tokenizer_sha256': file_hash(out / name),
             'vocab_size': data.tokenizer.vocab_size, **data.fingerprint}
-  (out / DATA_FILE).write_text(json.dumps(record, indent=1))
+  text = json.dumps(record, indent=1)
+  atomic_write(out / DATA_FILE, lambda tmp: pathlib.Path(tmp).write_text(text))
 
 
 def read_data_record(out: pathlib.Path) -> dict:
