@@ -262,7 +262,7 @@ def export_run(run: str | pathlib.Path, out_dir: str | pathlib.Path,
   """Exports the newest (or given) checkpoint of a run directory with the
   tokenizer stored in it (the corpus is not read); returns the paths written.
   See :func:`export_model` for ``force`` and the errors."""
-  from poetx_jax.pretrain import rundir  # pylint: disable=g-import-not-at-top
+  from poetx_jax.pretrain import loading, rundir  # pylint: disable=g-import-not-at-top
   if pathlib.Path(out_dir).resolve() == pathlib.Path(run).resolve():
     raise ValueError(f'the export directory {out_dir} is the run directory; choose '
                      f'another one')
@@ -272,5 +272,5 @@ def export_run(run: str | pathlib.Path, out_dir: str | pathlib.Path,
     raise ValueError(f'export writes the Hugging Face Llama layout: {run} trained the '
                      f'mixture-of-experts model {model_name!r}, which has no export yet')
   tokenizer = rundir.stored_tokenizer(run)
-  _, mc, model, _ = rundir.load_model(run, step=step)
+  _, mc, model, _ = loading.load_model(run, step=step)
   return export_model(model, mc, out_dir, tokenizer, force=force)
