@@ -15,6 +15,7 @@ from __future__ import annotations
 import pathlib
 
 import jax
+from flax import nnx
 
 from poetx_jax.models import llama
 from poetx_jax.pretrain import data as data_lib
@@ -72,12 +73,13 @@ def load_model(out_dir: str | pathlib.Path, *, step: int | None = None
                ) -> tuple[TrainConfig, llama.LlamaConfig, object, int]:
   """(cfg, model config, model, step) of a run at its newest (or given)
   checkpoint, without the corpus: the vocabulary is the stored tokenizer's.
-  Only the model is restored: no optimizer state is built or read."""
+  Only the model is restored, into its shapes: no random weights are drawn
+  first, and no optimizer state is built or read."""
   out = pathlib.Path(out_dir)
   cfg = read_config(out)
   mc = model_config(cfg, read_data_record(out)['vocab_size'])
-  model = build_model(cfg, mc)
-  step, _, _ = Checkpointer(out / 'checkpoints').restore(model, step=step)
+  shapes = nnx.eval_shape(lambda: build_model(cfg, mc))
+  model, step = Checkpointer(out / 'checkpoints').restore_model(shapes, step=step)
   return cfg, mc, model, step
 
 
