@@ -192,10 +192,9 @@ class Checkpointer:
 
     ``abstract_model`` gives the structure: the model as shapes only, e.g.
     ``nnx.eval_shape(lambda: build_model(cfg, mc))``, so no weights are drawn
-    or allocated before the saved ones are read (a concrete model works too
-    and is left as it is). Arrays land on the default device unless the
-    shapes carry shardings. No optimizer state is read. Returns ``(model,
-    step)``; raises as :meth:`restore`.
+    or allocated before the saved ones are read. Arrays land on the default
+    device unless the shapes carry shardings. No optimizer state is read.
+    Returns ``(model, step)``; raises as :meth:`restore`.
     """
     step = self._resolve(step)
     graphdef, state = nnx.split(abstract_model)
