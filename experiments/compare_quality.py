@@ -545,7 +545,7 @@ def main(argv=None):
   a = parse_args(argv)
   import jax
   from poetx_jax.models import moe
-  from poetx_jax.pretrain import factories, rundir
+  from poetx_jax.pretrain import factories, loading
   from poetx_jax.pretrain import train as train_lib
 
   out = pathlib.Path(a.out)
@@ -559,7 +559,7 @@ def main(argv=None):
     shutil.rmtree(runs_dir / name)
   out.mkdir(parents=True, exist_ok=True)
 
-  data = rundir.load_data(run_config(a, specs[0]))
+  data = loading.load_data(run_config(a, specs[0]))
   print(f'data: {data.description}', flush=True)
   mc = factories.model_config(run_config(a, specs[0]), data.tokenizer.vocab_size)
   paths = probed_layers(mc.layers, moe=isinstance(mc, moe.MoEConfig))

@@ -19,7 +19,7 @@ import jax
 import pytest
 from flax import nnx
 
-from poetx_jax.pretrain import cli, rundir
+from poetx_jax.pretrain import cli, loading, rundir
 from poetx_jax.pretrain import train as train_lib
 from poetx_jax.pretrain.checkpoint import Checkpointer, DamagedCheckpoint
 from poetx_jax.pretrain.config import TrainConfig
@@ -177,6 +177,17 @@ def test_damage_is_told_apart_from_a_configuration_mismatch(tmp_path, reference,
                                       r'model \(300, 48\)') as e:
     Checkpointer(step_dir.parent).restore(model, step=8)
   assert not isinstance(e.value, DamagedCheckpoint)
+
+
+def test_load_model_builds_from_the_checkpoint_what_restore_fills_in(reference):
+  """load_model restores into the model's shapes (nnx.eval_shape, nothing drawn):
+  the model build_model would give, restored in place."""
+  cfg, _, (step, model, _) = reference
+  _, _, loaded, got = loading.load_model(cfg.out_dir)
+  assert got == step
+  assert all(isinstance(x, jax.Array) for x in jax.tree.leaves(nnx.state(loaded)))
+  chex.assert_trees_all_equal(nnx.to_pure_dict(nnx.state(loaded)), model)
+  assert loading.load_model(cfg.out_dir, step=8)[3] == 8
 
 
 def test_a_damaged_newest_checkpoint_resumes_from_the_previous_one(tmp_path, reference,

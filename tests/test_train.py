@@ -14,7 +14,7 @@ from poetx_jax.pretrain import cli
 from poetx_jax.pretrain import evaluation, factories
 from poetx_jax.pretrain.checkpoint import CheckpointError, Checkpointer, DamagedCheckpoint
 from poetx_jax.pretrain.config import TrainConfig
-from poetx_jax.pretrain.rundir import load_run
+from poetx_jax.pretrain.loading import load_run
 from poetx_jax.pretrain.train import Hook, train
 from conftest import write_corpus
 

@@ -102,7 +102,19 @@ def _pure(node):
 
 
 def _abstract(tree):
-  return jax.tree.map(ocp.utils.to_shape_dtype_struct, tree)
+  """``tree`` as ShapeDtypeStructs to restore into: arrays keep their shardings,
+  shapes given without one (an ``nnx.eval_shape`` model) get the default device."""
+  device = jax.config.jax_default_device  # None, a device or a platform name
+  if not isinstance(device, jax.Device):
+    device = jax.local_devices(backend=device)[0]
+  default = jax.sharding.SingleDeviceSharding(device)
+
+  def target(leaf):
+    if isinstance(leaf, jax.ShapeDtypeStruct) and leaf.sharding is None:
+      return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=default)
+    return ocp.utils.to_shape_dtype_struct(leaf)
+
+  return jax.tree.map(target, tree)
 
 
 class Checkpointer:
@@ -168,7 +180,31 @@ class Checkpointer:
     """
     step = self._resolve(step)
     nodes = {'model': model} if optimizer is None else {'model': model, 'opt': optimizer}
-    targets = {k: _pure(v) for k, v in nodes.items()}
+    out = self._read(step, {k: _pure(v) for k, v in nodes.items()})
+    for k, node in nodes.items():
+      state = nnx.state(node)
+      nnx.replace_by_pure_dict(state, out[k])
+      nnx.update(node, state)
+    return step, out['data'], out['meta']
+
+  def restore_model(self, abstract_model, step: int | None = None) -> tuple[tp.Any, int]:
+    """The model of checkpoint ``step`` (the newest if None), built from its arrays.
+
+    ``abstract_model`` gives the structure: the model as shapes only, e.g.
+    ``nnx.eval_shape(lambda: build_model(cfg, mc))``, so no weights are drawn
+    or allocated before the saved ones are read. Arrays land on the default
+    device unless the shapes carry shardings. No optimizer state is read.
+    Returns ``(model, step)``; raises as :meth:`restore`.
+    """
+    step = self._resolve(step)
+    graphdef, state = nnx.split(abstract_model)
+    out = self._read(step, {'model': nnx.to_pure_dict(state)})
+    nnx.replace_by_pure_dict(state, out['model'])
+    return nnx.merge(graphdef, state), step
+
+  def _read(self, step: int, targets: dict) -> dict:
+    """The items of checkpoint ``step``: ``data``, ``meta`` and one per
+    ``targets`` entry (a pure dict of arrays or shapes), restored to them."""
     try:
       with _quiet():
         out = self._mgr.restore(step, args=ocp.args.Composite(
@@ -178,11 +214,7 @@ class Checkpointer:
         raise ValueError('an empty JSON item')
     except Exception as e:  # orbax raises several types for unreadable files
       raise self._diagnose(step, targets, e) from e
-    for k, node in nodes.items():
-      state = nnx.state(node)
-      nnx.replace_by_pure_dict(state, out[k])
-      nnx.update(node, state)
-    return step, out['data'], out['meta']
+    return out
 
   def resume(self, model, optimizer, *, step: int | None, run: pathlib.Path,
              log=print) -> tuple[int, dict]:

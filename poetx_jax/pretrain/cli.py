@@ -124,7 +124,7 @@ def cmd_prepare(a) -> int:
 def cmd_eval(a) -> int:
   from poetx_jax.pretrain import data as data_lib
   from poetx_jax.pretrain.evaluation import evaluate
-  from poetx_jax.pretrain.rundir import load_run
+  from poetx_jax.pretrain.loading import load_run
   cfg, data, model, step = load_run(a.run, step=a.step)
   batches = data_lib.eval_batches(data.val_windows, batch_size=cfg.batch_size)
   result = evaluate(model, batches)

@@ -36,12 +36,12 @@ import json
 import os
 import pathlib
 import shutil
-import tempfile
 import typing as tp
 
 import poetx_jax
 from poetx_jax import models
 from poetx_jax.models import hf
+from poetx_jax.pretrain.files import atomic_write
 
 # A directory holding any of these holds an export: the files written here, and
 # those of other Hugging Face exports that a loader would read beside them.
@@ -182,27 +182,6 @@ def _int32(value) -> int:
   return value - (1 << 64) if value >= 1 << 63 else value
 
 
-def _umask() -> int:
-  mask = os.umask(0o022)
-  os.umask(mask)
-  return mask
-
-
-def _write(path: pathlib.Path, write: tp.Callable[[str], object]) -> pathlib.Path:
-  """Calls ``write(tmp)`` on a temporary file beside ``path``, gives it the
-  mode of any new file (0666 less the umask) and renames it to ``path``."""
-  fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f'.{path.name}.')
-  os.close(fd)
-  try:
-    write(tmp)
-    os.chmod(tmp, 0o666 & ~_umask())
-    os.replace(tmp, path)
-  finally:
-    if os.path.exists(tmp):
-      os.remove(tmp)
-  return path
-
-
 def _json_writer(obj) -> tp.Callable[[str], object]:
   return lambda tmp: pathlib.Path(tmp).write_text(json.dumps(obj, indent=1) + '\n')
 
@@ -270,7 +249,7 @@ def export_model(model, mc: models.LlamaConfig, out_dir: str | pathlib.Path,
     files[name] = lambda tmp: shutil.copyfile(tokenizer_path, tmp)
     files.update({n: _json_writer(d) for n, d in tok_files.items()})
   out.mkdir(parents=True, exist_ok=True)
-  written = [_write(out / name, write) for name, write in files.items()]
+  written = [atomic_write(out / name, write) for name, write in files.items()]
   for name in held:
     if name not in files:
       (out / name).unlink()
@@ -282,7 +261,7 @@ def export_run(run: str | pathlib.Path, out_dir: str | pathlib.Path,
   """Exports the newest (or given) checkpoint of a run directory with the
   tokenizer stored in it (the corpus is not read); returns the paths written.
   See :func:`export_model` for ``force`` and the errors."""
-  from poetx_jax.pretrain import rundir  # pylint: disable=g-import-not-at-top
+  from poetx_jax.pretrain import loading, rundir  # pylint: disable=g-import-not-at-top
   if pathlib.Path(out_dir).resolve() == pathlib.Path(run).resolve():
     raise ValueError(f'the export directory {out_dir} is the run directory; choose '
                      f'another one')
@@ -293,5 +272,5 @@ def export_run(run: str | pathlib.Path, out_dir: str | pathlib.Path,
   except ValueError as e:
     raise ValueError(f'{run} trained model {cfg.model!r}: {e}') from None
   tokenizer = rundir.stored_tokenizer(run)
-  _, mc, model, _ = rundir.load_model(run, step=step)
+  _, mc, model, _ = loading.load_model(run, step=step)
   return export_model(model, mc, out_dir, tokenizer, force=force)

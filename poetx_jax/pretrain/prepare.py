@@ -41,7 +41,8 @@ import numpy as np
 
 from poetx_jax.pretrain import data as data_lib
 from poetx_jax.pretrain import shards
-from poetx_jax.pretrain.tokenizer import Tokenizer, _atomic_write, file_hash
+from poetx_jax.pretrain.files import atomic_write
+from poetx_jax.pretrain.tokenizer import Tokenizer, file_hash
 
 FORMAT = shards.FORMAT
 MANIFEST = shards.MANIFEST
@@ -94,7 +95,7 @@ def _tokenize_source(task: dict) -> dict:
       return
     arr = np.concatenate(pending)
     name = f'shard-{index:05d}-{len(shards):05d}.bin'
-    _atomic_write(out / name, lambda tmp: arr.tofile(tmp), '.bin')
+    atomic_write(out / name, arr.tofile)
     shards.append({'file': name, 'tokens': int(arr.size),
                    'sha256': hashlib.sha256(arr.tobytes()).hexdigest()})
     pending, n_pending = [], 0
@@ -151,102 +152,169 @@ def prepare(inputs: PathLike | tp.Sequence[PathLike], out: PathLike, *,
     ValueError: a bad argument, an unsupported or unreadable file (named), no
       documents at all, or ``out`` holding a dataset of other inputs.
   """
+  _check_arguments(vocab_size=vocab_size, shard_tokens=shard_tokens,
+                   sample_chars=sample_chars, workers=workers)
+  plan = _plan(inputs, out, text_field)
+  prepared = _prepared_manifest(plan, tokenizer)
+  if prepared is not None:
+    return prepared
+  plan.out.mkdir(parents=True, exist_ok=True)
+  tok_path = _store_tokenizer(plan, tokenizer, vocab_size=vocab_size,
+                              sample_chars=sample_chars)
+  tok, tok_hash = Tokenizer.load(tok_path), file_hash(tok_path)
+  dtype = token_dtype(tok.vocab_size)
+  parts = _tokenize_sources(plan, tok_path, tok_hash, dtype, shard_tokens=shard_tokens,
+                            workers=workers, progress=progress)
+  return _write_manifest(plan, parts, tok, tok_path, tok_hash, dtype)
+
+
+class _Plan(tp.NamedTuple):
+  """What a prepare works on: the dataset directory, the source files (in the
+  order of their documents), their records and the text field."""
+  out: Path
+  files: list[Path]
+  sources: list[dict]
+  text_field: str
+
+
+def _check_arguments(*, vocab_size, shard_tokens, sample_chars, workers) -> None:
+  """ValueError naming the first of the arguments that is not a positive int."""
   for name, value in (('vocab_size', vocab_size), ('shard_tokens', shard_tokens),
                       ('sample_chars', sample_chars)):
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
       raise ValueError(f'{name} must be a positive int, got {value!r}')
   if workers is not None and (not isinstance(workers, int) or workers < 1):
     raise ValueError(f'workers must be a positive int, got {workers!r}')
+
+
+def _plan(inputs: PathLike | tp.Sequence[PathLike], out: PathLike, text_field: str) -> _Plan:
+  """The source files of ``inputs`` and the dataset directory ``out`` (not a file)."""
   files = data_lib.corpus_files(inputs)
   out = Path(out)
   if out.exists() and not out.is_dir():
     raise ValueError(f'--out {out} is a file, not a directory')
-  sources = [_source_record(f) for f in files]
-  tok_path = out / 'tokenizer.json'
-  manifest_path = out / MANIFEST
-  if manifest_path.is_file():
-    old = json.loads(manifest_path.read_text())
-    same_inputs = (len(old['sources']) == len(sources)
-                   and all(map(_same_source, old['sources'], sources)))
-    same_tokenizer = tokenizer is None or file_hash(tokenizer) == old['tokenizer_sha256']
-    if same_inputs and same_tokenizer and old.get('text_field') == text_field:
-      return old  # already prepared
-    raise ValueError(f'{out} holds a prepared dataset of other inputs or another '
-                     f'tokenizer; give a new --out, or remove {out} first')
+  return _Plan(out, files, [_source_record(f) for f in files], text_field)
 
-  out.mkdir(parents=True, exist_ok=True)
+
+def _prepared_manifest(plan: _Plan, tokenizer: PathLike | None) -> dict | None:
+  """The manifest of ``plan.out`` if it is already prepared from these inputs
+  (and ``tokenizer``, if given); None if it holds no manifest.
+
+  Raises:
+    ValueError: ``plan.out`` holds a dataset of other inputs or tokenizer.
+  """
+  manifest_path = plan.out / MANIFEST
+  if not manifest_path.is_file():
+    return None
+  old = json.loads(manifest_path.read_text())
+  same_inputs = (len(old['sources']) == len(plan.sources)
+                 and all(map(_same_source, old['sources'], plan.sources)))
+  same_tokenizer = tokenizer is None or file_hash(tokenizer) == old['tokenizer_sha256']
+  if same_inputs and same_tokenizer and old.get('text_field') == plan.text_field:
+    return old
+  raise ValueError(f'{plan.out} holds a prepared dataset of other inputs or another '
+                   f'tokenizer; give a new --out, or remove {plan.out} first')
+
+
+def _store_tokenizer(plan: _Plan, tokenizer: PathLike | None, *, vocab_size: int,
+                     sample_chars: int) -> Path:
+  """``out/tokenizer.json``: a copy of ``tokenizer``, else (unless there already)
+  a BPE of ``vocab_size`` trained on a sample of the sources."""
+  tok_path = plan.out / 'tokenizer.json'
   if tokenizer is not None:
     src = Path(tokenizer)
     if src.suffix != '.json':
       raise ValueError(f'prepare takes a tokenizers JSON file, got {src}')
     Tokenizer.load(src)  # readable
     if not tok_path.is_file() or file_hash(tok_path) != file_hash(src):
-      _atomic_write(tok_path, lambda tmp: shutil.copyfile(src, tmp), '.json')
+      atomic_write(tok_path, lambda tmp: shutil.copyfile(src, tmp))
   elif not tok_path.is_file():
-    sample = list(_sample(files, text_field, sample_chars))
-    sample = [d for d in sample if d.strip()]
+    sample = [d for d in _sample(plan.files, plan.text_field, sample_chars) if d.strip()]
     if not sample:
       raise ValueError('corpus is empty: no non-empty documents in '
-                       + ', '.join(map(str, files)))
+                       + ', '.join(map(str, plan.files)))
     Tokenizer.train_bpe(sample, vocab_size=vocab_size, path=tok_path)
-    del sample
-  tok, tok_hash = Tokenizer.load(tok_path), file_hash(tok_path)
-  dtype = token_dtype(tok.vocab_size)
+  return tok_path
 
-  parts_dir = out / 'parts'
+
+def _tokenize_sources(plan: _Plan, tok_path: Path, tok_hash: str, dtype: np.dtype, *,
+                      shard_tokens: int, workers: int | None, progress: bool) -> list[dict]:
+  """The part record of every source file, in order: the one in ``out/parts``
+  where it is of the same source, tokenizer and text field, else that of
+  the file tokenized now (:func:`_tokenize_source`), recorded there."""
+  parts_dir = plan.out / 'parts'
   parts_dir.mkdir(exist_ok=True)
   parts, todo = {}, []
-  for i, (f, rec) in enumerate(zip(files, sources)):
+  for i, (f, rec) in enumerate(zip(plan.files, plan.sources)):
     part_file = parts_dir / f'{i:05d}.json'
     if part_file.is_file():
       part = json.loads(part_file.read_text())
       if (_same_source(part['source'], rec) and part.get('tokenizer') == tok_hash
-          and part.get('text_field') == text_field):
+          and part.get('text_field') == plan.text_field):
         parts[i] = part
         continue
-    todo.append({'index': i, 'path': str(f), 'out': str(out), 'source': rec,
+    todo.append({'index': i, 'path': str(f), 'out': str(plan.out), 'source': rec,
                  'tokenizer': str(tok_path), 'dtype': dtype.str,
-                 'shard_tokens': shard_tokens, 'text_field': text_field})
+                 'shard_tokens': shard_tokens, 'text_field': plan.text_field})
 
+  def done(task, part):
+    part['tokenizer'], part['text_field'] = tok_hash, plan.text_field
+    atomic_write(parts_dir / f'{task["index"]:05d}.json',
+                 lambda tmp: Path(tmp).write_text(json.dumps(part)))
+    parts[task['index']] = part
+
+  _run_tasks(todo, done, workers=workers, progress=progress, files=len(plan.files))
+  return [parts[i] for i in range(len(plan.files))]
+
+
+def _run_tasks(todo: list[dict], done: tp.Callable[[dict, dict], None], *,
+               workers: int | None, progress: bool, files: int) -> None:
+  """Runs :func:`_tokenize_source` on each task of ``todo`` (in ``workers``
+  processes where there are several) and ``done(task, part)`` as each ends,
+  in order, with a progress bar over their bytes if ``progress``."""
   bar = None
   if progress:
     from tqdm.auto import tqdm  # pylint: disable=g-import-not-at-top
     bar = tqdm(total=sum(t['source']['bytes'] for t in todo), unit='B', unit_scale=True,
-               desc=f'tokenizing {len(todo)} of {len(files)} files')
+               desc=f'tokenizing {len(todo)} of {files} files')
   n_workers = min(workers or os.cpu_count() or 1, max(len(todo), 1))
 
-  def done(task, part):
-    part['tokenizer'], part['text_field'] = tok_hash, text_field
-    _atomic_write(parts_dir / f'{task["index"]:05d}.json',
-                  lambda tmp: Path(tmp).write_text(json.dumps(part)), '.json')
-    parts[task['index']] = part
+  def finish(task, part):
+    done(task, part)
     if bar is not None:
       bar.update(task['source']['bytes'])
 
   try:
     if n_workers <= 1:
       for task in todo:
-        done(task, _tokenize_source(task))
+        finish(task, _tokenize_source(task))
     else:
       ctx = multiprocessing.get_context('spawn')  # the caller may hold threads (jax)
       with concurrent.futures.ProcessPoolExecutor(n_workers, mp_context=ctx) as pool:
         for task, part in zip(todo, pool.map(_tokenize_source, todo)):
-          done(task, part)
+          finish(task, part)
   finally:
     if bar is not None:
       bar.close()
 
-  ordered = [parts[i] for i in range(len(files))]
-  shards = [s for p in ordered for s in p['shards']]
-  if not shards:
+
+def _write_manifest(plan: _Plan, parts: list[dict], tok: Tokenizer, tok_path: Path,
+                    tok_hash: str, dtype: np.dtype) -> dict:
+  """Writes ``out/manifest.json`` of the source files' ``parts`` and returns it.
+
+  Raises:
+    ValueError: the sources hold no tokens at all.
+  """
+  all_shards = [s for p in parts for s in p['shards']]
+  if not all_shards:
     raise ValueError('corpus is empty: no non-empty documents in '
-                     + ', '.join(map(str, files)))
+                     + ', '.join(map(str, plan.files)))
   manifest = {'format': FORMAT, 'dtype': dtype.name, 'vocab_size': tok.vocab_size,
               'eos_id': tok.eos_id, 'tokenizer': tok_path.name,
-              'tokenizer_sha256': tok_hash, 'text_field': text_field,
-              'sources': [p['source'] for p in ordered], 'shards': shards,
-              'documents': sum(p['documents'] for p in ordered),
-              'tokens': sum(s['tokens'] for s in shards)}
-  _atomic_write(manifest_path, lambda tmp: Path(tmp).write_text(json.dumps(manifest, indent=1)),
-                '.json')
+              'tokenizer_sha256': tok_hash, 'text_field': plan.text_field,
+              'sources': [p['source'] for p in parts], 'shards': all_shards,
+              'documents': sum(p['documents'] for p in parts),
+              'tokens': sum(s['tokens'] for s in all_shards)}
+  text = json.dumps(manifest, indent=1)
+  atomic_write(plan.out / MANIFEST, lambda tmp: Path(tmp).write_text(text))
   return manifest

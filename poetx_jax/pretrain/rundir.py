@@ -32,15 +32,11 @@ import socket
 import time
 import typing as tp
 
-import jax
-
-from poetx_jax.models import llama
 from poetx_jax.pretrain import data as data_lib
 from poetx_jax.pretrain import processes
-from poetx_jax.pretrain import shards
 from poetx_jax.pretrain.checkpoint import CheckpointError, Checkpointer
 from poetx_jax.pretrain.config import TrainConfig
-from poetx_jax.pretrain.factories import build_model, model_config
+from poetx_jax.pretrain.files import atomic_write
 from poetx_jax.pretrain.tokenizer import file_hash
 
 RUN_FILE, DATA_FILE = 'run.json', 'data.json'
@@ -236,10 +232,9 @@ def open_run(cfg: TrainConfig, *, resume: bool, log=print) -> tp.Iterator[pathli
       _make_dir(out)
       held.enter_context(RunLock(out, log=log))
 
-    def write_run_file():
-      tmp = run_file.with_suffix('.tmp')  # whole, for whoever reads it meanwhile
-      tmp.write_text(json.dumps(dataclasses.asdict(cfg), indent=1))
-      tmp.replace(run_file)
+    def write_run_file():  # whole, for whoever reads it meanwhile
+      text = json.dumps(dataclasses.asdict(cfg), indent=1)
+      atomic_write(run_file, lambda tmp: pathlib.Path(tmp).write_text(text))
 
     processes.on_primary('opening the run directory', lock)
     # Every process: orbax's checkpoint manager is collective.
@@ -250,22 +245,6 @@ def open_run(cfg: TrainConfig, *, resume: bool, log=print) -> tp.Iterator[pathli
     yield out
 
 
-def load_data(cfg: TrainConfig, tokenizer: str | pathlib.Path | None = None
-              ) -> data_lib.TextData | shards.PreparedData:
-  """The corpus of ``cfg`` tokenized (with ``tokenizer``, else ``cfg.tokenizer``,
-  else a BPE trained on it), split and packed; a prepared dataset directory
-  (``poetx prepare``) is read from its shards."""
-  if cfg.data and len(cfg.data) == 1 and shards.is_prepared(cfg.data[0]):
-    return shards.PreparedData(cfg.data[0], seq_len=cfg.seq_len,
-                                 val_fraction=cfg.val_fraction,
-                                 tokenizer_path=tokenizer or cfg.tokenizer)
-  docs = data_lib.read_documents(cfg.data) if cfg.data else None
-  return data_lib.TextData(docs, tokenizer_path=tokenizer or cfg.tokenizer,
-                           vocab_size=cfg.vocab_size, seq_len=cfg.seq_len,
-                           val_fraction=cfg.val_fraction,
-                           cache_dir=pathlib.Path(cfg.cache_dir).expanduser())
-
-
 def store_data(out: pathlib.Path, data: data_lib.TextData) -> None:
   """Copies the tokenizer of ``data`` into the run and writes ``data.json``."""
   src = data.tokenizer.path
@@ -274,7 +253,8 @@ def store_data(out: pathlib.Path, data: data_lib.TextData) -> None:
     shutil.copyfile(src, out / name)
   record = {'tokenizer': name, 'tokenizer_sha256': file_hash(out / name),
             'vocab_size': data.tokenizer.vocab_size, **data.fingerprint}
-  (out / DATA_FILE).write_text(json.dumps(record, indent=1))
+  text = json.dumps(record, indent=1)
+  atomic_write(out / DATA_FILE, lambda tmp: pathlib.Path(tmp).write_text(text))
 
 
 def read_data_record(out: pathlib.Path) -> dict:
@@ -323,31 +303,6 @@ def data_sources(out: pathlib.Path) -> list[str]:
   return saved.get('data') or ['the built-in corpus']
 
 
-def run_data(out: pathlib.Path, cfg: TrainConfig, *, resume: bool) -> data_lib.TextData:
-  """The data of a run: afresh, the corpus tokenized and the tokenizer stored in
-  the run; resuming, the corpus tokenized with the stored tokenizer and
-  checked to give the same splits as when the run started."""
-  # Of several processes, the first trains and caches the tokenizer and token
-  # stream and stores them in the run; the others then read them with that
-  # tokenizer and check they have the same splits.
-  data = processes.on_primary('reading the data',
-                              lambda: _run_data(out, cfg, resume=resume))
-  if data is None:
-    data = load_data(cfg, stored_tokenizer(out))
-    check_data(out, data, ('train', 'val'), f'process {jax.process_index()}: ')
-  return data
-
-
-def _run_data(out: pathlib.Path, cfg: TrainConfig, *, resume: bool) -> data_lib.TextData:
-  if not resume:
-    data = load_data(cfg)
-    store_data(out, data)
-    return data
-  data = load_data(cfg, stored_tokenizer(out))
-  check_data(out, data, ('train', 'val'), '--resume: ')
-  return data
-
-
 def read_config(out: str | pathlib.Path) -> TrainConfig:
   """The :class:`TrainConfig` of a run directory (its ``run.json``)."""
   run_file = pathlib.Path(out) / RUN_FILE
@@ -359,29 +314,3 @@ def read_config(out: str | pathlib.Path) -> TrainConfig:
   if unknown:
     raise CheckpointError(f'{run_file} has fields this version does not know: {unknown}')
   return TrainConfig(**saved)
-
-
-def load_model(out_dir: str | pathlib.Path, *, step: int | None = None
-               ) -> tuple[TrainConfig, llama.LlamaConfig, object, int]:
-  """(cfg, model config, model, step) of a run at its newest (or given)
-  checkpoint, without the corpus: the vocabulary is the stored tokenizer's.
-  Only the model is restored: no optimizer state is built or read."""
-  out = pathlib.Path(out_dir)
-  cfg = read_config(out)
-  mc = model_config(cfg, read_data_record(out)['vocab_size'])
-  model = build_model(cfg, mc)
-  step, _, _ = Checkpointer(out / 'checkpoints').restore(model, step=step)
-  return cfg, mc, model, step
-
-
-def load_run(out_dir: str | pathlib.Path, *, step: int | None = None):
-  """(cfg, data, model, step) of a run directory, at its newest (or given) checkpoint.
-
-  The corpus is read again with the run's stored tokenizer; its validation
-  split must be the one the run was validated on (CheckpointError if not).
-  """
-  cfg = read_config(out_dir)
-  data = load_data(cfg, stored_tokenizer(out_dir))
-  check_data(pathlib.Path(out_dir), data, ('val',))
-  cfg, _, model, step = load_model(out_dir, step=step)
-  return cfg, data, model, step

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import hashlib
 import os
-import tempfile
 import typing as tp
 from pathlib import Path
 
 import numpy as np
+
+from poetx_jax.pretrain.files import atomic_write
 
 PathLike = tp.Union[str, os.PathLike]
 
@@ -39,19 +40,6 @@ def file_hash(path: PathLike) -> str:
   """The sha256 hex digest of a file's bytes."""
   with open(path, 'rb') as f:
     return hashlib.file_digest(f, 'sha256').hexdigest()
-
-
-def _atomic_write(path: Path, write: tp.Callable[[str], None], suffix: str) -> None:
-  """Calls ``write(tmp)`` on a temporary file next to ``path``, then renames it."""
-  path.parent.mkdir(parents=True, exist_ok=True)
-  fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f'.{path.name}.', suffix=suffix)
-  os.close(fd)
-  try:
-    write(tmp)
-    os.replace(tmp, path)
-  finally:
-    if os.path.exists(tmp):
-      os.remove(tmp)
 
 
 # ----------------------------------------------------------------------------- tokenizer
@@ -133,7 +121,8 @@ class Tokenizer:
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS],
                                   initial_alphabet=alphabet, show_progress=False)
     tok.train_from_iterator(docs, trainer=trainer, length=len(docs))
-    _atomic_write(Path(path), lambda tmp: tok.save(tmp), '.json')
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    atomic_write(path, tok.save)
     return cls.load(path)
 
   def encode(self, text: str) -> list[int]:
@@ -192,5 +181,6 @@ def tokenize_corpus(docs: tp.Sequence[str], tokenizer: Tokenizer, *,
       chunks.append(np.asarray([tokenizer.eos_id], np.int32))
   tokens = np.concatenate(chunks) if chunks else np.zeros((0,), np.int32)
   if cached is not None:
-    _atomic_write(cached, lambda tmp: np.save(tmp, tokens), '.npy')
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write(cached, lambda tmp: np.save(tmp, tokens))
   return tokens

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from poetx_jax.pretrain import data as data_lib
-from poetx_jax.pretrain import processes, rundir
+from poetx_jax.pretrain import loading, processes, rundir
 from poetx_jax.pretrain.checkpoint import Checkpointer
 from poetx_jax.pretrain.config import TrainConfig
 from poetx_jax.pretrain.evaluation import evaluate, place_batch
@@ -281,7 +281,7 @@ def set_up(cfg: TrainConfig, out: pathlib.Path, *, resume: bool, step: int | Non
   (open) run directory ``out``: the data read, the model, optimizer and train
   step built and placed on the devices, the state restored when resuming
   (from ``step``, else the newest intact checkpoint)."""
-  data = rundir.run_data(out, cfg, resume=resume)
+  data = loading.run_data(out, cfg, resume=resume)
   log(f'data: {data.description}')
   mc = model_config(cfg, data.tokenizer.vocab_size)
   mesh = make_training_mesh(cfg)
