@@ -64,8 +64,9 @@ def parse_args(argv=None):
   p.add_argument('--seeds', default='0', help='comma-separated seeds (data order and init)')
   p.add_argument('--anchor-dir', default='.anchors',
                  help='folder with poet_torch_train.py and the poet_torch package')
-  p.add_argument('--jax-mem-fraction', type=float, default=0.1,
-                 help="share of the device's memory each of our runs preallocates")
+  p.add_argument('--jax-mem-fraction', type=float, default=0.0,
+                 help="share of the device's memory each of our runs preallocates (0: "
+                      'none, each allocates what it needs)')
   p.add_argument('--probe-every', type=int, default=0,
                  help='our POET-X runs: record the generators\' norms every N updates '
                       '(0: never)')
@@ -112,8 +113,8 @@ def write_windows(cfg, seeds: list[int], out: pathlib.Path) -> dict:
   OUT/val.npy; returns the vocabulary and the corpus line."""
   import numpy as np
   from poetx_jax.pretrain import data as data_lib
-  from poetx_jax.pretrain import rundir
-  data = rundir.load_data(cfg)
+  from poetx_jax.pretrain import loading
+  data = loading.load_data(cfg)
   out.mkdir(parents=True, exist_ok=True)
   val = data.val_windows[:cfg.eval_batches * cfg.batch_size]
   np.save(out / 'val.npy', np.asarray(val, np.int16))
@@ -157,7 +158,10 @@ def launch(a, spec: dict, seed: int, windows: pathlib.Path, vocab: int):
   env = dict(os.environ)
   if spec['side'] == 'ours':
     (run_dir / 'config.json').write_text(json.dumps(dataclasses.asdict(cfg)))
-    env['XLA_PYTHON_CLIENT_MEM_FRACTION'] = str(a.jax_mem_fraction)
+    if a.jax_mem_fraction:
+      env['XLA_PYTHON_CLIENT_MEM_FRACTION'] = str(a.jax_mem_fraction)
+    else:
+      env['XLA_PYTHON_CLIENT_PREALLOCATE'] = 'false'
     cmd = [sys.executable, __file__, '--child', str(run_dir / 'config.json'),
            '--probe-every', str(a.probe_every)]
     metrics = run_dir / 'run' / 'metrics.jsonl'

@@ -183,7 +183,8 @@ def resumed_config(cfg: TrainConfig, given: tp.Iterable[str]) -> TrainConfig:
 def _check_resumable(run_file: pathlib.Path, cfg: TrainConfig) -> None:
   """Raises CheckpointError unless ``cfg`` may continue the run of ``run_file``:
   equal but for LOCATIONS, with ``steps`` at least the saved ones."""
-  saved = _saved_run(run_file.parent)
+  # A field newer than the run (absent from its run.json) holds its default.
+  saved = {**dataclasses.asdict(TrainConfig()), **_saved_run(run_file.parent)}
   now = dataclasses.asdict(cfg)
   diff = {k: (saved.get(k), v) for k, v in now.items()
           if k not in LOCATIONS + ('steps',) and saved.get(k) != v}
