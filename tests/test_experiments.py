@@ -203,3 +203,29 @@ def test_bench_prepare_measures_prepare_and_first_step(tmp_path):
                    for n in (262144, 524288))
   assert first['tokenizer_sha256'] == second['tokenizer_sha256']
 
+
+def test_no_experiment_declares_a_train_option():
+  """The experiments take poetx train's options from config.add_options (and
+  describe runs by K=V overrides of them): none declares a flag of its own
+  named like a TrainConfig field."""
+  import ast
+  import dataclasses
+  from poetx_jax.pretrain.config import TrainConfig
+  fields = {f.name for f in dataclasses.fields(TrainConfig)}
+  declared = {}
+  for path in sorted((ROOT / 'experiments').glob('*.py')):
+    for node in ast.walk(ast.parse(path.read_text())):
+      if isinstance(node, ast.Call) and getattr(node.func, 'attr', '') == 'add_argument':
+        declared.setdefault(path.name, set()).update(
+            a.value[2:].replace('-', '_') for a in node.args
+            if isinstance(a, ast.Constant) and str(a.value).startswith('--'))
+  assert {'bench_train.py', 'compare_quality.py', 'train_tiny.py'} <= set(declared)
+  assert {'run', 'warmup_steps', 'timed_steps'} <= declared['bench_train.py']
+  assert {name: flags & fields for name, flags in declared.items() if flags & fields} == {}
+
+
+def test_train_tiny_flags(capsys):
+  import train_tiny
+  train_tiny.main(['--toy-steps', '3', '--toy-block-size', '8', '--toy-seed', '1'])
+  out = capsys.readouterr().out
+  assert 'poetx: loss' in out and 'adamw: loss' in out and 'step    2' in out
