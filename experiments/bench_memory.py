@@ -180,6 +180,7 @@ def main(argv=None):
 
 
 def print_table(results: list[dict]) -> None:
+  """The results as a table on stdout."""
   width = max([26] + [len(r['run']) for r in results])
   print(f'\n{"model":6s} {"seq":>5s} {"run":{width}s} {"peak GiB":>9s} {"tokens/s":>9s}')
   for r in results:

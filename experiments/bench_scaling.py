@@ -97,6 +97,7 @@ def run_on(a, argv, run: str, n: int) -> dict:
 
 
 def print_table(a, results: list[dict]) -> None:
+  """The results as a table on stdout."""
   print(f'\n{a.model}, seq {a.seq_len}, {a.per_device_batch} sequences per device')
   width = max([14] + [len(r['run']) for r in results])
   print(f'{"run":{width}s} {"devices":>7s} {"tokens/s":>10s} {"efficiency":>10s} '

@@ -301,9 +301,8 @@ def main(argv=None):
   results = []
   base = [sys.executable, __file__] + list(argv or sys.argv[1:])
   for run in runs_of(a):
-    label, overrides = parse_run(run)
     try:
-      run_config(a, overrides)  # refused here, before any process starts
+      run_config(a, parse_run(run)[1])  # refused here, before any process starts
     except ValueError as e:
       p.error(f'--run {run!r}: {e}')
   for run in runs_of(a):
@@ -318,6 +317,7 @@ def main(argv=None):
 
 
 def print_table(a, results: list[dict]) -> None:
+  """The results as a table on stdout."""
   width = max([28] + [len(r['run']) for r in results])
   print(f'\n{a.model}, seq {a.seq_len}, batch {a.batch_size}'
         f'{", lean state" if a.lean_state else ""}')
