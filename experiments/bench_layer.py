@@ -113,30 +113,22 @@ def poet_variant(x, kernel, q_in, q_out, perm_in, perm_out, *, b, perm=True,
   return ops.permute(z, ops.invert_permutation(perm_out)) if perm else z
 
 
-def bench_shape(i, o, b, t, iters, key, only=()):
-  ks = jax.random.split(key, 7)
-  dt = jnp.bfloat16
-  x = jax.random.normal(ks[0], (t, i), dt)
-  ct = jax.random.normal(ks[1], (t, o), dt)
-  w = (jax.random.normal(ks[2], (i, o), jnp.float32) / np.sqrt(i)).astype(dt)
-  scale = 0.05
-  q_in = scale * jax.random.normal(ks[3], (ops.num_blocks(i, b), ops.skew_size(b))) / np.sqrt(b)
-  q_out = scale * jax.random.normal(ks[4], (ops.num_blocks(o, b), ops.skew_size(b))) / np.sqrt(b)
-  p_in = ops.random_permutation(ks[5], i)
-  p_out = ops.random_permutation(ks[6], o)
+def fwd_bwd(f, n_diff):
+  """jit of (args, consts) -> (y, grads of the first n_diff args) for the
+  cotangent ct, ``consts = (ct, w, p_in, p_out)``. Every array is a jit
+  argument: closed-over constants would be folded at compile time (the
+  cotangent products included) and time nothing."""
+  def run(*args):
+    diff, (ct, w, p_in, p_out) = args[:n_diff], args[n_diff:]
+    y, pull = jax.vjp(lambda *a: f(*a, w, p_in, p_out), *diff)
+    return y, pull(ct.astype(y.dtype))
+  return jax.jit(run)
 
-  # Every array is a jit argument: closed-over constants would be folded at
-  # compile time (the cotangent products included) and time nothing.
-  consts = (ct, w, p_in, p_out)
 
-  def fwd_bwd(f, n_diff):
-    """jit of (args, consts) -> (y, grads of the first n_diff args) for ct."""
-    def run(*args):
-      diff, (ct, w, p_in, p_out) = args[:n_diff], args[n_diff:]
-      y, pull = jax.vjp(lambda *a: f(*a, w, p_in, p_out), *diff)
-      return y, pull(ct.astype(y.dtype))
-    return jax.jit(run)
-
+def layer_variants(x, w, q_in, q_out, b, only=()) -> dict:
+  """name -> (jitted forward and backward, its differentiated arguments): the
+  rows of the module docstring (the Pallas ones where B allows), those of
+  ``only`` if given (and the dense ones)."""
   dense_tr = fwd_bwd(lambda x, w2, w, p_in, p_out: x @ w2, 2)
   dense_fr = fwd_bwd(lambda x, w, p_in, p_out: x @ w, 1)
 
@@ -146,46 +138,44 @@ def bench_shape(i, o, b, t, iters, key, only=()):
         return poet_variant(x, w, qi, qo, p_in, p_out, b=b, **kw)
       return ops.poet_linear(x, w, qi, qo, p_in, p_out, block_size=b, remat=remat,
                              form=form, implementation=impl)
-    return fwd_bwd(f, 3)
+    return fwd_bwd(f, 3), (x, q_in, q_out)
 
   variants = {
       'dense (W trained)': (dense_tr, (x, w)),
       'dense (W frozen)': (dense_fr, (x,)),
-      'poetx xla fast': (layer(False), (x, q_in, q_out)),
-      'poetx xla mem': (layer(True), (x, q_in, q_out)),
-      'poetx weight fast': (layer(False, 'weight'), (x, q_in, q_out)),
-      'poetx weight mem': (layer(True, 'weight'), (x, q_in, q_out)),
-      'poetx no-perm': (layer(False, perm=False), (x, q_in, q_out)),
-      'poetx f32-acc': (layer(False, rot='f32'), (x, q_in, q_out)),
-      'poetx grouped-conv': (layer(False, rot='conv'), (x, q_in, q_out)),
+      'poetx xla fast': layer(False),
+      'poetx xla mem': layer(True),
+      'poetx weight fast': layer(False, 'weight'),
+      'poetx weight mem': layer(True, 'weight'),
+      'poetx no-perm': layer(False, perm=False),
+      'poetx f32-acc': layer(False, rot='f32'),
+      'poetx grouped-conv': layer(False, rot='conv'),
   }
   try:  # B in 64..512
     ks_pallas = ops.Implementation(**pallas_kernels.layer_kernels(b))
   except ValueError as e:
     print(f'  (no pallas rows: {e})')
   else:
-    variants['poetx pallas fast'] = (layer(False, impl=ks_pallas), (x, q_in, q_out))
+    variants['poetx pallas fast'] = layer(False, impl=ks_pallas)
     if jax.default_backend() == 'gpu':  # the CPU interpreter's callbacks cannot be rematerialised
-      variants['poetx pallas mem'] = (layer(True, impl=ks_pallas), (x, q_in, q_out))
+      variants['poetx pallas mem'] = layer(True, impl=ks_pallas)
     ks_all = ops.Implementation(**pallas_kernels.layer_kernels(b, every_kernel=True))
-    variants['poetx all-kernels'] = (layer(False, impl=ks_all), (x, q_in, q_out))
+    variants['poetx all-kernels'] = layer(False, impl=ks_all)
     for name, field in (('cn', 'series'), ('perm', 'permute')):
       one = ops.Implementation(**{field: getattr(ks_all, field)})
-      variants[f'poetx pallas-{name}'] = (layer(False, impl=one), (x, q_in, q_out))
+      variants[f'poetx pallas-{name}'] = layer(False, impl=one)
   if only:
     variants = {k: v for k, v in variants.items()
                 if k.startswith('dense') or any(s in k for s in only)}
-  kb_in, kb_out = ops.num_blocks(i, b), ops.num_blocks(o, b)
-  ct_g = (jax.random.normal(ks[1], (kb_in, b, b), dt),
-          jax.random.normal(ks[2], (kb_out, b, b), dt))
-  def cn_step(precision):  # the series as poet_linear runs it for bf16 inputs
-    return jax.jit(lambda qi, qo, ct_g: jax.vjp(
-        lambda a, c: (ops.rotation_blocks(a, i, b, precision=precision).astype(dt),
-                      ops.rotation_blocks(c, o, b, precision=precision).astype(dt)),
-        qi, qo)[1](ct_g))
+  return variants
 
-  # Correctness first: outputs against x @ effective_kernel (float32), and the
-  # POET gradients of the fast and mem paths against a float32 run.
+
+def check_variants(variants: dict, x, q_in, q_out, consts, b, what: str) -> dict:
+  """Correctness first: each POET variant's output against x @ effective_kernel
+  (float32), and its POET gradients against a float32 run; raises SystemExit
+  on a mismatch. A variant that fails to run here is dropped from
+  ``variants``. Returns the relative errors by variant."""
+  _, w, p_in, p_out = consts
   eff = ops.poet_kernel(w, q_in, q_out, p_in, p_out, block_size=b)
   y_ref = x.astype(jnp.float32) @ eff
   f32 = fwd_bwd(lambda x, qi, qo, w, p_in, p_out: ops.poet_linear(
@@ -208,15 +198,25 @@ def bench_shape(i, o, b, t, iters, key, only=()):
                            zip(('x', 'q_in', 'q_out'), g, g_ref)})
     bad = {k: v for k, v in checks[name].items() if not v < 3e-2}
     if 'no-perm' not in name and bad:
-      raise SystemExit(f'{name} {i}x{o} B={b}: check failed {bad}')
-
+      raise SystemExit(f'{name} {what}: check failed {bad}')
   for name in failed:
     del variants[name]
+  return checks
+
+
+def cayley_rows(q_in, q_out, ct_g, i, o, b, iters) -> dict:
+  """The Cayley–Neumann step alone (forward and backward, both sides): at
+  default and full float32 precision, both sides as one batch, and that batch
+  on the Pallas kernel where B allows."""
+  dt = jnp.bfloat16
+
+  def cn_step(precision):  # the series as poet_linear runs it for bf16 inputs
+    return jax.jit(lambda qi, qo, ct_g: jax.vjp(
+        lambda a, c: (ops.rotation_blocks(a, i, b, precision=precision).astype(dt),
+                      ops.rotation_blocks(c, o, b, precision=precision).astype(dt)),
+        qi, qo)[1](ct_g))
+
   rows = {}
-  for name, (fn, args) in variants.items():
-    rows[name] = timeit(fn, *args, *consts, iters=iters)
-  if only and not any('cayley' in s for s in only):
-    return rows, checks
   for name, prec in (('default', jax.lax.Precision.DEFAULT),
                      ('highest', jax.lax.Precision.HIGHEST)):
     rows[f'cayley-neumann, {name} (both sides)'] = timeit(
@@ -227,13 +227,38 @@ def bench_shape(i, o, b, t, iters, key, only=()):
   rows['cayley-neumann, default, one batch'] = timeit(pair, q_in, q_out, ct_g,
                                                       iters=iters)
   if not pallas_kernels.supports_block_size(b):
-    return rows, checks
+    return rows
   series = pallas_kernels.layer_kernels(b, every_kernel=True)['series']
   pair_k = jax.jit(lambda qi, qo, ct_g: jax.vjp(
       lambda a, c: tuple(g.astype(dt) for g in ops.rotation_blocks_pair(
           a, c, i, o, b, series=series)), qi, qo)[1](ct_g))
   rows['cayley-neumann, pallas kernel, one batch'] = timeit(pair_k, q_in, q_out, ct_g,
                                                             iters=iters)
+  return rows
+
+
+def bench_shape(i, o, b, t, iters, key, only=()):
+  """Checks, then times, every variant of one I x O layer at block size B on
+  T tokens; ``(rows, checks)``: (median, spread) ms and relative errors by name."""
+  ks = jax.random.split(key, 7)
+  dt = jnp.bfloat16
+  x = jax.random.normal(ks[0], (t, i), dt)
+  ct = jax.random.normal(ks[1], (t, o), dt)
+  w = (jax.random.normal(ks[2], (i, o), jnp.float32) / np.sqrt(i)).astype(dt)
+  scale = 0.05
+  q_in = scale * jax.random.normal(ks[3], (ops.num_blocks(i, b), ops.skew_size(b))) / np.sqrt(b)
+  q_out = scale * jax.random.normal(ks[4], (ops.num_blocks(o, b), ops.skew_size(b))) / np.sqrt(b)
+  p_in = ops.random_permutation(ks[5], i)
+  p_out = ops.random_permutation(ks[6], o)
+  consts = (ct, w, p_in, p_out)
+  variants = layer_variants(x, w, q_in, q_out, b, only)
+  checks = check_variants(variants, x, q_in, q_out, consts, b, f'{i}x{o} B={b}')
+  rows = {name: timeit(fn, *args, *consts, iters=iters) for name, (fn, args) in variants.items()}
+  if only and not any('cayley' in s for s in only):
+    return rows, checks
+  ct_g = (jax.random.normal(ks[1], (ops.num_blocks(i, b), b, b), dt),
+          jax.random.normal(ks[2], (ops.num_blocks(o, b), b, b), dt))
+  rows.update(cayley_rows(q_in, q_out, ct_g, i, o, b, iters))
   return rows, checks
 
 

@@ -2,21 +2,26 @@
 largest Llama each trains on one GPU.
 
 A thin driver over bench_train.py (one fresh process per run, so every peak is
-its own): a grid of models x sequence lengths x runs at batch 1, optionally
+its own): a grid of models x sequence lengths x runs, optionally
 under a memory cap (``--cap-gib 80`` sets XLA_PYTHON_CLIENT_MEM_FRACTION to
 compare with 80 GB H100 figures), then with ``--largest`` the biggest model of
 ``--ladder`` that completes forward, backward, update and a merge for each run.
 Results go to a JSON file and a plot of peak memory against model size.
 
+The options and runs are bench_train.py's (``poetx train``'s options, a run
+``K=V`` overrides of them) but for the model and sequence length, which
+``--models`` / ``--ladder`` and ``--seqs`` give; here the defaults are batch 1,
+bf16 weights and compute, and a merge every 2 updates (so that one runs)::
+
     python3 experiments/bench_memory.py --models 3b,8b,13b --seqs 512,1024,2048
     python3 experiments/bench_memory.py --models 8b --seqs 1024 --cap-gib 80
-    python3 experiments/bench_memory.py --largest --runs adamw,poetx:mem:block:int4
-    python3 experiments/bench_memory.py --models tiny --seqs 64 --vocab-size 512 --steps 2   # CPU smoke
+    python3 experiments/bench_memory.py --largest --run optimizer=adamw \\
+        --run optimizer=poetx,mode=mem,remat=block,quantize=int4
+    python3 experiments/bench_memory.py --models tiny --seqs 64 --vocab-size 512 --timed-steps 2   # CPU smoke
     python3 experiments/bench_memory.py --models 8b --state-only --lean-state   # no GPU: state sizes
-    python3 experiments/bench_memory.py --models 8b --state-only --compiled --runs poetx:mem:block  # + XLA's buffers
+    python3 experiments/bench_memory.py --models 8b --state-only --compiled \\
+        --run optimizer=poetx,mode=mem,remat=block  # + XLA's buffers
     python3 experiments/bench_memory.py --largest --scan-layers --lean-state   # deep models compile fast
-
-Runs are bench_train.py's ``optimizer[:mode[:remat[:quantize]]]``.
 """
 
 from __future__ import annotations
@@ -37,30 +42,34 @@ LADDER = {
     '70b': {'hidden': 8192, 'mlp': 28672, 'layers': 80, 'heads': 64, 'kv_heads': 8},
 }
 KNOWN = ('tiny', '60m', '130m', '350m', '1b', '3b', '8b', '13b')
-DEFAULT_RUNS = ('adamw,poetx,poetx:mem:block,poetx:mem:block:int8,'
-                'poetx:mem:block:int4')
+DEFAULT_RUNS = ('optimizer=adamw', 'optimizer=poetx', 'optimizer=poetx,mode=mem,remat=block',
+                'optimizer=poetx,mode=mem,remat=block,quantize=int8',
+                'optimizer=poetx,mode=mem,remat=block,quantize=int4')
+MEMORY_DEFAULTS = dict(batch_size=1, param_dtype='bfloat16', dtype='bfloat16', merge_every=2)
 
 
-def run_one(a, model, overrides, seq, run, cap_gib):
-  here = os.path.dirname(os.path.abspath(__file__))
+def point(name: str, seq: int, ladder: bool) -> str:
+  """The ``K=V`` text of a grid point: a named model, or a ``--ladder`` size
+  (Llama-13B with larger shapes), at sequence length ``seq``."""
+  overrides = LADDER.get(name, {}) if ladder else {}
+  base = name if name in KNOWN else '13b'
+  kv = ','.join(f'{k}={v}' for k, v in overrides.items())
+  return f'model={base},model_overrides={{{kv}}},seq_len={seq}'
+
+
+def run_one(a, argv, name: str, seq: int, run: str, ladder: bool = False) -> dict:
+  """The result of ``run`` at a grid point, in a fresh process."""
   env = dict(os.environ)
-  if cap_gib:
-    env['XLA_PYTHON_CLIENT_MEM_FRACTION'] = f'{cap_gib / a.device_gib:.4f}'
-  base = model if model in KNOWN else '13b'
-  cmd = [sys.executable, os.path.join(here, 'bench_train.py'), '--model', base,
-         '--model-overrides', json.dumps(overrides), '--seq-len', str(seq),
-         '--batch-size', '1', '--vocab-size', str(a.vocab_size), '--steps', str(a.steps),
-         '--warmup', str(a.warmup), '--merge-every', str(a.merge_every),
-         '--param-dtype', a.param_dtype, '--single', run]
-  if a.lean_state:
-    cmd.append('--lean-state')
-  if a.scan_layers:
-    cmd.append('--scan-layers')
-  r, error = bench_train.run_child(cmd, f'{model} seq {seq} {run}', env=env)
+  if a.cap_gib:
+    env['XLA_PYTHON_CLIENT_MEM_FRACTION'] = f'{a.cap_gib / a.device_gib:.4f}'
+  label = bench_train.parse_run(run)[0]
+  cmd = ([sys.executable, os.path.abspath(__file__)] + list(argv or sys.argv[1:])
+         + ['--point', point(name, seq, ladder), '--single', run])
+  r, error = bench_train.run_child(cmd, f'{name} seq {seq} {label}', env=env)
   if error is not None:
-    return {'run': run, 'model': model, 'seq_len': seq, 'cap_gib': cap_gib,
+    return {'run': label, 'model': name, 'seq_len': seq, 'cap_gib': a.cap_gib,
             'error': error}
-  r.update(model=model, cap_gib=cap_gib)
+  r.update(model=name, cap_gib=a.cap_gib)
   return r
 
 
@@ -86,39 +95,41 @@ def plot(results, path, device_gib=None):
 
 
 def state_table(a):
+  """The resident state (and with ``--compiled`` XLA's buffers) of every
+  model and run, from abstract shapes."""
   names = a.ladder.split(',') if a.largest else a.models.split(',')
-  print(f'{"model":6s} {"run":24s} {"model GiB":>9s} {"trainable":>9s} '
+  seq = int(a.seqs.split(',')[0])
+  runs = bench_train.runs_of(a)
+  width = max([24] + [len(bench_train.parse_run(r)[0]) for r in runs])
+  print(f'{"model":6s} {"run":{width}s} {"model GiB":>9s} {"trainable":>9s} '
         f'{"optimizer":>9s} {"model+grads+opt":>15s}' +
         (f' {"compiled args":>13s} {"temporaries":>11s}' if a.compiled else ''))
   rows = []
   for name in names:
-    overrides = LADDER.get(name, {}) if a.largest else {}
-    base = name if name in KNOWN else '13b'
-    for run in a.runs.split(','):
-      args = argparse.Namespace(
-          model=base, model_overrides=json.dumps(overrides), seq_len=int(a.seqs.split(',')[0]), batch_size=1,
-          vocab_size=a.vocab_size, block_size=None, merge_every=a.merge_every,
-          dtype='bfloat16', param_dtype=a.param_dtype, lean_state=a.lean_state,
-          scan_layers=a.scan_layers)
-      r = bench_train.resident_state(args, run)
+    for run in runs:
+      label, overrides = bench_train.parse_run(run)
+      cfg = bench_train.run_config(a, point(name, seq, a.largest), overrides)
+      r = bench_train.resident_state(cfg, label)
       extra = ''
       if a.compiled:
-        c = bench_train.compiled_memory(args, run)
+        c = bench_train.compiled_memory(cfg, label)
         r.update(compiled=c)
         extra = f' {c["arguments_gib"]:13.2f} {c["temporaries_gib"]:11.2f}'
       r['model'] = name
       rows.append(r)
-      print(f'{name:6s} {run:24s} {r["model_gib"]:9.2f} {r["trainable_gib"]:9.2f} '
+      print(f'{name:6s} {label:{width}s} {r["model_gib"]:9.2f} {r["trainable_gib"]:9.2f} '
             f'{r["optimizer_gib"]:9.2f} {r["floor_gib"]:15.2f}{extra}', flush=True)
   with open(a.json, 'w') as f:
     json.dump(rows, f, indent=1)
 
 
-def main(argv=None):
+def parse_args(argv=None):
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  p.add_argument('--models', default='3b,8b,13b')
-  p.add_argument('--seqs', default='1024')
-  p.add_argument('--runs', default=DEFAULT_RUNS)
+  bench_train.add_run_args(p, runs=DEFAULT_RUNS, warmup_steps=2, timed_steps=3,
+                           json_path='bench_memory.json',
+                           exclude=('model', 'model_overrides', 'seq_len'), **MEMORY_DEFAULTS)
+  p.add_argument('--models', default='3b,8b,13b', help='named models, comma-separated')
+  p.add_argument('--seqs', default='1024', help='sequence lengths, comma-separated')
   p.add_argument('--cap-gib', type=float, default=None)
   p.add_argument('--device-gib', type=float, default=139.8, help='memory of the GPU')
   p.add_argument('--largest', action='store_true', help='climb --ladder at seq 1024')
@@ -129,50 +140,55 @@ def main(argv=None):
                  help='with --state-only: also compile each update program for this '
                       "backend and report XLA's arguments and temporaries (slow)")
   p.add_argument('--ladder', default=','.join(LADDER))
-  p.add_argument('--vocab-size', type=int, default=32000)
-  p.add_argument('--param-dtype', default='bfloat16', choices=('float32', 'bfloat16'))
-  p.add_argument('--lean-state', action='store_true')
-  p.add_argument('--scan-layers', action='store_true',
-                 help='decoder layers stacked and run by lax.scan: the compile time of '
-                      'one layer, whatever the depth (needed on GPU past about 8B)')
-  p.add_argument('--merge-every', type=int, default=2, help='small, so a merge runs')
-  p.add_argument('--warmup', type=int, default=2)
-  p.add_argument('--steps', type=int, default=3)
-  p.add_argument('--json', default='bench_memory.json')
   p.add_argument('--plot', default='bench_memory.png')
-  a = p.parse_args(argv)
-  results = []
+  p.add_argument('--point', default=None, help=argparse.SUPPRESS)  # a child's grid point
+  return p.parse_args(argv)
+
+
+def main(argv=None):
+  a = parse_args(argv)
+  if a.single:  # child process: one run at one grid point, JSON on the last line
+    label, overrides = bench_train.parse_run(a.single)
+    cfg = bench_train.run_config(a, a.point, overrides)
+    print(json.dumps(bench_train.one_run(cfg, label, warmup_steps=a.warmup_steps,
+                                         timed_steps=a.timed_steps)))
+    return
   if a.state_only:
     state_table(a)
     return
+  results = []
   if a.largest:
-    for run in a.runs.split(','):
+    for run in bench_train.runs_of(a):
       for name in a.ladder.split(','):
-        r = run_one(a, name, LADDER.get(name, {}), 1024, run, a.cap_gib)
-        results.append(r)
-        print(json.dumps(r), flush=True)
-        if 'error' in r:
+        results.append(run_one(a, argv, name, 1024, run, ladder=True))
+        print(json.dumps(results[-1]), flush=True)
+        if 'error' in results[-1]:
           break
   else:
     for model in a.models.split(','):
       for seq in map(int, a.seqs.split(',')):
-        for run in a.runs.split(','):
-          r = run_one(a, model, {}, seq, run, a.cap_gib)
-          results.append(r)
-          print(json.dumps(r), flush=True)
-  print(f'\n{"model":6s} {"seq":>5s} {"run":26s} {"peak GiB":>9s} {"tokens/s":>9s}')
-  for r in results:
-    if 'error' in r:
-      print(f'{r["model"]:6s} {r["seq_len"]:5d} {r["run"]:26s} failed: {r["error"][-60:]}')
-    else:
-      print(f'{r["model"]:6s} {r["seq_len"]:5d} {r["run"]:26s} {r["peak_gib"]:9.2f} '
-            f'{r["tokens_per_s"]:9,.0f}')
+        for run in bench_train.runs_of(a):
+          results.append(run_one(a, argv, model, seq, run))
+          print(json.dumps(results[-1]), flush=True)
+  print_table(results)
   with open(a.json, 'w') as f:
     json.dump(results, f, indent=1)
   try:
     plot(results, a.plot, a.device_gib)
   except ImportError:
     print('no plot: matplotlib is not installed')
+
+
+def print_table(results: list[dict]) -> None:
+  """The results as a table on stdout."""
+  width = max([26] + [len(r['run']) for r in results])
+  print(f'\n{"model":6s} {"seq":>5s} {"run":{width}s} {"peak GiB":>9s} {"tokens/s":>9s}')
+  for r in results:
+    if 'error' in r:
+      print(f'{r["model"]:6s} {r["seq_len"]:5d} {r["run"]:{width}s} failed: {r["error"][-60:]}')
+    else:
+      print(f'{r["model"]:6s} {r["seq_len"]:5d} {r["run"]:{width}s} {r["peak_gib"]:9.2f} '
+            f'{r["tokens_per_s"]:9,.0f}')
 
 
 if __name__ == '__main__':

@@ -3,29 +3,34 @@
 Each (run, device count) is a fresh process that sees the first N devices
 (of ``CUDA_VISIBLE_DEVICES`` where it is set),
 splits a global batch of ``N * --per-device-batch`` sequences over them (weak
-scaling), checks the setup as bench_train.py does, and times the step. It also
+scaling; ``batch_size`` is set so), checks the setup as bench_train.py does, and times the step. It also
 reads the compiled step's cross-device collectives (result bytes of every
 all-reduce / all-gather / reduce-scatter per step). Scaling efficiency is
 ``tokens/s(N) / (N * tokens/s(1))``.
 
+The options and the runs are bench_train.py's (``poetx train``'s options; a
+run is ``K=V`` overrides of them, here ``strategy=dp`` or ``strategy=fsdp``,
+the latter over every device unless ``fsdp=N``)::
+
     python3 experiments/bench_scaling.py --model 1b --devices 1,2
-    python3 experiments/bench_scaling.py --model 8b --runs poetx:dp,poetx:fsdp,adamw:fsdp
+    python3 experiments/bench_scaling.py --model 8b --run optimizer=poetx \\
+        --run optimizer=poetx,strategy=fsdp --run optimizer=adamw,strategy=fsdp
     python3 experiments/bench_scaling.py --model tiny --seq-len 64 --cpu-devices --devices 1,8
 
-A run is ``optimizer:strategy[:mode[:remat[:quantize]]]`` (strategy dp or
-fsdp; the rest as bench_train.py's runs). With ``--scan-layers`` and fsdp the
-stacked layers are built straight into their shards, so a model too large for
-one GPU trains on several::
+With ``--scan-layers`` and fsdp the stacked layers are built straight into
+their shards, so a model too large for one GPU trains on several::
 
-    python3 experiments/bench_scaling.py --model 13b --model-overrides \
-        '{"hidden": 8192, "mlp": 28672, "layers": 80, "heads": 64, "kv_heads": 8}' \
-        --devices 2 --per-device-batch 1 --runs poetx:fsdp:mem:block --scan-layers \
-        --lean-state --param-dtype bfloat16 --merge-every 2 --warmup 2 --steps 3
+    python3 experiments/bench_scaling.py --model 13b --model-overrides \\
+        hidden=8192,mlp=28672,layers=80,heads=64,kv_heads=8 \\
+        --devices 2 --per-device-batch 1 --scan-layers --lean-state --param-dtype bfloat16 \\
+        --merge-every 2 --run optimizer=poetx,strategy=fsdp,mode=mem,remat=block \\
+        --warmup-steps 2 --timed-steps 3
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -34,50 +39,65 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_train  # noqa: E402
 
 
-def child(a):
-  opt, *rest = a.single.split(':')
+def child(a) -> dict:
+  """One run on the devices this process sees, the batch ``per_device_batch`` each."""
   import jax
-  a.batch_size = a.per_device_batch * jax.device_count()
-  a.strategy = (rest.pop(0) if rest else '') or 'dp'
-  return bench_train.one_run(a, ':'.join([opt] + rest))
+  label, overrides = bench_train.parse_run(a.single)
+  cfg = bench_train.run_config(a, overrides)
+  cfg = dataclasses.replace(cfg, batch_size=a.per_device_batch * jax.device_count())
+  return bench_train.one_run(cfg, label, warmup_steps=a.warmup_steps,
+                             timed_steps=a.timed_steps)
 
 
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  bench_train.add_run_args(p)
-  p.add_argument('--runs', default='poetx:dp,adamw:dp')
-  p.add_argument('--devices', default='1,2')
-  p.add_argument('--per-device-batch', type=int, default=4)
+  bench_train.add_run_args(p, exclude=('batch_size',))
+  p.add_argument('--devices', default='1,2', help='device counts, comma-separated')
+  p.add_argument('--per-device-batch', type=int, default=4,
+                 help='sequences per device (the batch of N devices: N times this)')
   p.add_argument('--cpu-devices', action='store_true',
                  help='fake N CPU devices (a smoke test of the script)')
   a = p.parse_args(argv)
   if a.single:
     print(json.dumps(child(a)))
     return
-  here = os.path.dirname(os.path.abspath(__file__))
   results = []
-  for run in a.runs.split(','):
+  for run in bench_train.runs_of(a):
     for n in map(int, a.devices.split(',')):
-      env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-          [here, os.environ.get('PYTHONPATH', '')]))
-      if a.cpu_devices:
-        env.update(XLA_FLAGS=f'--xla_force_host_platform_device_count={n}',
-                   JAX_PLATFORMS='cpu')
-      else:  # the first n GPUs this process may use
-        visible = os.environ.get('CUDA_VISIBLE_DEVICES')
-        ids = visible.split(',') if visible else list(map(str, range(n)))
-        if len(ids) < n:
-          raise SystemExit(f'--devices asks for {n} GPUs but CUDA_VISIBLE_DEVICES={visible!r} '
-                           f'lists {len(ids)}')
-        env['CUDA_VISIBLE_DEVICES'] = ','.join(ids[:n])
-      cmd = [sys.executable, __file__] + (argv or sys.argv[1:]) + ['--single', run]
-      r, error = bench_train.run_child(cmd, f'{run} x{n}', env=env)
-      if error is not None:
-        r = {'run': run, 'devices': n, 'error': error}
-      else:
-        r['run'] = run
+      r = run_on(a, argv, run, n)
       results.append(r)
       print(json.dumps(r), flush=True)
+  print_table(a, results)
+  if a.json:
+    with open(a.json, 'w') as f:
+      json.dump(results, f, indent=1)
+
+
+def run_on(a, argv, run: str, n: int) -> dict:
+  """The result of ``run`` in a fresh process that sees ``n`` devices."""
+  here = os.path.dirname(os.path.abspath(__file__))
+  env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+      [here, os.environ.get('PYTHONPATH', '')]))
+  if a.cpu_devices:
+    env.update(XLA_FLAGS=f'--xla_force_host_platform_device_count={n}',
+               JAX_PLATFORMS='cpu')
+  else:  # the first n GPUs this process may use
+    visible = os.environ.get('CUDA_VISIBLE_DEVICES')
+    ids = visible.split(',') if visible else list(map(str, range(n)))
+    if len(ids) < n:
+      raise SystemExit(f'--devices asks for {n} GPUs but CUDA_VISIBLE_DEVICES={visible!r} '
+                       f'lists {len(ids)}')
+    env['CUDA_VISIBLE_DEVICES'] = ','.join(ids[:n])
+  label = bench_train.parse_run(run)[0]
+  cmd = [sys.executable, __file__] + list(argv or sys.argv[1:]) + ['--single', run]
+  r, error = bench_train.run_child(cmd, f'{label} x{n}', env=env)
+  if error is not None:
+    return {'run': label, 'devices': n, 'error': error}
+  return r
+
+
+def print_table(a, results: list[dict]) -> None:
+  """The results as a table on stdout."""
   print(f'\n{a.model}, seq {a.seq_len}, {a.per_device_batch} sequences per device')
   width = max([14] + [len(r['run']) for r in results])
   print(f'{"run":{width}s} {"devices":>7s} {"tokens/s":>10s} {"efficiency":>10s} '
@@ -95,9 +115,6 @@ def main(argv=None):
     mib = sum(r['collective_bytes'].values()) / 2 ** 20
     print(f'{r["run"]:{width}s} {r["devices"]:7d} {r["tokens_per_s"]:10,.0f} {eff:10.3f} '
           f'{r["peak_gib"]:9.2f} {mib:20.2f}')
-  if a.json:
-    with open(a.json, 'w') as f:
-      json.dump(results, f, indent=1)
 
 
 if __name__ == '__main__':

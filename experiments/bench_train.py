@@ -1,22 +1,29 @@
 """Training-step throughput and peak memory: POET-X against optax AdamW.
 
-For each optimizer a fresh process builds the Llama (``--model``), checks the
-setup (the POET-X model equals the dense one at step 0; the first loss is near
-log(vocab)), compiles the train step of ``poetx train``, runs ``--warmup``
-steps, then times ``--steps`` device-synchronised steps on random tokens and
+For each run a fresh process builds the Llama, checks the setup (the POET-X
+model equals the dense one it exports to; the first loss is near log(vocab)),
+compiles the train step of ``poetx train``, runs ``--warmup-steps`` steps,
+then times ``--timed-steps`` device-synchronised steps on random tokens and
 reads the device's peak memory. One table at the end; ``--json`` keeps it all.
 
-    python3 experiments/bench_train.py --model 1b --seq-len 1024 --batch-size 8
-    python3 experiments/bench_train.py --model 8b --seq-len 1024 --batch-size 1 \\
-        --runs poetx:mem:block,adamw --lean-state
-    python3 experiments/bench_train.py --model tiny --seq-len 64 --steps 3   # CPU smoke test
+The options are ``poetx train``'s (one ``TrainConfig``; here by default model
+1b, seq 1024, vocab 32000, batch 8, a merge every 200 updates and a schedule
+of 1000 updates). A run (``--run``, repeatable) is ``K=V`` overrides of them,
+labelled by its text or by a ``NAME:`` before it; the default runs are
+``optimizer=poetx`` and ``optimizer=adamw``::
 
-A run is ``optimizer[:mode[:remat[:quantize[:form[:implementation[:param_dtype]]]]]]``,
-e.g. ``poetx:mem:block:int8``, ``poetx:fast:none::weight``, ``poetx:::::pallas`` or
-``poetx:fast:block::::bfloat16`` (an empty field keeps its default, the last
-``--param-dtype``); the optimizer is ``poetx``, ``adamw``,
-``skewadam`` or ``poetx+tiers`` (POET-X with SkewAdam's tiers for the other
-parameters, ``--skew-tiers``).
+    python3 experiments/bench_train.py --model 1b --seq-len 1024 --batch-size 8
+    python3 experiments/bench_train.py --model 8b --seq-len 1024 --batch-size 1 --lean-state \\
+        --run optimizer=poetx,mode=mem,remat=block --run optimizer=adamw
+    python3 experiments/bench_train.py --run optimizer=poetx,form=weight,implementation=pallas \\
+        --run tiers:optimizer=poetx,skew_tiers=true --run xq:optimizer=poetx,quantize=int8
+    python3 experiments/bench_train.py --model tiny --seq-len 64 --timed-steps 3   # CPU smoke test
+
+The run trains on the devices the process sees, as ``poetx train`` would
+(``CUDA_VISIBLE_DEVICES`` chooses them; bench_scaling.py varies their number);
+``strategy=fsdp`` without ``fsdp=N`` shards over all of them. The data,
+evaluation, checkpoint and run-directory options of ``poetx train`` play no
+part here (the tokens are random) and are left out.
 """
 
 from __future__ import annotations
@@ -62,33 +69,38 @@ def run_child(cmd: list[str], label: str, env=None) -> tuple[dict | None, str | 
   return json.loads(out.splitlines()[-1]), None
 
 
-def run_config(a, run: str):
-  """The TrainConfig of run ``optimizer[:mode[:remat[:quantize[:form]]]]``."""
-  from poetx_jax.pretrain.config import TrainConfig
-  parts = run.split(':') + [None] * 6
-  optimizer, mode, remat = parts[0], parts[1] or 'fast', parts[2] or 'none'
-  tiers = optimizer == 'poetx+tiers'
-  optimizer = 'poetx' if tiers else optimizer
-  quant, form, impl = parts[3] or None, parts[4] or 'input', parts[5] or 'xla'
-  overrides = json.loads(a.model_overrides) if a.model_overrides else {}
-  cfg = TrainConfig(model=a.model, model_overrides=overrides, seq_len=a.seq_len,
-                    batch_size=a.batch_size, steps=1000, optimizer=optimizer,
-                    mode=mode, form=form, implementation=impl, remat=remat,
-                    quantize=quant, skew_tiers=tiers,
-                    lean_state=a.lean_state, dtype=a.dtype, block_size=a.block_size,
-                    merge_every=a.merge_every,
-                    param_dtype=parts[6] or getattr(a, 'param_dtype', 'float32'),
-                    scan_layers=getattr(a, 'scan_layers', False),
-                    strategy=getattr(a, 'strategy', None) or 'dp',
-                    attention=getattr(a, 'attention', 'auto'))
-  if cfg.strategy == 'fsdp':  # FSDP over every device
+BENCH_DEFAULTS = dict(model='1b', seq_len=1024, vocab_size=32000, batch_size=8,
+                      merge_every=200, steps=1000)
+UNUSED = ('data', 'tokenizer', 'val_fraction', 'eval_every', 'eval_batches', 'log_every',
+          'checkpoint_every', 'keep', 'out_dir', 'cache_dir')
+DEFAULT_RUNS = ('optimizer=poetx', 'optimizer=adamw')
+
+
+def parse_run(text: str) -> tuple[str, str]:
+  """(label, ``K=V`` overrides) of a ``--run``: ``NAME:K=V,...``, or
+  ``K=V,...`` labelled by itself."""
+  name, sep, rest = text.partition(':')
+  if sep and name.strip() and '=' not in name:
+    return name.strip(), rest
+  return text or 'base', text
+
+
+def run_config(a, *overrides: str):
+  """The TrainConfig of a run: the options of ``a`` with each ``K=V``
+  overrides text applied in turn. Strategy fsdp with ``fsdp=1`` shards over
+  every device."""
+  from poetx_jax.pretrain import config
+  cfg = config.config_from_args(a)
+  for text in overrides:
+    cfg = config.apply_overrides(cfg, text, validate=False)
+  if cfg.strategy == 'fsdp' and cfg.fsdp == 1:
     import jax
     cfg = dataclasses.replace(cfg, fsdp=jax.device_count())
   cfg.validate()
   return cfg
 
 
-def resident_state(a, run: str) -> dict:
+def resident_state(cfg, label: str) -> dict:
   """GiB the run holds between steps, from abstract shapes (nothing allocated).
 
   ``model``: every model variable (frozen bases, generators, permutations,
@@ -100,18 +112,17 @@ def resident_state(a, run: str) -> dict:
   from flax import nnx
   import poetx_jax
   from poetx_jax.pretrain import factories as F
-  cfg = run_config(a, run)
-  mc = F.model_config(cfg, a.vocab_size)
+  mc = F.model_config(cfg, cfg.vocab_size)
   model, opt = F.abstract_state(cfg, mc)
   gib = lambda tree: poetx_jax.state_bytes(tree) / 2 ** 30
-  r = {'run': run, 'model': a.model, 'dense_params': mc.num_params(),
+  r = {'run': label, 'model': cfg.model, 'dense_params': mc.num_params(),
        'model_gib': gib(nnx.state(model)), 'trainable_gib': gib(nnx.state(model, nnx.Param)),
        'optimizer_gib': gib(nnx.state(opt))}
   r['floor_gib'] = r['model_gib'] + r['trainable_gib'] + r['optimizer_gib']
   return r
 
 
-def compiled_memory(a, run: str) -> dict:
+def compiled_memory(cfg, label: str) -> dict:
   """GiB of the compiled update program for this backend, from abstract state.
 
   Lowers and compiles the jitted gradient-and-update program of the run on
@@ -123,120 +134,92 @@ def compiled_memory(a, run: str) -> dict:
   import jax
   import jax.numpy as jnp
   from poetx_jax.pretrain import factories as F
-  cfg = run_config(a, run)
-  mc = F.model_config(cfg, a.vocab_size)
+  mc = F.model_config(cfg, cfg.vocab_size)
   model, opt = F.abstract_state(cfg, mc)
-  tokens = jax.ShapeDtypeStruct((a.batch_size, a.seq_len), jnp.int32)
+  tokens = jax.ShapeDtypeStruct((cfg.batch_size, cfg.seq_len), jnp.int32)
   step = F.make_step(cfg, mc)
   t0 = time.perf_counter()
   compiled = step.lower(
       model, opt, {'inputs': tokens, 'targets': tokens}).compile()
   m = compiled.memory_analysis()
-  return {'run': run, 'model': a.model, 'seq_len': a.seq_len, 'batch': a.batch_size,
+  return {'run': label, 'model': cfg.model, 'seq_len': cfg.seq_len, 'batch': cfg.batch_size,
           'backend': jax.default_backend(), 'compile_s': time.perf_counter() - t0,
           'arguments_gib': m.argument_size_in_bytes / 2 ** 30,
           'temporaries_gib': m.temp_size_in_bytes / 2 ** 30}
 
 
-def setup_run(a, run: str) -> dict:
-  """Builds the run's model, optimizer, step and two random batches, compiles
-  the step on a first update and checks the setup (the first loss is near
-  log(vocab)). Returns them in a dict with the mesh (or None), ``checks`` and
-  ``compile_s``."""
+def setup_run(cfg, label: str) -> dict:
+  """Builds the run's model and optimizer (``factories.build_state``), its
+  step and two random batches, on the devices this process sees as ``poetx
+  train`` places them, compiles the step on a first update and checks the
+  setup (the first loss is near log(vocab)). Returns them in a dict with the
+  mesh (None on one device), ``checks`` and ``compile_s``."""
   import jax.numpy as jnp
   import numpy as np
 
   from poetx_jax import sharding
   from poetx_jax.pretrain import factories as F
 
-  cfg = run_config(a, run)
-  mc = F.model_config(cfg, a.vocab_size)
+  mc = F.model_config(cfg, cfg.vocab_size)
   t_setup = time.perf_counter()
-  progress(f'{run}: building {a.model} ({mc.num_params() / 1e6:,.0f}M dense parameters)')
-  # A mesh only where a strategy was asked for (bench_scaling), over every device.
-  mesh = F.make_training_mesh(cfg) if getattr(a, 'strategy', None) else None
-  model = F.build_model(cfg, mc, mesh)  # fsdp + scan: built into its shards
+  progress(f'{label}: building {cfg.model} ({mc.num_params() / 1e6:,.0f}M dense parameters)')
+  mesh = F.make_training_mesh(cfg)
+  model, opt = F.build_state(cfg, mc, mesh)  # fsdp + scan: built into its shards
   rng = np.random.default_rng(0)
-  batches = [{'inputs': jnp.asarray(rng.integers(0, a.vocab_size, (a.batch_size, a.seq_len)),
-                                    jnp.int32),
-              'targets': jnp.asarray(rng.integers(0, a.vocab_size, (a.batch_size, a.seq_len)),
-                                     jnp.int32)} for _ in range(2)]
-  checks = {}
-  opt = F.build_optimizer(cfg, model)
+  shape, vocab = (cfg.batch_size, cfg.seq_len), cfg.vocab_size
+  batches = [{'inputs': jnp.asarray(rng.integers(0, vocab, shape), jnp.int32),
+              'targets': jnp.asarray(rng.integers(0, vocab, shape), jnp.int32)}
+             for _ in range(2)]
   if mesh is not None:
-    sharding.shard_state(model, mesh, cfg.strategy)
-    sharding.shard_state(opt, mesh, cfg.strategy)
     batches = [sharding.shard_batch(b, mesh) for b in batches]
   step = F.make_step(cfg, mc, mesh=mesh)
-  progress(f'{run}: set up in {time.perf_counter() - t_setup:.0f} s; compiling the step')
+  progress(f'{label}: set up in {time.perf_counter() - t_setup:.0f} s; compiling the step')
   t0 = time.perf_counter()
   loss0 = float(step(model, opt, batches[0]))
   compile_s = time.perf_counter() - t0
-  progress(f'{run}: first step (compilation) {compile_s:.0f} s, loss {loss0:.3f}')
-  checks['first_loss'] = loss0
-  checks['log_vocab'] = math.log(a.vocab_size)
+  progress(f'{label}: first step (compilation) {compile_s:.0f} s, loss {loss0:.3f}')
+  checks = {'first_loss': loss0, 'log_vocab': math.log(vocab)}
   # Random logits of variance s^2 give about log V + s^2 / 2: wide models start
   # above log V (70B-class shapes at init_std 0.02: +1.6), a broken setup far off.
-  if not abs(loss0 - math.log(a.vocab_size)) < 0.25 * math.log(a.vocab_size):
-    raise SystemExit(f'{run}: setup check failed: {checks}')
+  if not abs(loss0 - math.log(vocab)) < 0.25 * math.log(vocab):
+    raise SystemExit(f'{label}: setup check failed: {checks}')
   return dict(cfg=cfg, mc=mc, model=model, opt=opt, step=step, batches=batches, mesh=mesh,
               checks=checks, compile_s=compile_s)
 
 
-def one_run(a, run: str) -> dict:
+def one_run(cfg, label: str, *, warmup_steps: int = 3, timed_steps: int = 10) -> dict:
+  """Sets the run up (:func:`setup_run`), times ``timed_steps`` steps after
+  ``warmup_steps``, reads the peak memory, then checks the POET-X model
+  against its export (:func:`export_check`)."""
   import jax
-  import jax.numpy as jnp
   from flax import nnx
 
-  import poetx_jax
   from poetx_jax import sharding
-  from poetx_jax.models import moe
 
-  s = setup_run(a, run)
-  cfg, mc, model, opt, step = s['cfg'], s['mc'], s['model'], s['opt'], s['step']
-  batches, mesh, checks, compile_s = s['batches'], s['mesh'], s['checks'], s['compile_s']
-  optimizer = cfg.optimizer
+  s = setup_run(cfg, label)
+  mc, model, opt, step = s['mc'], s['model'], s['opt'], s['step']
+  batches, mesh, checks = s['batches'], s['mesh'], s['checks']
   collectives = (sharding.collective_bytes(step.lower(
       model, opt, batches[1]).compile().as_text())
                  if mesh is not None else {})
-  for i in range(a.warmup):
+  for i in range(warmup_steps):
     jax.block_until_ready(step(model, opt, batches[i % 2]))
   times = []
-  for i in range(a.steps):
+  for i in range(timed_steps):
     t = time.perf_counter()
     jax.block_until_ready(step(model, opt, batches[i % 2]))
     times.append(time.perf_counter() - t)
   med = statistics.median(times)
-  progress(f'{run}: {a.steps} timed steps, median {1e3 * med:.1f} ms')
+  progress(f'{label}: {timed_steps} timed steps, median {1e3 * med:.1f} ms')
   stats = jax.local_devices()[0].memory_stats() or {}
-  if optimizer == 'poetx':
-    # After the peak is read (the dense copy would count): the POET model, its
-    # generators trained and merged a few times, computes its exported model.
-    # Past EXPORT_CHECK_MAX_PARAMS a dense copy may not fit beside the model
-    # (and an MoE model's would be slow to form, expert by expert): then one
-    # POET layer is checked against its exported kernel.
-    if mc.num_params() <= EXPORT_CHECK_MAX_PARAMS and not isinstance(mc, moe.MoEConfig):
-      probe = batches[0]['inputs'][:1, :min(a.seq_len, 128)]
-      y_ref = poetx_jax.unpoetize(model)(probe)
-      y = model(probe)
-    else:
-      layer = next(l for _, l in poetx_jax.poet_layers(model.layers[0])  # a copy when
-                   if not l.stack_shape)  # stacked; not an expert stack
-      x = jax.random.normal(jax.random.key(1), (8, layer.in_features),
-                            layer.dtype or jnp.float32)
-      y = layer(x).astype(jnp.float32)
-      y_ref = x.astype(jnp.float32) @ poetx_jax.effective_kernel(layer).astype(jnp.float32)
-      checks['export_check'] = 'one layer'
-    checks['poet_vs_dense'] = float(jnp.linalg.norm(y - y_ref) / jnp.linalg.norm(y_ref))
-    # bf16 rounding compounds with depth: 0.04 for Llama-8B (32 layers) after
-    # three merges; a wrong rotation, permutation or layer order gives O(1).
-    if not checks['poet_vs_dense'] < (0.1 if a.dtype != 'float32' else 1e-4):
-      raise SystemExit(f'{run}: POET model and its export disagree: {checks}')
+  if cfg.optimizer == 'poetx':  # after the peak is read (the dense copy would count)
+    checks.update(export_check(cfg, mc, model, batches[0]['inputs'], label))
   n_train = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
   opt_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(opt)))
-  return {'run': run, 'model': a.model, 'seq_len': a.seq_len, 'batch': a.batch_size,
+  tokens = cfg.batch_size * cfg.seq_len
+  return {'run': label, 'model': cfg.model, 'seq_len': cfg.seq_len, 'batch': cfg.batch_size,
           'device': jax.devices()[0].device_kind, 'step_s': med,
-          'tokens_per_s': a.batch_size * a.seq_len / med, 'compile_s': compile_s,
+          'tokens_per_s': tokens / med, 'compile_s': s['compile_s'],
           'peak_gib': stats.get('peak_bytes_in_use', float('nan')) / 2 ** 30,
           'trainable': n_train, 'dense_params': mc.num_params(),
           'optimizer_state_gib': opt_bytes / 2 ** 30, 'checks': checks,
@@ -247,56 +230,106 @@ def one_run(a, run: str) -> dict:
 EXPORT_CHECK_MAX_PARAMS = 20e9  # larger models check one exported layer
 
 
-def add_run_args(p: argparse.ArgumentParser) -> None:
-  """Arguments shared with bench_scaling.py: the model and how a run trains."""
-  p.add_argument('--model', default='1b')
-  p.add_argument('--model-overrides', default='', help='JSON dict of config fields')
-  p.add_argument('--seq-len', type=int, default=1024)
-  p.add_argument('--vocab-size', type=int, default=32000)
-  p.add_argument('--block-size', type=int, default=None)
-  p.add_argument('--merge-every', type=int, default=200)
-  p.add_argument('--dtype', default='auto')
-  p.add_argument('--param-dtype', default='float32', choices=('float32', 'bfloat16'))
-  p.add_argument('--lean-state', action='store_true')
-  p.add_argument('--attention', default='auto', choices=('auto', 'xla', 'cudnn'),
-                 help="attention kernel (auto: cuDNN's fused attention on GPUs)")
-  p.add_argument('--scan-layers', action='store_true',
-                 help='decoder layers stacked and run by lax.scan (compile time '
-                      'independent of depth)')
-  p.add_argument('--warmup', type=int, default=3)
-  p.add_argument('--steps', type=int, default=10)
-  p.add_argument('--json', default=None)
+def export_check(cfg, mc, model, tokens, label: str) -> dict:
+  """The POET model, its generators trained and merged a few times, against
+  the model it exports (``poet_vs_dense``: relative output error). Past
+  EXPORT_CHECK_MAX_PARAMS a dense copy may not fit beside the model (and an
+  MoE model's would be slow to form, expert by expert): then one POET layer
+  is checked against its exported kernel (``export_check: 'one layer'``)."""
+  import jax
+  import jax.numpy as jnp
+  import poetx_jax
+  from poetx_jax.models import moe
+  from poetx_jax.pretrain import factories as F
+  checks = {}
+  if mc.num_params() <= EXPORT_CHECK_MAX_PARAMS and not isinstance(mc, moe.MoEConfig):
+    probe = tokens[:1, :min(cfg.seq_len, 128)]
+    y_ref = poetx_jax.unpoetize(model)(probe)
+    y = model(probe)
+  else:
+    layer = next(l for _, l in poetx_jax.poet_layers(model.layers[0])  # a copy when
+                 if not l.stack_shape)  # stacked; not an expert stack
+    x = jax.random.normal(jax.random.key(1), (8, layer.in_features),
+                          layer.dtype or jnp.float32)
+    y = layer(x).astype(jnp.float32)
+    y_ref = x.astype(jnp.float32) @ poetx_jax.effective_kernel(layer).astype(jnp.float32)
+    checks['export_check'] = 'one layer'
+  checks['poet_vs_dense'] = float(jnp.linalg.norm(y - y_ref) / jnp.linalg.norm(y_ref))
+  # bf16 rounding compounds with depth: 0.04 for Llama-8B (32 layers) after
+  # three merges; a wrong rotation, permutation or layer order gives O(1).
+  exact = jnp.dtype(F.compute_dtype(cfg.dtype)) == jnp.float32
+  if not checks['poet_vs_dense'] < (1e-4 if exact else 0.1):
+    raise SystemExit(f'{label}: POET model and its export disagree: {checks}')
+  return checks
+
+
+def add_run_args(p: argparse.ArgumentParser, *, runs=DEFAULT_RUNS, warmup_steps: int = 3,
+                 timed_steps: int = 10, json_path: str | None = None,
+                 exclude=(), **defaults) -> None:
+  """The options of a run, shared with bench_scaling, bench_memory and
+  profile_step: ``poetx train``'s (``config.add_options``; BENCH_DEFAULTS,
+  then ``defaults``, as their defaults; UNUSED and ``exclude`` left out), the
+  runs (``--run``: :func:`runs_of`), the timing and the output."""
+  from poetx_jax.pretrain import config
+  config.add_options(p, overrides={**BENCH_DEFAULTS, **defaults},
+                     exclude=UNUSED + tuple(exclude))
+  p.add_argument('--run', action='append', default=None, metavar='[NAME:]K=V,...',
+                 help='a run: overrides of the options above, e.g. '
+                      'optimizer=poetx,mode=mem,remat=block; repeatable (default: '
+                      + ' and '.join(runs) + ')')
+  p.set_defaults(default_runs=list(runs))
+  p.add_argument('--warmup-steps', type=int, default=warmup_steps,
+                 help='untimed steps after the first (compiling) one')
+  p.add_argument('--timed-steps', type=int, default=timed_steps, help='timed steps')
+  p.add_argument('--json', default=json_path, help='write every result here')
   p.add_argument('--single', default=None, help=argparse.SUPPRESS)
+
+
+def runs_of(a) -> list[str]:
+  """The ``--run`` texts of parsed :func:`add_run_args` options."""
+  return a.run or a.default_runs
 
 
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   add_run_args(p)
-  p.add_argument('--runs', default='poetx,adamw')
-  p.add_argument('--batch-size', type=int, default=8)
   a = p.parse_args(argv)
   if a.single:  # child process: one run, JSON on the last line
-    print(json.dumps(one_run(a, a.single)))
+    label, overrides = parse_run(a.single)
+    print(json.dumps(one_run(run_config(a, overrides), label, warmup_steps=a.warmup_steps,
+                             timed_steps=a.timed_steps)))
     return
   results = []
-  base = [sys.executable, __file__] + [x for x in (argv or sys.argv[1:])]
-  for run in a.runs.split(','):
-    r, error = run_child(base + ['--single', run], run)
-    results.append(r if error is None else {'run': run, 'error': error})
+  base = [sys.executable, __file__] + list(argv or sys.argv[1:])
+  for run in runs_of(a):
+    try:
+      run_config(a, parse_run(run)[1])  # refused here, before any process starts
+    except ValueError as e:
+      p.error(f'--run {run!r}: {e}')
+  for run in runs_of(a):
+    label = parse_run(run)[0]
+    r, error = run_child(base + ['--single', run], label)
+    results.append(r if error is None else {'run': label, 'error': error})
     print(json.dumps(results[-1]), flush=True)
-  print(f'\n{a.model}, seq {a.seq_len}, batch {a.batch_size}'
-        f'{", lean state" if a.lean_state else ""}')
-  print(f'{"run":28s} {"tokens/s":>10s} {"step ms":>9s} {"peak GiB":>9s} '
-        f'{"opt state GiB":>14s}')
-  for r in results:
-    if 'error' in r:
-      print(f'{r["run"]:28s} failed: {r["error"][-90:]}')
-    else:
-      print(f'{r["run"]:28s} {r["tokens_per_s"]:10,.0f} {1e3 * r["step_s"]:9.1f} '
-            f'{r["peak_gib"]:9.2f} {r["optimizer_state_gib"]:14.3f}')
+  print_table(a, results)
   if a.json:
     with open(a.json, 'w') as f:
       json.dump(results, f, indent=1)
+
+
+def print_table(a, results: list[dict]) -> None:
+  """The results as a table on stdout."""
+  width = max([28] + [len(r['run']) for r in results])
+  print(f'\n{a.model}, seq {a.seq_len}, batch {a.batch_size}'
+        f'{", lean state" if a.lean_state else ""}')
+  print(f'{"run":{width}s} {"tokens/s":>10s} {"step ms":>9s} {"peak GiB":>9s} '
+        f'{"opt state GiB":>14s}')
+  for r in results:
+    if 'error' in r:
+      print(f'{r["run"]:{width}s} failed: {r["error"][-90:]}')
+    else:
+      print(f'{r["run"]:{width}s} {r["tokens_per_s"]:10,.0f} {1e3 * r["step_s"]:9.1f} '
+            f'{r["peak_gib"]:9.2f} {r["optimizer_state_gib"]:14.3f}')
 
 
 if __name__ == '__main__':

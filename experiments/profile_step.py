@@ -1,10 +1,10 @@
 """Where a training step's time goes: a ``jax.profiler`` trace of real steps.
 
-For each run (``bench_train.py``'s run syntax and options) a fresh process
-builds the model, optimizer and train step exactly as ``bench_train`` does
-(which checks the setup), compiles and warms up, then traces ``--steps``
-steps dispatched back to back as a training loop does (no sync between them)
-and prints per step:
+For each run (``bench_train.py``'s options and ``--run K=V,...`` syntax) a
+fresh process builds the model, optimizer and train step exactly as
+``bench_train`` does (which checks the setup), compiles and runs
+``--warmup-steps``, then traces ``--timed-steps`` steps dispatched back to
+back as a training loop does (no sync between them) and prints per step:
 
 * wall time, and the time the device was busy (the union of its kernels'
   intervals; ``busy`` is that over the wall time: the rest the device waited
@@ -15,8 +15,8 @@ and prints per step:
   JAX operation named in its metadata, read from the compiled program).
 
     python3 experiments/profile_step.py --model 8b --scan-layers --param-dtype bfloat16 \\
-        --batch-size 8 --runs poetx:fast:block,adamw::block
-    python3 experiments/profile_step.py --model tiny --seq-len 64 --steps 2 --dtype float32  # CPU
+        --batch-size 8 --run optimizer=poetx,remat=block --run optimizer=adamw,remat=block
+    python3 experiments/profile_step.py --model tiny --seq-len 64 --timed-steps 2 --dtype float32  # CPU
 
 On a CPU the "kernels" are XLA:CPU's thunks on the host threads. ``--json``
 keeps everything; ``--trace-dir`` keeps the traces (Perfetto JSON).
@@ -164,8 +164,15 @@ def format_report(r: dict) -> str:
   return '\n'.join(lines)
 
 
+def file_name(label: str) -> str:
+  """A run label as a file name (characters other than letters, digits and
+  ``.=+-`` written ``_``)."""
+  return re.sub(r'[^A-Za-z0-9.=+-]', '_', label)
+
+
 def profile_run(a, run: str) -> dict:
-  """Builds ``run`` as bench_train does, then traces ``a.steps`` steps."""
+  """Builds ``run`` (a ``--run`` text) as bench_train does, then traces
+  ``a.timed_steps`` steps."""
   import jax
   import bench_train
   # The compiled program's text comes from a second compilation: the cache
@@ -175,31 +182,33 @@ def profile_run(a, run: str) -> dict:
   jax.config.update('jax_persistent_cache_min_entry_size_bytes', 0)
   for name in filter(None, (a.variant or '').split(',')):
     importlib.import_module(name)  # e.g. a module that swaps in another version of an op
-  setup = bench_train.setup_run(a, run)
+  label, overrides = bench_train.parse_run(run)
+  cfg = bench_train.run_config(a, overrides)
+  setup = bench_train.setup_run(cfg, label)
   model, opt, step, batches = setup['model'], setup['opt'], setup['step'], setup['batches']
-  bench_train.progress(f'{run}: compiling and warming up')
-  for i in range(max(a.warmup, 1)):
+  bench_train.progress(f'{label}: compiling and warming up')
+  for i in range(max(a.warmup_steps, 1)):
     jax.block_until_ready(step(model, opt, batches[i % 2]))
   hlo = step.lower(model, opt, batches[0]).compile().as_text()
   ops = hlo_ops(hlo)
   if a.trace_dir:
     os.makedirs(a.trace_dir, exist_ok=True)
-    with gzip.open(os.path.join(a.trace_dir, run.replace(':', '_') + '.hlo.txt.gz'), 'wt') as f:
+    with gzip.open(os.path.join(a.trace_dir, file_name(label) + '.hlo.txt.gz'), 'wt') as f:
       f.write(hlo)
-  trace_dir = a.trace_dir and os.path.join(a.trace_dir, run.replace(':', '_'))
+  trace_dir = a.trace_dir and os.path.join(a.trace_dir, file_name(label))
   with tempfile.TemporaryDirectory() as tmp:
     trace_dir = trace_dir or tmp
     with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
       t0 = time.perf_counter()
       out = None
-      for i in range(a.steps):
+      for i in range(a.timed_steps):
         out = step(model, opt, batches[i % 2])
       jax.block_until_ready(out)
       wall = time.perf_counter() - t0
     events = read_trace(trace_dir)
-  bench_train.progress(f'{run}: traced {a.steps} steps, {len(events)} kernels')
-  r = summarize(events, a.steps, wall, ops, top=a.top)
-  r.update(run=run, model=a.model, seq_len=a.seq_len, batch=a.batch_size,
+  bench_train.progress(f'{label}: traced {a.timed_steps} steps, {len(events)} kernels')
+  r = summarize(events, a.timed_steps, wall, ops, top=a.top)
+  r.update(run=label, model=cfg.model, seq_len=cfg.seq_len, batch=cfg.batch_size,
            device=jax.devices()[0].device_kind, checks=setup['checks'])
   return r
 
@@ -207,26 +216,24 @@ def profile_run(a, run: str) -> dict:
 def main(argv=None):
   import bench_train
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  bench_train.add_run_args(p)
-  p.add_argument('--runs', default='poetx,adamw')
-  p.add_argument('--batch-size', type=int, default=8)
+  bench_train.add_run_args(p, warmup_steps=2, timed_steps=5)
   p.add_argument('--top', type=int, default=15, help='kernels listed per run')
   p.add_argument('--variant', default=None, metavar='MODULE[,MODULE]',
                  help='modules to import before building (on PYTHONPATH), to profile a '
                       'variant of the code they patch')
   p.add_argument('--trace-dir', default=None,
                  help='keep the traces and the compiled programs (HLO text) here')
-  p.set_defaults(steps=5, warmup=2)
   a = p.parse_args(argv)
   if a.single:  # child process: one run, JSON on the last line
     print(json.dumps(profile_run(a, a.single)))
     return
   results = []
   base = [sys.executable, os.path.abspath(__file__)] + list(argv or sys.argv[1:])
-  for run in a.runs.split(','):
-    r, error = bench_train.run_child(base + ['--single', run], run)
-    results.append(r if error is None else {'run': run, 'error': error})
-    print(format_report(r) if error is None else f'{run}: failed: {error}', flush=True)
+  for run in bench_train.runs_of(a):
+    label = bench_train.parse_run(run)[0]
+    r, error = bench_train.run_child(base + ['--single', run], label)
+    results.append(r if error is None else {'run': label, 'error': error})
+    print(format_report(r) if error is None else f'{label}: failed: {error}', flush=True)
   if a.json:
     with open(a.json, 'w') as f:
       json.dump(results, f, indent=1)

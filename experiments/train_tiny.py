@@ -7,7 +7,11 @@ need to be learned. AdamW on the same network (all weights trained) is the
 baseline.
 
     python3 experiments/train_tiny.py            # POET-X, then AdamW
-    python3 experiments/train_tiny.py --steps 200 --block-size 16
+    python3 experiments/train_tiny.py --toy-steps 200 --toy-block-size 16
+
+Its flags are named ``--toy-*``: they set this toy's training, not the
+``poetx train`` options of the same names (``TrainConfig``), which the
+other experiments take.
 """
 
 from __future__ import annotations
@@ -93,17 +97,17 @@ def _plain_step(loss_fn):
 
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  p.add_argument('--steps', type=int, default=1000)
-  p.add_argument('--block-size', type=int, default=16)
-  p.add_argument('--merge-every', type=int, default=50)
-  p.add_argument('--lr', type=float, default=2e-2, help='POET-X learning rate; '
+  p.add_argument('--toy-steps', type=int, default=1000, help='updates of each optimizer')
+  p.add_argument('--toy-block-size', type=int, default=16, help='POET block size')
+  p.add_argument('--toy-merge-every', type=int, default=50, help='POET-X merge interval')
+  p.add_argument('--toy-lr', type=float, default=2e-2, help='POET-X learning rate; '
                  'AdamW uses a tenth of it')
-  p.add_argument('--seed', type=int, default=0)
+  p.add_argument('--toy-seed', type=int, default=0, help='seed of the task and the data')
   a = p.parse_args(argv)
   for opt in ('poetx', 'adamw'):
-    losses = train(optimizer=opt, steps=a.steps, block_size=a.block_size,
-                   merge_every=a.merge_every, lr=a.lr, seed=a.seed,
-                   log_every=max(1, a.steps // 10))
+    losses = train(optimizer=opt, steps=a.toy_steps, block_size=a.toy_block_size,
+                   merge_every=a.toy_merge_every, lr=a.toy_lr, seed=a.toy_seed,
+                   log_every=max(1, a.toy_steps // 10))
     print(f'{opt}: loss {losses[0]:.5f} -> {losses[-1]:.5f}\n')
 
 

@@ -1,39 +1,48 @@
 """Run by tests/test_sharding.py in a process with 8 CPU devices."""
 
-import dataclasses
 import json
 import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from flax import nnx
 
 import poetx_jax
 from poetx_jax import sharding
-from poetx_jax.pretrain import evaluation
+from poetx_jax.pretrain import evaluation, factories
 from poetx_jax.pretrain.checkpoint import Checkpointer
-from poetx_jax.models import llama
+from poetx_jax.pretrain.config import TrainConfig
 
-CFG = llama.get_config('tiny', layers=1, hidden=64, mlp=128, heads=4, kv_heads=2,
-                       vocab_size=128)
+SHAPE = dict(layers=1, hidden=64, mlp=128, heads=4, kv_heads=2)
+VOCAB = 128
 
 
-def build(scan=False, place=None):
-  """The POET Llama and its optimizer; ``scan``: two stacked layers, each
-  converted as built, allocated by ``place``."""
-  if scan:
-    rngs = nnx.Rngs(1)
-    model = llama.Llama(dataclasses.replace(CFG, layers=2), rngs=nnx.Rngs(0),
-                        scan_layers=True, place=place, convert_layer=lambda l:
-                        poetx_jax.poetize(l, block_size=16, rngs=rngs))
-  else:
-    model = poetx_jax.poetize(llama.Llama(CFG, rngs=nnx.Rngs(0)), block_size=16,
-                              rngs=nnx.Rngs(1))
-  tx = poetx_jax.poetx_partition(model, poetx_jax.poetx(2e-2, merge_every=2),
-                                 optax.adamw(3e-3))
-  return model, nnx.Optimizer(model, tx, wrt=nnx.Param)
+def train_config(scan=False, strategy='dp') -> TrainConfig:
+  """The run: the tiny POET Llama at B = 16, merging every 2 updates, at
+  constant rates (no warmup, no decay, no clipping); ``scan``: two stacked
+  layers."""
+  cfg = TrainConfig(model='tiny', model_overrides=dict(SHAPE, layers=2 if scan else 1),
+                    scan_layers=scan, block_size=16, poet_lr=2e-2, lr=3e-3, warmup=0,
+                    min_lr_ratio=1.0, clip=0.0, merge_every=2, batch_size=8, seq_len=16,
+                    dtype='float32', strategy=strategy)
+  cfg.validate()
+  return cfg
+
+
+def build(scan=False, mesh=None, strategy='dp'):
+  """The POET Llama and its optimizer as ``poetx train`` builds them
+  (``factories.build_state``), placed on ``mesh`` by ``strategy``."""
+  cfg = train_config(scan, strategy)
+  return factories.build_state(cfg, factories.model_config(cfg, VOCAB), mesh)
+
+
+def built_shards(mesh) -> int:
+  """Shards of the stacked MLP kernel as ``factories.build_model`` allocates
+  it under FSDP on ``mesh`` (each layer written into them as it is built)."""
+  cfg = train_config(scan=True, strategy='fsdp')
+  model = factories.build_model(cfg, factories.model_config(cfg, VOCAB), mesh)
+  return len({s.index for s in model.layers.layer.mlp.up_proj.kernel[...].addressable_shards})
 
 
 def loss_fn(m, b):
@@ -59,14 +68,9 @@ def run(mesh=None, strategy=None, scan=False):
   'dp' with make_train_step(data_parallel=mesh). Also returns the bytes the
   update program all-reduces and the trainable bytes. With ``scan`` and
   'fsdp' the stacked layers are built into their shards."""
-  place = sharding.placement(mesh, 'fsdp') if scan and strategy == 'fsdp' else None
-  model, opt = build(scan, place)
-  if scan:
-    run.built_shards = len({s.index for s in
-                            model.layers.layer.mlp.up_proj.kernel[...].addressable_shards})
-  if mesh is not None:
-    sharding.shard_state(model, mesh, 'fsdp' if strategy == 'fsdp' else 'dp')
-    sharding.shard_state(opt, mesh, 'fsdp' if strategy == 'fsdp' else 'dp')
+  if scan and strategy == 'fsdp':
+    run.built_shards = built_shards(mesh)
+  model, opt = build(scan, mesh, 'fsdp' if strategy == 'fsdp' else 'dp')
   per_device = strategy == 'dp_per_device'
   step = poetx_jax.make_train_step(loss_fn, seed=0, data_parallel=mesh if per_device else None,
                                    loss_weight=evaluation.target_count if per_device else None)
@@ -148,11 +152,8 @@ def main(ckpt_dir):
 
 def restore(ckpt_dir, fsdp):
   """Restores the 8-device checkpoint onto this process's devices; exact?"""
-  model, opt = build()
-  if fsdp > 1:
-    mesh = sharding.make_mesh(len(jax.devices()) // fsdp, fsdp)
-    sharding.shard_state(model, mesh, 'fsdp')
-    sharding.shard_state(opt, mesh, 'fsdp')
+  mesh = sharding.make_mesh(len(jax.devices()) // fsdp, fsdp) if fsdp > 1 else None
+  model, opt = build(mesh=mesh, strategy='fsdp')
   step, _, _ = Checkpointer(ckpt_dir).restore(model, opt)
   saved = np.load(f'{ckpt_dir}.npz')
   got = flat(model) + flat(opt)

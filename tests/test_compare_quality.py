@@ -11,6 +11,7 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / 'experiments'))
 import compare_quality  # noqa: E402
+import quality_report as R  # noqa: E402
 from conftest import write_corpus
 
 
@@ -19,13 +20,15 @@ def corpus(tmp_path_factory):
   return write_corpus(tmp_path_factory.mktemp('corpus'), words=200)
 
 
-def _args(tmp, corpus, *extra):
+ADAMW, POET = 'optimizer=adamw,lr=3e-3', 'optimizer=poetx,poet_lr=2.5e-3|5e-3,lr=best'
+
+
+def _args(tmp, corpus, *runs):
   return ['--model', 'tiny', '--seq-len', '64', '--batch-size', '8', '--steps', '30',
-          '--eval-every', '10', '--eval-batches', '4', '--log-every', '2',
-          '--merge-every', '20', '--block-sizes', '16', '--adamw-lrs', '3e-3',
-          '--poet-lrs', '2.5e-3,5e-3', '--vocab-size', '512', '--dtype', 'float32',
-          '--data', str(corpus), '--cache-dir', str(tmp / 'cache'), '--out', str(tmp / 'out'),
-          *extra]
+          '--warmup', '1', '--eval-every', '10', '--eval-batches', '4', '--log-every', '2',
+          '--merge-every', '20', '--block-size', '16', '--vocab-size', '512',
+          '--dtype', 'float32', '--data', str(corpus), '--cache-dir', str(tmp / 'cache'),
+          '--out', str(tmp / 'out'), '--runs', *(runs or (ADAMW + ',seed=0|1', POET))]
 
 
 def test_compare_quality_end_to_end(tmp_path, corpus, capsys):
@@ -33,15 +36,19 @@ def test_compare_quality_end_to_end(tmp_path, corpus, capsys):
   out = tmp_path / 'out'
   assert json.loads((out / 'results.json').read_text())['best'] == res['best']
   printed = capsys.readouterr().out
-  assert printed.startswith('data: 40 documents') and '| poetx-b16-lr0.005' in printed
+  assert printed.startswith('data: 40 documents')
+  assert '| optimizer=poetx,poet_lr=5e-3,lr=best |' in printed
   assert (out / 'quality.md').read_text() in printed
   for png in ('quality.png', 'spectrum.png'):
     assert (out / png).stat().st_size > 10_000
 
   runs = {r['name']: r for r in res['runs']}
-  assert sorted(runs) == ['adamw-lr0.003', 'poetx-b16-lr0.0025', 'poetx-b16-lr0.005']
-  assert {r['optimizer'] for r in runs.values()} == {'adamw', 'poetx'}
+  assert list(runs) == ['optimizer=adamw,lr=3e-3,seed=0', 'optimizer=adamw,lr=3e-3,seed=1',
+                        'optimizer=poetx,poet_lr=2.5e-3,lr=best',
+                        'optimizer=poetx,poet_lr=5e-3,lr=best']
+  assert all((out / 'runs' / name / 'metrics.jsonl').is_file() for name in runs)
   assert all(r['lr'] == 3e-3 for r in runs.values())  # POET-X's other lr: AdamW's best
+  assert [r['seed'] for r in runs.values()] == [0, 1, 0, 0]
   for r in runs.values():
     ppl = [e['val_ppl'] for e in r['evals']]
     assert [e['step'] for e in r['evals']] == [0, 10, 20, 30]
@@ -56,14 +63,33 @@ def test_compare_quality_end_to_end(tmp_path, corpus, capsys):
   assert shortest['val_ppl_at_equal_time'] == pytest.approx(shortest['val_ppl_final'])
   assert all(r['val_ppl_at_equal_time'] is not None for r in runs.values())
 
+  # Seeds: another initial model, one configuration with mean and spread.
+  seed0, seed1 = runs['optimizer=adamw,lr=3e-3,seed=0'], runs['optimizer=adamw,lr=3e-3,seed=1']
+  assert seed0['val_ppl_start'] != seed1['val_ppl_start']
+  configs = {c['config']: c for c in res['configurations']}
+  assert list(configs) == ['optimizer=adamw,lr=3e-3', 'optimizer=poetx,poet_lr=2.5e-3,lr=best',
+                           'optimizer=poetx,poet_lr=5e-3,lr=best']
+  adamw = configs['optimizer=adamw,lr=3e-3']
+  finals = [seed0['val_ppl_final'], seed1['val_ppl_final']]
+  assert adamw['seeds'] == [0, 1] and adamw['val_ppl_final']['n'] == 2
+  assert adamw['val_ppl_final']['mean'] == pytest.approx(np.mean(finals))
+  assert adamw['val_ppl_final']['sd'] == pytest.approx(np.std(finals, ddof=1))
+  assert [e['val_ppl']['mean'] for e in adamw['evals']] == pytest.approx(
+      [(a['val_ppl'] + b['val_ppl']) / 2 for a, b in zip(seed0['evals'], seed1['evals'])])
+  assert configs['optimizer=poetx,poet_lr=5e-3,lr=best']['val_ppl_final']['sd'] is None
+  md = (out / 'quality.md').read_text()
+  mean, sd = adamw['val_ppl_final']['mean'], adamw['val_ppl_final']['sd']
+  assert f'| optimizer=adamw,lr=3e-3 **(best)** | 0, 1 | 0.003 | — | {mean:.2f} ± {sd:.2f} |' in md
+  assert set(res['best']) == {'AdamW', 'POET-X B=16'}
+
   # Spectrum: same initial weights; POET-X keeps them, AdamW moves them.
   paths = res['header']['probed_layers']
   assert paths == ['layers.0.self_attn.q_proj', 'layers.0.mlp.down_proj',
                    'layers.1.self_attn.q_proj', 'layers.1.mlp.down_proj']
   probes = {n: {p['step']: p for p in r['probes']} for n, r in runs.items()}
-  adamw = probes['adamw-lr0.003']
+  adamw = probes['optimizer=adamw,lr=3e-3,seed=0']
   assert sorted(adamw) == [0, 10, 20, 30]
-  for name in ('poetx-b16-lr0.0025', 'poetx-b16-lr0.005'):
+  for name in ('optimizer=poetx,poet_lr=2.5e-3,lr=best', 'optimizer=poetx,poet_lr=5e-3,lr=best'):
     poet = probes[name]
     for p in paths:
       np.testing.assert_allclose(poet[0][f'{p}/sv_top'], adamw[0][f'{p}/sv_top'], rtol=1e-6)
@@ -88,17 +114,64 @@ def test_compare_quality_end_to_end(tmp_path, corpus, capsys):
     compare_quality.main(_args(tmp_path, corpus))
 
 
+def test_run_specs_expand_into_runs_and_configurations():
+  from poetx_jax.pretrain.config import TrainConfig
+  base = TrainConfig(model='tiny', steps=40, warmup=2, eval_every=10)
+  plan = compare_quality.plan_runs(base, [
+      'optimizer=poetx,poet_lr=1e-3|2e-3,merge_every=5|10,lr=best',
+      'optimizer=adamw,lr=1e-3|3e-3,seed=0|1',
+      'optimizer=poetx,model_overrides={layers=1,hidden=32},block_size=8'])
+  assert [r['name'] for r in plan] == [
+      'optimizer=adamw,lr=1e-3,seed=0', 'optimizer=adamw,lr=1e-3,seed=1',
+      'optimizer=adamw,lr=3e-3,seed=0', 'optimizer=adamw,lr=3e-3,seed=1',
+      'optimizer=poetx,model_overrides=_layers=1,hidden=32_,block_size=8',
+      'optimizer=poetx,poet_lr=1e-3,merge_every=5,lr=best',
+      'optimizer=poetx,poet_lr=1e-3,merge_every=10,lr=best',
+      'optimizer=poetx,poet_lr=2e-3,merge_every=5,lr=best',
+      'optimizer=poetx,poet_lr=2e-3,merge_every=10,lr=best']  # lr=best after the others
+  assert [r['config'] for r in plan[:4]] == ['optimizer=adamw,lr=1e-3'] * 2 + [
+      'optimizer=adamw,lr=3e-3'] * 2
+  cfg = compare_quality.run_config(base, plan[-1], pathlib.Path('o'), best_lr=3e-3)
+  assert (cfg.optimizer, cfg.poet_lr, cfg.merge_every, cfg.lr, cfg.out_dir) == (
+      'poetx', 2e-3, 10, 3e-3, 'o/runs/optimizer=poetx,poet_lr=2e-3,merge_every=10,lr=best')
+  cfg = compare_quality.run_config(base, plan[4], pathlib.Path('o'))
+  assert cfg.model_overrides == {'layers': 1, 'hidden': 32} and cfg.block_size == 8
+
+
+def test_probes_cover_the_single_matrices_only():
+  """Dense models: q and down projections; mixture-of-experts models: the
+  expert projections are stacks of kernels, so the q projections only."""
+  import poetx_jax
+  from flax import nnx
+  from poetx_jax.models import get_config, init_model
+  dense = init_model(get_config('tiny', vocab_size=64))
+  assert compare_quality.probed_layers(dense) == [
+      'layers.0.self_attn.q_proj', 'layers.0.mlp.down_proj',
+      'layers.1.self_attn.q_proj', 'layers.1.mlp.down_proj']
+  moe = poetx_jax.poetize(init_model(get_config('moe-tiny', vocab_size=64)), block_size=8,
+                          rngs=nnx.Rngs(1))
+  assert compare_quality.probed_layers(moe) == ['layers.0.self_attn.q_proj',
+                                                'layers.1.self_attn.q_proj']
+
+
 def test_bad_flags_are_named(capsys):
-  for argv, msg in ((['--model', '1b'], "--model '1b' is not one of tiny, 60m, 130m"),
-                    (['--block-sizes', '128,x'], '--block-sizes wants comma-separated ints'),
-                    (['--model', 'tiny', '--block-sizes', '128'],
-                     '--block-sizes=128 is larger than the dimension 64; valid block '
+  for argv, msg in ((['--model', 'xl'], 'model must be one of'),
+                    (['--runs', 'optimizer=adamw,lrr=1'],
+                     "'lrr' in 'optimizer=adamw,lrr=1' is not an option; valid: model, "),
+                    (['--runs', 'lr=fast'], "lr must be a number, got 'fast'"),
+                    (['--runs', 'optimizer=adamw,lr=1e-3|-1'], 'lr must be >= 0, got -1.0'),
+                    (['--runs', 'optimizer=adamw,lr=1e-3|1e-3'],
+                     "run 'optimizer=adamw,lr=1e-3' is given twice"),
+                    (['--runs', 'optimizer=poetx,lr=best'], 'has no AdamW run'),
+                    (['--model', 'tiny', '--block-size', '128'],
+                     'block_size=128 is larger than the dimension 64; valid block '
                      'sizes are 2..32'),
+                    (['--model', 'tiny', '--runs', 'optimizer=poetx,block_size=128'],
+                     'block_size=128 is larger than the dimension 64'),
                     (['--model', 'tiny', '--seq-len', '4096'], 'is longer than model'),
                     (['--batch-size', '0'], 'batch_size must be an int >= 1'),
-                    (['--eval-every', '25', '--log-every', '10'], 'must divide --eval-every'),
-                    (['--poet-other-lr', 'fast'], "a number or 'best', got 'fast'"),
-                    (['--adamw-lrs', '1e-3,-1'], 'values must be > 0')):
+                    (['--eval-every', '25', '--log-every', '10'], 'must divide eval_every'),
+                    (['--steps', '10'], 'warmup=20 must be less than steps=10')):
     with pytest.raises(SystemExit):
       compare_quality.parse_args(argv)
     assert msg in capsys.readouterr().err, argv
@@ -106,9 +179,9 @@ def test_bad_flags_are_named(capsys):
 
 def test_spike_rule_and_time_interpolation():
   losses = [(s, 4.0 - 0.01 * s) for s in range(0, 100, 10)] + [(100, 7.0), (110, 3.0)]
-  assert compare_quality.loss_spikes(losses) == [100]
-  assert compare_quality.loss_spikes(losses[:3] + [(30, 9.0)]) == [30]
-  assert compare_quality.loss_spikes([(0, 1.0), (1, 9.0)]) == []  # too few before it
+  assert R.loss_spikes(losses) == [100]
+  assert R.loss_spikes(losses[:3] + [(30, 9.0)]) == [30]
+  assert R.loss_spikes([(0, 1.0), (1, 9.0)]) == []  # too few before it
   pts = [{'steady_s': 0.0, 'val_ppl': 100.0}, {'steady_s': 2.0, 'val_ppl': 25.0}]
-  assert compare_quality.ppl_at_time(pts, 1.0) == pytest.approx(50.0)
-  assert compare_quality.ppl_at_time(pts, 3.0) is None
+  assert R.ppl_at_time(pts, 1.0) == pytest.approx(50.0)
+  assert R.ppl_at_time(pts, 3.0) is None

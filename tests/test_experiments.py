@@ -24,22 +24,73 @@ def test_bench_layer_checks_and_times(tmp_path):
   assert row['ms']['dense (W trained)'][0] > 0
 
 
+def _bench_args(*argv):
+  p = argparse.ArgumentParser()
+  bench_train.add_run_args(p)
+  return p.parse_args(['--model', 'tiny', '--model-overrides', 'layers=1', '--seq-len', '32',
+                       '--batch-size', '2', '--vocab-size', '512', '--dtype', 'float32',
+                       *argv])
+
+
+def test_bench_train_runs_are_overrides_of_the_train_options():
+  a = _bench_args('--lean-state')
+  assert bench_train.parse_run('xq:optimizer=poetx,quantize=int8') == (
+      'xq', 'optimizer=poetx,quantize=int8')
+  assert bench_train.parse_run('optimizer=adamw') == ('optimizer=adamw', 'optimizer=adamw')
+  assert bench_train.runs_of(a) == ['optimizer=poetx', 'optimizer=adamw']
+  cfg = bench_train.run_config(a, 'optimizer=poetx,mode=mem,remat=block,quantize=int8')
+  assert (cfg.model, cfg.model_overrides, cfg.seq_len, cfg.batch_size, cfg.vocab_size) == (
+      'tiny', {'layers': 1}, 32, 2, 512)
+  assert (cfg.optimizer, cfg.mode, cfg.remat, cfg.quantize, cfg.lean_state) == (
+      'poetx', 'mem', 'block', 'int8', True)
+  assert (cfg.merge_every, cfg.steps) == (200, 1000)  # bench_train's own defaults
+  assert bench_train.run_config(a, 'optimizer=poetx,skew_tiers=true,lean_state=false').skew_tiers
+  assert bench_train.run_config(a, 'strategy=fsdp').fsdp == jax.device_count()
+  with pytest.raises(ValueError, match="'remat_policy' .* is not an option; valid: model, "):
+    bench_train.run_config(a, 'remat_policy=block')
+  with pytest.raises(ValueError, match='quantize=.int8. needs optimizer poetx'):
+    bench_train.run_config(a, 'optimizer=adamw,quantize=int8')
+
+
 def test_bench_train_one_run(monkeypatch):
-  a = argparse.Namespace(model='tiny', model_overrides='{"layers": 1}', seq_len=32,
-                         batch_size=2, vocab_size=256, block_size=None, merge_every=200,
-                         dtype='float32', lean_state=True, warmup=1, steps=2)
-  r = bench_train.one_run(a, 'poetx:mem:block:int8')
+  a = _bench_args('--lean-state')
+  cfg = bench_train.run_config(a, 'optimizer=poetx,mode=mem,remat=block,quantize=int8')
+  r = bench_train.one_run(cfg, 'xq', warmup_steps=1, timed_steps=2)
+  assert r['run'] == 'xq' and r['model'] == 'tiny' and r['batch'] == 2 and r['seq_len'] == 32
   assert r['checks']['poet_vs_dense'] < 1e-4 and r['tokens_per_s'] > 0
   assert r['trainable'] < r['dense_params']
-  a.merge_every = 2  # merges during the timed steps; the weight form; scanned layers
-  a.scan_layers = True
-  a.model_overrides = '{"layers": 2}'
-  r = bench_train.one_run(a, 'poetx:fast:none::weight')
+  # merges during the timed steps; the weight form; scanned layers
+  a = _bench_args('--lean-state', '--merge-every', '2', '--scan-layers', '--model-overrides',
+                  'layers=2')
+  cfg = bench_train.run_config(a, 'form=weight')
+  r = bench_train.one_run(cfg, 'weight', warmup_steps=1, timed_steps=2)
   assert r['checks']['poet_vs_dense'] < 1e-4
   # Models too large for a dense copy check one stacked layer instead.
   monkeypatch.setattr(bench_train, 'EXPORT_CHECK_MAX_PARAMS', 0)
-  r = bench_train.one_run(a, 'poetx:fast')
+  r = bench_train.one_run(bench_train.run_config(a, ''), 'fast', warmup_steps=1, timed_steps=2)
   assert r['checks']['export_check'] == 'one layer' and r['checks']['poet_vs_dense'] < 1e-4
+
+
+def test_bench_train_runs_each_run_in_a_process_of_its_own(tmp_path, monkeypatch, capsys):
+  """The CPU smoke test: one child per --run, labelled by its name or its text;
+  a run that cannot be configured is refused before any starts."""
+  monkeypatch.setenv('PYTHONPATH', str(ROOT))  # the children import this checkout
+  out = tmp_path / 'r.json'
+  argv = ['--model', 'tiny', '--model-overrides', 'layers=1', '--seq-len', '32',
+          '--batch-size', '2', '--vocab-size', '512', '--dtype', 'float32',
+          '--warmup-steps', '1', '--timed-steps', '2', '--json', str(out)]
+  bench_train.main(argv + ['--run', 'optimizer=adamw', '--run', 'lean:optimizer=poetx,'
+                           'lean_state=true,model_overrides={layers=1,hidden=32}'])
+  adamw, lean = json.loads(out.read_text())
+  assert adamw['run'] == 'optimizer=adamw' and lean['run'] == 'lean'
+  assert 'export_check' not in lean['checks'] and lean['checks']['poet_vs_dense'] < 1e-4
+  assert lean['dense_params'] < adamw['dense_params']  # hidden 32 instead of 64
+  assert lean['trainable'] < adamw['trainable'] and lean['tokens_per_s'] > 0
+  table = capsys.readouterr().out
+  assert 'tiny, seq 32, batch 2' in table and '\nlean ' in table
+  with pytest.raises(SystemExit):
+    bench_train.main(argv + ['--run', 'optimizer=adamw,mode=slow'])
+  assert "--run 'optimizer=adamw,mode=slow': mode must be one of" in capsys.readouterr().err
 
 
 def test_bench_cayley_interpreted():
@@ -72,36 +123,49 @@ def test_bench_memory_state_only(tmp_path):
   compiled program's arguments hold exactly that state plus the batch."""
   import bench_memory
   out = tmp_path / 'state.json'
-  bench_memory.main(['--models', 'tiny', '--seqs', '32', '--vocab-size', '256',
+  bench_memory.main(['--models', 'tiny', '--seqs', '32', '--vocab-size', '512',
                      '--state-only', '--compiled', '--lean-state',
-                     '--runs', 'poetx:mem:block:int8', '--json', str(out)])
+                     '--run', 'xq:optimizer=poetx,mode=mem,remat=block,quantize=int8',
+                     '--json', str(out)])
   (r,) = json.loads(out.read_text())
-  a = argparse.Namespace(model='tiny', model_overrides='', seq_len=32, batch_size=1,
-                         vocab_size=256, block_size=None, merge_every=2,
-                         dtype='bfloat16', param_dtype='bfloat16', lean_state=True)
+  assert r['run'] == 'xq' and r['model'] == 'tiny'
   from flax import nnx
   from poetx_jax.pretrain import factories as F
-  cfg = bench_train.run_config(a, 'poetx:mem:block:int8')
-  model = F.build_model(cfg, F.model_config(cfg, 256))
-  opt = F.build_optimizer(cfg, model)
+  from poetx_jax.pretrain.config import TrainConfig
+  # bench_memory's defaults: batch 1, bf16 weights and compute, merges every 2
+  cfg = TrainConfig(model='tiny', seq_len=32, batch_size=1, vocab_size=512, merge_every=2,
+                    dtype='bfloat16', param_dtype='bfloat16', lean_state=True, mode='mem',
+                    remat='block', quantize='int8', steps=1000)
+  model, opt = F.build_state(cfg, F.model_config(cfg, 512))
   real = lambda t: sum(x.nbytes for x in jax.tree.leaves(t)) / 2 ** 30
   assert abs(r['model_gib'] - real(nnx.state(model))) < 1e-9
   assert abs(r['optimizer_gib'] - real(nnx.state(opt))) < 1e-9
   batch = 2 * 32 * 4 / 2 ** 30
   assert abs(r['compiled']['arguments_gib'] - (r['model_gib'] + r['optimizer_gib'] + batch)) < 1e-6
   assert r['compiled']['temporaries_gib'] > 0
+  # A ladder size: Llama-13B with other shapes, through the same K=V overrides.
+  assert bench_memory.point('20b', 1024, ladder=True) == (
+      'model=13b,model_overrides={hidden=6144,mlp=16384,layers=44,heads=48,kv_heads=8},'
+      'seq_len=1024')
+  from poetx_jax.pretrain.config import apply_overrides
+  big = apply_overrides(TrainConfig(), bench_memory.point('20b', 1024, ladder=True))
+  assert big.model_overrides['layers'] == 44 and big.seq_len == 1024
 
 
-def test_profile_step_reports_a_real_step(tmp_path):
+def test_profile_step_reports_a_real_step(tmp_path, monkeypatch):
   """profile_step on the CPU: XLA's thunks stand in for kernels; every
   category share adds up, the top kernels name their HLO ops."""
   import profile_step
+  monkeypatch.setenv('PYTHONPATH', str(ROOT))  # the child imports this checkout
   out = tmp_path / 'prof.json'
-  profile_step.main(['--model', 'tiny', '--model-overrides', '{"layers": 1}', '--seq-len', '32',
-                     '--batch-size', '2', '--vocab-size', '256', '--dtype', 'float32',
-                     '--steps', '2', '--warmup', '1', '--runs', 'poetx', '--json', str(out)])
+  profile_step.main(['--model', 'tiny', '--model-overrides', 'layers=1', '--seq-len', '32',
+                     '--batch-size', '2', '--vocab-size', '512', '--dtype', 'float32',
+                     '--timed-steps', '2', '--warmup-steps', '1', '--run', 'optimizer=poetx',
+                     '--json', str(out)])
   (r,) = json.loads(out.read_text())
-  assert r['steps'] == 2 and r['wall_ms'] > 0 and 0 < r['busy_ms'] <= r['kernel_ms']
+  assert r['run'] == 'optimizer=poetx' and r['steps'] == 2
+  # busy: the union of the kernels' intervals, at most their sum (up to rounding)
+  assert r['wall_ms'] > 0 and 0 < r['busy_ms'] <= r['kernel_ms'] * (1 + 1e-12)
   assert sum(c['share'] for c in r['categories'].values()) == pytest.approx(1.0)
   assert r['categories']['gather']['ms'] > 0  # the POET permutations
   assert r['top'] and all(t['op'] and t['hlo'] for t in r['top'][:5])
@@ -138,3 +202,30 @@ def test_bench_prepare_measures_prepare_and_first_step(tmp_path):
   first, second = (json.loads((tmp_path / 'w' / f'ds-{n}' / 'manifest.json').read_text())
                    for n in (262144, 524288))
   assert first['tokenizer_sha256'] == second['tokenizer_sha256']
+
+
+def test_no_experiment_declares_a_train_option():
+  """The experiments take poetx train's options from config.add_options (and
+  describe runs by K=V overrides of them): none declares a flag of its own
+  named like a TrainConfig field."""
+  import ast
+  import dataclasses
+  from poetx_jax.pretrain.config import TrainConfig
+  fields = {f.name for f in dataclasses.fields(TrainConfig)}
+  declared = {}
+  for path in sorted((ROOT / 'experiments').glob('*.py')):
+    for node in ast.walk(ast.parse(path.read_text())):
+      if isinstance(node, ast.Call) and getattr(node.func, 'attr', '') == 'add_argument':
+        declared.setdefault(path.name, set()).update(
+            a.value[2:].replace('-', '_') for a in node.args
+            if isinstance(a, ast.Constant) and str(a.value).startswith('--'))
+  assert {'bench_train.py', 'compare_quality.py', 'train_tiny.py'} <= set(declared)
+  assert {'run', 'warmup_steps', 'timed_steps'} <= declared['bench_train.py']
+  assert {name: flags & fields for name, flags in declared.items() if flags & fields} == {}
+
+
+def test_train_tiny_flags(capsys):
+  import train_tiny
+  train_tiny.main(['--toy-steps', '3', '--toy-block-size', '8', '--toy-seed', '1'])
+  out = capsys.readouterr().out
+  assert 'poetx: loss' in out and 'adamw: loss' in out and 'step    2' in out

@@ -467,6 +467,55 @@ def test_the_train_flags_are_generated_from_the_config(capsys):
   assert '--model-overrides wants K=V pairs' in capsys.readouterr().err
 
 
+def test_an_experiment_parser_has_its_own_defaults_and_runs_are_k_v_overrides(capsys):
+  """add_options(overrides=, exclude=) and apply_overrides: the schema as
+  experiments use it."""
+  import argparse
+  from poetx_jax.pretrain.config import (add_options, apply_overrides, config_from_args,
+                                         parse_fields)
+  p = argparse.ArgumentParser()
+  add_options(p, overrides={'model': '60m', 'steps': 400, 'lean_state': True,
+                            'model_overrides': {'layers': 2}}, exclude=['out_dir'])
+  cfg = config_from_args(p.parse_args([]))
+  assert cfg == TrainConfig(model='60m', steps=400, lean_state=True,
+                            model_overrides={'layers': 2})
+  assert not config_from_args(p.parse_args(['--no-lean-state'])).lean_state
+  assert config_from_args(p.parse_args(['--steps', '7'])).steps == 7
+  with pytest.raises(SystemExit):
+    p.parse_args(['--help'])
+  flat = ' '.join(capsys.readouterr().out.split())
+  assert '(default: 60m)' in flat and '(default: 400)' in flat and '(default: layers=2)' in flat
+  assert '--no-lean-state' in flat and '--out-dir' not in flat
+  with pytest.raises(ValueError, match="add_options: 'stepz' is not an option; valid: model, "):
+    add_options(argparse.ArgumentParser(), overrides={'stepz': 1})
+
+  # Each value read by its field's type, then the whole config validated.
+  got = apply_overrides(cfg, 'optimizer=adamw,lr=1e-3,poet_lr=none,scan-layers=true,'
+                             'model_overrides={layers=4,hidden=128},data=[a.txt,dir],'
+                             'quantize=None,seed=3,mode=mem')
+  assert got == dataclasses.replace(cfg, optimizer='adamw', lr=1e-3, scan_layers=True,
+                                    model_overrides={'layers': 4, 'hidden': 128},
+                                    data=['a.txt', 'dir'], seed=3, mode='mem')
+  assert parse_fields('model_overrides={"layers": 1},data=d,lean_state=no') == {
+      'model_overrides': {'layers': 1}, 'data': ['d'], 'lean_state': False}
+  assert parse_fields('model_overrides=layers=1') == {'model_overrides': {'layers': 1}}
+  assert apply_overrides(cfg, '') == cfg
+  for text, message in (
+      ('lrr=1', r"'lrr' in 'lrr=1' is not an option; valid: model, model_overrides, .*cache_dir"),
+      ('lr=fast', "lr must be a number, got 'fast'"),
+      ('steps=1.5', "steps must be an int, got '1.5'"),
+      ('block_size=x', "block_size must be an int or none, got 'x'"),
+      ('scan_layers=maybe', "scan_layers must be true or false, got 'maybe'"),
+      ('model_overrides={layers}', 'model_overrides must be .*wants K=V pairs'),
+      ('lr=1,lr=2', "lr is given twice in 'lr=1,lr=2'"),
+      ('optimizer', "'optimizer' in 'optimizer' is not K=V"),
+      ('mode=slow', r"mode must be one of \('fast', 'mem'\), got 'slow'"),
+      ('steps=0', 'steps must be an int >= 1, got 0'),
+      ('optimizer=adamw,quantize=int8', 'quantize=.int8. needs optimizer poetx')):
+    with pytest.raises(ValueError, match=message):
+      apply_overrides(cfg, text)
+
+
 MOE = dict(model='moe-tiny', model_overrides={'layers': 1, 'hidden': 32, 'mlp': 32, 'heads': 2,
                                               'kv_heads': 1, 'experts': 4, 'top_k': 2,
                                               'capacity_factor': 1.0})

@@ -12,6 +12,12 @@ and :func:`add_options` generates the ``poetx train`` flags from it::
     add_options(parser)
     cfg = config_from_args(parser.parse_args(['--steps', '10']))
     cfg.validate()
+
+An experiment builds its parser the same way, with defaults of its own
+(``add_options(parser, overrides={'model': '60m'})``), and describes each run
+by ``K=V`` overrides of the same fields (:func:`apply_overrides`)::
+
+    apply_overrides(cfg, 'optimizer=adamw,lr=1e-3,model_overrides={layers=4,hidden=128}')
 """
 
 from __future__ import annotations
@@ -233,29 +239,56 @@ def _help(md: tp.Mapping, default: tp.Any, choices: tp.Sequence | None) -> str:
     text += f'; {bounds}'
   if default is None:
     text += f' (default: {md["none"]})'
+  elif isinstance(default, dict) and default:
+    text += f' (default: {",".join(f"{k}={json.dumps(v)}" for k, v in default.items())})'
   elif not (default is False or default == {}):
     text += f' (default: {default})'
   return text.replace('%', '%%')
 
 
-def add_options(parser: argparse.ArgumentParser, *, defaults: bool = True) -> None:
+def _field_names(names: tp.Iterable[str], what: str) -> None:
+  """Raises ValueError unless every name is a TrainConfig field."""
+  fields = [f.name for f in dataclasses.fields(TrainConfig)]
+  for name in names:
+    if name not in fields:
+      raise ValueError(f'{what}: {name!r} is not an option; valid: {", ".join(fields)}')
+
+
+def add_options(parser: argparse.ArgumentParser, *, defaults: bool = True,
+                overrides: tp.Mapping[str, tp.Any] | None = None,
+                exclude: tp.Iterable[str] = ()) -> None:
   """Adds one ``--flag`` per :class:`TrainConfig` field (``model_overrides`` ->
   ``--model-overrides``): bools are switches, lists take several values, a
-  field with a ``parse`` function takes its text form. With ``defaults=False``
-  an option not given is left out of the parsed namespace, which then holds
-  exactly the options given (what ``--resume`` checks against ``run.json``)."""
+  field with a ``parse`` function takes its text form.
+
+  Args:
+    parser: where the flags go.
+    defaults: False leaves an option not given out of the parsed namespace,
+      which then holds exactly the options given (what ``--resume`` checks
+      against ``run.json``).
+    overrides: defaults of this parser instead of TrainConfig's (an
+      experiment's own), by field name; shown in ``--help``. A bool whose
+      default is True gets a ``--no-`` flag too.
+    exclude: fields that get no flag (an experiment that sets them itself);
+      :func:`config_from_args` gives them TrainConfig's default.
+  """
+  overrides = dict(overrides or {})
+  exclude = set(exclude)
+  _field_names([*overrides, *exclude], 'add_options')
   hints = tp.get_type_hints(TrainConfig)
   for f in dataclasses.fields(TrainConfig):
+    if f.name in exclude:
+      continue
     md, flag = f.metadata, '--' + f.name.replace('_', '-')
     typ, _ = _base_type(hints[f.name])
-    default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+    value = (overrides[f.name] if f.name in overrides
+             else f.default_factory() if f.default is dataclasses.MISSING else f.default)
     choices = md.get('choices')
-    kw = dict(help=_help(md, default, choices), metavar=md.get('metavar'))
-    if not defaults:
-      default = argparse.SUPPRESS
-    if typ is bool:
-      parser.add_argument(flag, action='store_true', help=kw['help'],
-                          **({} if defaults else {'default': default}))
+    kw = dict(help=_help(md, value, choices), metavar=md.get('metavar'))
+    default = value if defaults else argparse.SUPPRESS
+    if typ is bool:  # a True default: --flag / --no-flag
+      action = argparse.BooleanOptionalAction if value is True else 'store_true'
+      parser.add_argument(flag, action=action, default=default, help=kw['help'])
     elif typ is list:
       parser.add_argument(flag, nargs='*', default=default, **kw)
     elif 'parse' in md:  # read from text by config_from_args
@@ -267,9 +300,118 @@ def add_options(parser: argparse.ArgumentParser, *, defaults: bool = True) -> No
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
   """The :class:`TrainConfig` of parsed :func:`add_options` flags (other
-  attributes of ``args`` are ignored)."""
+  attributes of ``args`` are ignored; a field without one, left out by
+  ``exclude``, takes its default)."""
   values = {}
   for f in dataclasses.fields(TrainConfig):
+    if not hasattr(args, f.name):
+      continue
     v = getattr(args, f.name)
     values[f.name] = f.metadata['parse'](v) if 'parse' in f.metadata and isinstance(v, str) else v
   return TrainConfig(**values)
+
+
+# ------------------------------------------------------------------- K=V overrides
+
+_OPEN, _CLOSE = '[{(', ']})'
+
+
+def split_top(text: str, sep: str) -> list[str]:
+  """``text`` split at each ``sep`` outside brackets (``[]``, ``{}``, ``()``).
+
+    >>> split_top('a=1,b={x=1,y=2},c=[p,q]', ',')
+    ['a=1', 'b={x=1,y=2}', 'c=[p,q]']
+  """
+  parts, depth, start = [], 0, 0
+  for i, ch in enumerate(text):
+    depth += (ch in _OPEN) - (ch in _CLOSE)
+    if ch == sep and depth == 0:
+      parts.append(text[start:i])
+      start = i + 1
+  return parts + [text[start:]]
+
+
+def split_assignments(text: str) -> list[tuple[str, str]]:
+  """The ``(key, value text)`` pairs of ``K=V,K=V`` text (commas inside
+  brackets belong to their value; a ``-`` in a key reads ``_``); raises
+  ValueError for an item that is not ``K=V`` or a key given twice."""
+  pairs = []
+  for item in filter(str.strip, split_top(text, ',')):
+    if '=' not in item:
+      raise ValueError(f'{item.strip()!r} in {text!r} is not K=V')
+    k, v = item.split('=', 1)
+    pairs.append((k.strip().replace('-', '_'), v.strip()))
+  keys = [k for k, _ in pairs]
+  for k in keys:
+    if keys.count(k) > 1:
+      raise ValueError(f'{k} is given twice in {text!r}')
+  return pairs
+
+
+_TRUE, _FALSE = ('true', 'yes', 'on', '1'), ('false', 'no', 'off', '0')
+
+
+def field_value(name: str, text: str) -> tp.Any:
+  """The value of field ``name`` written as ``text`` (type and form only;
+  :meth:`TrainConfig.validate` checks choices and bounds): ``none`` for an
+  optional field's None; ``true``/``false`` for a bool; a list as ``[A,B]``
+  (or one item); a dict as ``{K=V,...}``, JSON or ``K=V``
+  (:func:`parse_overrides`)."""
+  _field_names([name], 'field_value')
+  typ, optional = _base_type(tp.get_type_hints(TrainConfig)[name])
+  if optional and text.lower() in ('none', 'null'):
+    return None
+  try:
+    if typ is bool:
+      if text.lower() not in _TRUE + _FALSE:
+        raise ValueError
+      return text.lower() in _TRUE
+    if typ in (int, float):
+      return typ(text)
+    if typ is list:
+      inner = text[1:-1] if text[:1] + text[-1:] == '[]' else None
+      return [text] if inner is None else [x.strip() for x in split_top(inner, ',') if x.strip()]
+    if typ is dict:
+      if text[:1] + text[-1:] == '{}':
+        try:
+          value = json.loads(text)
+        except json.JSONDecodeError:
+          value = parse_overrides(text[1:-1])
+        if not isinstance(value, dict):
+          raise ValueError
+        return value
+      return parse_overrides(text)
+  except ValueError as e:
+    kind = {bool: 'true or false', int: 'an int', float: 'a number', list: '[A,B,...]',
+            dict: '{K=V,...}'}[typ]
+    detail = f' ({e})' if typ is dict and str(e) else ''
+    raise ValueError(f'{name} must be {kind}{" or none" if optional else ""}, '
+                     f'got {text!r}{detail}') from None
+  return text
+
+
+def parse_fields(text: str) -> dict[str, tp.Any]:
+  """``K=V,K=V`` text as a dict of TrainConfig fields and their values
+  (:func:`field_value`); raises ValueError naming a key that is no field."""
+  pairs = split_assignments(text)
+  fields = [f.name for f in dataclasses.fields(TrainConfig)]
+  for k, _ in pairs:
+    if k not in fields:
+      raise ValueError(f'{k!r} in {text!r} is not an option; valid: {", ".join(fields)}')
+  return {k: field_value(k, v) for k, v in pairs}
+
+
+def apply_overrides(cfg: TrainConfig, text: str, *, validate: bool = True) -> TrainConfig:
+  """``cfg`` with the fields that ``K=V,K=V`` ``text`` names set, checked by
+  :meth:`TrainConfig.validate` (unless ``validate=False``).
+
+    >>> apply_overrides(TrainConfig(), 'optimizer=adamw,lr=1e-3,poet_lr=none').lr
+    0.001
+
+  Raises ValueError naming the key that is no field (and the valid ones), or
+  the field whose value cannot be honoured.
+  """
+  cfg = dataclasses.replace(cfg, **parse_fields(text))
+  if validate:
+    cfg.validate()
+  return cfg
