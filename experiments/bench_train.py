@@ -233,16 +233,23 @@ EXPORT_CHECK_MAX_PARAMS = 20e9  # larger models check one exported layer
 def export_check(cfg, mc, model, tokens, label: str) -> dict:
   """The POET model, its generators trained and merged a few times, against
   the model it exports (``poet_vs_dense``: relative output error). Past
-  EXPORT_CHECK_MAX_PARAMS a dense copy may not fit beside the model (and an
-  MoE model's would be slow to form, expert by expert): then one POET layer
-  is checked against its exported kernel (``export_check: 'one layer'``)."""
+  EXPORT_CHECK_MAX_PARAMS a dense copy may not fit beside the model, and a
+  model without a Hugging Face form (``hf.check_exportable``: a
+  mixture-of-experts model, whose dense copy is formed expert by expert) is
+  not exported: then one POET layer is checked against its exported kernel
+  (``export_check: 'one layer'``)."""
   import jax
   import jax.numpy as jnp
   import poetx_jax
-  from poetx_jax.models import moe
+  from poetx_jax.models import hf
   from poetx_jax.pretrain import factories as F
   checks = {}
-  if mc.num_params() <= EXPORT_CHECK_MAX_PARAMS and not isinstance(mc, moe.MoEConfig):
+  try:
+    hf.check_exportable(mc)
+    exportable = mc.num_params() <= EXPORT_CHECK_MAX_PARAMS
+  except ValueError:
+    exportable = False
+  if exportable:
     probe = tokens[:1, :min(cfg.seq_len, 128)]
     y_ref = poetx_jax.unpoetize(model)(probe)
     y = model(probe)
