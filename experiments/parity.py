@@ -229,10 +229,10 @@ def summarise(runs: list[dict]) -> list[dict]:
   rows = []
   for name in dict.fromkeys(r['name'] for r in runs):
     mine = [r for r in runs if r['name'] == name]
-    finals = {r['seed']: r['val'][max(r['val'])] for r in mine if r['val']}
-    steps = sorted(set.intersection(*[set(r['val']) for r in mine])) if all(
-        r['val'] for r in mine) else []
-    curve = {s: statistics.mean(r['val'][s] for r in mine) for s in steps}
+    done = [r for r in mine if r['val'] and not r['returncode']]  # failed runs: no figures
+    finals = {r['seed']: r['val'][max(r['val'])] for r in done}
+    steps = sorted(set.intersection(*[set(r['val']) for r in done])) if done else []
+    curve = {s: statistics.mean(r['val'][s] for r in done) for s in steps}
     rows.append({'name': name, 'finals': finals, 'curve': curve,
                  'final_steps': {r['seed']: max(r['val']) if r['val'] else None for r in mine},
                  'mean': statistics.mean(finals.values()) if finals else None,
@@ -251,7 +251,7 @@ def report(rows: list[dict], header: dict) -> str:
   import math
   for r in rows:
     per = ', '.join(f's{s} {v:.4f} (step {r["final_steps"][s]})'
-                    for s, v in sorted(r['finals'].items()))
+                    for s, v in sorted(r['finals'].items())) or '—'
     mean = '—' if r['mean'] is None else f"{r['mean']:.4f}"
     spread = '—' if r['spread'] is None else f"{r['spread']:.4f}"
     ppl = '—' if r['mean'] is None else f"{math.exp(r['mean']):.2f}"

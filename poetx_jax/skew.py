@@ -113,9 +113,11 @@ def ragged_mask(n: int, block_size: int) -> np.ndarray | None:
 def generator_bound_sq(q_KxBxB: Array) -> Array:
   """(K,) squared upper bounds on each block's spectral norm: ``||Q^T Q||_inf``,
   the largest absolute row sum of ``Q^T Q`` (= ``-Q^2``), which is
-  ``>= ||Q^T Q||_2 = ||Q||_2^2``. Exact when Q has rank two (one plane of
-  rotation, the direction an Adam step of sign-like entries pushes a block
-  in); at most about ``B^(1/4) / 2`` times too large for random blocks."""
+  ``>= ||Q^T Q||_2 = ||Q||_2^2``. Exact for the rotation in the plane of two
+  orthogonal sign vectors (the pattern of a sign-like Adam step); for a
+  block of independent entries its square root is about ``B^(1/4) / 2``
+  times the spectral norm (1.2 to 1.8 times, measured on Llama-130M's
+  generators at B = 256)."""
   q = q_KxBxB.astype(jnp.float32)
   qtq = jnp.matmul(jnp.swapaxes(q, -1, -2), q, precision=jax.lax.Precision.HIGHEST)
   return jnp.max(jnp.sum(jnp.abs(qtq), axis=-1), axis=-1)

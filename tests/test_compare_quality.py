@@ -31,6 +31,35 @@ def _args(tmp, corpus, *runs):
           '--out', str(tmp / 'out'), '--runs', *(runs or (ADAMW + ',seed=0|1', POET))]
 
 
+def _assert_spectrum(res, runs):
+  """Same initial weights; POET-X keeps their spectrum, AdamW moves it."""
+  paths = res['header']['probed_layers']
+  assert paths == ['layers.0.self_attn.q_proj', 'layers.0.mlp.down_proj',
+                   'layers.1.self_attn.q_proj', 'layers.1.mlp.down_proj']
+  probes = {n: {p['step']: p for p in r['probes']} for n, r in runs.items()}
+  adamw = probes['optimizer=adamw,lr=3e-3,seed=0']
+  assert sorted(adamw) == [0, 10, 20, 30]
+  for name in ('optimizer=poetx,poet_lr=2.5e-3,lr=best', 'optimizer=poetx,poet_lr=5e-3,lr=best'):
+    poet = probes[name]
+    for p in paths:
+      np.testing.assert_allclose(poet[0][f'{p}/sv_top'], adamw[0][f'{p}/sv_top'], rtol=1e-6)
+      np.testing.assert_allclose(poet[0][f'{p}/sv_bottom'], adamw[0][f'{p}/sv_bottom'],
+                                 rtol=1e-6)
+      # Step 0 and a merge (step 20) leave identity factors behind.
+      assert poet[0][f'{p}/orth_err'] == poet[20][f'{p}/orth_err'] == 0.0
+      # Mid first cycle: the spectrum is step 0's up to the series' error.
+      drift, err = poet[10][f'{p}/sv_rel_change'], poet[10][f'{p}/orth_err']
+      assert 0 < err < 1e-3 and drift < 1e-4 and drift <= err
+      np.testing.assert_allclose(poet[10][f'{p}/sv_top'], poet[0][f'{p}/sv_top'], rtol=1e-4)
+      # Mid second cycle: constant since the merge at step 20.
+      np.testing.assert_allclose(poet[30][f'{p}/sv_top'], poet[20][f'{p}/sv_top'], rtol=1e-5)
+      assert poet[30][f'{p}/svd_entropy'] == pytest.approx(poet[0][f'{p}/svd_entropy'],
+                                                           rel=1e-4)
+      assert adamw[10][f'{p}/sv_rel_change'] > 100 * drift
+  assert all(adamw[s][f'{p}/sv_rel_change'] > 1e-2 for s in (10, 20, 30) for p in paths)
+  assert all(r['max_orth_err'] < 1e-3 for r in runs.values() if r['optimizer'] == 'poetx')
+
+
 def test_compare_quality_end_to_end(tmp_path, corpus, capsys):
   res = compare_quality.main(_args(tmp_path, corpus))
   out = tmp_path / 'out'
@@ -82,32 +111,7 @@ def test_compare_quality_end_to_end(tmp_path, corpus, capsys):
   assert f'| optimizer=adamw,lr=3e-3 **(best)** | 0, 1 | 0.003 | — | {mean:.2f} ± {sd:.2f} |' in md
   assert set(res['best']) == {'AdamW', 'POET-X B=16'}
 
-  # Spectrum: same initial weights; POET-X keeps them, AdamW moves them.
-  paths = res['header']['probed_layers']
-  assert paths == ['layers.0.self_attn.q_proj', 'layers.0.mlp.down_proj',
-                   'layers.1.self_attn.q_proj', 'layers.1.mlp.down_proj']
-  probes = {n: {p['step']: p for p in r['probes']} for n, r in runs.items()}
-  adamw = probes['optimizer=adamw,lr=3e-3,seed=0']
-  assert sorted(adamw) == [0, 10, 20, 30]
-  for name in ('optimizer=poetx,poet_lr=2.5e-3,lr=best', 'optimizer=poetx,poet_lr=5e-3,lr=best'):
-    poet = probes[name]
-    for p in paths:
-      np.testing.assert_allclose(poet[0][f'{p}/sv_top'], adamw[0][f'{p}/sv_top'], rtol=1e-6)
-      np.testing.assert_allclose(poet[0][f'{p}/sv_bottom'], adamw[0][f'{p}/sv_bottom'],
-                                 rtol=1e-6)
-      # Step 0 and a merge (step 20) leave identity factors behind.
-      assert poet[0][f'{p}/orth_err'] == poet[20][f'{p}/orth_err'] == 0.0
-      # Mid first cycle: the spectrum is step 0's up to the series' error.
-      drift, err = poet[10][f'{p}/sv_rel_change'], poet[10][f'{p}/orth_err']
-      assert 0 < err < 1e-3 and drift < 1e-4 and drift <= err
-      np.testing.assert_allclose(poet[10][f'{p}/sv_top'], poet[0][f'{p}/sv_top'], rtol=1e-4)
-      # Mid second cycle: constant since the merge at step 20.
-      np.testing.assert_allclose(poet[30][f'{p}/sv_top'], poet[20][f'{p}/sv_top'], rtol=1e-5)
-      assert poet[30][f'{p}/svd_entropy'] == pytest.approx(poet[0][f'{p}/svd_entropy'],
-                                                           rel=1e-4)
-      assert adamw[10][f'{p}/sv_rel_change'] > 100 * drift
-  assert all(adamw[s][f'{p}/sv_rel_change'] > 1e-2 for s in (10, 20, 30) for p in paths)
-  assert all(r['max_orth_err'] < 1e-3 for r in runs.values() if r['optimizer'] == 'poetx')
+  _assert_spectrum(res, runs)
 
   # A second invocation does not clobber the runs without --overwrite.
   with pytest.raises(SystemExit, match='--overwrite'):

@@ -2,7 +2,9 @@
 
 import contextlib
 import io
+from unittest import mock
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,6 +13,7 @@ from flax import nnx
 from jax.ad_checkpoint import print_saved_residuals
 
 from conftest import dense_rotation, randomize_generators, rel_err
+import poetx_jax
 from poetx_jax import POETLinear, POETParam, ops
 
 
@@ -277,3 +280,69 @@ def test_skipped_permutations_are_the_callers_gathers(keys, mode, form):
   assert rel_err(y_s, y) <= tol and rel_err(g_x_s, g_x) <= tol
   for name in ('q_in', 'q_out', 'bias'):
     assert rel_err(g_state_s[name][...], g_state[name][...]) <= max(tol, 1e-7), name
+
+
+@pytest.mark.parametrize('mode', ['fast', 'mem'])
+@pytest.mark.parametrize('dtype', [jnp.float32, jnp.bfloat16])
+def test_swiglu_joins_poet_gathers_exactly(keys, mode, dtype):
+  """poetx_jax.swiglu of POET layers gathers the gate and up outputs straight
+  into the down projection's order (ops.gather_between): loss and gradients
+  equal the three layers applied one by one, bit for bit."""
+  hidden, inner = 64, 176
+  lin = lambda i, o, s: poetx_jax.POETLinear.from_linear(
+      nnx.Linear(i, o, use_bias=False, dtype=dtype, rngs=nnx.Rngs(s)), block_size=16,
+      mode=mode, rngs=nnx.Rngs(s + 10))
+  mlp = nnx.Dict(gate_proj=lin(hidden, inner, 0), up_proj=lin(hidden, inner, 1),
+                 down_proj=lin(inner, hidden, 2))
+  poet = [mlp[n] for n in ('gate_proj', 'up_proj', 'down_proj')]
+  for lin in poet:
+    lin.q_in[...] = 0.05 * jax.random.normal(keys(), lin.q_in.shape)
+    lin.q_out[...] = 0.05 * jax.random.normal(keys(), lin.q_out.shape)
+  x = jax.random.normal(keys(), (2, 8, hidden), dtype)
+  ct = jax.random.normal(keys(), (2, 8, hidden), dtype)
+  graphdef, state, rest = nnx.split(mlp, nnx.Param, ...)
+
+  def loss(state, x, joined):
+    m = nnx.merge(graphdef, state, rest)
+    if joined:
+      y = poetx_jax.swiglu(m['gate_proj'], m['up_proj'], m['down_proj'], x)
+    else:
+      y = m['down_proj'](jax.nn.silu(m['gate_proj'](x)) * m['up_proj'](x))
+    return (y.astype(jnp.float32) * ct).sum()
+
+  value_and_grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)), static_argnums=2)
+  got, want = value_and_grad(state, x, True), value_and_grad(state, x, False)
+  chex.assert_trees_all_equal(got, want)
+  assert float(jnp.abs(want[1][1]).max()) > 0
+
+  def gathers(joined):  # activation gathers in the forward
+    calls = []
+
+    def counted(x, perm):
+      calls.append(x.shape)
+      return permute(x, perm)
+
+    with mock.patch.object(ops, 'permute', counted):
+      jax.make_jaxpr(lambda s, x: loss(s, x, joined))(state, x)
+    return len(calls)
+
+  permute = ops.permute
+  assert (gathers(True), gathers(False)) == (5, 6)
+
+
+def test_a_capped_layer_merges_the_rotation_it_applied(keys):
+  """With max_generator_norm the layer applies, forms and merges the rotation
+  of its capped generators: the merged base keeps the function."""
+  layer = POETLinear(48, 32, block_size=16, max_generator_norm=0.4, use_bias=False,
+                     rngs=nnx.Rngs(0))
+  layer.q_in[...] = jax.random.normal(keys(), layer.q_in.shape)   # far over the cap
+  layer.q_out[...] = jax.random.normal(keys(), layer.q_out.shape)
+  x = jax.random.normal(keys(), (5, 48))
+  y = layer(x)
+  assert rel_err(y, x @ layer.effective_kernel()) < 1e-5
+  assert float(layer.orthogonality_error()) < 0.05
+  poetx_jax.merge(layer, rngs=nnx.Rngs(1))
+  assert rel_err(layer(x), y) < 1e-4
+  with pytest.raises(ValueError, match=r'max_generator_norm must be None or a number in '
+                                       r'\(0, 1\)'):
+    POETLinear(48, 32, block_size=16, max_generator_norm=1.5, rngs=nnx.Rngs(0))

@@ -1,8 +1,6 @@
 """The Llama model: shapes, causality, attention / RMSNorm against references,
 configs, jitted init, poetize and HF export (tiny config, float32, CPU)."""
 
-from unittest import mock
-
 import chex
 import jax
 import jax.numpy as jnp
@@ -12,7 +10,6 @@ from flax import nnx
 
 from conftest import assert_trees_rel_close, rel_err
 import poetx_jax
-from poetx_jax import ops
 from poetx_jax.models import hf, llama
 from poetx_jax.models import get_config, init_model
 from poetx_jax.models.llama import Llama
@@ -411,49 +408,3 @@ def test_stacked_merge_updates_in_place_one_layer_at_a_time():
   stack = sum(x.nbytes for x in jax.tree.leaves(state))
   assert mem.alias_size_in_bytes >= stack - 64
   assert mem.temp_size_in_bytes < 0.5 * stack
-
-
-@pytest.mark.parametrize('mode', ['fast', 'mem'])
-@pytest.mark.parametrize('dtype', [jnp.float32, jnp.bfloat16])
-def test_poet_mlp_joins_gathers_exactly(keys, mode, dtype):
-  """A POET SwiGLU gathers the gate and up outputs straight into the down
-  projection's order (ops.gather_between): loss and gradients equal the three
-  layers applied one by one, bit for bit."""
-  mlp = llama.MLP(TINY, dtype=dtype, rngs=nnx.Rngs(0))
-  for name in ('gate_proj', 'up_proj', 'down_proj'):
-    setattr(mlp, name, poetx_jax.POETLinear.from_linear(
-        getattr(mlp, name), block_size=16, mode=mode, rngs=nnx.Rngs(1)))
-  poet = [getattr(mlp, n) for n in ('gate_proj', 'up_proj', 'down_proj')]
-  for lin in poet:
-    lin.q_in[...] = 0.05 * jax.random.normal(keys(), lin.q_in.shape)
-    lin.q_out[...] = 0.05 * jax.random.normal(keys(), lin.q_out.shape)
-  x = jax.random.normal(keys(), (2, 8, TINY.hidden), dtype)
-  ct = jax.random.normal(keys(), (2, 8, TINY.hidden), dtype)
-  graphdef, state, rest = nnx.split(mlp, nnx.Param, ...)
-
-  def loss(state, x, joined):
-    m = nnx.merge(graphdef, state, rest)
-    if joined:
-      y = m(x)
-    else:
-      y = m.down_proj(jax.nn.silu(m.gate_proj(x)) * m.up_proj(x))
-    return (y.astype(jnp.float32) * ct).sum()
-
-  value_and_grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)), static_argnums=2)
-  got, want = value_and_grad(state, x, True), value_and_grad(state, x, False)
-  chex.assert_trees_all_equal(got, want)
-  assert float(jnp.abs(want[1][1]).max()) > 0
-
-  def gathers(joined):  # activation gathers in the forward
-    calls = []
-
-    def counted(x, perm):
-      calls.append(x.shape)
-      return permute(x, perm)
-
-    with mock.patch.object(ops, 'permute', counted):
-      jax.make_jaxpr(lambda s, x: loss(s, x, joined))(state, x)
-    return len(calls)
-
-  permute = ops.permute
-  assert (gathers(True), gathers(False)) == (5, 6)

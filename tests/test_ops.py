@@ -188,3 +188,40 @@ def test_check_block_size_errors():
     ops.check_block_size(8, 16, 6)
   with pytest.raises(TypeError, match='int'):
     ops.check_block_size(2.0, 8, 8)
+
+
+def test_generator_cap_bounds_the_spectral_norm(keys):
+  """generator_bound_sq bounds ||Q||_2^2 from above (exactly for the plane of
+  two orthogonal sign vectors, the pattern of a sign-like Adam step);
+  cap_generators scales only the blocks over the cap, to at most the cap, and
+  keeps the truncated series orthogonal whatever the generators' size."""
+  b = 16
+  q = 3.0 * unpack_random_skew(keys(), 4, b)
+  u, v = jnp.ones(b), jnp.tile(jnp.array([1.0, -1.0]), b // 2)
+  q = q.at[0].set(0.01 * (jnp.outer(u, v) - jnp.outer(v, u)))        # one plane
+  q = q.at[1].multiply(1e-3)                                          # under the cap
+  spectral = np.linalg.norm(np.asarray(q, np.float64), ord=2, axis=(-2, -1))
+  bound = np.sqrt(np.asarray(ops.generator_bound_sq(q), np.float64))
+  assert np.all(bound >= spectral * (1 - 1e-5))
+  assert bound[0] == pytest.approx(spectral[0], rel=1e-4)
+  capped = ops.cap_generators(q, 0.5)
+  np.testing.assert_array_equal(capped[1], q[1])
+  assert np.all(np.linalg.norm(np.asarray(capped, np.float64), ord=2, axis=(-2, -1))
+                <= 0.5 * (1 + 1e-5))
+  g = ops.cayley_neumann(capped)
+  assert float(ops.orthogonality_error(g)) < 0.1 < float(ops.orthogonality_error(
+      ops.cayley_neumann(q)))
+  # Differentiable everywhere, also at Q = 0 (every block's state after a merge).
+  grad = jax.grad(lambda q: jnp.sum(ops.cayley_neumann(ops.cap_generators(q, 0.5)) ** 2))
+  for at in (q, jnp.zeros_like(q)):
+    assert bool(jnp.all(jnp.isfinite(grad(at))))
+  p = ops.skew_size(b)
+  q_packed = jax.random.normal(keys(), (3, p))
+  np.testing.assert_allclose(  # rotation_blocks caps before the series
+      ops.rotation_blocks(q_packed, 40, b, max_norm=0.3),
+      ops.cayley_neumann(ops.cap_generators(ops.unpack_skew(
+          q_packed * ops.ragged_mask(40, b), b), 0.3)), rtol=1e-6)
+
+
+def unpack_random_skew(key, k, b):
+  return ops.unpack_skew(jax.random.normal(key, (k, ops.skew_size(b))), b)

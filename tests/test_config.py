@@ -1,0 +1,125 @@
+"""The run options: TrainConfig's checks, the flags generated from it, and
+experiments' parsers built on it."""
+
+import dataclasses
+
+import pytest
+
+from poetx_jax.pretrain import cli
+from poetx_jax.pretrain.config import TrainConfig
+
+
+@pytest.mark.parametrize('options, match', [
+    (dict(optimizer='adamw', skew_tiers=True), "skew_tiers needs optimizer poetx \\(got 'adamw'"),
+    (dict(optimizer='skewadam', lean_state=True), 'lean_state and SkewAdam'),
+    (dict(optimizer='poetx', skew_tiers=True, lean_state=True), 'lean_state and SkewAdam'),
+])
+def test_skewadam_option_conflicts_are_named(options, match):
+  with pytest.raises(ValueError, match=match):
+    TrainConfig(**options).validate()
+
+
+@pytest.mark.parametrize('field,value,message', [
+    ('eval_batches', 0, 'eval_batches must be an int >= 1, got 0'),
+    ('warmup', -1, 'warmup must be an int >= 0, got -1'),
+    ('min_lr_ratio', 1.5, r'min_lr_ratio must be in \[0, 1\], got 1.5'),
+    ('min_lr_ratio', -0.1, r'min_lr_ratio must be in \[0, 1\], got -0.1'),
+    ('block_size', 0, 'block_size must be an int >= 2 .*, got 0'),
+    ('block_size', 1, 'block_size must be an int >= 2 .*, got 1'),
+    ('val_fraction', 0.0, r'val_fraction must be in \(0, 1\), got 0.0'),
+    ('val_fraction', 1, r'val_fraction must be in \(0, 1\), got 1'),
+    ('lr', -1e-3, 'lr must be >= 0, got -0.001'),
+    ('weight_decay', -0.1, 'weight_decay must be >= 0, got -0.1'),
+    ('clip', -1.0, 'clip must be >= 0, got -1.0'),
+    ('group_size', 0, 'group_size must be an int >= 1, got 0'),
+    ('vocab_size', 100, 'vocab_size must be an int >= 257, got 100'),
+    ('fsdp', 0, 'fsdp must be an int >= 1, got 0'),
+    ('mode', 'slow', r"mode must be one of \('fast', 'mem'\), got 'slow'"),
+    ('quantize', 'fp8', r"quantize must be None or one of \('int8', 'int4'\), got 'fp8'"),
+    ('steps', True, 'steps must be an int >= 1, got True'),
+])
+def test_options_that_cannot_be_honoured_are_errors(field, value, message):
+  with pytest.raises(ValueError, match=message):
+    TrainConfig(**{field: value}).validate()
+
+
+def test_the_train_flags_are_generated_from_the_config(capsys):
+  """One flag per TrainConfig field, with help and default; the defaults give
+  TrainConfig(); the special forms parse as before."""
+  parser = cli.build_parser()
+  train_parser = parser._subparsers._group_actions[0].choices['train']  # pylint: disable=protected-access
+  actions = {a.dest: a for a in train_parser._actions}  # pylint: disable=protected-access
+  for f in dataclasses.fields(TrainConfig):
+    action = actions[f.name]
+    assert action.option_strings == ['--' + f.name.replace('_', '-')]
+    assert action.help and f.metadata['help'] in action.help.replace('%%', '%')
+  assert {'resume', 'distributed', 'plot'} <= set(actions)
+  from poetx_jax.pretrain.config import config_from_args
+  assert config_from_args(parser.parse_args(['train'])) == TrainConfig()
+  cfg = config_from_args(parser.parse_args(
+      ['train', '--model-overrides', 'layers=4,hidden=128', '--data', 'A', 'B',
+       '--scan-layers', '--lean-state', '--quantize', 'int8', '--poet-lr', '1e-3',
+       '--block-size', '32', '--mode', 'mem']))
+  assert cfg == TrainConfig(model_overrides={'layers': 4, 'hidden': 128}, data=['A', 'B'],
+                            scan_layers=True, lean_state=True, quantize='int8',
+                            poet_lr=1e-3, block_size=32, mode='mem')
+  with pytest.raises(SystemExit):
+    parser.parse_args(['train', '--mode', 'slow'])
+  with pytest.raises(SystemExit):
+    parser.parse_args(['train', '--help'])
+  text = capsys.readouterr().out
+  for f in dataclasses.fields(TrainConfig):
+    assert '--' + f.name.replace('_', '-') in text
+  flat = ' '.join(text.split())  # argparse wraps the help
+  assert '(default: 0.1)' in flat and 'one of tiny, 60m' in flat and 'moe-7b' in flat
+  assert cli.main(['train', '--model-overrides', 'layers']) == 2
+  assert '--model-overrides wants K=V pairs' in capsys.readouterr().err
+
+
+def test_an_experiment_parser_has_its_own_defaults_and_runs_are_k_v_overrides(capsys):
+  """add_options(overrides=, exclude=) and apply_overrides: the schema as
+  experiments use it."""
+  import argparse
+  from poetx_jax.pretrain.config import (add_options, apply_overrides, config_from_args,
+                                         parse_fields)
+  p = argparse.ArgumentParser()
+  add_options(p, overrides={'model': '60m', 'steps': 400, 'lean_state': True,
+                            'model_overrides': {'layers': 2}}, exclude=['out_dir'])
+  cfg = config_from_args(p.parse_args([]))
+  assert cfg == TrainConfig(model='60m', steps=400, lean_state=True,
+                            model_overrides={'layers': 2})
+  assert not config_from_args(p.parse_args(['--no-lean-state'])).lean_state
+  assert config_from_args(p.parse_args(['--steps', '7'])).steps == 7
+  with pytest.raises(SystemExit):
+    p.parse_args(['--help'])
+  flat = ' '.join(capsys.readouterr().out.split())
+  assert '(default: 60m)' in flat and '(default: 400)' in flat and '(default: layers=2)' in flat
+  assert '--no-lean-state' in flat and '--out-dir' not in flat
+  with pytest.raises(ValueError, match="add_options: 'stepz' is not an option; valid: model, "):
+    add_options(argparse.ArgumentParser(), overrides={'stepz': 1})
+
+  # Each value read by its field's type, then the whole config validated.
+  got = apply_overrides(cfg, 'optimizer=adamw,lr=1e-3,poet_lr=none,scan-layers=true,'
+                             'model_overrides={layers=4,hidden=128},data=[a.txt,dir],'
+                             'quantize=None,seed=3,mode=mem')
+  assert got == dataclasses.replace(cfg, optimizer='adamw', lr=1e-3, scan_layers=True,
+                                    model_overrides={'layers': 4, 'hidden': 128},
+                                    data=['a.txt', 'dir'], seed=3, mode='mem')
+  assert parse_fields('model_overrides={"layers": 1},data=d,lean_state=no') == {
+      'model_overrides': {'layers': 1}, 'data': ['d'], 'lean_state': False}
+  assert parse_fields('model_overrides=layers=1') == {'model_overrides': {'layers': 1}}
+  assert apply_overrides(cfg, '') == cfg
+  for text, message in (
+      ('lrr=1', r"'lrr' in 'lrr=1' is not an option; valid: model, model_overrides, .*cache_dir"),
+      ('lr=fast', "lr must be a number, got 'fast'"),
+      ('steps=1.5', "steps must be an int, got '1.5'"),
+      ('block_size=x', "block_size must be an int or none, got 'x'"),
+      ('scan_layers=maybe', "scan_layers must be true or false, got 'maybe'"),
+      ('model_overrides={layers}', 'model_overrides must be .*wants K=V pairs'),
+      ('lr=1,lr=2', "lr is given twice in 'lr=1,lr=2'"),
+      ('optimizer', "'optimizer' in 'optimizer' is not K=V"),
+      ('mode=slow', r"mode must be one of \('fast', 'mem'\), got 'slow'"),
+      ('steps=0', 'steps must be an int >= 1, got 0'),
+      ('optimizer=adamw,quantize=int8', 'quantize=.int8. needs optimizer poetx')):
+    with pytest.raises(ValueError, match=message):
+      apply_overrides(cfg, text)

@@ -1,0 +1,59 @@
+"""What a TrainConfig builds: the model (converted layer by layer) and the
+optimizer's POET-X step size."""
+
+import dataclasses
+
+import chex
+import numpy as np
+import pytest
+from flax import nnx
+
+from poetx_jax.pretrain import evaluation, factories
+from poetx_jax.pretrain.config import TrainConfig
+
+
+def test_default_poet_lr_shrinks_with_the_block_size():
+  """poet_lr=None trains with min(5e-3, 0.25 / B): what an explicit step of
+  that value gives, not what 5e-3 gives."""
+  import jax.numpy as jnp
+  import poetx_jax
+  assert poetx_jax.default_poet_lr(16) == 5e-3 and poetx_jax.default_poet_lr(256) == 0.25 / 256
+  cfg = TrainConfig(model='tiny', model_overrides={'layers': 1, 'kv_heads': 4}, block_size=64,
+                    warmup=1,
+                    dtype='float32')
+  mc = factories.model_config(cfg, 300)
+  tokens = jnp.asarray(np.random.default_rng(0).integers(0, 300, (2, 16)), jnp.int32)
+  batch = {'inputs': tokens, 'targets': tokens}
+
+  def q_after_two_updates(poet_lr):
+    c = dataclasses.replace(cfg, poet_lr=poet_lr)
+    model = factories.build_model(c, mc)
+    opt = factories.build_optimizer(c, model)
+    for _ in range(2):  # the first update is at learning rate 0 (warmup)
+      opt.update(model, nnx.grad(evaluation.training_loss)(model, batch))
+    return np.asarray(model.layers[0].mlp.up_proj.q_in[...])
+
+  q = q_after_two_updates(None)
+  assert np.abs(q).max() > 0
+  np.testing.assert_array_equal(q, q_after_two_updates(0.25 / 64))
+  assert not np.allclose(q, q_after_two_updates(5e-3))
+
+
+@pytest.mark.parametrize('quantize', [None, 'int8'])
+def test_poet_model_is_built_layer_by_layer_with_the_whole_model_result(quantize):
+  """build_model converts each decoder layer as it is built (no dense copy
+  resident) and gives exactly poetize(init_model(...)) with the run's seeds."""
+  import jax.numpy as jnp
+  import poetx_jax
+  from poetx_jax.models import init_model
+  cfg = TrainConfig(model='tiny', optimizer='poetx', quantize=quantize, seed=3,
+                    model_overrides={'layers': 2})
+  mc = factories.model_config(cfg, 512)
+  built = nnx.to_flat_state(nnx.state(factories.build_model(cfg, mc)))
+  eager = poetx_jax.poetize(
+      init_model(mc, seed=3, dtype=factories.compute_dtype(cfg.dtype), param_dtype=jnp.float32),
+      block_size=mc.block_size, rngs=nnx.Rngs(4), quantize=quantize)
+  eager = nnx.to_flat_state(nnx.state(eager))
+  assert [p for p, _ in built] == [p for p, _ in eager]
+  chex.assert_trees_all_equal({str(p): np.asarray(v[...]) for p, v in built},
+                              {str(p): np.asarray(v[...]) for p, v in eager})
