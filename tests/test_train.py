@@ -430,3 +430,13 @@ def test_a_generator_cap_trains_a_step_that_diverges_without_it(tmp_path, corpus
   before, after, error = run('capped', poet_lr=0.2, max_generator_norm=0.5)
   assert error < 0.1 and after < before - 1.0                   # trains
   assert run('default') == run('default-capped', max_generator_norm=0.5)
+
+
+def test_hooks_are_checked_before_anything_is_written(tmp_path, corpus):
+  with pytest.raises(ValueError, match='Hook every must be an int >= 1, got 0'):
+    Hook(lambda run: None, every=0)
+  with pytest.raises(ValueError, match="Hook on must be 'step' or 'save', got 'merge'"):
+    Hook(lambda run: None, on='merge')
+  with pytest.raises(ValueError, match='hooks must be train.Hook instances'):
+    train(_cfg(tmp_path, corpus), hooks=[lambda run: None])
+  assert not (tmp_path / 'run').exists()

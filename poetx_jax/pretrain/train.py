@@ -179,7 +179,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, step: int | None = None, lo
   Raises NonFiniteLoss (nothing saved from a diverged state) and
   rundir.RunLocked (another training holds ``cfg.out_dir``).
   """
-  _checked(cfg, resume, step)
+  _checked(cfg, resume, step, hooks)
   cfg = dataclasses.replace(cfg, out_dir=rundir.default_out_dir(cfg))
   primary = processes.is_primary()  # of several processes, the first reports
   log = log if primary else (lambda *_: None)
@@ -214,11 +214,7 @@ def loop_hooks(run: Run, hooks: tp.Sequence[Hook], log) -> list[Hook]:
   log line (every ``log_every``: the loss fetched and checked finite, the
   progress bar, a metrics record); the validation (every ``eval_every``); the given ones that
   wait; the checkpoint (every ``checkpoint_every``)."""
-  cfg = run.cfg
-  hooks = list(hooks)
-  for h in hooks:
-    if not isinstance(h, Hook):
-      raise ValueError(f'hooks must be Hook instances, got {h!r}')
+  cfg, hooks = run.cfg, list(hooks)
   report = (merge_reporter(run.metrics, log, poet_lr=model_poet_lr(cfg, run.model),
                            merge_every=cfg.merge_every)
             if cfg.optimizer == 'poetx' else None)
@@ -267,10 +263,13 @@ def _agreed(signal: str | None, *, at_log: bool) -> str | None:
   return _SIGNALS[processes.agree_max(_SIGNALS.index(signal))] if at_log else None
 
 
-def _checked(cfg: TrainConfig, resume: bool, step: int | None) -> None:
-  """Raises ValueError unless ``cfg`` can run on this machine's devices and
-  ``step`` names a checkpoint to resume from."""
+def _checked(cfg: TrainConfig, resume: bool, step: int | None, hooks) -> None:
+  """Raises ValueError unless ``cfg`` can run on this machine's devices,
+  ``step`` names a checkpoint to resume from and ``hooks`` are Hooks."""
   cfg.validate(device_count=jax.device_count())
+  for h in hooks:
+    if not isinstance(h, Hook):
+      raise ValueError(f'hooks must be train.Hook instances, got {h!r}')
   if step is not None and not (resume and isinstance(step, int) and step >= 0):
     raise ValueError(f'step={step!r}: choosing a checkpoint needs resume and a step >= 0')
 
