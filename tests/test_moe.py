@@ -15,7 +15,7 @@ from poetx_jax import ops
 from poetx_jax.linear import POETLinear, POETParam
 from poetx_jax.models import moe
 from poetx_jax.models import get_config
-from poetx_jax.models.moe import MoEConfig, MoELlama, MoEMLP, route
+from poetx_jax.models.moe import MoELlama, MoEMLP, route
 
 TINY = get_config('moe-tiny')
 HIGH = jax.lax.Precision.HIGHEST

@@ -40,7 +40,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from flax.nnx.nn import dtypes, initializers
+from flax.nnx.nn import initializers
 from jax.ad_checkpoint import checkpoint_name
 
 from poetx_jax import ops

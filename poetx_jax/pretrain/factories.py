@@ -18,9 +18,8 @@ import optax
 from flax import nnx
 
 import poetx_jax
-from poetx_jax import sharding
+from poetx_jax import models, sharding
 from poetx_jax.lean import lean_adamw
-from poetx_jax import models
 from poetx_jax.models.llama import LlamaConfig
 from poetx_jax.pretrain.config import TrainConfig
 from poetx_jax.pretrain.evaluation import target_count, training_loss
