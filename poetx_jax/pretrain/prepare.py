@@ -10,7 +10,8 @@ when the vocabulary does not fit), read back with positioned reads; the tokenize
     {"format": "poetx-tokens-1", "dtype": "uint16", "vocab_size": 4096,
      "eos_id": 4095, "tokenizer_sha256": ..., "text_field": "text",
      "sources": [{"path": ..., "bytes": ..., "mtime_ns": ..., "sha256": ...}, ...],
-     "shards": [{"file": "shard-00000-00000.bin", "tokens": ..., "sha256": ...}, ...],
+     "shards": [{"file": "shard-00000-00000.bin", "tokens": ..., "sha256": ...,
+                 "max_id": ...}, ...],
      "documents": ..., "tokens": ...}
 
 Each source file is tokenized by a worker process of its own, streaming its
@@ -97,7 +98,8 @@ def _tokenize_source(task: dict) -> dict:
     name = f'shard-{index:05d}-{len(shards):05d}.bin'
     atomic_write(out / name, arr.tofile)
     shards.append({'file': name, 'tokens': int(arr.size),
-                   'sha256': hashlib.sha256(arr.tobytes()).hexdigest()})
+                   'sha256': hashlib.sha256(arr.tobytes()).hexdigest(),
+                   'max_id': int(arr.max())})
     pending, n_pending = [], 0
 
   batch = []

@@ -1,0 +1,139 @@
+"""Faults in the data, injected on the CPU: prepared shards whose bytes changed
+or that hold ids outside the vocabulary, unreadable corpus files, options
+that contradict a prepared dataset, an unfinished prepare, and a prepare
+stopped by SIGTERM or kill -9. Each must end in one line on stderr with its
+exit status (cli.main), or, for the signals, with no process left behind."""
+
+import hashlib
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+from conftest import write_corpus
+from poetx_jax.pretrain import cli, prepare, shards
+
+TINY_ARGS = ['--model-overrides', 'layers=1,hidden=32,mlp=64,heads=2,kv_heads=1',
+             '--seq-len', '32', '--batch-size', '4', '--steps', '2', '--warmup', '1',
+             '--merge-every', '3', '--block-size', '8', '--eval-every', '2',
+             '--eval-batches', '1', '--log-every', '1', '--checkpoint-every', '2',
+             '--dtype', 'float32']
+
+
+@pytest.fixture(scope='module')
+def prepared(tmp_path_factory):
+  """A prepared dataset of 40 small text files: vocabulary 300, shards of 700 tokens."""
+  root = tmp_path_factory.mktemp('prepared')
+  (root / 'src').mkdir()
+  prepare.prepare([write_corpus(root / 'src')], root / 'ds', vocab_size=300,
+                  shard_tokens=700, workers=1, progress=False)
+  return root / 'ds'
+
+
+def _copy(prepared, tmp_path):
+  ds = tmp_path / 'ds'
+  shutil.copytree(prepared, ds)
+  return ds, json.loads((ds / 'manifest.json').read_text())
+
+
+def _rewrite_manifest(ds, manifest):
+  (ds / 'manifest.json').write_text(json.dumps(manifest, indent=1))
+
+
+def _train(tmp_path, data_args, *extra):
+  return cli.main(['train', '--data', *data_args, *TINY_ARGS, *extra,
+                   '--out-dir', str(tmp_path / 'run'), '--cache-dir', str(tmp_path / 'cache')])
+
+
+def _one_line_error(capsys, command):
+  """The error line of a failed command: one, and no traceback."""
+  err = capsys.readouterr().err
+  lines = [l for l in err.splitlines() if l.startswith('poetx ')]
+  assert 'Traceback' not in err and len(lines) == 1, err
+  assert lines[0].startswith(f'poetx {command}: error: '), err
+  return lines[0]
+
+
+# ------------------------------------------------------------- shards that changed
+
+
+def test_a_shard_whose_bytes_changed_is_refused_before_its_windows_are_used(
+    prepared, tmp_path, capsys):
+  ds, m = _copy(prepared, tmp_path)
+  name = m['shards'][1]['file']  # in the training split
+  raw = bytearray((ds / name).read_bytes())
+  raw[10] ^= 1  # an id one away: still in the vocabulary, the size kept
+  (ds / name).write_bytes(bytes(raw))
+
+  # Reading any window of that shard is refused, naming it.
+  stream = shards.TokenShards(ds)
+  start = int(stream.offsets[1])
+  with pytest.raises(ValueError, match=rf'{name}.*sha256'):
+    stream.read(start, start + 20)
+  with pytest.raises(ValueError, match=rf'{name}.*sha256'):  # and then any other read
+    stream.read(0, 20)
+
+  assert _train(tmp_path, [str(ds)]) == 2
+  line = _one_line_error(capsys, 'train')
+  assert name in line and 'sha256' in line and 'prepare' in line
+  assert not (tmp_path / 'run' / 'checkpoints').exists() or not any(
+      (tmp_path / 'run' / 'checkpoints').iterdir())
+
+
+def test_each_shard_is_hashed_once_per_process(prepared, tmp_path, monkeypatch):
+  ds, m = _copy(prepared, tmp_path)
+  seen = []
+  real = shards._shard_digest
+  monkeypatch.setattr(shards, '_shard_digest', lambda *a: seen.append(a[0].name) or real(*a))
+  first = shards.PreparedData(ds, seq_len=16)
+  np.asarray(first.train_windows)
+  np.asarray(first.val_windows)
+  first.shards.wait_verified()
+  hashed = len(seen)
+  assert sorted(seen) == sorted(s['file'] for s in m['shards'])
+  again = shards.PreparedData(ds, seq_len=16)  # the same files: not hashed again
+  np.asarray(again.train_windows)
+  again.shards.wait_verified()
+  assert len(seen) == hashed
+
+
+def _with_id(ds, manifest, shard, token_id, *, max_id: bool):
+  """Writes ``token_id`` into a shard; the manifest's sha256 (and max_id, or
+  none, as an older prepare wrote) then match it, as another writer's would."""
+  f = ds / manifest['shards'][shard]['file']
+  ids = np.fromfile(f, '<u2')
+  ids[3::5] = token_id
+  ids.tofile(f)
+  entry = manifest['shards'][shard]
+  entry['sha256'] = hashlib.sha256(ids.tobytes()).hexdigest()
+  if max_id:
+    entry['max_id'] = int(ids.max())
+  else:
+    entry.pop('max_id', None)
+  _rewrite_manifest(ds, manifest)
+  return entry['file']
+
+
+def test_prepare_records_the_largest_id_of_each_shard(prepared):
+  m = json.loads((prepared / 'manifest.json').read_text())
+  for s in m['shards']:
+    assert s['max_id'] == int(np.fromfile(prepared / s['file'], '<u2').max()) < 300
+
+
+def test_ids_outside_the_vocabulary_are_refused_by_shard_before_training(
+    prepared, tmp_path, capsys):
+  ds, m = _copy(prepared, tmp_path)
+  name = _with_id(ds, m, 2, 65535, max_id=True)
+  with pytest.raises(ValueError, match=rf'{name}.*65535.*vocabulary of 300'):
+    shards.PreparedData(ds, seq_len=16)
+  assert _train(tmp_path, [str(ds)]) == 2
+  line = _one_line_error(capsys, 'train')
+  assert name in line and '65535' in line
+
+  # A manifest without max_id (an older prepare): found while hashing, before use.
+  ds2, m2 = _copy(prepared, tmp_path / 'old')
+  name = _with_id(ds2, m2, 2, 65535, max_id=False)
+  stream = shards.PreparedData(ds2, seq_len=16).shards
+  with pytest.raises(ValueError, match=rf'{name}.*65535.*vocabulary of 300'):
+    stream.read(int(stream.offsets[2]), int(stream.offsets[2]) + 20)
