@@ -4,15 +4,22 @@ that contradict a prepared dataset, an unfinished prepare, and a prepare
 stopped by SIGTERM or kill -9. Each must end in one line on stderr with its
 exit status (cli.main), or, for the signals, with no process left behind."""
 
+import gzip
 import hashlib
 import json
+import os
 import shutil
+import signal
+import subprocess
+import sys
+import time
 
 import numpy as np
 import pytest
 
-from conftest import write_corpus
-from poetx_jax.pretrain import cli, prepare, shards
+from conftest import WORDS, write_corpus
+from poetx_jax.pretrain import cli, data, loading, prepare, shards
+from poetx_jax.pretrain.config import TrainConfig
 
 TINY_ARGS = ['--model-overrides', 'layers=1,hidden=32,mlp=64,heads=2,kv_heads=1',
              '--seq-len', '32', '--batch-size', '4', '--steps', '2', '--warmup', '1',
@@ -137,3 +144,76 @@ def test_ids_outside_the_vocabulary_are_refused_by_shard_before_training(
   stream = shards.PreparedData(ds2, seq_len=16).shards
   with pytest.raises(ValueError, match=rf'{name}.*65535.*vocabulary of 300'):
     stream.read(int(stream.offsets[2]), int(stream.offsets[2]) + 20)
+
+
+# ------------------------------------------------------------- unreadable corpus files
+
+
+def test_unreadable_files_are_one_line_errors_naming_them(tmp_path, capsys):
+  src = tmp_path / 'src'
+  src.mkdir()
+  (src / 'a.jsonl.gz').write_bytes(b'{"text": "not gzip"}\n')
+  with pytest.raises(ValueError, match=r'a\.jsonl\.gz is not a gzip file'):
+    data.read_documents([src])
+  assert cli.main(['prepare', str(src), '--out', str(tmp_path / 'ds'), '--vocab-size',
+                   '300']) == 2
+  assert 'a.jsonl.gz' in _one_line_error(capsys, 'prepare')
+  assert _train(tmp_path, [str(src)]) == 2
+  assert 'a.jsonl.gz' in _one_line_error(capsys, 'train')
+
+  # A gzip file cut short.
+  with gzip.open(src / 'a.jsonl.gz', 'wb') as f:
+    f.write(b''.join(json.dumps({'text': ' '.join(WORDS) * 20}).encode() + b'\n'
+                     for _ in range(50)))
+  (src / 'a.jsonl.gz').write_bytes((src / 'a.jsonl.gz').read_bytes()[:300])
+  with pytest.raises(ValueError, match=r'a\.jsonl\.gz'):
+    data.read_documents([src])
+
+  pytest.importorskip('pyarrow')
+  (src / 'a.jsonl.gz').unlink()
+  (src / 'b.parquet').write_bytes(b'garbage, not parquet')
+  with pytest.raises(ValueError, match=r'b\.parquet is not a parquet file'):
+    data.read_documents([src])
+  assert cli.main(['prepare', str(src), '--out', str(tmp_path / 'ds2'), '--vocab-size',
+                   '300']) == 2
+  assert 'b.parquet' in _one_line_error(capsys, 'prepare')
+
+
+@pytest.mark.parametrize('address', ['nocolon', 'host:', ':8476', 'host:port', 'host:70000'])
+def test_a_bad_coordinator_address_is_a_one_line_error(address, capsys):
+  assert cli.main(['train', '--distributed', '--coordinator', address, '--num-processes',
+                   '1', '--process-id', '0']) == 2
+  line = _one_line_error(capsys, 'train')
+  assert repr(address) in line and 'HOST:PORT' in line
+
+
+def test_data_with_no_paths_is_refused(tmp_path, capsys, monkeypatch):
+  with pytest.raises(ValueError, match=r'data must name at least one path.*got \[\]'):
+    TrainConfig(data=[]).validate()
+
+  def no_data(*a, **k):
+    raise AssertionError('read the built-in corpus')
+
+  monkeypatch.setattr(loading, 'run_data', no_data)
+  assert cli.main(['train', '--data', '--steps', '1', '--out-dir', str(tmp_path / 'r')]) == 2
+  assert 'data must name at least one path' in _one_line_error(capsys, 'train')
+
+
+# ------------------------------------------------------------- options against a dataset
+
+
+# ------------------------------------------------------------- a prepare stopped
+
+
+@pytest.fixture(scope='module')
+def big_sources(tmp_path_factory):
+  """Two jsonl files of 12 MB: seconds of work for each of two workers."""
+  root = tmp_path_factory.mktemp('big')
+  rng = np.random.default_rng(0)
+  lines = [json.dumps({'text': ' '.join(rng.choice(WORDS, 200))}) + '\n' for _ in range(200)]
+  block = ''.join(lines)
+  for name in ('a.jsonl', 'b.jsonl'):
+    (root / name).write_text(block * (12_000_000 // len(block)))
+  return root
+
+

@@ -64,6 +64,8 @@ def cmd_train(a) -> int:
   if given and not a.distributed:
     raise ValueError(f'--coordinator, --num-processes and --process-id need --distributed '
                      f'(given: {", ".join(given)})')
+  if a.coordinator is not None:
+    _check_address(a.coordinator)
   if a.num_processes is not None and a.num_processes < 1:
     raise ValueError(f'--num-processes must be >= 1, got {a.num_processes}')
   if a.process_id is not None and not 0 <= a.process_id < (a.num_processes or 1 << 30):
@@ -88,6 +90,14 @@ def cmd_train(a) -> int:
     import signal
     return 128 + signal.Signals[summary['stopped']].value
   return 0
+
+
+def _check_address(address: str) -> None:
+  """ValueError unless ``address`` is HOST:PORT (a host, a port in 1..65535)."""
+  host, colon, port = address.rpartition(':')
+  if not (colon and host and port.isdigit() and 0 < int(port) < 65536):
+    raise ValueError(f'--coordinator {address!r} is not HOST:PORT (a host name or address, '
+                     f'a colon and a port in 1..65535, e.g. 10.0.0.1:8476)')
 
 
 def _report(summary: dict, plot: str | None) -> None:
