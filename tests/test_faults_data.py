@@ -217,3 +217,46 @@ def big_sources(tmp_path_factory):
   return root
 
 
+def _running(psutil, p):
+  try:
+    return p.status() != psutil.STATUS_ZOMBIE
+  except psutil.NoSuchProcess:
+    return False
+
+
+@pytest.mark.parametrize('sig', [signal.SIGTERM, signal.SIGKILL])
+def test_a_stopped_prepare_leaves_no_process_behind(prepared, big_sources, tmp_path, sig):
+  psutil = pytest.importorskip('psutil')
+  cmd = [sys.executable, '-m', 'poetx_jax.pretrain.cli', 'prepare', str(big_sources),
+         '--out', str(tmp_path / 'ds'), '--tokenizer', str(prepared / 'tokenizer.json'),
+         '--workers', '2', '--shard-tokens', '100000']
+  proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                          start_new_session=True, cwd=os.getcwd())
+  children = []
+  try:
+    parent = psutil.Process(proc.pid)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:  # the two workers and the resource tracker
+      children = parent.children(recursive=True)
+      if len(children) >= 3 and sum(p.cpu_times().user for p in children) > 0.5:
+        break
+      assert proc.poll() is None, proc.stderr.read().decode()
+      time.sleep(0.2)
+    else:
+      pytest.fail(f'prepare started {len(children)} processes: {children}')
+    os.kill(proc.pid, sig)
+    proc.wait(timeout=10)
+    assert proc.returncode in (-sig, 128 + sig), proc.stderr.read().decode()
+    _, alive = psutil.wait_procs(children, timeout=5)
+    alive = [p for p in alive if _running(psutil, p)]  # a zombie is dead, not yet reaped
+    assert not alive, [(p.pid, p.cmdline()[:4]) for p in alive]
+  finally:
+    for p in children:  # those this test started, if they outlived it
+      try:
+        p.kill()
+      except psutil.NoSuchProcess:
+        pass
+    if proc.poll() is None:
+      proc.kill()
+    proc.wait()
+    proc.stderr.close()

@@ -30,11 +30,15 @@ number of files`` characters each (100 M characters in all by default).
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import hashlib
 import json
 import multiprocessing
 import os
 import shutil
+import signal
+import sys
+import threading
 import typing as tp
 from pathlib import Path
 
@@ -292,12 +296,68 @@ def _run_tasks(todo: list[dict], done: tp.Callable[[dict, dict], None], *,
         finish(task, _tokenize_source(task))
     else:
       ctx = multiprocessing.get_context('spawn')  # the caller may hold threads (jax)
-      with concurrent.futures.ProcessPoolExecutor(n_workers, mp_context=ctx) as pool:
-        for task, part in zip(todo, pool.map(_tokenize_source, todo)):
-          finish(task, part)
+      pool = concurrent.futures.ProcessPoolExecutor(
+          n_workers, mp_context=ctx, initializer=_worker_init, initargs=(os.getpid(),))
+      try:
+        with _terminate_on_sigterm(pool):
+          for task, part in zip(todo, pool.map(_tokenize_source, todo)):
+            finish(task, part)
+      except BaseException:  # an error, Ctrl-C: the other files' work is not awaited
+        _terminate(pool)
+        pool.shutdown(wait=False, cancel_futures=True)
+        raise
+      pool.shutdown()
   finally:
     if bar is not None:
       bar.close()
+
+
+def _worker_init(parent: int) -> None:
+  """A worker's start: on Linux it is killed when the prepare that started
+  it dies, however it dies (``kill -9`` too: prctl PR_SET_PDEATHSIG); it
+  leaves Ctrl-C to that process, which stops it."""
+  signal.signal(signal.SIGINT, signal.SIG_IGN)
+  if sys.platform.startswith('linux'):
+    import ctypes  # pylint: disable=g-import-not-at-top
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+  if os.getppid() != parent:  # it died before the line above
+    os._exit(1)
+
+
+def _terminate(pool: concurrent.futures.ProcessPoolExecutor) -> None:
+  """Sends SIGTERM to the pool's workers (their files are tokenized again by
+  the next prepare); takes no lock, so a signal handler may call it."""
+  try:
+    workers = list((getattr(pool, '_processes', None) or {}).values())
+  except RuntimeError:  # changed while copied: the pool is starting or ending
+    workers = []
+  for w in workers:
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+      w.terminate()
+
+
+@contextlib.contextmanager
+def _terminate_on_sigterm(pool: concurrent.futures.ProcessPoolExecutor) -> tp.Iterator[None]:
+  """While the pool works, SIGTERM first terminates its workers, then this
+  process as SIGTERM does by default (where SIGTERM has its default action
+  and this is the main thread; elsewhere the workers' PR_SET_PDEATHSIG does)."""
+  if (threading.current_thread() is not threading.main_thread()
+      or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL):
+    yield
+    return
+
+  def on_sigterm(signum, frame):
+    del frame
+    _terminate(pool)
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
+
+  signal.signal(signal.SIGTERM, on_sigterm)
+  try:
+    yield
+  finally:
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def _write_manifest(plan: _Plan, parts: list[dict], tok: Tokenizer, tok_path: Path,
