@@ -202,6 +202,21 @@ def test_data_with_no_paths_is_refused(tmp_path, capsys, monkeypatch):
 # ------------------------------------------------------------- options against a dataset
 
 
+def test_prepare_refuses_another_vocab_size_on_the_same_inputs(prepared, tmp_path):
+  src = prepared.parent / 'src'
+  ds = tmp_path / 'ds'
+  kw = dict(shard_tokens=700, workers=1, progress=False)
+  m = prepare.prepare([src], ds, vocab_size=300, **kw)
+  assert prepare.prepare([src], ds, vocab_size=300, **kw) == m  # unchanged: a no-op
+  with pytest.raises(ValueError, match=r'vocab_size=300.*--vocab-size 320'):
+    prepare.prepare([src], ds, vocab_size=320, **kw)
+  # Unfinished (no manifest, its tokenizer trained): the same.
+  (ds / 'manifest.json').unlink()
+  with pytest.raises(ValueError, match=r'vocab_size=300.*--vocab-size 320'):
+    prepare.prepare([src], ds, vocab_size=320, **kw)
+  assert prepare.prepare([src], ds, vocab_size=300, **kw) == m
+
+
 # ------------------------------------------------------------- a prepare stopped
 
 
