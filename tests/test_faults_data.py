@@ -217,6 +217,22 @@ def test_prepare_refuses_another_vocab_size_on_the_same_inputs(prepared, tmp_pat
   assert prepare.prepare([src], ds, vocab_size=300, **kw) == m
 
 
+def test_train_on_a_prepared_dataset_records_its_vocabulary(prepared, tmp_path, capsys):
+  assert _train(tmp_path, [str(prepared)], '--vocab-size', '4096') == 2
+  line = _one_line_error(capsys, 'train')
+  assert '--vocab-size 4096' in line and '300' in line
+  assert _train(tmp_path, [str(prepared)], '--steps', '1') == 0
+  assert json.loads((tmp_path / 'run' / 'run.json').read_text())['vocab_size'] == 300
+
+
+def test_an_unfinished_prepare_is_named_with_how_to_finish_it(prepared, tmp_path, capsys):
+  ds, _ = _copy(prepared, tmp_path)
+  (ds / 'manifest.json').unlink()
+  assert _train(tmp_path, [str(ds)]) == 2
+  line = _one_line_error(capsys, 'train')
+  assert 'unfinished' in line and 'poetx prepare' in line and str(ds) in line
+
+
 # ------------------------------------------------------------- a prepare stopped
 
 

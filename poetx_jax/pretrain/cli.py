@@ -76,13 +76,15 @@ def cmd_train(a) -> int:
   from poetx_jax.pretrain.rundir import resumed_config
   from poetx_jax.pretrain.train import train
   cfg = config_from_args(a)
+  if getattr(a, 'argv', None) is not None:  # the options on the command line
+    given = vars(_train_parser(argparse.ArgumentParser().add_subparsers(),
+                               defaults=False).parse_args(a.argv[1:]))
+  else:
+    given = {k for k, v in vars(cfg).items() if v != getattr(TrainConfig(), k)}
   if a.resume:  # the options given again; the rest are the run's (run.json)
-    if getattr(a, 'argv', None) is not None:
-      given = vars(_train_parser(argparse.ArgumentParser().add_subparsers(),
-                                 defaults=False).parse_args(a.argv[1:]))
-    else:
-      given = {k for k, v in vars(cfg).items() if v != getattr(TrainConfig(), k)}
     cfg = resumed_config(cfg, given)
+  elif 'vocab_size' in given:
+    _check_vocab_size(cfg)
   summary = train(cfg, resume=a.resume, step=a.step)
   if jax.process_index() == 0:  # of several processes, the first reports
     _report(summary, a.plot)
@@ -90,6 +92,17 @@ def cmd_train(a) -> int:
     import signal
     return 128 + signal.Signals[summary['stopped']].value
   return 0
+
+
+def _check_vocab_size(cfg) -> None:
+  """ValueError if ``--vocab-size`` disagrees with the prepared dataset's tokenizer."""
+  from poetx_jax.pretrain.loading import prepared_vocab_size
+  vocab = prepared_vocab_size(cfg)
+  if vocab is not None and vocab != cfg.vocab_size:
+    raise ValueError(f'--vocab-size {cfg.vocab_size} disagrees with the prepared dataset '
+                     f'{cfg.data[0]}, whose tokenizer has a vocabulary of {vocab}: leave '
+                     f'--vocab-size out (the run records {vocab}), or prepare the corpus '
+                     f'again with --vocab-size {cfg.vocab_size}')
 
 
 def _check_address(address: str) -> None:
