@@ -81,11 +81,16 @@ def test_a_shard_whose_bytes_changed_is_refused_before_its_windows_are_used(
   with pytest.raises(ValueError, match=rf'{name}.*sha256'):  # and then any other read
     stream.read(0, 20)
 
+  # poetx train refuses it before its first step (the validation split's shard:
+  # read before any step; a training shard's failure stops the next read).
+  last = m['shards'][-1]['file']
+  raw = bytearray((ds / last).read_bytes())
+  raw[10] ^= 1
+  (ds / last).write_bytes(bytes(raw))
   assert _train(tmp_path, [str(ds)]) == 2
   line = _one_line_error(capsys, 'train')
-  assert name in line and 'sha256' in line and 'prepare' in line
-  assert not (tmp_path / 'run' / 'checkpoints').exists() or not any(
-      (tmp_path / 'run' / 'checkpoints').iterdir())
+  assert last in line and 'sha256' in line and 'prepare the dataset again' in line
+  assert not list((tmp_path / 'run').glob('checkpoints/*'))
 
 
 def test_each_shard_is_hashed_once_per_process(prepared, tmp_path, monkeypatch):
@@ -217,11 +222,17 @@ def test_prepare_refuses_another_vocab_size_on_the_same_inputs(prepared, tmp_pat
   assert prepare.prepare([src], ds, vocab_size=300, **kw) == m
 
 
-def test_train_on_a_prepared_dataset_records_its_vocabulary(prepared, tmp_path, capsys):
+def test_train_on_a_prepared_dataset_records_its_vocabulary(prepared, tmp_path, capsys,
+                                                            monkeypatch):
   assert _train(tmp_path, [str(prepared)], '--vocab-size', '4096') == 2
   line = _one_line_error(capsys, 'train')
   assert '--vocab-size 4096' in line and '300' in line
-  assert _train(tmp_path, [str(prepared)], '--steps', '1') == 0
+
+  def stop(*a, **k):  # run.json is written by now
+    raise ValueError('stopped before reading the data')
+
+  monkeypatch.setattr(loading, 'run_data', stop)
+  assert _train(tmp_path, [str(prepared)]) == 2  # vocab_size left at its default, 4096
   assert json.loads((tmp_path / 'run' / 'run.json').read_text())['vocab_size'] == 300
 
 
@@ -230,7 +241,22 @@ def test_an_unfinished_prepare_is_named_with_how_to_finish_it(prepared, tmp_path
   (ds / 'manifest.json').unlink()
   assert _train(tmp_path, [str(ds)]) == 2
   line = _one_line_error(capsys, 'train')
-  assert 'unfinished' in line and 'poetx prepare' in line and str(ds) in line
+  assert f'{ds} is an unfinished poetx prepare directory' in line
+  assert f'poetx prepare INPUT... --out {ds}' in line
+
+
+def test_prepare_writes_files_readable_by_all_under_umask_022(prepared, tmp_path):
+  old = os.umask(0o022)
+  try:
+    prepare.prepare([prepared.parent / 'src'], tmp_path / 'ds', vocab_size=300,
+                    shard_tokens=700, workers=2, progress=False)
+  finally:
+    os.umask(old)
+  files = [p for p in (tmp_path / 'ds').rglob('*')]
+  assert files and not [p for p in files if p.name.startswith('.')]  # no temporaries left
+  modes = {p.relative_to(tmp_path).as_posix(): oct(p.stat().st_mode & 0o777) for p in files}
+  assert all(m == oct(0o755 if (tmp_path / p).is_dir() else 0o644)
+             for p, m in modes.items()), modes
 
 
 # ------------------------------------------------------------- a prepare stopped

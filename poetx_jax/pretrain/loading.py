@@ -63,8 +63,8 @@ def load_data(cfg: TrainConfig, tokenizer: str | pathlib.Path | None = None
   """
   for path in cfg.data or ():
     if shards.is_unfinished(path):
-      raise ValueError(f'{path} is a dataset directory that poetx prepare has not finished '
-                       f'(no {shards.MANIFEST}): run the same `poetx prepare INPUT... --out '
+      raise ValueError(f'{path} is an unfinished poetx prepare directory (no '
+                       f'{shards.MANIFEST}): run the same `poetx prepare INPUT... --out '
                        f'{path}` again to finish it (it resumes where it stopped), then '
                        f'train with --data {path}')
   if cfg.data and len(cfg.data) == 1 and shards.is_prepared(cfg.data[0]):
