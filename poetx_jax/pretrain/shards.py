@@ -102,9 +102,9 @@ class TokenShards:
         raise self._outside(shard['file'], shard['max_id'])
     sizes = [s['tokens'] for s in self.manifest['shards']]
     self.offsets = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)])
-    self._open()
+    self._init_process_state()
 
-  def _open(self) -> None:
+  def _init_process_state(self) -> None:
     """The per-process state: open files, verified shards and their locks."""
     n = len(self.manifest['shards'])
     self._files, self._lock = {}, threading.Lock()
@@ -121,7 +121,7 @@ class TokenShards:
 
   def __setstate__(self, state):
     self.__dict__.update(state)
-    self._open()
+    self._init_process_state()
 
   def _outside(self, name: str, top: int) -> ValueError:
     return ValueError(f'{self.directory}: shard {name} holds id {top}, outside the '
