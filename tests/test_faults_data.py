@@ -275,6 +275,7 @@ def big_sources(tmp_path_factory):
 
 
 def _running(psutil, p):
+  """Whether ``p`` still runs (a zombie is dead, only not yet reaped by init)."""
   try:
     return p.status() != psutil.STATUS_ZOMBIE
   except psutil.NoSuchProcess:
@@ -304,8 +305,10 @@ def test_a_stopped_prepare_leaves_no_process_behind(prepared, big_sources, tmp_p
     os.kill(proc.pid, sig)
     proc.wait(timeout=10)
     assert proc.returncode in (-sig, 128 + sig), proc.stderr.read().decode()
-    _, alive = psutil.wait_procs(children, timeout=5)
-    alive = [p for p in alive if _running(psutil, p)]  # a zombie is dead, not yet reaped
+    deadline = time.monotonic() + 5
+    while (alive := [p for p in children if _running(psutil, p)]) and (
+        time.monotonic() < deadline):
+      time.sleep(0.1)
     assert not alive, [(p.pid, p.cmdline()[:4]) for p in alive]
   finally:
     for p in children:  # those this test started, if they outlived it

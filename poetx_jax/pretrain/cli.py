@@ -229,7 +229,9 @@ def build_parser() -> argparse.ArgumentParser:
                  help='a tokenizers JSON file to use (default: train a byte-level BPE '
                       'on a sample of the corpus)')
   p.add_argument('--vocab-size', type=int, default=4096,
-                 help='vocabulary of the BPE trained without --tokenizer (default: %(default)s)')
+                 help='vocabulary of the BPE trained without --tokenizer (default: '
+                      '%(default)s); OUT keeps the one it was prepared with, another is '
+                      'refused')
   p.add_argument('--text-field', default='text',
                  help='the text field of jsonl / parquet records (default: %(default)s)')
   p.add_argument('--workers', type=int, default=None,
