@@ -244,6 +244,11 @@ def test_an_unfinished_prepare_is_named_with_how_to_finish_it(prepared, tmp_path
   assert f'{ds} is an unfinished poetx prepare directory' in line
   assert f'poetx prepare INPUT... --out {ds}' in line
 
+  # A finished one among other paths: its shards are no corpus files.
+  assert _train(tmp_path, [str(prepared), str(prepared.parent / 'src')]) == 2
+  assert f'{prepared} is a prepared dataset directory: train on it alone' in _one_line_error(
+      capsys, 'train')
+
 
 def test_prepare_writes_files_readable_by_all_under_umask_022(prepared, tmp_path):
   old = os.umask(0o022)

@@ -58,10 +58,14 @@ def load_data(cfg: TrainConfig, tokenizer: str | pathlib.Path | None = None
   (``poetx prepare``) is read from its shards.
 
   Raises:
-    ValueError: unreadable data, or a directory ``poetx prepare`` has not
-      finished (named, with how to finish it).
+    ValueError: unreadable data, a directory ``poetx prepare`` has not
+      finished (named, with how to finish it), or a prepared one among other
+      paths (its shards would be skipped as files of no corpus format).
   """
   for path in cfg.data or ():
+    if shards.is_prepared(path) and len(cfg.data) > 1:
+      raise ValueError(f'{path} is a prepared dataset directory: train on it alone '
+                       f'(--data {path}), or prepare all {len(cfg.data)} paths into one')
     if shards.is_unfinished(path):
       raise ValueError(f'{path} is an unfinished poetx prepare directory (no '
                        f'{shards.MANIFEST}): run the same `poetx prepare INPUT... --out '
