@@ -64,6 +64,8 @@ def cmd_train(a) -> int:
   if given and not a.distributed:
     raise ValueError(f'--coordinator, --num-processes and --process-id need --distributed '
                      f'(given: {", ".join(given)})')
+  if a.coordinator is not None:
+    _check_address(a.coordinator)
   if a.num_processes is not None and a.num_processes < 1:
     raise ValueError(f'--num-processes must be >= 1, got {a.num_processes}')
   if a.process_id is not None and not 0 <= a.process_id < (a.num_processes or 1 << 30):
@@ -74,13 +76,15 @@ def cmd_train(a) -> int:
   from poetx_jax.pretrain.rundir import resumed_config
   from poetx_jax.pretrain.train import train
   cfg = config_from_args(a)
+  if getattr(a, 'argv', None) is not None:  # the options on the command line
+    given = vars(_train_parser(argparse.ArgumentParser().add_subparsers(),
+                               defaults=False).parse_args(a.argv[1:]))
+  else:
+    given = {k for k, v in vars(cfg).items() if v != getattr(TrainConfig(), k)}
   if a.resume:  # the options given again; the rest are the run's (run.json)
-    if getattr(a, 'argv', None) is not None:
-      given = vars(_train_parser(argparse.ArgumentParser().add_subparsers(),
-                                 defaults=False).parse_args(a.argv[1:]))
-    else:
-      given = {k for k, v in vars(cfg).items() if v != getattr(TrainConfig(), k)}
     cfg = resumed_config(cfg, given)
+  elif 'vocab_size' in given:
+    _check_vocab_size(cfg)
   summary = train(cfg, resume=a.resume, step=a.step)
   if jax.process_index() == 0:  # of several processes, the first reports
     _report(summary, a.plot)
@@ -88,6 +92,25 @@ def cmd_train(a) -> int:
     import signal
     return 128 + signal.Signals[summary['stopped']].value
   return 0
+
+
+def _check_vocab_size(cfg) -> None:
+  """ValueError if ``--vocab-size`` disagrees with the prepared dataset's tokenizer."""
+  from poetx_jax.pretrain.loading import prepared_vocab_size
+  vocab = prepared_vocab_size(cfg)
+  if vocab is not None and vocab != cfg.vocab_size:
+    raise ValueError(f'--vocab-size {cfg.vocab_size} disagrees with the prepared dataset '
+                     f'{cfg.data[0]}, whose tokenizer has a vocabulary of {vocab}: leave '
+                     f'--vocab-size out (the run records {vocab}), or prepare the corpus '
+                     f'again with --vocab-size {cfg.vocab_size}')
+
+
+def _check_address(address: str) -> None:
+  """ValueError unless ``address`` is HOST:PORT (a host, a port in 1..65535)."""
+  host, colon, port = address.rpartition(':')
+  if not (colon and host and port.isdigit() and 0 < int(port) < 65536):
+    raise ValueError(f'--coordinator {address!r} is not HOST:PORT (a host name or address, '
+                     f'a colon and a port in 1..65535, e.g. 10.0.0.1:8476)')
 
 
 def _report(summary: dict, plot: str | None) -> None:
@@ -206,7 +229,9 @@ def build_parser() -> argparse.ArgumentParser:
                  help='a tokenizers JSON file to use (default: train a byte-level BPE '
                       'on a sample of the corpus)')
   p.add_argument('--vocab-size', type=int, default=4096,
-                 help='vocabulary of the BPE trained without --tokenizer (default: %(default)s)')
+                 help='vocabulary of the BPE trained without --tokenizer (default: '
+                      '%(default)s); OUT keeps the one it was prepared with, another is '
+                      'refused')
   p.add_argument('--text-field', default='text',
                  help='the text field of jsonl / parquet records (default: %(default)s)')
   p.add_argument('--workers', type=int, default=None,

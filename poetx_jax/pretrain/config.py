@@ -220,6 +220,9 @@ def _check(name: str, value: tp.Any, hint, md: tp.Mapping) -> None:
     raise ValueError(f'{name} must be a {typ.__name__}{or_none}, got {value!r}')
   if typ is list and not all(isinstance(v, str) for v in value):
     raise ValueError(f'{name} must be a list of paths (str){or_none}, got {value!r}')
+  if typ is list and not value:  # `--data` with nothing after it
+    raise ValueError(f'{name} must name at least one path{or_none}, got [] '
+                     f'(--{name.replace("_", "-")} with no path after it)')
   if numeric and not (value >= md.get('min', value) and value > md.get('gt', value - 1)
                       and value <= md.get('max', value) and value < md.get('lt', value + 1)):
     kind = 'an int ' if typ is int else ''

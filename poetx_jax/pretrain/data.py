@@ -25,6 +25,7 @@ import json
 import math
 import os
 import typing as tp
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -75,12 +76,21 @@ def _iter_parquet(path: Path, text_field: str) -> tp.Iterator[str]:
     import pyarrow.parquet as pq  # pylint: disable=g-import-not-at-top
   except ImportError as e:
     raise ImportError(f'reading {path} needs pyarrow (pip install pyarrow)') from e
-  table = pq.ParquetFile(path)
+  try:
+    table = pq.ParquetFile(path)
+  except (ValueError, OSError) as e:  # pyarrow's ArrowInvalid is a ValueError
+    raise ValueError(f'{path} is not a parquet file pyarrow can read ({e})') from None
   names = table.schema_arrow.names
   if text_field not in names:
     raise ValueError(f'{path}: no column {text_field!r} (columns: {names})')
-  row = 0
-  for batch in table.iter_batches(columns=[text_field], batch_size=4096):
+  row, batches = 0, table.iter_batches(columns=[text_field], batch_size=4096)
+  while True:
+    try:
+      batch = next(batches, None)
+    except (ValueError, OSError) as e:  # a damaged row group
+      raise ValueError(f'{path}: cannot read the parquet rows after row {row} ({e})') from None
+    if batch is None:
+      return
     for v in batch.column(0).to_pylist():
       if v is not None and not isinstance(v, str):
         raise ValueError(f'{path}, row {row}: column {text_field!r} holds '
@@ -97,7 +107,8 @@ def iter_file_documents(path: PathLike, text_field: str = 'text') -> tp.Iterator
 
   Raises:
     ValueError: an unsupported extension, a record without the text field,
-      or a file that is not UTF-8 (each naming the file).
+      a file that is not UTF-8, a ``.gz`` file that is not gzip (or is cut
+      short), or a ``.parquet`` file pyarrow cannot read (each naming the file).
   """
   path = Path(path)
   ext = _extension(path)
@@ -116,6 +127,9 @@ def iter_file_documents(path: PathLike, text_field: str = 'text') -> tp.Iterator
         yield doc
   except UnicodeDecodeError as e:
     raise ValueError(f'{path} is not UTF-8 text ({e.reason} at byte {e.start})') from None
+  except (gzip.BadGzipFile, EOFError, zlib.error) as e:
+    raise ValueError(f'{path} is not a gzip file, or is cut short ({e}); a {ext} file '
+                     f'must be gzip-compressed JSON lines') from None
 
 
 def corpus_files(paths: PathLike | tp.Sequence[PathLike]) -> list[Path]:

@@ -12,6 +12,8 @@ tokenizer) are read and written by :mod:`poetx_jax.pretrain.rundir`.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import pathlib
 
 import jax
@@ -28,11 +30,47 @@ from poetx_jax.pretrain.rundir import (check_data, read_config, read_data_record
                                        stored_tokenizer)
 
 
+def prepared_vocab_size(cfg: TrainConfig) -> int | None:
+  """The vocabulary of the prepared dataset directory ``cfg.data`` names (its
+  manifest's), or None where it names none (or its manifest is unreadable:
+  :func:`load_data` says why)."""
+  if not (cfg.data and len(cfg.data) == 1 and shards.is_prepared(cfg.data[0])):
+    return None
+  try:
+    return int(json.loads((pathlib.Path(cfg.data[0]) / shards.MANIFEST).read_text())
+               ['vocab_size'])
+  except (OSError, ValueError, KeyError, TypeError):
+    return None
+
+
+def with_prepared_vocab(cfg: TrainConfig) -> TrainConfig:
+  """``cfg`` with ``vocab_size`` that of the prepared dataset it trains on (a
+  prepared dataset brings its tokenizer: no BPE is trained, so run.json
+  records the vocabulary used); ``cfg`` itself for any other data."""
+  vocab = prepared_vocab_size(cfg)
+  return cfg if vocab is None else dataclasses.replace(cfg, vocab_size=vocab)
+
+
 def load_data(cfg: TrainConfig, tokenizer: str | pathlib.Path | None = None
               ) -> data_lib.TextData | shards.PreparedData:
   """The corpus of ``cfg`` tokenized (with ``tokenizer``, else ``cfg.tokenizer``,
   else a BPE trained on it), split and packed; a prepared dataset directory
-  (``poetx prepare``) is read from its shards."""
+  (``poetx prepare``) is read from its shards.
+
+  Raises:
+    ValueError: unreadable data, a directory ``poetx prepare`` has not
+      finished (named, with how to finish it), or a prepared one among other
+      paths (its shards would be skipped as files of no corpus format).
+  """
+  for path in cfg.data or ():
+    if shards.is_prepared(path) and len(cfg.data) > 1:
+      raise ValueError(f'{path} is a prepared dataset directory: train on it alone '
+                       f'(--data {path}), or prepare all {len(cfg.data)} paths into one')
+    if shards.is_unfinished(path):
+      raise ValueError(f'{path} is an unfinished poetx prepare directory (no '
+                       f'{shards.MANIFEST}): run the same `poetx prepare INPUT... --out '
+                       f'{path}` again to finish it (it resumes where it stopped), then '
+                       f'train with --data {path}')
   if cfg.data and len(cfg.data) == 1 and shards.is_prepared(cfg.data[0]):
     return shards.PreparedData(cfg.data[0], seq_len=cfg.seq_len,
                                val_fraction=cfg.val_fraction,

@@ -9,8 +9,10 @@ when the vocabulary does not fit), read back with positioned reads; the tokenize
 
     {"format": "poetx-tokens-1", "dtype": "uint16", "vocab_size": 4096,
      "eos_id": 4095, "tokenizer_sha256": ..., "text_field": "text",
+     "bpe": {"vocab_size": 4096, "sample_chars": 100000000},
      "sources": [{"path": ..., "bytes": ..., "mtime_ns": ..., "sha256": ...}, ...],
-     "shards": [{"file": "shard-00000-00000.bin", "tokens": ..., "sha256": ...}, ...],
+     "shards": [{"file": "shard-00000-00000.bin", "tokens": ..., "sha256": ...,
+                 "max_id": ...}, ...],
      "documents": ..., "tokens": ...}
 
 Each source file is tokenized by a worker process of its own, streaming its
@@ -18,22 +20,30 @@ documents (jsonl line by line, parquet by record batch), so memory is bounded
 by the shard size, not by the corpus. A source whose shards are written is
 recorded in ``parts/``; an interrupted prepare resumes from there, and
 running it again on unchanged inputs (same paths, sizes and modification
-times, same tokenizer) does nothing. Training reads the directory with
+times, same tokenizer) does nothing; other inputs, another tokenizer, or
+(without ``tokenizer``) another ``vocab_size`` or ``sample_chars`` for the
+trained BPE are refused, finished or not. Training reads the directory with
 :class:`poetx_jax.pretrain.shards.PreparedData` (``poetx train --data DIR``).
 
 Without ``tokenizer`` a byte-level BPE of ``vocab_size`` is trained on a
 sample: from each source file its first documents, up to ``sample_chars /
-number of files`` characters each (100 M characters in all by default).
+number of files`` characters each (100 M characters in all by default); the
+two are recorded as ``"bpe"`` in the manifest (``null`` with a given
+tokenizer), and in ``parts/bpe.json`` until the manifest is written.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import hashlib
 import json
 import multiprocessing
 import os
 import shutil
+import signal
+import sys
+import threading
 import typing as tp
 from pathlib import Path
 
@@ -97,7 +107,8 @@ def _tokenize_source(task: dict) -> dict:
     name = f'shard-{index:05d}-{len(shards):05d}.bin'
     atomic_write(out / name, arr.tofile)
     shards.append({'file': name, 'tokens': int(arr.size),
-                   'sha256': hashlib.sha256(arr.tobytes()).hexdigest()})
+                   'sha256': hashlib.sha256(arr.tobytes()).hexdigest(),
+                   'max_id': int(arr.max())})
     pending, n_pending = [], 0
 
   batch = []
@@ -150,22 +161,24 @@ def prepare(inputs: PathLike | tp.Sequence[PathLike], out: PathLike, *,
   Raises:
     FileNotFoundError: an input does not exist.
     ValueError: a bad argument, an unsupported or unreadable file (named), no
-      documents at all, or ``out`` holding a dataset of other inputs.
+      documents at all, or ``out`` holding a dataset (finished or not) of
+      other inputs, another tokenizer or another BPE request.
   """
   _check_arguments(vocab_size=vocab_size, shard_tokens=shard_tokens,
                    sample_chars=sample_chars, workers=workers)
   plan = _plan(inputs, out, text_field)
-  prepared = _prepared_manifest(plan, tokenizer)
+  bpe = None if tokenizer is not None else {'vocab_size': vocab_size,
+                                            'sample_chars': sample_chars}
+  prepared = _prepared_manifest(plan, tokenizer, bpe)
   if prepared is not None:
     return prepared
   plan.out.mkdir(parents=True, exist_ok=True)
-  tok_path = _store_tokenizer(plan, tokenizer, vocab_size=vocab_size,
-                              sample_chars=sample_chars)
+  tok_path = _store_tokenizer(plan, tokenizer, bpe)
   tok, tok_hash = Tokenizer.load(tok_path), file_hash(tok_path)
   dtype = token_dtype(tok.vocab_size)
   parts = _tokenize_sources(plan, tok_path, tok_hash, dtype, shard_tokens=shard_tokens,
                             workers=workers, progress=progress)
-  return _write_manifest(plan, parts, tok, tok_path, tok_hash, dtype)
+  return _write_manifest(plan, parts, tok, tok_path, tok_hash, dtype, bpe)
 
 
 class _Plan(tp.NamedTuple):
@@ -196,12 +209,15 @@ def _plan(inputs: PathLike | tp.Sequence[PathLike], out: PathLike, text_field: s
   return _Plan(out, files, [_source_record(f) for f in files], text_field)
 
 
-def _prepared_manifest(plan: _Plan, tokenizer: PathLike | None) -> dict | None:
+def _prepared_manifest(plan: _Plan, tokenizer: PathLike | None,
+                       bpe: dict | None) -> dict | None:
   """The manifest of ``plan.out`` if it is already prepared from these inputs
-  (and ``tokenizer``, if given); None if it holds no manifest.
+  (and ``tokenizer``, if given, or the ``bpe`` request); None if it holds no
+  manifest.
 
   Raises:
-    ValueError: ``plan.out`` holds a dataset of other inputs or tokenizer.
+    ValueError: ``plan.out`` holds a dataset of other inputs, tokenizer or
+      BPE request.
   """
   manifest_path = plan.out / MANIFEST
   if not manifest_path.is_file():
@@ -211,29 +227,49 @@ def _prepared_manifest(plan: _Plan, tokenizer: PathLike | None) -> dict | None:
                  and all(map(_same_source, old['sources'], plan.sources)))
   same_tokenizer = tokenizer is None or file_hash(tokenizer) == old['tokenizer_sha256']
   if same_inputs and same_tokenizer and old.get('text_field') == plan.text_field:
+    _check_bpe(plan.out, old.get('bpe'), bpe)
     return old
   raise ValueError(f'{plan.out} holds a prepared dataset of other inputs or another '
                    f'tokenizer; give a new --out, or remove {plan.out} first')
 
 
-def _store_tokenizer(plan: _Plan, tokenizer: PathLike | None, *, vocab_size: int,
-                     sample_chars: int) -> Path:
-  """``out/tokenizer.json``: a copy of ``tokenizer``, else (unless there already)
-  a BPE of ``vocab_size`` trained on a sample of the sources."""
-  tok_path = plan.out / 'tokenizer.json'
+def _check_bpe(out: Path, old: dict | None, new: dict | None) -> None:
+  """ValueError if ``out`` holds a BPE trained on another request than ``new``
+  (a directory without a record, of an older prepare or a given tokenizer,
+  passes)."""
+  if old is None or new is None or old == new:
+    return
+  keys = [k for k in new if old.get(k) != new[k]]
+  was = ', '.join(f'{k}={old.get(k)}' for k in keys)
+  now = ', '.join(f'--{k.replace("_", "-")} {new[k]}' for k in keys)
+  raise ValueError(f'{out} holds a tokenizer trained with {was}, not {now}; give another '
+                   f'--out, or remove {out} first to prepare it again')
+
+
+def _store_tokenizer(plan: _Plan, tokenizer: PathLike | None, bpe: dict | None) -> Path:
+  """``out/tokenizer.json``: a copy of ``tokenizer``, else (unless there already,
+  trained on the same ``bpe`` request) a BPE of ``bpe['vocab_size']`` trained
+  on a sample of the sources, its request kept in ``out/parts/bpe.json``."""
+  tok_path, record = plan.out / 'tokenizer.json', plan.out / 'parts' / 'bpe.json'
   if tokenizer is not None:
+    record.unlink(missing_ok=True)  # the tokenizer there is no longer a trained one
     src = Path(tokenizer)
     if src.suffix != '.json':
       raise ValueError(f'prepare takes a tokenizers JSON file, got {src}')
     Tokenizer.load(src)  # readable
     if not tok_path.is_file() or file_hash(tok_path) != file_hash(src):
       atomic_write(tok_path, lambda tmp: shutil.copyfile(src, tmp))
-  elif not tok_path.is_file():
-    sample = [d for d in _sample(plan.files, plan.text_field, sample_chars) if d.strip()]
-    if not sample:
-      raise ValueError('corpus is empty: no non-empty documents in '
-                       + ', '.join(map(str, plan.files)))
-    Tokenizer.train_bpe(sample, vocab_size=vocab_size, path=tok_path)
+    return tok_path
+  if tok_path.is_file():
+    _check_bpe(plan.out, json.loads(record.read_text()) if record.is_file() else None, bpe)
+    return tok_path
+  sample = [d for d in _sample(plan.files, plan.text_field, bpe['sample_chars']) if d.strip()]
+  if not sample:
+    raise ValueError('corpus is empty: no non-empty documents in '
+                     + ', '.join(map(str, plan.files)))
+  record.parent.mkdir(exist_ok=True)
+  atomic_write(record, lambda tmp: Path(tmp).write_text(json.dumps(bpe)))
+  Tokenizer.train_bpe(sample, vocab_size=bpe['vocab_size'], path=tok_path)
   return tok_path
 
 
@@ -290,16 +326,72 @@ def _run_tasks(todo: list[dict], done: tp.Callable[[dict, dict], None], *,
         finish(task, _tokenize_source(task))
     else:
       ctx = multiprocessing.get_context('spawn')  # the caller may hold threads (jax)
-      with concurrent.futures.ProcessPoolExecutor(n_workers, mp_context=ctx) as pool:
-        for task, part in zip(todo, pool.map(_tokenize_source, todo)):
-          finish(task, part)
+      pool = concurrent.futures.ProcessPoolExecutor(
+          n_workers, mp_context=ctx, initializer=_worker_init, initargs=(os.getpid(),))
+      try:
+        with _terminate_on_sigterm(pool):
+          for task, part in zip(todo, pool.map(_tokenize_source, todo)):
+            finish(task, part)
+      except BaseException:  # an error, Ctrl-C: the other files' work is not awaited
+        _terminate(pool)
+        pool.shutdown(wait=False, cancel_futures=True)
+        raise
+      pool.shutdown()
   finally:
     if bar is not None:
       bar.close()
 
 
+def _worker_init(parent: int) -> None:
+  """A worker's start: on Linux it is killed when the prepare that started
+  it dies, however it dies (``kill -9`` too: prctl PR_SET_PDEATHSIG); it
+  leaves Ctrl-C to that process, which stops it."""
+  signal.signal(signal.SIGINT, signal.SIG_IGN)
+  if sys.platform.startswith('linux'):
+    import ctypes  # pylint: disable=g-import-not-at-top
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+  if os.getppid() != parent:  # it died before the line above
+    os._exit(1)
+
+
+def _terminate(pool: concurrent.futures.ProcessPoolExecutor) -> None:
+  """Sends SIGTERM to the pool's workers (their files are tokenized again by
+  the next prepare); takes no lock, so a signal handler may call it."""
+  try:
+    workers = list((getattr(pool, '_processes', None) or {}).values())
+  except RuntimeError:  # changed while copied: the pool is starting or ending
+    workers = []
+  for w in workers:
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+      w.terminate()
+
+
+@contextlib.contextmanager
+def _terminate_on_sigterm(pool: concurrent.futures.ProcessPoolExecutor) -> tp.Iterator[None]:
+  """While the pool works, SIGTERM first terminates its workers, then this
+  process as SIGTERM does by default (where SIGTERM has its default action
+  and this is the main thread; elsewhere the workers' PR_SET_PDEATHSIG does)."""
+  if (threading.current_thread() is not threading.main_thread()
+      or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL):
+    yield
+    return
+
+  def on_sigterm(signum, frame):
+    del frame
+    _terminate(pool)
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
+
+  signal.signal(signal.SIGTERM, on_sigterm)
+  try:
+    yield
+  finally:
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
 def _write_manifest(plan: _Plan, parts: list[dict], tok: Tokenizer, tok_path: Path,
-                    tok_hash: str, dtype: np.dtype) -> dict:
+                    tok_hash: str, dtype: np.dtype, bpe: dict | None) -> dict:
   """Writes ``out/manifest.json`` of the source files' ``parts`` and returns it.
 
   Raises:
@@ -311,7 +403,7 @@ def _write_manifest(plan: _Plan, parts: list[dict], tok: Tokenizer, tok_path: Pa
                      + ', '.join(map(str, plan.files)))
   manifest = {'format': FORMAT, 'dtype': dtype.name, 'vocab_size': tok.vocab_size,
               'eos_id': tok.eos_id, 'tokenizer': tok_path.name,
-              'tokenizer_sha256': tok_hash, 'text_field': plan.text_field,
+              'tokenizer_sha256': tok_hash, 'text_field': plan.text_field, 'bpe': bpe,
               'sources': [p['source'] for p in parts], 'shards': all_shards,
               'documents': sum(p['documents'] for p in parts),
               'tokens': sum(s['tokens'] for s in all_shards)}

@@ -181,6 +181,8 @@ def train(cfg: TrainConfig, *, resume: bool = False, step: int | None = None, lo
   """
   _checked(cfg, resume, step, hooks)
   cfg = dataclasses.replace(cfg, out_dir=rundir.default_out_dir(cfg))
+  if not resume:  # run.json records a prepared dataset's vocabulary, not vocab_size's
+    cfg = loading.with_prepared_vocab(cfg)
   primary = processes.is_primary()  # of several processes, the first reports
   log = log if primary else (lambda *_: None)
   with rundir.open_run(cfg, resume=resume, log=log) as out:
