@@ -33,7 +33,9 @@ def _train_parser(sub, *, defaults: bool = True):
   p.add_argument('--resume', action='store_true', help='continue the run in --out-dir '
                  'from its newest intact checkpoint; the options not given are read from '
                  'its run.json, those given must agree with it (but --steps may be raised '
-                 'to extend the run, and --data, --cache-dir may move)')
+                 'to extend the run, --data, --cache-dir may move, and --strategy, --fsdp '
+                 'may change: a saved --fsdp that does not divide the devices present is '
+                 'lowered to the largest that does)')
   p.add_argument('--step', type=int, default=None, metavar='N',
                  help='with --resume: continue from checkpoint step N instead (the newer '
                       'checkpoints are moved to OUT_DIR/abandoned-checkpoints)')
@@ -80,7 +82,7 @@ def cmd_train(a) -> int:
                                  defaults=False).parse_args(a.argv[1:]))
     else:
       given = {k for k, v in vars(cfg).items() if v != getattr(TrainConfig(), k)}
-    cfg = resumed_config(cfg, given)
+    cfg = resumed_config(cfg, given, device_count=jax.device_count())
   summary = train(cfg, resume=a.resume, step=a.step)
   if jax.process_index() == 0:  # of several processes, the first reports
     _report(summary, a.plot)
