@@ -44,7 +44,7 @@ def poetize(model, *, block_size: int, rngs: nnx.Rngs,
   leading axes, ``(..., in, out)`` (a stack of layers, such as the experts of
   :mod:`poetx_jax.models.moe`), becomes a POETLinear stack with those leading
   axes (:func:`stack_from_linear`): each entry its own W0, permutations and
-  generators.
+  generators (and bias: one shared by the stack, ``(O,)``, is refused).
 
   Args:
     model: any Flax NNX model.
@@ -111,6 +111,14 @@ def stack_from_linear(linear: nnx.Linear, *, block_size: int, rngs: nnx.Rngs,
   the leading axes. The kernel's ``layer_axis`` metadata (a scanned stack's)
   is copied to every variable of the result, no other. ``kwargs``: as for
   ``from_linear``.
+
+  A bias shared by the whole stack (shape ``(O,)`` beside a ``(..., I, O)``
+  kernel) is refused, as is any bias not shaped ``(..., O)``: every variable
+  of a POET stack is per layer, so a shared bias could only become one copy
+  per layer, each then trained on its own, a different model from the one
+  converted (and no longer one parameter when converted back). Give the
+  Linear a bias per layer (``jnp.broadcast_to(bias, lead + bias.shape)``) if
+  that is what you want, or exclude it from :func:`poetize`.
   """
   kernel = linear.kernel[...]
   if kernel.ndim < 3:
@@ -118,6 +126,13 @@ def stack_from_linear(linear: nnx.Linear, *, block_size: int, rngs: nnx.Rngs,
                      f'got shape {kernel.shape}')
   lead = kernel.shape[:-2]
   bias = linear.bias[...] if linear.bias is not None else None
+  if bias is not None and bias.shape != lead + kernel.shape[-1:]:
+    shared = ' (one bias shared by every layer)' if bias.shape == kernel.shape[-1:] else ''
+    raise ValueError(
+        f'a stack of kernels {kernel.shape} needs a bias per layer, shape '
+        f'{lead + kernel.shape[-1:]}; got {bias.shape}{shared}. A POET stack trains '
+        f'every variable per layer: broadcast the bias to {lead + kernel.shape[-1:]} '
+        f'for a bias per layer, or exclude the layer from poetize')
   graphdef, states = None, []
   for idx in np.ndindex(*lead):
     one = nnx.Linear(kernel.shape[-2], kernel.shape[-1], use_bias=bias is not None,

@@ -13,6 +13,7 @@ Two strategies place the training state:
   not fit on one device: with ``scan_layers`` the stacked layers are built
   straight into their shards (:func:`placement`; :func:`array_spec` with
   ``stacked``: the layer axis whole, the most major divisible dimension split).
+  The POET permutations stay replicated under both (:func:`shard_state`).
 
 With ``'dp'``, ``make_train_step(data_parallel=mesh)`` has each device compute
 its rows' gradients and averages them with one all-reduce of the trainable
@@ -32,6 +33,8 @@ import numpy as np
 import jax
 from flax import nnx
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+from poetx_jax.linear import Permutation
 
 STRATEGIES = ('dp', 'fsdp')
 AXES = ('data', 'fsdp')
@@ -95,7 +98,13 @@ def shard_state(node, mesh: jax.sharding.Mesh, strategy: str) -> None:
 
   Every array follows :func:`array_spec`, ``stacked`` for those of stacked
   layers (variables with ``layer_axis`` metadata 0, as a model's scanned layer
-  stack sets them; optimizer moments copy it). Under ``'fsdp'`` every
+  stack sets them; optimizer moments copy it), but for the POET permutations
+  (:class:`~poetx_jax.linear.Permutation`, I + O int32 per layer), which are
+  replicated: they index the activation gathers, and split over ``fsdp``
+  they lead the partitioner to split a gather's output features over
+  ``fsdp`` while its rows keep only ``data``, which XLA (0.11) aborts on
+  (a check failure in the SPMD partitioner) once both mesh axes exceed 1,
+  e.g. ``fsdp=2`` on 4 devices. Under ``'fsdp'`` every
   submodule with a ``carry_sharding`` attribute (a stack of layers run by
   ``lax.scan``, e.g. ``models.llama.StackedLayers``) gets the batch sharding
   there, to pin the activations it carries between layers.
@@ -108,6 +117,8 @@ def shard_state(node, mesh: jax.sharding.Mesh, strategy: str) -> None:
 
   def put(v: nnx.Variable):
     x = v.get_value()
+    if isinstance(v, Permutation):
+      return jax.device_put(x, NamedSharding(mesh, P()))
     spec = array_spec(x.shape, strategy, fsdp,
                       stacked=v.get_metadata().get('layer_axis') == 0)
     return jax.device_put(x, NamedSharding(mesh, spec))

@@ -1,5 +1,6 @@
 """Run by tests/test_sharding.py in a process with 8 CPU devices."""
 
+import dataclasses
 import json
 import sys
 
@@ -162,8 +163,41 @@ def restore(ckpt_dir, fsdp):
   return {'step': step, 'exact': bool(exact), 'devices': len(kernel.sharding.device_set)}
 
 
+def meshes():
+  """Every (data, fsdp) mesh of this process's devices under FSDP, against one
+  device: the default tiny Llama's shapes (one layer; its MLP's 11 blocks),
+  four micro-steps of two updates, each update a merge. Each mesh's losses'
+  largest distance from one device's, and whether the permutations match."""
+  cfg = TrainConfig(model='tiny', model_overrides={'layers': 1}, batch_size=8, seq_len=16,
+                    grad_accum=2, merge_every=1, warmup=0, dtype='float32', strategy='fsdp')
+  batches = [{k: np.random.default_rng(i).integers(0, VOCAB, (8, 16)).astype(np.int32)
+              for k in ('inputs', 'targets')} for i in range(4)]
+
+  def train(fsdp):
+    c = dataclasses.replace(cfg, fsdp=fsdp)
+    mc = factories.model_config(c, VOCAB)
+    mesh = sharding.make_mesh(fsdp=fsdp) if fsdp else None
+    model, opt = factories.build_state(c, mc, mesh)
+    merges = []
+    step = factories.make_step(c, mc, on_merge=lambda *m: merges.append(m[0]), mesh=mesh)
+    losses = [float(step(model, opt, evaluation.place_batch(b, mesh))) for b in batches]
+    assert merges == [2, 4], merges  # optimizer steps count micro-steps
+    return losses, [x for x in flat(model) if x.dtype == np.int32]
+
+  ref, ref_perms = train(None)
+  out = {}
+  for fsdp in (1, 2, 4):
+    if len(jax.devices()) % fsdp == 0:
+      losses, perms = train(fsdp)
+      out[fsdp] = {'loss_diff': max(abs(a - b) for a, b in zip(losses, ref)),
+                   'perm_equal': all(np.array_equal(a, b) for a, b in zip(perms, ref_perms))}
+  return out
+
+
 if __name__ == '__main__':
   if sys.argv[1] == 'restore':
     json.dump(restore(sys.argv[2], int(sys.argv[3])), sys.stdout)
+  elif sys.argv[1] == 'meshes':
+    json.dump(meshes(), sys.stdout)
   else:
     main(sys.argv[1])

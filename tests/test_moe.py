@@ -294,6 +294,22 @@ def test_poetize_a_stacked_linear():
   np.testing.assert_allclose(back.kernel[...], lin.kernel[...], rtol=1e-6)
 
 
+def test_poetize_refuses_a_bias_shared_by_a_stack():
+  """A stacked kernel (E, I, O) with one bias (O,) is refused naming the
+  layer and the shapes (it once gave layer e the scalar bias[e] as its bias);
+  a bias per layer, broadcast, converts."""
+  lin = nnx.Linear(32, 24, rngs=nnx.Rngs(0))
+  lin.kernel.set_value(jax.random.normal(jax.random.key(0), (3, 32, 24)))
+  lin.bias.set_value(jnp.arange(24, dtype=jnp.float32))
+  model = nnx.Dict(experts=lin)
+  with pytest.raises(ValueError, match=r"cannot poetize layer 'experts'.*needs a bias per "
+                     r"layer, shape \(3, 24\); got \(24,\) \(one bias shared"):
+    poetx_jax.poetize(model, block_size=8, rngs=nnx.Rngs(1))
+  lin.bias.set_value(jnp.broadcast_to(lin.bias[...], (3, 24)))
+  poet = poetx_jax.poetize(model, block_size=8, rngs=nnx.Rngs(1))['experts']
+  np.testing.assert_array_equal(poet.bias[...], np.broadcast_to(np.arange(24.0), (3, 24)))
+
+
 # ------------------------------------------------------------------- the model
 def _tokens(key, b=2, t=16):
   return jax.random.randint(key, (b, t), 0, TINY.vocab_size, jnp.int32)

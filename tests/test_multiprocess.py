@@ -1,6 +1,7 @@
 """Multi-process training: each process reads its own rows of every batch,
 and a run of two processes (``jax.distributed`` on localhost, CPU) trains on
-the windows of a one-process run with its losses."""
+the windows of a one-process run with its losses; a process that never
+starts, or is killed, stops the other with one line naming it (exit 5)."""
 
 import itertools
 import json
@@ -8,6 +9,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -96,7 +98,7 @@ def _free_port() -> int:
 
 
 def _poetx(args, devices, extra=()):
-  env = {**os.environ, 'JAX_PLATFORMS': 'cpu',
+  env = {**os.environ, 'JAX_PLATFORMS': 'cpu', 'PYTHONUNBUFFERED': '1',
          'XLA_FLAGS': f'--xla_force_host_platform_device_count={devices}'}
   return subprocess.Popen([sys.executable, '-m', 'poetx_jax.pretrain.cli', 'train', *args,
                            *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -161,3 +163,60 @@ def test_two_processes_train_on_the_windows_of_one_with_its_losses(tmp_path):
   (loss1, _), (loss2, _) = _losses(tmp_path / 'one'), _losses(tmp_path / 'two')
   assert sorted(loss1) == sorted(loss2) == list(range(1, 9))
   np.testing.assert_allclose([loss2[s] for s in loss1], list(loss1.values()), rtol=1e-5)
+
+
+def _corpus(tmp_path):
+  corpus = tmp_path / 'corpus.txt'
+  corpus.write_text(' '.join(f'word{i % 37} and more text' for i in range(3000)))
+  return corpus
+
+
+def _distributed(i, port, timeout):
+  return ['--distributed', '--coordinator', f'localhost:{port}', '--num-processes', '2',
+          '--process-id', str(i), '--peer-timeout', str(timeout)]
+
+
+def test_a_process_whose_peer_never_starts_stops_naming_it(tmp_path):
+  """Process 0 of 2 alone: it stops once the peer timeout has passed, with
+  one line naming process 1 and exit status 5 (it used to wait 300 s, then
+  abort with a C++ stack)."""
+  t0 = time.monotonic()
+  p = _poetx(['--out-dir', str(tmp_path / 'run')], devices=1,
+             extra=_distributed(0, _free_port(), 3))
+  out, err = p.communicate(timeout=120)
+  assert p.returncode == 5, err[-3000:]
+  assert err.strip().splitlines()[-1] == (
+      'poetx train: error: process 0: process 1 did not join the run within 3 s (not '
+      'started, or unable to reach the coordinator); stopping')
+  assert time.monotonic() - t0 < 3 + 30  # the timeout, and jax's start
+  assert not (tmp_path / 'run').exists()
+
+
+def test_a_killed_peer_stops_the_other_naming_it(tmp_path):
+  """Process 1 of 2 killed while they train: process 0, waiting for it in a
+  collective, stops within the peer timeout of its last heartbeat, naming it
+  (exit 5; it used to abort with a C++ stack after XLA's heartbeat timeout)."""
+  corpus, port, timeout = _corpus(tmp_path), _free_port(), 4
+  args = ['--model-overrides', 'layers=1,hidden=32,mlp=64,heads=2,kv_heads=1',
+          '--data', str(corpus), '--vocab-size', '300', '--seq-len', '32', '--batch-size', '8',
+          '--steps', '100000', '--block-size', '8', '--dtype', 'float32',
+          '--cache-dir', str(tmp_path / 'cache'), '--out-dir', str(tmp_path / 'run')]
+  procs = [_poetx(args, devices=1, extra=_distributed(i, port, timeout)) for i in range(2)]
+  try:
+    for line in procs[0].stdout:  # training: the first validation is done
+      if line.startswith('step 0: validation loss'):
+        break
+    procs[1].kill()
+    t0 = time.monotonic()
+    out, err = procs[0].communicate(timeout=120)
+    waited = time.monotonic() - t0
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+      p.communicate()
+  assert procs[0].returncode == 5, err[-3000:]
+  assert err.strip().splitlines()[-1] == (
+      f'poetx train: error: process 0: process 1 of 2 sent no heartbeat for {timeout} s '
+      f'(killed, crashed or cut off; its output may say why); stopping')
+  assert waited < timeout + 15, waited

@@ -2,12 +2,15 @@
 device counts. Each case runs tests/sharded_check.py in a process of its own
 (XLA's device count is fixed when jax starts)."""
 
+import dataclasses
 import json
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from poetx_jax import sharding
@@ -16,8 +19,9 @@ HERE = pathlib.Path(__file__).resolve().parent
 
 
 def _run(devices, *args):
+  # PYTHONPATH: the check imports the poetx_jax of this checkout, installed or not.
   env = dict(os.environ, XLA_FLAGS=f'--xla_force_host_platform_device_count={devices}',
-             JAX_PLATFORMS='cpu')
+             JAX_PLATFORMS='cpu', PYTHONPATH=str(HERE.parent))
   proc = subprocess.run([sys.executable, str(HERE / 'sharded_check.py'), *map(str, args)],
                         capture_output=True, text=True, env=env, timeout=900)
   assert proc.returncode == 0, proc.stderr[-3000:]
@@ -72,6 +76,17 @@ def test_checkpoint_from_8_devices_restores_on_fewer(eight, devices, fsdp):
   assert r == {'step': 5, 'exact': True, 'devices': devices}, r
 
 
+def test_every_fsdp_mesh_of_4_devices_trains_as_one_device():
+  """POET-X under FSDP on (data, fsdp) = (4, 1), (2, 2) and (1, 4), merges
+  and gradient accumulation included, gives one device's losses and
+  permutations. On (2, 2) XLA's partitioner used to abort (a check failure)
+  on the activation gathers when the permutations were split over fsdp."""
+  r = _run(4, 'meshes')
+  assert sorted(r) == ['1', '2', '4'], r
+  for fsdp, got in r.items():
+    assert got['loss_diff'] < 1e-5 and got['perm_equal'], (fsdp, got)
+
+
 def test_per_device_gradients_refuse_aux():
   import poetx_jax
   with pytest.raises(ValueError, match='data_parallel does not take has_aux'):
@@ -113,6 +128,88 @@ def test_poetx_train_on_8_devices(tmp_path, strategy, fsdp):
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert f"mesh: {{'data': {8 // fsdp}, 'fsdp': {fsdp}}}, strategy {strategy}" in proc.stdout
   assert 'validation perplexity:' in proc.stdout
+
+
+def _train(devices, args):
+  """``poetx train ARGS`` in a process with ``devices`` CPU devices (not waited for)."""
+  env = dict(os.environ, XLA_FLAGS=f'--xla_force_host_platform_device_count={devices}',
+             JAX_PLATFORMS='cpu')
+  return subprocess.Popen([sys.executable, '-m', 'poetx_jax.pretrain.cli', 'train', *args],
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+
+
+def _records(run):
+  recs = [json.loads(l) for l in (run / 'metrics.jsonl').read_text().splitlines()]
+  return {(r['step'], k): r[k] for r in recs for k in ('loss', 'val_loss') if k in r}
+
+
+def test_an_fsdp_run_resumes_on_other_device_counts(tmp_path):
+  """A run sharded over 2 devices (fsdp 2) resumes on 1 device (its fsdp
+  lowered to 1, saying so) and on 4 (a (2, 2) mesh), from its step 3, across
+  merges, with the losses of the uninterrupted run: the records up to the
+  checkpoint as they were, those after it within float32 rounding (not bit
+  for bit: the meshes split the reductions otherwise; ~1e-6 here)."""
+  corpus = tmp_path / 'c.txt'
+  corpus.write_text(' '.join(f'word{i % 37} and more text' for i in range(3000)))
+  run = tmp_path / 'run'
+  proc = _train(2, ['--model-overrides', 'layers=1,hidden=32,mlp=64,heads=2,kv_heads=1',
+                    '--data', str(corpus), '--vocab-size', '300', '--seq-len', '32',
+                    '--batch-size', '8', '--steps', '6', '--block-size', '8',
+                    '--dtype', 'float32', '--merge-every', '2', '--log-every', '1',
+                    '--eval-every', '3', '--eval-batches', '2', '--checkpoint-every', '3',
+                    '--strategy', 'fsdp', '--fsdp', '2', '--cache-dir', str(tmp_path / 'cache'),
+                    '--out-dir', str(run)])
+  out, err = proc.communicate(timeout=600)
+  assert proc.returncode == 0, err[-3000:]
+  assert "mesh: {'data': 1, 'fsdp': 2}, strategy fsdp" in out
+  want = _records(run)
+  assert len(want) == 6 + 3  # losses 1..6, validations 0, 3, 6
+  procs = {}
+  for devices in (1, 4):
+    shutil.copytree(run, tmp_path / f'on{devices}')
+    procs[devices] = _train(devices, ['--resume', '--step', '3',
+                                      '--out-dir', str(tmp_path / f'on{devices}')])
+  outs = {d: p.communicate(timeout=600) for d, p in procs.items()}
+  for d, p in procs.items():
+    assert p.returncode == 0, outs[d][1][-3000:]
+  assert ("--resume: the run's fsdp=2 does not divide the 1 device(s) present: "
+          'continuing with fsdp=1' in outs[1][0])
+  assert "mesh: {'data': 2, 'fsdp': 2}, strategy fsdp" in outs[4][0]
+  for d in (1, 4):
+    got = _records(tmp_path / f'on{d}')
+    assert sorted(got) == sorted(want), d
+    assert json.loads((tmp_path / f'on{d}' / 'run.json').read_text())['fsdp'] == min(d, 2)
+    # Up to the checkpoint, the records kept; after it, float32 rounding.
+    assert all(got[k] == want[k] for k in want if k[0] <= 3), d
+    np.testing.assert_allclose([got[k] for k in sorted(want)],
+                               [want[k] for k in sorted(want)], rtol=1e-5, err_msg=str(d))
+
+
+def test_resume_may_change_the_layout(tmp_path):
+  """strategy and fsdp say how the state is laid out, not what is trained:
+  --resume takes them given, and fits a saved fsdp to the devices present."""
+  from poetx_jax.pretrain import rundir
+  from poetx_jax.pretrain.config import TrainConfig
+  run = tmp_path / 'run'
+  run.mkdir()
+  saved = TrainConfig(strategy='fsdp', fsdp=4, out_dir=str(run))
+  (run / 'run.json').write_text(json.dumps(dataclasses.asdict(saved)))
+  logged = []
+  now = rundir.resumed_config(TrainConfig(out_dir=str(run)), {'out_dir'}, device_count=8,
+                              log=logged.append)
+  assert (now.strategy, now.fsdp, logged) == ('fsdp', 4, [])  # fits: kept
+  now = rundir.resumed_config(TrainConfig(out_dir=str(run)), {'out_dir'}, device_count=6,
+                              log=logged.append)
+  assert now.fsdp == 3 and logged == [
+      "--resume: the run's fsdp=4 does not divide the 6 device(s) present: continuing "
+      'with fsdp=3 (the layout may change on resume; --fsdp N chooses another)']
+  given = TrainConfig(strategy='dp', fsdp=2, out_dir=str(run))
+  now = rundir.resumed_config(given, {'strategy', 'fsdp'}, device_count=6)
+  assert (now.strategy, now.fsdp) == ('dp', 2)
+  rundir._check_resumable(run / 'run.json', now)  # pylint: disable=protected-access
+  with pytest.raises(rundir.CheckpointError, match='differs'):
+    rundir._check_resumable(run / 'run.json',  # pylint: disable=protected-access
+                            dataclasses.replace(now, seed=1))
 
 
 def test_collective_bytes_counts_outputs_once():

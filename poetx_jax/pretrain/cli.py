@@ -27,13 +27,16 @@ def _train_parser(sub, *, defaults: bool = True):
                                  'field of TrainConfig, saved in OUT_DIR/run.json. Exit '
                                  'status: 0 finished, 2 bad option, data or checkpoint, '
                                  '3 non-finite loss, 4 OUT_DIR in use by another '
-                                 'training, 130 / 143 stopped by SIGINT / SIGTERM (a '
+                                 'training, 5 a process of a --distributed run missing, '
+                                 '130 / 143 stopped by SIGINT / SIGTERM (a '
                                  'checkpoint saved: continue with --resume).')
   add_options(p, defaults=defaults)
   p.add_argument('--resume', action='store_true', help='continue the run in --out-dir '
                  'from its newest intact checkpoint; the options not given are read from '
                  'its run.json, those given must agree with it (but --steps may be raised '
-                 'to extend the run, and --data, --cache-dir may move)')
+                 'to extend the run, --data, --cache-dir may move, and --strategy, --fsdp '
+                 'may change: a saved --fsdp that does not divide the devices present is '
+                 'lowered to the largest that does)')
   p.add_argument('--step', type=int, default=None, metavar='N',
                  help='with --resume: continue from checkpoint step N instead (the newer '
                       'checkpoints are moved to OUT_DIR/abandoned-checkpoints)')
@@ -51,6 +54,11 @@ def _train_parser(sub, *, defaults: bool = True):
                  help='with --distributed: the number of processes')
   p.add_argument('--process-id', type=int, default=None, metavar='I',
                  help='with --distributed: this process\'s index, 0 .. N-1')
+  p.add_argument('--peer-timeout', type=float, default=120.0, metavar='S',
+                 help='with --distributed: seconds to wait for every process to join, '
+                      'and for a process that sends no heartbeat (killed, crashed, cut '
+                      'off); then the others stop with one line naming it, exit status 5 '
+                      '(default: %(default)g)')
   p.add_argument('--plot', default=None, metavar='PNG',
                  help='write the loss curves here when done (default: OUT_DIR/loss.png)')
   return p
@@ -71,7 +79,8 @@ def cmd_train(a) -> int:
   if a.process_id is not None and not 0 <= a.process_id < (a.num_processes or 1 << 30):
     raise ValueError(f'--process-id must be in [0, --num-processes), got {a.process_id}')
   if a.distributed:
-    jax.distributed.initialize(**{k: v for k, v in cluster.items() if v is not None})
+    from poetx_jax.pretrain import processes
+    processes.initialize(**cluster, timeout=a.peer_timeout, prefix='poetx train: error: ')
   from poetx_jax.pretrain.config import TrainConfig, config_from_args
   from poetx_jax.pretrain.rundir import resumed_config
   from poetx_jax.pretrain.train import train
@@ -82,7 +91,7 @@ def cmd_train(a) -> int:
   else:
     given = {k for k, v in vars(cfg).items() if v != getattr(TrainConfig(), k)}
   if a.resume:  # the options given again; the rest are the run's (run.json)
-    cfg = resumed_config(cfg, given)
+    cfg = resumed_config(cfg, given, device_count=jax.device_count())
   elif 'vocab_size' in given:
     _check_vocab_size(cfg)
   summary = train(cfg, resume=a.resume, step=a.step)

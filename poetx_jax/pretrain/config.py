@@ -135,7 +135,7 @@ class TrainConfig:
   strategy: str = _option('dp', 'on several devices: replicate the state (dp) or shard it '
                           '(fsdp)', choices=sharding.STRATEGIES)
   fsdp: int = _count(1, 'size of the mesh axis that shards state (strategy fsdp); must '
-                     'divide the device count')
+                     'divide the device count (--resume: may change, like --strategy)')
   dtype: str = _option('auto', 'compute dtype; auto: bfloat16 on GPU, float32 elsewhere',
                        choices=('auto',) + DTYPES)
   param_dtype: str = _option('float32', 'dtype of the weights (POET generators are always '

@@ -43,6 +43,10 @@ RUN_FILE, DATA_FILE = 'run.json', 'data.json'
 # Options that say where things are, not what the run is: --resume may change
 # them (the corpus is checked against data.json's hashes instead).
 LOCATIONS = ('out_dir', 'cache_dir', 'data')
+# Options that say how the state is laid out on the devices, not what is
+# trained: --resume may change them (checkpoints restore onto any mesh), and
+# resumed_config fits a saved fsdp to the devices present.
+LAYOUT = ('strategy', 'fsdp')
 
 
 class RunLocked(RuntimeError):
@@ -169,25 +173,41 @@ def _saved_run(out: pathlib.Path) -> dict:
   return json.loads((out / RUN_FILE).read_text())
 
 
-def resumed_config(cfg: TrainConfig, given: tp.Iterable[str]) -> TrainConfig:
+def resumed_config(cfg: TrainConfig, given: tp.Iterable[str], *,
+                   device_count: int | None = None, log=print) -> TrainConfig:
   """What ``poetx train --resume`` continues: the run's ``run.json`` with the
   options ``given`` on the command line taken from ``cfg`` (:func:`open_run`
-  then checks they agree with it) and the run directory where it is now."""
+  then checks they agree with it) and the run directory where it is now.
+
+  With ``device_count``, a saved ``fsdp`` (not given again) that does not
+  divide it becomes the largest that does and is not above it, with a log
+  line saying so (a run sharded over 2 devices resumes on 1, on 3 ...);
+  ``--fsdp`` given chooses instead."""
   out = pathlib.Path(default_out_dir(cfg))
   _saved_run(out)
   fields = {f.name for f in dataclasses.fields(TrainConfig)}
-  return dataclasses.replace(read_config(out), out_dir=str(out),
-                             **{k: getattr(cfg, k) for k in set(given) & fields - {'out_dir'}})
+  given = set(given) & fields
+  resumed = dataclasses.replace(read_config(out), out_dir=str(out),
+                                **{k: getattr(cfg, k) for k in given - {'out_dir'}})
+  n, saved = device_count, resumed.fsdp
+  if n is None or 'fsdp' in given or n % saved == 0:
+    return resumed
+  fsdp = max(d for d in range(1, min(saved, n) + 1) if n % d == 0)
+  if processes.is_primary():
+    log(f'--resume: the run\'s fsdp={saved} does not divide the {n} device(s) present: '
+        f'continuing with fsdp={fsdp} (the layout may change on resume; --fsdp N '
+        f'chooses another)')
+  return dataclasses.replace(resumed, fsdp=fsdp)
 
 
 def _check_resumable(run_file: pathlib.Path, cfg: TrainConfig) -> None:
   """Raises CheckpointError unless ``cfg`` may continue the run of ``run_file``:
-  equal but for LOCATIONS, with ``steps`` at least the saved ones."""
+  equal but for LOCATIONS and LAYOUT, with ``steps`` at least the saved ones."""
   # A field newer than the run (absent from its run.json) holds its default.
   saved = {**dataclasses.asdict(TrainConfig()), **_saved_run(run_file.parent)}
   now = dataclasses.asdict(cfg)
   diff = {k: (saved.get(k), v) for k, v in now.items()
-          if k not in LOCATIONS + ('steps',) and saved.get(k) != v}
+          if k not in LOCATIONS + LAYOUT + ('steps',) and saved.get(k) != v}
   if diff:
     raise CheckpointError(f'--resume: the configuration differs from the one in {run_file} '
                           f'(saved, given): {diff}; leave these options out to use the '
