@@ -18,6 +18,7 @@ import contextlib
 import logging
 import pathlib
 import shutil
+import time
 import typing as tp
 
 import jax
@@ -222,19 +223,23 @@ class Checkpointer:
     run directory ``run``; returns ``(step, data_state)``.
 
     Without ``step``, each damaged checkpoint is named, the newest intact one
-    used (loudly) and the damaged ones moved to ``run/damaged-checkpoints``
-    (only once one has restored). With ``step``, the newer checkpoints are
-    moved to ``run/abandoned-checkpoints``: the run continues from ``step``.
+    used (loudly) and the damaged ones moved to a new folder
+    ``run/damaged-checkpoints/TIME`` (only once one has restored). With
+    ``step``, the newer checkpoints are moved to a new folder
+    ``run/abandoned-checkpoints/TIME-resumed-from-STEP``: the run continues from
+    ``step``. Each setting aside has its folder: none replaces another.
     """
     steps = sorted(self.all_steps(), reverse=True)
     if not steps:
       raise CheckpointError(f'--resume: no checkpoint in {self.directory} to resume from; '
                             f'start the run afresh (without --resume)')
+    now = time.strftime('%Y-%m-%dT%H-%M-%S')
     if step is not None:
       restored, data_state, _ = self.restore(model, optimizer, step=step)
-      for newer in (s for s in steps if s > step):
-        dest = self.set_aside(newer, run / 'abandoned-checkpoints')
-        log(f'--step {step}: moved the newer checkpoint step {newer} to {dest}')
+      newer = sorted(s for s in steps if s > step)
+      if newer:
+        dest = self.set_aside(newer, run / 'abandoned-checkpoints' / f'{now}-resumed-from-{step}')
+        log(f'--step {step}: moved the newer checkpoint steps {newer} to {dest}')
       return restored, data_state
     damaged = []
     for s in steps:
@@ -244,12 +249,10 @@ class Checkpointer:
         log(f'WARNING: {e}')
         damaged.append(s)
         continue
-      for d in damaged:
-        self.set_aside(d, run / 'damaged-checkpoints')
       if damaged:
+        dest = self.set_aside(damaged, run / 'damaged-checkpoints' / now)
         log(f'WARNING: resuming from step {restored}, the newest intact checkpoint, not '
-            f'{steps[0]}: the damaged steps {damaged} are moved to '
-            f'{run / "damaged-checkpoints"}')
+            f'{steps[0]}: the damaged steps {damaged} are moved to {dest}')
       return restored, data_state
     raise CheckpointError(f'--resume: every checkpoint in {self.directory} is damaged '
                           f'(steps {steps}); nothing to resume from')
@@ -293,20 +296,25 @@ class Checkpointer:
             f'wrote it')
     return damaged(f'its arrays cannot be read ({_first_line(error)})')
 
-  def set_aside(self, step: int, folder: str | pathlib.Path) -> pathlib.Path:
-    """Moves checkpoint ``step`` out of this directory, to ``folder/step``, where
-    neither restores nor saves see it; returns its new path."""
-    dest = pathlib.Path(folder) / str(step)
+  def set_aside(self, steps: list[int], folder: str | pathlib.Path) -> pathlib.Path:
+    """Moves checkpoint ``steps`` out of this directory into the new folder
+    ``folder`` (``folder-2``, ``-3``, ... if that exists), where neither
+    restores nor saves see them; returns the folder."""
+    folder = pathlib.Path(folder)
 
     def move():  # once, by the first of several processes
-      dest.parent.mkdir(parents=True, exist_ok=True)
-      if dest.exists():
-        shutil.rmtree(dest)
-      shutil.move(self.directory / str(step), dest)
+      dest, n = folder, 1
+      while dest.exists():
+        n += 1
+        dest = folder.with_name(f'{folder.name}-{n}')
+      dest.mkdir(parents=True)
+      for step in steps:
+        shutil.move(self.directory / str(step), dest / str(step))
+      return dest
 
-    processes.on_primary(f'setting checkpoint step {step} aside', move)
+    dest = processes.on_primary(f'setting checkpoint steps {steps} aside', move)
     self._mgr.reload()
-    return dest
+    return dest or folder
 
   def _resolve(self, step):
     steps = self.all_steps()

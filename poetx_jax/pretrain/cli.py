@@ -36,7 +36,8 @@ def _train_parser(sub, *, defaults: bool = True):
                  'to extend the run, and --data, --cache-dir may move)')
   p.add_argument('--step', type=int, default=None, metavar='N',
                  help='with --resume: continue from checkpoint step N instead (the newer '
-                      'checkpoints are moved to OUT_DIR/abandoned-checkpoints)')
+                      'checkpoints are moved to a new folder of '
+                      'OUT_DIR/abandoned-checkpoints)')
   p.add_argument('--distributed', action='store_true',
                  help='multi-process: call jax.distributed.initialize() first (it reads '
                       'the coordinator and process ids from the cluster environment, '

@@ -7,9 +7,10 @@
     RUN/checkpoints/      orbax steps (checkpoint.py)
     RUN/metrics.jsonl     the curves (metrics.py)
     RUN/train.lock        while a training runs: its pid, host and start (RunLock)
-    RUN/damaged-checkpoints/, RUN/abandoned-checkpoints/
-                          steps set aside on --resume: unreadable ones, and those
-                          newer than the one chosen with --step (Checkpointer.resume)
+    RUN/damaged-checkpoints/TIME/, RUN/abandoned-checkpoints/TIME-resumed-from-N/
+                          steps set aside by a --resume, a folder each: damaged
+                          ones, and those newer than the one chosen with --step N
+                          (Checkpointer.resume)
 
 The tokenizer is stored with the run, so eval, export and resume never
 retrain it: export needs only the weights and the stored tokenizer (no

@@ -1,0 +1,53 @@
+"""Faults in a run's files and in what it reports, injected into tiny runs on
+the CPU: checkpoint bytes changed in place, a diverged state checkpointed
+before its loss was seen, a refused resume, repeated abandonments, a cut
+metrics line, a stop between validations, and eval against training's
+validation. Each ends in a run that goes on from a good state, or in one line
+on stderr with its exit status (cli.main), and never loses data."""
+
+import dataclasses
+import json
+import os
+import re
+import pathlib
+import signal
+import time
+
+import jax.numpy as jnp
+import pytest
+
+from poetx_jax.pretrain import cli, loading
+from poetx_jax.pretrain import train as train_lib
+from poetx_jax.pretrain.checkpoint import Checkpointer
+from test_faults import (  # pylint: disable=unused-import
+    _assert_same_run, _cfg, _copy, _one_line_error, compile_cache, corpus, reference)
+
+
+def _tree(run):
+  """{path: bytes} of every file of a run directory."""
+  run = pathlib.Path(run)
+  return {str(p.relative_to(run)): p.read_bytes() for p in sorted(run.rglob('*'))
+          if p.is_file()}
+
+
+def _set_aside(run, folder):
+  """{folder name: [steps]} of a run's damaged- or abandoned-checkpoints."""
+  root = pathlib.Path(run) / folder
+  return {d.name: sorted(int(s.name) for s in d.iterdir()) for d in sorted(root.iterdir())}
+
+
+def test_each_abandonment_keeps_its_checkpoints(tmp_path, reference, capsys):
+  """--resume --step 8 sets 12 aside and writes a new 12; --resume --step 4
+  then sets 8 and the new 12 aside in a folder of their own: nothing lost."""
+  cfg = _copy(reference, tmp_path)
+  run = pathlib.Path(cfg.out_dir)
+  assert cli.main(['train', '--resume', '--step', '8', '--out-dir', str(run)]) == 0
+  assert cli.main(['train', '--resume', '--step', '4', '--out-dir', str(run)]) == 0
+  out = capsys.readouterr().out
+  assert len(list((run / 'abandoned-checkpoints').rglob('*/model'))) == 3  # 12, 8, 12
+  folders = {name.rsplit('-resumed-from-', 1)[1]: steps
+             for name, steps in _set_aside(run, 'abandoned-checkpoints').items()}
+  assert folders == {'8': [12], '4': [8, 12]}, folders
+  (second,) = (n for n in os.listdir(run / 'abandoned-checkpoints') if n.endswith('-from-4'))
+  assert f'moved the newer checkpoint steps [8, 12] to {run / "abandoned-checkpoints" / second}' in out
+  _assert_same_run(cfg, reference)
