@@ -36,6 +36,35 @@ def _set_aside(run, folder):
   return {d.name: sorted(int(s.name) for s in d.iterdir()) for d in sorted(root.iterdir())}
 
 
+def test_changed_bytes_of_a_checkpoint_are_found_by_its_digests(tmp_path, reference, capsys):
+  """400 bytes flipped in the newest step's largest model file, its size kept:
+  eval and export refuse it naming the file; --resume names it, sets it aside
+  and trains 8 -> 12 again to the same state."""
+  cfg = _copy(reference, tmp_path)
+  run = pathlib.Path(cfg.out_dir)
+  f = max((run / 'checkpoints' / '12' / 'model').rglob('d/*'), key=lambda f: f.stat().st_size)
+  data = bytearray(f.read_bytes())
+  middle = len(data) // 2
+  data[middle:middle + 400] = bytes(b ^ 0xFF for b in data[middle:middle + 400])
+  f.write_bytes(bytes(data))
+  name = str(f.relative_to(run / 'checkpoints' / '12'))
+
+  assert cli.main(['eval', str(run)]) == 2
+  err = _one_line_error(capsys, 'eval')
+  assert 'checkpoint step 12' in err and f'its file {name} changed' in err and '--step' in err
+  assert all((run / 'checkpoints' / str(s) / 'digests.json').is_file() for s in (4, 8, 12))
+  assert cli.main(['export', str(run), '--out', str(tmp_path / 'hf')]) == 2
+  assert f'its file {name} changed' in _one_line_error(capsys, 'export')
+  assert cli.main(['train', '--resume', '--out-dir', str(run)]) == 0
+  out = capsys.readouterr().out
+  assert (f'WARNING: checkpoint step 12 in {run / "checkpoints"} is damaged: its file {name} '
+          f'changed') in out
+  assert 'WARNING: resuming from step 8, the newest intact checkpoint, not 12' in out
+  (found,) = _set_aside(run, 'damaged-checkpoints').values()
+  assert found == [12]
+  _assert_same_run(cfg, reference)
+
+
 def test_each_abandonment_keeps_its_checkpoints(tmp_path, reference, capsys):
   """--resume --step 8 sets 12 aside and writes a new 12; --resume --step 4
   then sets 8 and the new 12 aside in a folder of their own: nothing lost."""
@@ -49,5 +78,6 @@ def test_each_abandonment_keeps_its_checkpoints(tmp_path, reference, capsys):
              for name, steps in _set_aside(run, 'abandoned-checkpoints').items()}
   assert folders == {'8': [12], '4': [8, 12]}, folders
   (second,) = (n for n in os.listdir(run / 'abandoned-checkpoints') if n.endswith('-from-4'))
-  assert f'moved the newer checkpoint steps [8, 12] to {run / "abandoned-checkpoints" / second}' in out
+  assert (f'moved the newer checkpoint steps [8, 12] to '
+          f'{run / "abandoned-checkpoints" / second}') in out
   _assert_same_run(cfg, reference)

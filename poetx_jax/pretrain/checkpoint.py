@@ -5,8 +5,11 @@ POET base weights and permutations included), ``opt`` (the ``nnx.Optimizer``
 state and step), ``data`` (the data iterator's state, JSON) and ``meta`` (JSON:
 the run's configuration and anything else the caller wants back).
 
-A restore that fails is diagnosed: a step with an item missing or unreadable
-(a missing manifest, an empty JSON item, a truncated array file) raises
+Each step also holds ``digests.json``, the sha256 of every file of its items
+(digests.py), written as the save commits and checked before the step is
+read. A restore that fails is diagnosed: a step with an item missing or
+unreadable (a missing manifest, an empty JSON item, a truncated array file)
+or a file whose bytes changed since it was saved raises
 :class:`DamagedCheckpoint`; one that reads but holds other arrays or shapes
 than the model (a configuration mismatch) raises :class:`CheckpointError`
 saying it does not fit, naming the first differences.
@@ -26,9 +29,10 @@ import orbax.checkpoint as ocp
 from etils import epath
 from flax import nnx
 
-from poetx_jax.pretrain import processes
+from poetx_jax.pretrain import digests, processes
 
 JSON_ITEMS = ('meta', 'data')
+ITEMS = ('model', 'opt', *JSON_ITEMS)
 
 
 class CheckpointError(RuntimeError):
@@ -36,7 +40,8 @@ class CheckpointError(RuntimeError):
 
 
 class DamagedCheckpoint(CheckpointError):
-  """A checkpoint step that cannot be read: an item missing, empty or truncated.
+  """A checkpoint step that cannot be read, or not as it was saved: an item
+  missing, empty or truncated, or a file's bytes changed.
 
   Attributes:
     step: the damaged step.
@@ -121,7 +126,8 @@ def _abstract(tree):
 class Checkpointer:
   """Saves and restores training state with an ``orbax`` ``CheckpointManager``.
 
-  Saves are asynchronous (training continues while the arrays are written);
+  Saves are asynchronous (training continues while the arrays are written and
+  then hashed into the step's ``digests.json``, before orbax commits it);
   ``max_to_keep`` keeps the newest N steps.
 
   Args:
@@ -135,11 +141,15 @@ class Checkpointer:
     if max_to_keep < 1:
       raise ValueError(f'max_to_keep must be >= 1, got {max_to_keep}')
     self.directory = pathlib.Path(directory).absolute()
+    self._async = async_save
+    self._saving = None  # the step whose save is under way
     self._mgr = ocp.CheckpointManager(
         self.directory,
         options=ocp.CheckpointManagerOptions(
             max_to_keep=max_to_keep, enable_async_checkpointing=async_save,
-            create=True))
+            create=True,
+            async_options=ocp.AsyncOptions(
+                post_finalization_callback=self._write_digests) if async_save else None))
 
   def latest_step(self) -> int | None:
     return self._mgr.latest_step()
@@ -150,15 +160,33 @@ class Checkpointer:
   def save(self, step: int, model, optimizer, *, data_state: dict,
            meta: dict) -> None:
     """Starts saving; returns once the arrays are copied off the devices."""
+    self._mgr.wait_until_finished()  # the previous save's digests are written
+    self._saving = step
     self._mgr.save(step, args=ocp.args.Composite(
         model=ocp.args.StandardSave(_pure(model)),
         opt=ocp.args.StandardSave(_pure(optimizer)),
         data=ocp.args.JsonSave(data_state),
         meta=ocp.args.JsonSave(meta)), force=True)
+    if not self._async:  # committed already: digests beside it
+      processes.on_primary('writing the checkpoint digests',
+                           lambda: digests.write(self.directory / str(step), ITEMS))
+
+  def _write_digests(self) -> None:
+    """Hashes the step being saved, once written and before orbax commits it
+    (renames its temporary folder): orbax calls this on the first process
+    only, in its background thread."""
+    step = self._saving
+    pending = list(self.directory.glob(f'{step}.orbax-checkpoint-tmp*'))
+    where = pending[0] if len(pending) == 1 else self.directory / str(step)
+    if not where.is_dir():
+      raise CheckpointError(f'cannot find the folder of checkpoint step {step} being saved '
+                            f'in {self.directory} to hash it (found {pending})')
+    digests.write(where, ITEMS)
 
   def read_meta(self, step: int | None = None) -> tuple[int, dict]:
     """(step, meta) of a checkpoint without touching any array."""
     step = self._resolve(step)
+    self._check_digests(step, ('meta',))
     try:
       out = self._mgr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
     except Exception as e:  # orbax raises several types for unreadable files
@@ -205,7 +233,9 @@ class Checkpointer:
 
   def _read(self, step: int, targets: dict) -> dict:
     """The items of checkpoint ``step``: ``data``, ``meta`` and one per
-    ``targets`` entry (a pure dict of arrays or shapes), restored to them."""
+    ``targets`` entry (a pure dict of arrays or shapes), restored to them,
+    once their files are checked against the step's digests."""
+    self._check_digests(step, (*JSON_ITEMS, *targets))
     try:
       with _quiet():
         out = self._mgr.restore(step, args=ocp.args.Composite(
@@ -257,18 +287,29 @@ class Checkpointer:
     raise CheckpointError(f'--resume: every checkpoint in {self.directory} is damaged '
                           f'(steps {steps}); nothing to resume from')
 
+  def _check_digests(self, step: int, items: tuple[str, ...]) -> None:
+    """Raises DamagedCheckpoint unless the files of ``items`` of ``step`` are
+    those saved (the first process reads and hashes them, for all)."""
+    why = digests.check(self.directory / str(step), items) if processes.is_primary() else None
+    if processes.agree_max(why is not None):
+      raise self._damaged(step, why or 'its files differ from those saved (the first '
+                                       'process says which)')
+
+  def _damaged(self, step: int, why: str) -> DamagedCheckpoint:
+    others = sorted(s for s in self.all_steps() if s != step)
+    hint = (f'; the other checkpoints are steps {others} (pick one with --step)'
+            if others else '')
+    return DamagedCheckpoint(f'checkpoint step {step} in {self.directory} is damaged: '
+                             f'{why}{hint}', step)
+
   def _diagnose(self, step: int, targets: dict, error: Exception) -> CheckpointError:
     """Why restoring ``step`` into ``targets`` failed: a DamagedCheckpoint when an
     item is missing or unreadable, a CheckpointError when the arrays read but
     do not fit."""
     where = self.directory / str(step)
-    others = sorted(s for s in self.all_steps() if s != step)
-    hint = (f'; the other checkpoints are steps {others} (pick one with --step)'
-            if others else '')
 
     def damaged(why):
-      return DamagedCheckpoint(f'checkpoint step {step} in {self.directory} is damaged: '
-                               f'{why}{hint}', step)
+      return self._damaged(step, why)
 
     for name in (*JSON_ITEMS, *targets):
       if not (where / name).is_dir():
