@@ -65,6 +65,31 @@ def test_changed_bytes_of_a_checkpoint_are_found_by_its_digests(tmp_path, refere
   _assert_same_run(cfg, reference)
 
 
+def test_a_diverged_state_checkpointed_before_its_loss_is_named_as_suspect(
+    tmp_path, corpus, capsys, monkeypatch):
+  """The state of step 4 is finite but overflows (the final norm's weight at
+  3e38) and is checkpointed; the loss, fetched every 6 steps, is seen to be
+  NaN at step 6. The message says the state went bad in steps 1 to 5 and
+  that checkpoint 4 may hold it; eval of it exits 3."""
+  def overflow(run):  # before the checkpoint of step 4
+    if run.step == 4:
+      run.model.norm.weight[...] = jnp.full_like(run.model.norm.weight[...], 3e38)
+
+  cfg = _cfg(tmp_path, corpus, log_every=6, eval_every=12)
+  with pytest.raises(train_lib.NonFiniteLoss) as e:
+    train_lib.train(cfg, log=lambda *_: None, hooks=[train_lib.Hook(overflow)])
+  msg = str(e.value)
+  assert 'the loss became nan at step 6, computed from the state of step 5' in msg
+  assert 'fetched every 6 steps' in msg
+  assert 'the state went bad in one of the steps 1 to 5' in msg
+  assert 'checkpoint step 4' in msg and 'may hold the bad state' in msg
+  assert 'no checkpoint is from before' in msg
+  assert Checkpointer(pathlib.Path(cfg.out_dir) / 'checkpoints').all_steps() == [4]
+  assert cli.main(['eval', cfg.out_dir]) == 3
+  err = _one_line_error(capsys, 'eval')
+  assert re.search(r'the validation loss of checkpoint step 4 is (nan|inf)', err)
+
+
 def test_each_abandonment_keeps_its_checkpoints(tmp_path, reference, capsys):
   """--resume --step 8 sets 12 aside and writes a new 12; --resume --step 4
   then sets 8 and the new 12 aside in a folder of their own: nothing lost."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import pathlib
 import sys
 
@@ -132,6 +133,11 @@ def cmd_eval(a) -> int:
   print(json.dumps({'run': a.run, 'step': step, 'val_loss': result.loss,
                     'val_ppl': result.ppl, 'val_tokens': int(data.val_windows.size),
                     **result.aux}))
+  if not math.isfinite(result.loss):
+    from poetx_jax.pretrain.train import NonFiniteLoss
+    raise NonFiniteLoss(f'the validation loss of checkpoint step {step} is {result.loss}: '
+                        f'its model holds a diverged state (an earlier step may not: '
+                        f'--step N)')
   return 0
 
 
@@ -157,7 +163,9 @@ def build_parser() -> argparse.ArgumentParser:
                      description='Validation loss and perplexity of a run at a checkpoint, '
                                  'printed as one JSON line. The corpus is read again with '
                                  'the run\'s stored tokenizer; its validation split must '
-                                 'be the one the run was validated on.')
+                                 'be the one the run was validated on. Exit status: 0 '
+                                 'done, 2 bad option, data or checkpoint, 3 the loss is '
+                                 'not finite (NaN or infinite).')
   p.add_argument('run', help='the run directory (the --out-dir of poetx train)')
   p.add_argument('--step', type=int, default=None,
                  help='the checkpoint step to evaluate (default: the newest)')

@@ -33,10 +33,14 @@ from poetx_jax.pretrain.metrics import (Metrics, Progress, StopFlag, TrainClock,
 
 
 class NonFiniteLoss(FloatingPointError):
-  """The loss or the model state became NaN or infinite (``poetx train`` exits 3).
+  """The loss or the model state became NaN or infinite (``poetx train`` and
+  ``poetx eval`` exit 3).
 
-  Nothing is saved from the diverged state: the newest checkpoint stays the
-  last one written before, which the message names."""
+  Training saves nothing once it has seen the state go bad. Its message says
+  what is known: the steps in which the state went bad (after the last one
+  found to give a finite loss; the training loss is fetched only every
+  ``log_every`` steps), and which checkpoints are from before them; one
+  saved within them may hold the bad state."""
   exit_code = 3
 
 
@@ -106,6 +110,7 @@ class Run:
   first_val: tuple[float, float] | None = None
   last_val: tuple[float, float] | None = None
   stopped: str | None = None
+  good: int | None = None  # the newest step whose state gave a finite loss
   merges: list = dataclasses.field(default_factory=list)  # (step, error) to report
   # The loop's state: the last step's loss (a device array until logged),
   # the clock, the progress bar and where this call started.
@@ -120,7 +125,7 @@ class Run:
     """Starts an asynchronous checkpoint of the state and the data position,
     once the model state is checked finite (else :meth:`diverged`)."""
     if not all_finite(nnx.to_pure_dict(nnx.state(self.model))):
-      self.diverged(f'the model state is not finite at step {self.step}')
+      self.diverged(f'the model state is not finite at step {self.step}', bad=self.step)
     meta = {'step': self.step, 'config': dataclasses.asdict(self.cfg), 'reason': reason}
     self.ckpt.save(self.step, self.model, self.optimizer,
                    data_state=self.batches.get_state(), meta=meta)
@@ -129,14 +134,34 @@ class Run:
       if hook.on == 'save' and hook.due(self.step, False):
         _call(self, hook)
 
-  def diverged(self, what: str) -> tp.NoReturn:
-    """Raises NonFiniteLoss once the earlier checkpoints are written, naming the
-    newest: the last good state."""
+  def diverged(self, what: str, *, bad: int) -> tp.NoReturn:
+    """Raises NonFiniteLoss once the earlier checkpoints are written: ``what``
+    happened and the state of step ``bad`` is bad. The message says since
+    which step it may have been, and which checkpoints are from before."""
     self.ckpt.close()
-    newest = self.ckpt.latest_step()
-    kept = (f'the newest checkpoint, step {newest} in {self.ckpt.directory}, is from '
-            f'before' if newest is not None else 'no checkpoint was written before')
-    raise NonFiniteLoss(f'training diverged: {what}; nothing was saved from it, {kept}')
+    where, steps = self.ckpt.directory, self.ckpt.all_steps()
+    lo = self.start if self.good is None else self.good + 1
+    known = (f'the state of step {self.good} was the last found to give a finite loss'
+             if self.good is not None else
+             f'no loss was found finite since this run started at step {self.start}')
+    went = (f'in one of the steps {lo} to {bad}' if lo < bad else f'at step {bad}')
+    text = (f'training diverged: {what}; {known}, so the state went bad {went} (the '
+            f'training loss is fetched every {self.cfg.log_every} steps)')
+    suspect = [c for c in steps if c >= lo]
+    before = [c for c in steps if c < lo]
+    if suspect:
+      listed = (f'checkpoint step {suspect[0]} in {where} is' if len(suspect) == 1 else
+                f'checkpoint steps {", ".join(map(str, suspect))} in {where} are')
+      text += (f'; {listed} from those steps and may hold the bad state (poetx eval '
+               f'{self.out} --step N exits 3 if its loss is not finite)')
+      text += (f'; the newest from before is step {before[-1]} (--resume --step '
+               f'{before[-1]})' if before else '; no checkpoint is from before')
+    elif before:
+      text += (f'; nothing was saved from it: the newest checkpoint, step {before[-1]} in '
+               f'{where}, is from before')
+    else:
+      text += '; no checkpoint was written before'
+    raise NonFiniteLoss(text)
 
   def validate(self) -> tuple[float, float]:
     """(validation loss, perplexity) now, also written to metrics.jsonl with
@@ -145,6 +170,10 @@ class Run:
     result = evaluate(self.model, self.val, self.mesh)
     self.metrics.write({'step': self.step, 'val_loss': result.loss, 'val_ppl': result.ppl,
                         **result.aux})
+    if not math.isfinite(result.loss):
+      self.diverged(f'the validation loss became {result.loss} at step {self.step}',
+                    bad=self.step)
+    self.good = self.step
     return result.loss, result.ppl
 
 
@@ -338,8 +367,10 @@ def _log_step(run: Run) -> None:
   """Fetches the loss (stopping on a non-finite one), updates the progress bar
   and writes the step's record."""
   run.loss = loss = float(run.loss)
-  if not math.isfinite(loss):
-    run.diverged(f'the loss became {loss} at step {run.step}')
+  if not math.isfinite(loss):  # the step's loss is that of the state before it
+    run.diverged(f'the loss became {loss} at step {run.step}, computed from the state of '
+                 f'step {run.step - 1}', bad=run.step - 1)
+  run.good = run.step - 1
   elapsed = time.perf_counter() - run.t0
   tok_s = (run.step - run.start) * (run.cfg.batch_size * run.cfg.seq_len) / elapsed
   run.progress.update(run.step, loss, tok_s)
