@@ -90,6 +90,21 @@ def test_a_diverged_state_checkpointed_before_its_loss_is_named_as_suspect(
   assert re.search(r'the validation loss of checkpoint step 4 is (nan|inf)', err)
 
 
+def test_a_refused_resume_writes_nothing(tmp_path, reference, capsys):
+  """--resume --data OTHER (another corpus) is refused and leaves every file
+  of the run as it was: eval of the run still works."""
+  cfg = _copy(reference, tmp_path)
+  other = tmp_path / 'other'
+  other.mkdir()
+  (other / 'a.txt').write_text('another corpus altogether, ' * 400)
+  before = _tree(cfg.out_dir)
+  assert cli.main(['train', '--resume', '--out-dir', cfg.out_dir, '--data', str(other)]) == 2
+  err = _one_line_error(capsys)
+  assert 'the corpus no longer matches the run' in err and str(other) in err
+  assert _tree(cfg.out_dir) == before
+  assert cli.main(['eval', cfg.out_dir]) == 0
+
+
 def test_each_abandonment_keeps_its_checkpoints(tmp_path, reference, capsys):
   """--resume --step 8 sets 12 aside and writes a new 12; --resume --step 4
   then sets 8 and the new 12 aside in a folder of their own: nothing lost."""

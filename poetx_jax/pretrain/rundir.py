@@ -211,9 +211,11 @@ def _make_dir(out: pathlib.Path) -> None:
 
 @contextlib.contextmanager
 def open_run(cfg: TrainConfig, *, resume: bool, log=print) -> tp.Iterator[pathlib.Path]:
-  """The run directory ``cfg.out_dir``, created (or, resuming, checked), locked
-  for this process (``train.lock``) and its ``run.json`` written; unlocked on
-  leaving, however that happens.
+  """The run directory ``cfg.out_dir``, created (or, resuming, checked) and
+  locked for this process (``train.lock``); unlocked on leaving, however that
+  happens. A new run's ``run.json`` is written here; a resumed run's is
+  rewritten by :func:`write_config` only once it is set up (its corpus and
+  checkpoint accepted), so that a refused ``--resume`` leaves the run as it was.
 
   Raises:
     CheckpointError: resuming without a ``run.json`` (nothing is created), or
@@ -234,17 +236,23 @@ def open_run(cfg: TrainConfig, *, resume: bool, log=print) -> tp.Iterator[pathli
       _make_dir(out)
       held.enter_context(RunLock(out, log=log))
 
-    def write_run_file():  # whole, for whoever reads it meanwhile
-      text = json.dumps(dataclasses.asdict(cfg), indent=1)
-      atomic_write(run_file, lambda tmp: pathlib.Path(tmp).write_text(text))
-
     processes.on_primary('opening the run directory', lock)
     # Every process: orbax's checkpoint manager is collective.
-    if not resume and Checkpointer(out / 'checkpoints').all_steps():
+    saved = Checkpointer(out / 'checkpoints').all_steps()
+    if not resume and saved:
       raise CheckpointError(f'{out} already holds checkpoints of a run; continue it with '
                             f'--resume, or choose another --out-dir')
-    processes.on_primary('writing run.json', write_run_file)
+    if not resume:
+      write_config(out, cfg)
     yield out
+
+
+def write_config(out: pathlib.Path, cfg: TrainConfig) -> None:
+  """Writes the run's ``run.json`` (whole, for whoever reads it meanwhile): the
+  configuration the run in ``out`` trains with."""
+  text = json.dumps(dataclasses.asdict(cfg), indent=1)
+  processes.on_primary('writing run.json', lambda: atomic_write(
+      out / RUN_FILE, lambda tmp: pathlib.Path(tmp).write_text(text)))
 
 
 def store_data(out: pathlib.Path, data: data_lib.TextData) -> None:
@@ -283,10 +291,17 @@ def stored_tokenizer(out: str | pathlib.Path) -> pathlib.Path:
 
 
 def check_data(out: pathlib.Path, data: data_lib.TextData, splits: tuple[str, ...],
-               prefix: str = '') -> None:
+               prefix: str = '', sources: list[str] | None = None) -> None:
   """Raises CheckpointError (its message starting with ``prefix``) unless the
-  ``splits`` ('train', 'val') of ``data`` are those the run was trained with."""
+  ``splits`` ('train', 'val') of ``data``, read from ``sources`` (the
+  ``--data`` paths, ``[]`` for the built-in corpus; None: the run's own), are
+  those the run was trained with."""
   record = read_data_record(out)
+  recorded = data_sources(out)
+  given = recorded if sources is None else (list(sources) or ['the built-in corpus'])
+  which = (f'{", ".join(recorded)} changed since' if given == recorded else
+           f'the corpus read, {", ".join(given)}, is not the one the run was trained '
+           f'on ({", ".join(recorded)}) or that one changed since')
   for split in splits:
     now = (data.fingerprint[f'{split}_tokens'], data.fingerprint[f'{split}_sha256'])
     then = (record[f'{split}_tokens'], record[f'{split}_sha256'])
@@ -295,8 +310,7 @@ def check_data(out: pathlib.Path, data: data_lib.TextData, splits: tuple[str, ..
       raise CheckpointError(
           f'{prefix}the corpus no longer matches the run {out}: its {name} split is now '
           f'{now[0]:,} tokens (sha256 {now[1][:16]}...), at the start of the run it was '
-          f'{then[0]:,} tokens (sha256 {then[1][:16]}..., {out / DATA_FILE}): '
-          f'{", ".join(data_sources(out))} changed since')
+          f'{then[0]:,} tokens (sha256 {then[1][:16]}..., {out / DATA_FILE}): {which}')
 
 
 def data_sources(out: pathlib.Path) -> list[str]:

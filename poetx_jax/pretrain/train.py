@@ -214,6 +214,8 @@ def train(cfg: TrainConfig, *, resume: bool = False, step: int | None = None, lo
   log = log if primary else (lambda *_: None)
   with rundir.open_run(cfg, resume=resume, log=log) as out:
     run = set_up(cfg, out, resume=resume, step=step, log=log)
+    if resume:  # only now: a refused --resume leaves run.json as it was
+      rundir.write_config(out, cfg)
     run.hooks = loop_hooks(run, hooks, log)
     if run.step == 0:
       _start(run, log)
