@@ -121,3 +121,30 @@ def test_each_abandonment_keeps_its_checkpoints(tmp_path, reference, capsys):
   assert (f'moved the newer checkpoint steps [8, 12] to '
           f'{run / "abandoned-checkpoints" / second}') in out
   _assert_same_run(cfg, reference)
+
+
+def test_a_cut_last_metrics_line_is_dropped_and_others_named(tmp_path, reference, capsys):
+  """A metrics.jsonl whose last line was cut by a crash mid-write: --resume and
+  plot warn naming file and line and drop it; a damaged line before the last
+  is an error naming file and line."""
+  cfg = _copy(reference, tmp_path)
+  path = pathlib.Path(cfg.out_dir) / 'metrics.jsonl'
+  lines = path.read_text().splitlines()
+  n = len(lines) + 1
+  path.write_text(''.join(l + '\n' for l in lines) + '{"step": 12, "lo')
+  assert cli.main(['train', '--resume', '--out-dir', cfg.out_dir]) == 0
+  out = capsys.readouterr().out
+  assert f'WARNING: {path} line {n} is cut short' in out and 'dropped' in out
+  assert path.read_text().splitlines() == lines
+
+  path.write_text(''.join(l + '\n' for l in lines) + '{"step": 12, "lo')
+  assert cli.main(['plot', cfg.out_dir, '--out', str(tmp_path / 'loss.png')]) == 0
+  assert f'WARNING: {path} line {n} is cut short' in capsys.readouterr().err
+
+  lines[3] = lines[3][:10]
+  path.write_text(''.join(l + '\n' for l in lines))
+  for command in (['train', '--resume', '--out-dir', cfg.out_dir],
+                  ['plot', cfg.out_dir, '--out', str(tmp_path / 'loss.png')]):
+    assert cli.main(command) == 2
+    err = _one_line_error(capsys, command[0])
+    assert f'{path} line 4 is not a JSON record' in err

@@ -30,6 +30,7 @@ from poetx_jax.pretrain.factories import (build_state, compute_dtype, make_step,
                                           size_text)
 from poetx_jax.pretrain.metrics import (Metrics, Progress, StopFlag, TrainClock,
                                         merge_reporter)
+from poetx_jax.pretrain.plot import read_metrics
 
 
 class NonFiniteLoss(FloatingPointError):
@@ -329,13 +330,16 @@ def set_up(cfg: TrainConfig, out: pathlib.Path, *, resume: bool, step: int | Non
   val = data_lib.eval_batches(data.val_windows[:cfg.eval_batches * cfg.batch_size],
                                batch_size=cfg.batch_size)
   ckpt = Checkpointer(out / 'checkpoints', max_to_keep=cfg.keep)
-  if resume:
+  records = ()
+  if resume:  # metrics.jsonl read (and refused if damaged) before anything moves
+    records = processes.on_primary('reading metrics.jsonl', lambda: (
+        read_metrics(out, warn=log) if (out / 'metrics.jsonl').exists() else ()))
     step, data_state = ckpt.resume(model, optimizer, step=step, run=out, log=log)
     batches.set_state(data_state)
     total = cfg.steps * cfg.grad_accum
     log(f'resumed from step {step}' + (f': the run is complete ({total} steps); raise '
                                        f'--steps to extend it' if step >= total else ''))
-  metrics = Metrics(out, step or 0, write=processes.is_primary())
+  metrics = Metrics(out, step or 0, write=processes.is_primary(), records=records or ())
   merges = []  # the step function's merges, reported by a hook (loop_hooks)
   step_fn = make_step(cfg, mc, on_merge=lambda *merge: merges.append(merge), mesh=mesh)
   return Run(cfg, out, mesh, model, optimizer, step_fn, batches, val, ckpt, metrics,
