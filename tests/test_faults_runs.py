@@ -148,3 +148,30 @@ def test_a_cut_last_metrics_line_is_dropped_and_others_named(tmp_path, reference
     assert cli.main(command) == 2
     err = _one_line_error(capsys, command[0])
     assert f'{path} line 4 is not a JSON record' in err
+
+
+def test_step_errors_and_sigterm_during_start_up(tmp_path, corpus, capsys, monkeypatch):
+  """--step -1 and --step without --resume each name their fault; a SIGTERM
+  while the data is read stops with a line saying nothing was saved, and
+  --resume then says there is nothing to resume, to start afresh."""
+  run = tmp_path / 'run'
+  assert cli.main(['train', '--resume', '--step', '-1', '--out-dir', str(run)]) == 2
+  assert '--step must be a checkpoint step >= 0, got -1' in _one_line_error(capsys)
+  assert cli.main(['train', '--step', '4', '--out-dir', str(run)]) == 2
+  assert '--step 4 needs --resume' in _one_line_error(capsys)
+
+  def terminated(*a, **k):
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(5)  # the handler raises first
+    raise AssertionError('no SIGTERM')
+
+  monkeypatch.setattr(loading, 'load_data', terminated)
+  args = ['--data', str(corpus), '--out-dir', str(run), '--cache-dir', str(tmp_path / 'c')]
+  with pytest.raises(SystemExit) as e:
+    cli.main(['train', *args])
+  assert e.value.code == 143
+  assert 'stopped by SIGTERM while starting, before any checkpoint' in capsys.readouterr().out
+  monkeypatch.undo()
+  assert cli.main(['train', '--resume', *args]) == 2
+  err = _one_line_error(capsys)
+  assert 'nothing to resume' in err and 'without --resume' in err

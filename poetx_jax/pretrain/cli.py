@@ -60,6 +60,10 @@ def _train_parser(sub, *, defaults: bool = True):
 
 def cmd_train(a) -> int:
   import jax
+  if a.step is not None and not a.resume:
+    raise ValueError(f'--step {a.step} needs --resume: it picks the checkpoint to resume from')
+  if a.step is not None and a.step < 0:
+    raise ValueError(f'--step must be a checkpoint step >= 0, got {a.step}')
   cluster = {'coordinator_address': a.coordinator, 'num_processes': a.num_processes,
              'process_id': a.process_id}
   given = [k for k, v in cluster.items() if v is not None]

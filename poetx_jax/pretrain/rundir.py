@@ -218,9 +218,9 @@ def open_run(cfg: TrainConfig, *, resume: bool, log=print) -> tp.Iterator[pathli
   checkpoint accepted), so that a refused ``--resume`` leaves the run as it was.
 
   Raises:
-    CheckpointError: resuming without a ``run.json`` (nothing is created), or
-      with a configuration the run cannot continue with; or starting afresh
-      where checkpoints exist.
+    CheckpointError: resuming without a ``run.json`` (nothing is created) or
+      a checkpoint, or with a configuration the run cannot continue with; or
+      starting afresh where checkpoints exist.
     RunLocked: another training process holds the directory.
     ValueError: the directory cannot be created or written.
   """
@@ -239,6 +239,10 @@ def open_run(cfg: TrainConfig, *, resume: bool, log=print) -> tp.Iterator[pathli
     processes.on_primary('opening the run directory', lock)
     # Every process: orbax's checkpoint manager is collective.
     saved = Checkpointer(out / 'checkpoints').all_steps()
+    if resume and not saved:
+      raise CheckpointError(f'--resume: {out} holds no checkpoint (its training stopped '
+                            f'before the first was saved): nothing to resume; start the '
+                            f'run afresh (without --resume)')
     if not resume and saved:
       raise CheckpointError(f'{out} already holds checkpoints of a run; continue it with '
                             f'--resume, or choose another --out-dir')

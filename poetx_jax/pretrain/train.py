@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import pathlib
+import signal
 import time
 import typing as tp
 
@@ -214,12 +215,20 @@ def train(cfg: TrainConfig, *, resume: bool = False, step: int | None = None, lo
   primary = processes.is_primary()  # of several processes, the first reports
   log = log if primary else (lambda *_: None)
   with rundir.open_run(cfg, resume=resume, log=log) as out:
-    run = set_up(cfg, out, resume=resume, step=step, log=log)
-    if resume:  # only now: a refused --resume leaves run.json as it was
-      rundir.write_config(out, cfg)
-    run.hooks = loop_hooks(run, hooks, log)
-    if run.step == 0:
-      _start(run, log)
+    try:
+      run = set_up(cfg, out, resume=resume, step=step, log=log)
+      if resume:  # only now: a refused --resume leaves run.json as it was
+        rundir.write_config(out, cfg)
+      run.hooks = loop_hooks(run, hooks, log)
+      if run.step == 0:
+        _start(run, log)
+    except SystemExit as e:  # SIGTERM before the loop (rundir.RunLock): no save
+      if e.code == _SIGTERM_EXIT:
+        log('stopped by SIGTERM while starting, ' + (
+            'before training: resume again with --resume' if resume else
+            'before any checkpoint: nothing to resume; run the command again (without '
+            '--resume) to start afresh'))
+      raise
     total = cfg.steps * cfg.grad_accum  # one iteration = one micro-batch
     run.progress = Progress(total, initial=run.step, disable=not primary)
     run.t0, run.start = time.perf_counter(), run.step
@@ -288,6 +297,7 @@ def _after_step(run: Run, last: bool) -> None:
 
 
 _SIGNALS = (None, 'SIGINT', 'SIGTERM')
+_SIGTERM_EXIT = 128 + signal.SIGTERM  # rundir's SIGTERM handler exits with it
 
 
 def _agreed(signal: str | None, *, at_log: bool) -> str | None:
@@ -303,8 +313,10 @@ def _checked(cfg: TrainConfig, resume: bool, step: int | None) -> None:
   """Raises ValueError unless ``cfg`` can run on this machine's devices and
   ``step`` names a checkpoint to resume from."""
   cfg.validate(device_count=jax.device_count())
-  if step is not None and not (resume and isinstance(step, int) and step >= 0):
-    raise ValueError(f'step={step!r}: choosing a checkpoint needs resume and a step >= 0')
+  if step is not None and not resume:
+    raise ValueError(f'step={step!r} needs resume: it picks the checkpoint to resume from')
+  if step is not None and not (isinstance(step, int) and step >= 0):
+    raise ValueError(f'step must be a checkpoint step >= 0, got {step!r}')
 
 
 def set_up(cfg: TrainConfig, out: pathlib.Path, *, resume: bool, step: int | None = None,
