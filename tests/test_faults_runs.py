@@ -150,6 +150,25 @@ def test_a_cut_last_metrics_line_is_dropped_and_others_named(tmp_path, reference
     assert f'{path} line 4 is not a JSON record' in err
 
 
+def test_validation_figures_name_their_step(tmp_path, reference, capsys):
+  """A resumed run stopped at step 19 last validated at step 18: its summary
+  says so."""
+  cfg = _copy(reference, tmp_path)
+  messages = []
+  summary = train_lib.train(dataclasses.replace(cfg, steps=20), resume=True, stop_after=7,
+                            log=messages.append)
+  assert summary['step'] == 19 and summary['val_after']['step'] == 18
+  val = [json.loads(l) for l in (pathlib.Path(cfg.out_dir) / 'metrics.jsonl').read_text()
+         .splitlines()]
+  assert summary['val_after']['loss'] == next(r['val_loss'] for r in val
+                                              if r['step'] == 18 and 'val_loss' in r)
+  assert any(m.startswith('step 18: validation loss') for m in messages), messages
+  assert not any(m.startswith('step 19: validation') for m in messages)
+  cli._report(summary, str(tmp_path / 'loss.png'))  # pylint: disable=protected-access
+  assert 'validation perplexity: ' in (report := capsys.readouterr().out)
+  assert 'at step 18' in report
+
+
 def test_step_errors_and_sigterm_during_start_up(tmp_path, corpus, capsys, monkeypatch):
   """--step -1 and --step without --resume each name their fault; a SIGTERM
   while the data is read stops with a line saying nothing was saved, and

@@ -98,9 +98,10 @@ def cmd_train(a) -> int:
 
 def _report(summary: dict, plot: str | None) -> None:
   """Prints a finished run's summary and draws its loss curves."""
-  if 'val_before' in summary and 'val_after' in summary:
-    print(f"validation perplexity: {summary['val_before']['ppl']:.2f} -> "
-          f"{summary['val_after']['ppl']:.2f}")
+  vals = [f"{v['ppl']:.2f} at step {v['step']}" for v in
+          (summary.get('val_before'), summary.get('val_after')) if v]
+  if vals:
+    print(f"validation perplexity: {' -> '.join(vals)}")
   print(f"{summary['tokens_per_s']:,.0f} tokens/s over {summary['elapsed_s']:.1f} s "
         f"({summary['steady_tokens_per_s']:,.0f} tokens/s less compilation, evaluation "
         f"and checkpoints)" + (f"; peak device memory {summary['peak_gib']:.2f} GiB"

@@ -57,6 +57,14 @@ def all_finite(tree) -> bool:
   return bool(_finite(leaves)) if leaves else True
 
 
+class Validation(tp.NamedTuple):
+  """A validation of a run's state: its step, the mean loss per target token
+  and its perplexity."""
+  step: int
+  loss: float
+  ppl: float
+
+
 @dataclasses.dataclass(frozen=True)
 class Hook:
   """Something the training loop does every ``every`` micro-steps, and after
@@ -109,8 +117,8 @@ class Run:
   metrics: Metrics
   step: int
   hooks: list[Hook] = dataclasses.field(default_factory=list)
-  first_val: tuple[float, float] | None = None
-  last_val: tuple[float, float] | None = None
+  first_val: Validation | None = None  # at step 0
+  last_val: Validation | None = None  # the newest of this call
   stopped: str | None = None
   good: int | None = None  # the newest step whose state gave a finite loss
   merges: list = dataclasses.field(default_factory=list)  # (step, error) to report
@@ -165,8 +173,8 @@ class Run:
       text += '; no checkpoint was written before'
     raise NonFiniteLoss(text)
 
-  def validate(self) -> tuple[float, float]:
-    """(validation loss, perplexity) now, also written to metrics.jsonl with
+  def validate(self) -> Validation:
+    """The :class:`Validation` of the state now, also written to metrics.jsonl with
     the model's auxiliary outputs on the first validation batch (a
     mixture-of-experts model's routing; :func:`~poetx_jax.pretrain.evaluation.evaluate`)."""
     result = evaluate(self.model, self.val, self.mesh)
@@ -176,7 +184,7 @@ class Run:
       self.diverged(f'the validation loss became {result.loss} at step {self.step}',
                     bad=self.step)
     self.good = self.step
-    return result.loss, result.ppl
+    return Validation(self.step, result.loss, result.ppl)
 
 
 def _call(run: Run, hook: Hook) -> None:
@@ -375,10 +383,14 @@ def _log_sizes(cfg: TrainConfig, mc, model, optimizer, log) -> None:
 def _start(run: Run, log) -> None:
   """Step 0: validates the initial model, then runs the hooks ``at_start``."""
   run.first_val = run.validate()
-  log(f'step 0: validation loss {run.first_val[0]:.4f}, perplexity {run.first_val[1]:.2f}')
+  log(_validation_line(run.first_val))
   for hook in run.hooks:
     if hook.at_start and hook.on == 'step':
       _call(run, hook)
+
+
+def _validation_line(v: Validation) -> str:
+  return f'step {v.step}: validation loss {v.loss:.4f}, perplexity {v.ppl:.2f}'
 
 
 def _log_step(run: Run) -> None:
@@ -413,11 +425,10 @@ def _finish(run: Run, log) -> dict:
   if 'peak_bytes_in_use' in stats:  # GPUs report it; the CPU does not
     summary['peak_gib'] = stats['peak_bytes_in_use'] / 2 ** 30
   if run.first_val:
-    summary['val_before'] = {'loss': run.first_val[0], 'ppl': run.first_val[1]}
-  if run.last_val:
-    summary['val_after'] = {'loss': run.last_val[0], 'ppl': run.last_val[1]}
-    log(f'step {run.step}: validation loss {run.last_val[0]:.4f}, '
-        f'perplexity {run.last_val[1]:.2f}')
+    summary['val_before'] = run.first_val._asdict()
+  if run.last_val:  # of its own step, which may be before the last
+    summary['val_after'] = run.last_val._asdict()
+    log(_validation_line(run.last_val))
   if run.stopped:
     log(f'stopped at step {run.step} ({run.stopped}); resume with --resume')
   return summary
