@@ -152,7 +152,7 @@ def test_a_cut_last_metrics_line_is_dropped_and_others_named(tmp_path, reference
 
 def test_validation_figures_name_their_step(tmp_path, reference, capsys):
   """A resumed run stopped at step 19 last validated at step 18: its summary
-  says so."""
+  says so, and how many validation windows it used."""
   cfg = _copy(reference, tmp_path)
   messages = []
   summary = train_lib.train(dataclasses.replace(cfg, steps=20), resume=True, stop_after=7,
@@ -164,9 +164,30 @@ def test_validation_figures_name_their_step(tmp_path, reference, capsys):
                                               if r['step'] == 18 and 'val_loss' in r)
   assert any(m.startswith('step 18: validation loss') for m in messages), messages
   assert not any(m.startswith('step 19: validation') for m in messages)
+  assert any(m.startswith('step 18: validation') and '(8 of 25 validation windows)' in m
+             for m in messages), messages
   cli._report(summary, str(tmp_path / 'loss.png'))  # pylint: disable=protected-access
   assert 'validation perplexity: ' in (report := capsys.readouterr().out)
   assert 'at step 18' in report
+
+
+def test_eval_scores_the_runs_validation_windows(tmp_path, reference, capsys):
+  """eval scores the windows training validated on (the run's --eval-batches):
+  the same loss; --eval-batches N or all scores others, saying how many."""
+  cfg = _copy(reference, tmp_path)
+  val = [json.loads(l) for l in (pathlib.Path(cfg.out_dir) / 'metrics.jsonl').read_text()
+         .splitlines()]
+  assert cli.main(['eval', cfg.out_dir]) == 0
+  ours = json.loads(capsys.readouterr().out)
+  assert ours['step'] == 12 and ours['val_windows'] == 8 and ours['val_windows_total'] == 25
+  assert ours['val_loss'] == pytest.approx(
+      next(r['val_loss'] for r in val if r['step'] == 12 and 'val_loss' in r), rel=1e-6)
+  for flag, windows in (('all', 25), ('1', 4), ('run', 8)):
+    assert cli.main(['eval', cfg.out_dir, '--eval-batches', flag]) == 0
+    assert json.loads(capsys.readouterr().out)['val_windows'] == windows
+  assert cli.main(['eval', cfg.out_dir, '--eval-batches', '0']) == 2
+  assert ("--eval-batches must be a count >= 1, 'run' or 'all', got '0'"
+          in _one_line_error(capsys, 'eval'))
 
 
 def test_step_errors_and_sigterm_during_start_up(tmp_path, corpus, capsys, monkeypatch):

@@ -128,16 +128,28 @@ def cmd_prepare(a) -> int:
   return 0
 
 
+def _eval_batches(text: str) -> int | str | None:
+  """--eval-batches: a count, 'run' (the run's own) or None ('all': every window)."""
+  if text in ('run', 'all'):
+    return None if text == 'all' else text
+  if not text.isdigit() or int(text) < 1:
+    raise ValueError(f"--eval-batches must be a count >= 1, 'run' or 'all', got {text!r}")
+  return int(text)
+
+
 def cmd_eval(a) -> int:
   from poetx_jax.pretrain import data as data_lib
   from poetx_jax.pretrain.evaluation import evaluate
   from poetx_jax.pretrain.loading import load_run
+  count = _eval_batches(a.eval_batches)
   cfg, data, model, step = load_run(a.run, step=a.step)
-  batches = data_lib.eval_batches(data.val_windows, batch_size=cfg.batch_size)
-  result = evaluate(model, batches)
+  count = cfg.eval_batches if count == 'run' else count
+  windows = data.val_windows[:None if count is None else count * cfg.batch_size]
+  result = evaluate(model, data_lib.eval_batches(windows, batch_size=cfg.batch_size))
   print(json.dumps({'run': a.run, 'step': step, 'val_loss': result.loss,
-                    'val_ppl': result.ppl, 'val_tokens': int(data.val_windows.size),
-                    **result.aux}))
+                    'val_ppl': result.ppl, 'val_windows': len(windows),
+                    'val_windows_total': len(data.val_windows),
+                    'val_tokens': int(windows.size), **result.aux}))
   if not math.isfinite(result.loss):
     from poetx_jax.pretrain.train import NonFiniteLoss
     raise NonFiniteLoss(f'the validation loss of checkpoint step {step} is {result.loss}: '
@@ -174,6 +186,11 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument('run', help='the run directory (the --out-dir of poetx train)')
   p.add_argument('--step', type=int, default=None,
                  help='the checkpoint step to evaluate (default: the newest)')
+  p.add_argument('--eval-batches', default='run', metavar='N',
+                 help='score the first N batches of the run\'s --batch-size validation '
+                      'windows, or every window ("all"); default "run": the run\'s own '
+                      '--eval-batches, so the loss is the one training logged at that '
+                      'step. The output gives val_windows scored of val_windows_total')
   p.set_defaults(func=cmd_eval)
   p = sub.add_parser('export', help='a Hugging Face Llama directory (merged weights, '
                                     'config, tokenizer)',

@@ -112,11 +112,12 @@ class Run:
   optimizer: tp.Any
   step_fn: tp.Callable
   batches: tp.Any  # the training batches: a grain iterator
-  val: list
+  val: list  # the validation batches
   ckpt: Checkpointer
   metrics: Metrics
   step: int
   hooks: list[Hook] = dataclasses.field(default_factory=list)
+  val_windows: tuple[int, int] = (0, 0)  # in the validation batches, in the split
   first_val: Validation | None = None  # at step 0
   last_val: Validation | None = None  # the newest of this call
   stopped: str | None = None
@@ -347,8 +348,8 @@ def set_up(cfg: TrainConfig, out: pathlib.Path, *, resume: bool, step: int | Non
     raise ValueError(f'batch_size={cfg.batch_size} must be divisible by the {pc} processes')
   batches = iter(data_lib.train_dataset(data.train_windows, batch_size=cfg.batch_size,
                                         seed=cfg.seed, shard_index=pi, shard_count=pc))
-  val = data_lib.eval_batches(data.val_windows[:cfg.eval_batches * cfg.batch_size],
-                               batch_size=cfg.batch_size)
+  windows = data.val_windows[:cfg.eval_batches * cfg.batch_size]  # poetx eval's default
+  val = data_lib.eval_batches(windows, batch_size=cfg.batch_size)
   ckpt = Checkpointer(out / 'checkpoints', max_to_keep=cfg.keep)
   records = ()
   if resume:  # metrics.jsonl read (and refused if damaged) before anything moves
@@ -363,7 +364,7 @@ def set_up(cfg: TrainConfig, out: pathlib.Path, *, resume: bool, step: int | Non
   merges = []  # the step function's merges, reported by a hook (loop_hooks)
   step_fn = make_step(cfg, mc, on_merge=lambda *merge: merges.append(merge), mesh=mesh)
   return Run(cfg, out, mesh, model, optimizer, step_fn, batches, val, ckpt, metrics,
-             step or 0, merges=merges)
+             step or 0, merges=merges, val_windows=(len(windows), len(data.val_windows)))
 
 
 def _log_sizes(cfg: TrainConfig, mc, model, optimizer, log) -> None:
@@ -383,14 +384,15 @@ def _log_sizes(cfg: TrainConfig, mc, model, optimizer, log) -> None:
 def _start(run: Run, log) -> None:
   """Step 0: validates the initial model, then runs the hooks ``at_start``."""
   run.first_val = run.validate()
-  log(_validation_line(run.first_val))
+  log(_validation_line(run.first_val, run.val_windows))
   for hook in run.hooks:
     if hook.at_start and hook.on == 'step':
       _call(run, hook)
 
 
-def _validation_line(v: Validation) -> str:
-  return f'step {v.step}: validation loss {v.loss:.4f}, perplexity {v.ppl:.2f}'
+def _validation_line(v: Validation, windows: tuple[int, int]) -> str:
+  return (f'step {v.step}: validation loss {v.loss:.4f}, perplexity {v.ppl:.2f} '
+          f'({windows[0]} of {windows[1]} validation windows)')
 
 
 def _log_step(run: Run) -> None:
@@ -428,7 +430,7 @@ def _finish(run: Run, log) -> dict:
     summary['val_before'] = run.first_val._asdict()
   if run.last_val:  # of its own step, which may be before the last
     summary['val_after'] = run.last_val._asdict()
-    log(_validation_line(run.last_val))
+    log(_validation_line(run.last_val, run.val_windows))
   if run.stopped:
     log(f'stopped at step {run.step} ({run.stopped}); resume with --resume')
   return summary
