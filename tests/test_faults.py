@@ -206,11 +206,14 @@ def test_a_damaged_newest_checkpoint_resumes_from_the_previous_one(tmp_path, ref
   out = capsys.readouterr().out
   assert 'WARNING: checkpoint step 12' in out and 'is damaged' in out
   assert 'WARNING: resuming from step 8, the newest intact checkpoint, not 12' in out
-  assert (run / 'damaged-checkpoints' / '12' / 'model').is_dir()
+  (damaged,) = (run / 'damaged-checkpoints').iterdir()
+  assert (damaged / '12' / 'model').is_dir()
   _assert_same_run(cfg, reference)
 
   assert cli.main(['train', '--resume', '--step', '4', '--out-dir', str(run)]) == 0
-  assert sorted(p.name for p in (run / 'abandoned-checkpoints').iterdir()) == ['12', '8']
+  (abandoned,) = (run / 'abandoned-checkpoints').iterdir()
+  assert abandoned.name.endswith('-resumed-from-4')
+  assert sorted(p.name for p in abandoned.iterdir()) == ['12', '8']
   _assert_same_run(cfg, reference)
 
 

@@ -5,8 +5,11 @@ POET base weights and permutations included), ``opt`` (the ``nnx.Optimizer``
 state and step), ``data`` (the data iterator's state, JSON) and ``meta`` (JSON:
 the run's configuration and anything else the caller wants back).
 
-A restore that fails is diagnosed: a step with an item missing or unreadable
-(a missing manifest, an empty JSON item, a truncated array file) raises
+Each step also holds ``digests.json``, the sha256 of every file of its items
+(digests.py), written as the save commits and checked before the step is
+read. A restore that fails is diagnosed: a step with an item missing or
+unreadable (a missing manifest, an empty JSON item, a truncated array file)
+or a file whose bytes changed since it was saved raises
 :class:`DamagedCheckpoint`; one that reads but holds other arrays or shapes
 than the model (a configuration mismatch) raises :class:`CheckpointError`
 saying it does not fit, naming the first differences.
@@ -18,6 +21,7 @@ import contextlib
 import logging
 import pathlib
 import shutil
+import time
 import typing as tp
 
 import jax
@@ -25,9 +29,10 @@ import orbax.checkpoint as ocp
 from etils import epath
 from flax import nnx
 
-from poetx_jax.pretrain import processes
+from poetx_jax.pretrain import digests, processes
 
 JSON_ITEMS = ('meta', 'data')
+ITEMS = ('model', 'opt', *JSON_ITEMS)
 
 
 class CheckpointError(RuntimeError):
@@ -35,7 +40,8 @@ class CheckpointError(RuntimeError):
 
 
 class DamagedCheckpoint(CheckpointError):
-  """A checkpoint step that cannot be read: an item missing, empty or truncated.
+  """A checkpoint step that cannot be read, or not as it was saved: an item
+  missing, empty or truncated, or a file's bytes changed.
 
   Attributes:
     step: the damaged step.
@@ -120,7 +126,8 @@ def _abstract(tree):
 class Checkpointer:
   """Saves and restores training state with an ``orbax`` ``CheckpointManager``.
 
-  Saves are asynchronous (training continues while the arrays are written);
+  Saves are asynchronous (training continues while the arrays are written and
+  then hashed into the step's ``digests.json``, before orbax commits it);
   ``max_to_keep`` keeps the newest N steps.
 
   Args:
@@ -134,11 +141,15 @@ class Checkpointer:
     if max_to_keep < 1:
       raise ValueError(f'max_to_keep must be >= 1, got {max_to_keep}')
     self.directory = pathlib.Path(directory).absolute()
+    self._async = async_save
+    self._saving = None  # the step whose save is under way
     self._mgr = ocp.CheckpointManager(
         self.directory,
         options=ocp.CheckpointManagerOptions(
             max_to_keep=max_to_keep, enable_async_checkpointing=async_save,
-            create=True))
+            create=True,
+            async_options=ocp.AsyncOptions(
+                post_finalization_callback=self._write_digests) if async_save else None))
 
   def latest_step(self) -> int | None:
     return self._mgr.latest_step()
@@ -149,15 +160,33 @@ class Checkpointer:
   def save(self, step: int, model, optimizer, *, data_state: dict,
            meta: dict) -> None:
     """Starts saving; returns once the arrays are copied off the devices."""
+    self._mgr.wait_until_finished()  # the previous save's digests are written
+    self._saving = step
     self._mgr.save(step, args=ocp.args.Composite(
         model=ocp.args.StandardSave(_pure(model)),
         opt=ocp.args.StandardSave(_pure(optimizer)),
         data=ocp.args.JsonSave(data_state),
         meta=ocp.args.JsonSave(meta)), force=True)
+    if not self._async:  # committed already: digests beside it
+      processes.on_primary('writing the checkpoint digests',
+                           lambda: digests.write(self.directory / str(step), ITEMS))
+
+  def _write_digests(self) -> None:
+    """Hashes the step being saved, once written and before orbax commits it
+    (renames its temporary folder): orbax calls this on the first process
+    only, in its background thread."""
+    step = self._saving
+    pending = list(self.directory.glob(f'{step}.orbax-checkpoint-tmp*'))
+    where = pending[0] if len(pending) == 1 else self.directory / str(step)
+    if not where.is_dir():
+      raise CheckpointError(f'cannot find the folder of checkpoint step {step} being saved '
+                            f'in {self.directory} to hash it (found {pending})')
+    digests.write(where, ITEMS)
 
   def read_meta(self, step: int | None = None) -> tuple[int, dict]:
     """(step, meta) of a checkpoint without touching any array."""
     step = self._resolve(step)
+    self._check_digests(step, ('meta',))
     try:
       out = self._mgr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
     except Exception as e:  # orbax raises several types for unreadable files
@@ -204,7 +233,9 @@ class Checkpointer:
 
   def _read(self, step: int, targets: dict) -> dict:
     """The items of checkpoint ``step``: ``data``, ``meta`` and one per
-    ``targets`` entry (a pure dict of arrays or shapes), restored to them."""
+    ``targets`` entry (a pure dict of arrays or shapes), restored to them,
+    once their files are checked against the step's digests."""
+    self._check_digests(step, (*JSON_ITEMS, *targets))
     try:
       with _quiet():
         out = self._mgr.restore(step, args=ocp.args.Composite(
@@ -222,19 +253,23 @@ class Checkpointer:
     run directory ``run``; returns ``(step, data_state)``.
 
     Without ``step``, each damaged checkpoint is named, the newest intact one
-    used (loudly) and the damaged ones moved to ``run/damaged-checkpoints``
-    (only once one has restored). With ``step``, the newer checkpoints are
-    moved to ``run/abandoned-checkpoints``: the run continues from ``step``.
+    used (loudly) and the damaged ones moved to a new folder
+    ``run/damaged-checkpoints/TIME`` (only once one has restored). With
+    ``step``, the newer checkpoints are moved to a new folder
+    ``run/abandoned-checkpoints/TIME-resumed-from-STEP``: the run continues from
+    ``step``. Each setting aside has its folder: none replaces another.
     """
     steps = sorted(self.all_steps(), reverse=True)
     if not steps:
       raise CheckpointError(f'--resume: no checkpoint in {self.directory} to resume from; '
                             f'start the run afresh (without --resume)')
+    now = time.strftime('%Y-%m-%dT%H-%M-%S')
     if step is not None:
       restored, data_state, _ = self.restore(model, optimizer, step=step)
-      for newer in (s for s in steps if s > step):
-        dest = self.set_aside(newer, run / 'abandoned-checkpoints')
-        log(f'--step {step}: moved the newer checkpoint step {newer} to {dest}')
+      newer = sorted(s for s in steps if s > step)
+      if newer:
+        dest = self.set_aside(newer, run / 'abandoned-checkpoints' / f'{now}-resumed-from-{step}')
+        log(f'--step {step}: moved the newer checkpoint steps {newer} to {dest}')
       return restored, data_state
     damaged = []
     for s in steps:
@@ -244,28 +279,37 @@ class Checkpointer:
         log(f'WARNING: {e}')
         damaged.append(s)
         continue
-      for d in damaged:
-        self.set_aside(d, run / 'damaged-checkpoints')
       if damaged:
+        dest = self.set_aside(damaged, run / 'damaged-checkpoints' / now)
         log(f'WARNING: resuming from step {restored}, the newest intact checkpoint, not '
-            f'{steps[0]}: the damaged steps {damaged} are moved to '
-            f'{run / "damaged-checkpoints"}')
+            f'{steps[0]}: the damaged steps {damaged} are moved to {dest}')
       return restored, data_state
     raise CheckpointError(f'--resume: every checkpoint in {self.directory} is damaged '
                           f'(steps {steps}); nothing to resume from')
+
+  def _check_digests(self, step: int, items: tuple[str, ...]) -> None:
+    """Raises DamagedCheckpoint unless the files of ``items`` of ``step`` are
+    those saved (the first process reads and hashes them, for all)."""
+    why = digests.check(self.directory / str(step), items) if processes.is_primary() else None
+    if processes.agree_max(why is not None):
+      raise self._damaged(step, why or 'its files differ from those saved (the first '
+                                       'process says which)')
+
+  def _damaged(self, step: int, why: str) -> DamagedCheckpoint:
+    others = sorted(s for s in self.all_steps() if s != step)
+    hint = (f'; the other checkpoints are steps {others} (pick one with --step)'
+            if others else '')
+    return DamagedCheckpoint(f'checkpoint step {step} in {self.directory} is damaged: '
+                             f'{why}{hint}', step)
 
   def _diagnose(self, step: int, targets: dict, error: Exception) -> CheckpointError:
     """Why restoring ``step`` into ``targets`` failed: a DamagedCheckpoint when an
     item is missing or unreadable, a CheckpointError when the arrays read but
     do not fit."""
     where = self.directory / str(step)
-    others = sorted(s for s in self.all_steps() if s != step)
-    hint = (f'; the other checkpoints are steps {others} (pick one with --step)'
-            if others else '')
 
     def damaged(why):
-      return DamagedCheckpoint(f'checkpoint step {step} in {self.directory} is damaged: '
-                               f'{why}{hint}', step)
+      return self._damaged(step, why)
 
     for name in (*JSON_ITEMS, *targets):
       if not (where / name).is_dir():
@@ -293,20 +337,25 @@ class Checkpointer:
             f'wrote it')
     return damaged(f'its arrays cannot be read ({_first_line(error)})')
 
-  def set_aside(self, step: int, folder: str | pathlib.Path) -> pathlib.Path:
-    """Moves checkpoint ``step`` out of this directory, to ``folder/step``, where
-    neither restores nor saves see it; returns its new path."""
-    dest = pathlib.Path(folder) / str(step)
+  def set_aside(self, steps: list[int], folder: str | pathlib.Path) -> pathlib.Path:
+    """Moves checkpoint ``steps`` out of this directory into the new folder
+    ``folder`` (``folder-2``, ``-3``, ... if that exists), where neither
+    restores nor saves see them; returns the folder."""
+    folder = pathlib.Path(folder)
 
     def move():  # once, by the first of several processes
-      dest.parent.mkdir(parents=True, exist_ok=True)
-      if dest.exists():
-        shutil.rmtree(dest)
-      shutil.move(self.directory / str(step), dest)
+      dest, n = folder, 1
+      while dest.exists():
+        n += 1
+        dest = folder.with_name(f'{folder.name}-{n}')
+      dest.mkdir(parents=True)
+      for step in steps:
+        shutil.move(self.directory / str(step), dest / str(step))
+      return dest
 
-    processes.on_primary(f'setting checkpoint step {step} aside', move)
+    dest = processes.on_primary(f'setting checkpoint steps {steps} aside', move)
     self._mgr.reload()
-    return dest
+    return dest or folder
 
   def _resolve(self, step):
     steps = self.all_steps()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import pathlib
 import sys
 
@@ -39,7 +40,8 @@ def _train_parser(sub, *, defaults: bool = True):
                  'lowered to the largest that does)')
   p.add_argument('--step', type=int, default=None, metavar='N',
                  help='with --resume: continue from checkpoint step N instead (the newer '
-                      'checkpoints are moved to OUT_DIR/abandoned-checkpoints)')
+                      'checkpoints are moved to a new folder of '
+                      'OUT_DIR/abandoned-checkpoints)')
   p.add_argument('--distributed', action='store_true',
                  help='multi-process: call jax.distributed.initialize() first (it reads '
                       'the coordinator and process ids from the cluster environment, '
@@ -66,6 +68,10 @@ def _train_parser(sub, *, defaults: bool = True):
 
 def cmd_train(a) -> int:
   import jax
+  if a.step is not None and not a.resume:
+    raise ValueError(f'--step {a.step} needs --resume: it picks the checkpoint to resume from')
+  if a.step is not None and a.step < 0:
+    raise ValueError(f'--step must be a checkpoint step >= 0, got {a.step}')
   cluster = {'coordinator_address': a.coordinator, 'num_processes': a.num_processes,
              'process_id': a.process_id}
   given = [k for k, v in cluster.items() if v is not None]
@@ -124,9 +130,10 @@ def _check_address(address: str) -> None:
 
 def _report(summary: dict, plot: str | None) -> None:
   """Prints a finished run's summary and draws its loss curves."""
-  if 'val_before' in summary and 'val_after' in summary:
-    print(f"validation perplexity: {summary['val_before']['ppl']:.2f} -> "
-          f"{summary['val_after']['ppl']:.2f}")
+  vals = [f"{v['ppl']:.2f} at step {v['step']}" for v in
+          (summary.get('val_before'), summary.get('val_after')) if v]
+  if vals:
+    print(f"validation perplexity: {' -> '.join(vals)}")
   print(f"{summary['tokens_per_s']:,.0f} tokens/s over {summary['elapsed_s']:.1f} s "
         f"({summary['steady_tokens_per_s']:,.0f} tokens/s less compilation, evaluation "
         f"and checkpoints)" + (f"; peak device memory {summary['peak_gib']:.2f} GiB"
@@ -153,16 +160,33 @@ def cmd_prepare(a) -> int:
   return 0
 
 
+def _eval_batches(text: str) -> int | str | None:
+  """--eval-batches: a count, 'run' (the run's own) or None ('all': every window)."""
+  if text in ('run', 'all'):
+    return None if text == 'all' else text
+  if not text.isdigit() or int(text) < 1:
+    raise ValueError(f"--eval-batches must be a count >= 1, 'run' or 'all', got {text!r}")
+  return int(text)
+
+
 def cmd_eval(a) -> int:
   from poetx_jax.pretrain import data as data_lib
   from poetx_jax.pretrain.evaluation import evaluate
   from poetx_jax.pretrain.loading import load_run
+  count = _eval_batches(a.eval_batches)
   cfg, data, model, step = load_run(a.run, step=a.step)
-  batches = data_lib.eval_batches(data.val_windows, batch_size=cfg.batch_size)
-  result = evaluate(model, batches)
+  count = cfg.eval_batches if count == 'run' else count
+  windows = data.val_windows[:None if count is None else count * cfg.batch_size]
+  result = evaluate(model, data_lib.eval_batches(windows, batch_size=cfg.batch_size))
   print(json.dumps({'run': a.run, 'step': step, 'val_loss': result.loss,
-                    'val_ppl': result.ppl, 'val_tokens': int(data.val_windows.size),
-                    **result.aux}))
+                    'val_ppl': result.ppl, 'val_windows': len(windows),
+                    'val_windows_total': len(data.val_windows),
+                    'val_tokens': int(windows.size), **result.aux}))
+  if not math.isfinite(result.loss):
+    from poetx_jax.pretrain.train import NonFiniteLoss
+    raise NonFiniteLoss(f'the validation loss of checkpoint step {step} is {result.loss}: '
+                        f'its model holds a diverged state (an earlier step may not: '
+                        f'--step N)')
   return 0
 
 
@@ -188,10 +212,17 @@ def build_parser() -> argparse.ArgumentParser:
                      description='Validation loss and perplexity of a run at a checkpoint, '
                                  'printed as one JSON line. The corpus is read again with '
                                  'the run\'s stored tokenizer; its validation split must '
-                                 'be the one the run was validated on.')
+                                 'be the one the run was validated on. Exit status: 0 '
+                                 'done, 2 bad option, data or checkpoint, 3 the loss is '
+                                 'not finite (NaN or infinite).')
   p.add_argument('run', help='the run directory (the --out-dir of poetx train)')
   p.add_argument('--step', type=int, default=None,
                  help='the checkpoint step to evaluate (default: the newest)')
+  p.add_argument('--eval-batches', default='run', metavar='N',
+                 help='score the first N batches of the run\'s --batch-size validation '
+                      'windows, or every window ("all"); default "run": the run\'s own '
+                      '--eval-batches, so the loss is the one training logged at that '
+                      'step. The output gives val_windows scored of val_windows_total')
   p.set_defaults(func=cmd_eval)
   p = sub.add_parser('export', help='a Hugging Face Llama directory (merged weights, '
                                     'config, tokenizer)',

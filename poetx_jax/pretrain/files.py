@@ -1,11 +1,15 @@
-"""Files written whole: a reader sees the old file or the new one, never a part.
+"""Files written whole (a reader sees the old file or the new one, never a
+part), and JSON-lines files read back though a crash may have cut their last
+line short.
 
     atomic_write(out / 'run.json', lambda tmp: Path(tmp).write_text(text))
     atomic_write(out / 'tokens.npy', lambda tmp: np.save(tmp, tokens))
+    records = read_jsonl(out / 'metrics.jsonl', warn=print, required=('step',))
 """
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 import typing as tp
@@ -60,3 +64,36 @@ def atomic_write(path: str | os.PathLike, write: tp.Callable[[str], object]) -> 
     if os.path.exists(tmp):
       os.remove(tmp)
   return path
+
+
+def read_jsonl(path: str | os.PathLike, *, warn: tp.Callable[[str], object],
+               required: tuple[str, ...] = ()) -> list[dict]:
+  """The records of a JSON-lines file: one JSON object a line, each with the
+  keys ``required``; blank lines are skipped.
+
+  A damaged last line (what a crash in the middle of appending leaves) is
+  dropped, with ``warn(message)`` naming the file and line. A damaged line
+  before the last raises ValueError naming the file and line.
+  """
+  lines = Path(path).read_bytes().split(b'\n')
+  last = max((i for i, line in enumerate(lines) if line.strip()), default=-1)
+  records = []
+  for i, line in enumerate(lines):
+    if not line.strip():
+      continue
+    try:
+      record = json.loads(line.decode())
+      if not isinstance(record, dict):
+        raise ValueError(f'a JSON {type(record).__name__}, not an object')
+      missing = [k for k in required if k not in record]
+      if missing:
+        raise ValueError(f'no {", ".join(map(repr, missing))}')
+    except ValueError as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+      if i == last:
+        warn(f'WARNING: {path} line {i + 1} is cut short (a write interrupted by a crash?): '
+             f'dropped')
+        continue
+      raise ValueError(f'{path} line {i + 1} is not a JSON record ({e}); repair or delete '
+                       f'that line') from None
+    records.append(record)
+  return records

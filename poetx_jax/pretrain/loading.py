@@ -93,7 +93,8 @@ def run_data(out: pathlib.Path, cfg: TrainConfig, *, resume: bool) -> data_lib.T
                               lambda: _run_data(out, cfg, resume=resume))
   if data is None:
     data = load_data(cfg, stored_tokenizer(out))
-    check_data(out, data, ('train', 'val'), f'process {jax.process_index()}: ')
+    check_data(out, data, ('train', 'val'), f'process {jax.process_index()}: ',
+               sources=cfg.data or [])
   return data
 
 
@@ -103,7 +104,7 @@ def _run_data(out: pathlib.Path, cfg: TrainConfig, *, resume: bool) -> data_lib.
     store_data(out, data)
     return data
   data = load_data(cfg, stored_tokenizer(out))
-  check_data(out, data, ('train', 'val'), '--resume: ')
+  check_data(out, data, ('train', 'val'), '--resume: ', sources=cfg.data or [])
   return data
 
 

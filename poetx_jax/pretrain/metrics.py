@@ -38,21 +38,21 @@ ORTHOGONALITY_WARNING = 0.1
 class Metrics:
   """metrics.jsonl (and TensorBoard when tensorboardX is installed).
 
-  On resume (``resume_step > 0``) the records past ``resume_step`` are dropped.
-  ``write=False`` (the other processes of a multi-process run) writes nothing.
+  On resume (``resume_step > 0``) the file is rewritten with the ``records``
+  read from it before (:func:`~poetx_jax.pretrain.plot.read_metrics`) up to
+  ``resume_step``. ``write=False`` (the other processes of a multi-process
+  run) writes nothing.
   """
 
-  def __init__(self, out_dir: pathlib.Path, resume_step: int, *, write: bool = True):
+  def __init__(self, out_dir: pathlib.Path, resume_step: int, *, write: bool = True,
+               records: tp.Sequence[dict] = ()):
     self.path = out_dir / 'metrics.jsonl'
     self._write = write
     self._tb = None
     if not write:  # another process of the run writes them
       return
-    kept = []
-    if resume_step and self.path.exists():  # drop records past the checkpoint
-      kept = [l for l in self.path.read_text().splitlines()
-              if l.strip() and json.loads(l)['step'] <= resume_step]
-    self.path.write_text(''.join(l + '\n' for l in kept))
+    kept = [r for r in records if r['step'] <= resume_step] if resume_step else []
+    self.path.write_text(''.join(json.dumps(r) + '\n' for r in kept))
     try:
       from tensorboardX import SummaryWriter  # optional
       self._tb = SummaryWriter(str(out_dir / 'tb'))

@@ -6,20 +6,28 @@
 
 from __future__ import annotations
 
-import json
 import pathlib
+import sys
+
+from poetx_jax.pretrain.files import read_jsonl
 
 
 class NothingToPlot(ValueError):
   """A run has no training-loss records: no metrics.jsonl, or none in it."""
 
 
-def read_metrics(run: str | pathlib.Path) -> list[dict]:
-  """The records of a run's ``metrics.jsonl``, in order."""
+def _stderr(message: str) -> None:
+  print(message, file=sys.stderr)
+
+
+def read_metrics(run: str | pathlib.Path, *, warn=_stderr) -> list[dict]:
+  """The records of a run's ``metrics.jsonl``, in order; a last line cut short
+  by a crash is dropped with ``warn(message)``, another damaged line raises
+  ValueError (:func:`~poetx_jax.pretrain.files.read_jsonl`)."""
   path = pathlib.Path(run) / 'metrics.jsonl'
   if not path.exists():
     raise FileNotFoundError(f'no metrics.jsonl in {run}')
-  return [json.loads(l) for l in path.read_text().splitlines() if l.strip()]
+  return read_jsonl(path, warn=warn, required=('step',))
 
 
 def image_path(out: str | pathlib.Path, formats) -> pathlib.Path:

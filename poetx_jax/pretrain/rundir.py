@@ -7,9 +7,10 @@
     RUN/checkpoints/      orbax steps (checkpoint.py)
     RUN/metrics.jsonl     the curves (metrics.py)
     RUN/train.lock        while a training runs: its pid, host and start (RunLock)
-    RUN/damaged-checkpoints/, RUN/abandoned-checkpoints/
-                          steps set aside on --resume: unreadable ones, and those
-                          newer than the one chosen with --step (Checkpointer.resume)
+    RUN/damaged-checkpoints/TIME/, RUN/abandoned-checkpoints/TIME-resumed-from-N/
+                          steps set aside by a --resume, a folder each: damaged
+                          ones, and those newer than the one chosen with --step N
+                          (Checkpointer.resume)
 
 The tokenizer is stored with the run, so eval, export and resume never
 retrain it: export needs only the weights and the stored tokenizer (no
@@ -230,14 +231,16 @@ def _make_dir(out: pathlib.Path) -> None:
 
 @contextlib.contextmanager
 def open_run(cfg: TrainConfig, *, resume: bool, log=print) -> tp.Iterator[pathlib.Path]:
-  """The run directory ``cfg.out_dir``, created (or, resuming, checked), locked
-  for this process (``train.lock``) and its ``run.json`` written; unlocked on
-  leaving, however that happens.
+  """The run directory ``cfg.out_dir``, created (or, resuming, checked) and
+  locked for this process (``train.lock``); unlocked on leaving, however that
+  happens. A new run's ``run.json`` is written here; a resumed run's is
+  rewritten by :func:`write_config` only once it is set up (its corpus and
+  checkpoint accepted), so that a refused ``--resume`` leaves the run as it was.
 
   Raises:
-    CheckpointError: resuming without a ``run.json`` (nothing is created), or
-      with a configuration the run cannot continue with; or starting afresh
-      where checkpoints exist.
+    CheckpointError: resuming without a ``run.json`` (nothing is created) or
+      a checkpoint, or with a configuration the run cannot continue with; or
+      starting afresh where checkpoints exist.
     RunLocked: another training process holds the directory.
     ValueError: the directory cannot be created or written.
   """
@@ -253,17 +256,27 @@ def open_run(cfg: TrainConfig, *, resume: bool, log=print) -> tp.Iterator[pathli
       _make_dir(out)
       held.enter_context(RunLock(out, log=log))
 
-    def write_run_file():  # whole, for whoever reads it meanwhile
-      text = json.dumps(dataclasses.asdict(cfg), indent=1)
-      atomic_write(run_file, lambda tmp: pathlib.Path(tmp).write_text(text))
-
     processes.on_primary('opening the run directory', lock)
     # Every process: orbax's checkpoint manager is collective.
-    if not resume and Checkpointer(out / 'checkpoints').all_steps():
+    saved = Checkpointer(out / 'checkpoints').all_steps()
+    if resume and not saved:
+      raise CheckpointError(f'--resume: {out} holds no checkpoint (its training stopped '
+                            f'before the first was saved): nothing to resume; start the '
+                            f'run afresh (without --resume)')
+    if not resume and saved:
       raise CheckpointError(f'{out} already holds checkpoints of a run; continue it with '
                             f'--resume, or choose another --out-dir')
-    processes.on_primary('writing run.json', write_run_file)
+    if not resume:
+      write_config(out, cfg)
     yield out
+
+
+def write_config(out: pathlib.Path, cfg: TrainConfig) -> None:
+  """Writes the run's ``run.json`` (whole, for whoever reads it meanwhile): the
+  configuration the run in ``out`` trains with."""
+  text = json.dumps(dataclasses.asdict(cfg), indent=1)
+  processes.on_primary('writing run.json', lambda: atomic_write(
+      out / RUN_FILE, lambda tmp: pathlib.Path(tmp).write_text(text)))
 
 
 def store_data(out: pathlib.Path, data: data_lib.TextData) -> None:
@@ -302,10 +315,17 @@ def stored_tokenizer(out: str | pathlib.Path) -> pathlib.Path:
 
 
 def check_data(out: pathlib.Path, data: data_lib.TextData, splits: tuple[str, ...],
-               prefix: str = '') -> None:
+               prefix: str = '', sources: list[str] | None = None) -> None:
   """Raises CheckpointError (its message starting with ``prefix``) unless the
-  ``splits`` ('train', 'val') of ``data`` are those the run was trained with."""
+  ``splits`` ('train', 'val') of ``data``, read from ``sources`` (the
+  ``--data`` paths, ``[]`` for the built-in corpus; None: the run's own), are
+  those the run was trained with."""
   record = read_data_record(out)
+  recorded = data_sources(out)
+  given = recorded if sources is None else (list(sources) or ['the built-in corpus'])
+  which = (f'{", ".join(recorded)} changed since' if given == recorded else
+           f'the corpus read, {", ".join(given)}, is not the one the run was trained '
+           f'on ({", ".join(recorded)}) or that one changed since')
   for split in splits:
     now = (data.fingerprint[f'{split}_tokens'], data.fingerprint[f'{split}_sha256'])
     then = (record[f'{split}_tokens'], record[f'{split}_sha256'])
@@ -314,8 +334,7 @@ def check_data(out: pathlib.Path, data: data_lib.TextData, splits: tuple[str, ..
       raise CheckpointError(
           f'{prefix}the corpus no longer matches the run {out}: its {name} split is now '
           f'{now[0]:,} tokens (sha256 {now[1][:16]}...), at the start of the run it was '
-          f'{then[0]:,} tokens (sha256 {then[1][:16]}..., {out / DATA_FILE}): '
-          f'{", ".join(data_sources(out))} changed since')
+          f'{then[0]:,} tokens (sha256 {then[1][:16]}..., {out / DATA_FILE}): {which}')
 
 
 def data_sources(out: pathlib.Path) -> list[str]:

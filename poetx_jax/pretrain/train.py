@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import pathlib
+import signal
 import time
 import typing as tp
 
@@ -30,13 +31,18 @@ from poetx_jax.pretrain.factories import (build_state, compute_dtype, make_step,
                                           size_text)
 from poetx_jax.pretrain.metrics import (Metrics, Progress, StopFlag, TrainClock,
                                         merge_reporter)
+from poetx_jax.pretrain.plot import read_metrics
 
 
 class NonFiniteLoss(FloatingPointError):
-  """The loss or the model state became NaN or infinite (``poetx train`` exits 3).
+  """The loss or the model state became NaN or infinite (``poetx train`` and
+  ``poetx eval`` exit 3).
 
-  Nothing is saved from the diverged state: the newest checkpoint stays the
-  last one written before, which the message names."""
+  Training saves nothing once it has seen the state go bad. Its message says
+  what is known: the steps in which the state went bad (after the last one
+  found to give a finite loss; the training loss is fetched only every
+  ``log_every`` steps), and which checkpoints are from before them; one
+  saved within them may hold the bad state."""
   exit_code = 3
 
 
@@ -49,6 +55,14 @@ def all_finite(tree) -> bool:
   """Whether every floating-point array of ``tree`` is free of NaN and infinity."""
   leaves = [x for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
   return bool(_finite(leaves)) if leaves else True
+
+
+class Validation(tp.NamedTuple):
+  """A validation of a run's state: its step, the mean loss per target token
+  and its perplexity."""
+  step: int
+  loss: float
+  ppl: float
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,14 +112,16 @@ class Run:
   optimizer: tp.Any
   step_fn: tp.Callable
   batches: tp.Any  # the training batches: a grain iterator
-  val: list
+  val: list  # the validation batches
   ckpt: Checkpointer
   metrics: Metrics
   step: int
   hooks: list[Hook] = dataclasses.field(default_factory=list)
-  first_val: tuple[float, float] | None = None
-  last_val: tuple[float, float] | None = None
+  val_windows: tuple[int, int] = (0, 0)  # in the validation batches, in the split
+  first_val: Validation | None = None  # at step 0
+  last_val: Validation | None = None  # the newest of this call
   stopped: str | None = None
+  good: int | None = None  # the newest step whose state gave a finite loss
   merges: list = dataclasses.field(default_factory=list)  # (step, error) to report
   # The loop's state: the last step's loss (a device array until logged),
   # the clock, the progress bar and where this call started.
@@ -120,7 +136,7 @@ class Run:
     """Starts an asynchronous checkpoint of the state and the data position,
     once the model state is checked finite (else :meth:`diverged`)."""
     if not all_finite(nnx.to_pure_dict(nnx.state(self.model))):
-      self.diverged(f'the model state is not finite at step {self.step}')
+      self.diverged(f'the model state is not finite at step {self.step}', bad=self.step)
     meta = {'step': self.step, 'config': dataclasses.asdict(self.cfg), 'reason': reason}
     self.ckpt.save(self.step, self.model, self.optimizer,
                    data_state=self.batches.get_state(), meta=meta)
@@ -129,23 +145,47 @@ class Run:
       if hook.on == 'save' and hook.due(self.step, False):
         _call(self, hook)
 
-  def diverged(self, what: str) -> tp.NoReturn:
-    """Raises NonFiniteLoss once the earlier checkpoints are written, naming the
-    newest: the last good state."""
+  def diverged(self, what: str, *, bad: int) -> tp.NoReturn:
+    """Raises NonFiniteLoss once the earlier checkpoints are written: ``what``
+    happened and the state of step ``bad`` is bad. The message says since
+    which step it may have been, and which checkpoints are from before."""
     self.ckpt.close()
-    newest = self.ckpt.latest_step()
-    kept = (f'the newest checkpoint, step {newest} in {self.ckpt.directory}, is from '
-            f'before' if newest is not None else 'no checkpoint was written before')
-    raise NonFiniteLoss(f'training diverged: {what}; nothing was saved from it, {kept}')
+    where, steps = self.ckpt.directory, self.ckpt.all_steps()
+    lo = self.start if self.good is None else self.good + 1
+    known = (f'the state of step {self.good} was the last found to give a finite loss'
+             if self.good is not None else
+             f'no loss was found finite since this run started at step {self.start}')
+    went = (f'in one of the steps {lo} to {bad}' if lo < bad else f'at step {bad}')
+    text = (f'training diverged: {what}; {known}, so the state went bad {went} (the '
+            f'training loss is fetched every {self.cfg.log_every} steps)')
+    suspect = [c for c in steps if c >= lo]
+    before = [c for c in steps if c < lo]
+    if suspect:
+      listed = (f'checkpoint step {suspect[0]} in {where} is' if len(suspect) == 1 else
+                f'checkpoint steps {", ".join(map(str, suspect))} in {where} are')
+      text += (f'; {listed} from those steps and may hold the bad state (poetx eval '
+               f'{self.out} --step N exits 3 if its loss is not finite)')
+      text += (f'; the newest from before is step {before[-1]} (--resume --step '
+               f'{before[-1]})' if before else '; no checkpoint is from before')
+    elif before:
+      text += (f'; nothing was saved from it: the newest checkpoint, step {before[-1]} in '
+               f'{where}, is from before')
+    else:
+      text += '; no checkpoint was written before'
+    raise NonFiniteLoss(text)
 
-  def validate(self) -> tuple[float, float]:
-    """(validation loss, perplexity) now, also written to metrics.jsonl with
+  def validate(self) -> Validation:
+    """The :class:`Validation` of the state now, also written to metrics.jsonl with
     the model's auxiliary outputs on the first validation batch (a
     mixture-of-experts model's routing; :func:`~poetx_jax.pretrain.evaluation.evaluate`)."""
     result = evaluate(self.model, self.val, self.mesh)
     self.metrics.write({'step': self.step, 'val_loss': result.loss, 'val_ppl': result.ppl,
                         **result.aux})
-    return result.loss, result.ppl
+    if not math.isfinite(result.loss):
+      self.diverged(f'the validation loss became {result.loss} at step {self.step}',
+                    bad=self.step)
+    self.good = self.step
+    return Validation(self.step, result.loss, result.ppl)
 
 
 def _call(run: Run, hook: Hook) -> None:
@@ -186,10 +226,20 @@ def train(cfg: TrainConfig, *, resume: bool = False, step: int | None = None, lo
   primary = processes.is_primary()  # of several processes, the first reports
   log = log if primary else (lambda *_: None)
   with rundir.open_run(cfg, resume=resume, log=log) as out:
-    run = set_up(cfg, out, resume=resume, step=step, log=log)
-    run.hooks = loop_hooks(run, hooks, log)
-    if run.step == 0:
-      _start(run, log)
+    try:
+      run = set_up(cfg, out, resume=resume, step=step, log=log)
+      if resume:  # only now: a refused --resume leaves run.json as it was
+        rundir.write_config(out, cfg)
+      run.hooks = loop_hooks(run, hooks, log)
+      if run.step == 0:
+        _start(run, log)
+    except SystemExit as e:  # SIGTERM before the loop (rundir.RunLock): no save
+      if e.code == _SIGTERM_EXIT:
+        log('stopped by SIGTERM while starting, ' + (
+            'before training: resume again with --resume' if resume else
+            'before any checkpoint: nothing to resume; run the command again (without '
+            '--resume) to start afresh'))
+      raise
     total = cfg.steps * cfg.grad_accum  # one iteration = one micro-batch
     run.progress = Progress(total, initial=run.step, disable=not primary)
     run.t0, run.start = time.perf_counter(), run.step
@@ -254,6 +304,7 @@ def _after_step(run: Run, last: bool) -> None:
 
 
 _SIGNALS = (None, 'SIGINT', 'SIGTERM')
+_SIGTERM_EXIT = 128 + signal.SIGTERM  # rundir's SIGTERM handler exits with it
 
 
 def _agreed(signal: str | None, *, at_log: bool) -> str | None:
@@ -272,8 +323,10 @@ def _checked(cfg: TrainConfig, resume: bool, step: int | None, hooks) -> None:
   for h in hooks:
     if not isinstance(h, Hook):
       raise ValueError(f'hooks must be train.Hook instances, got {h!r}')
-  if step is not None and not (resume and isinstance(step, int) and step >= 0):
-    raise ValueError(f'step={step!r}: choosing a checkpoint needs resume and a step >= 0')
+  if step is not None and not resume:
+    raise ValueError(f'step={step!r} needs resume: it picks the checkpoint to resume from')
+  if step is not None and not (isinstance(step, int) and step >= 0):
+    raise ValueError(f'step must be a checkpoint step >= 0, got {step!r}')
 
 
 def set_up(cfg: TrainConfig, out: pathlib.Path, *, resume: bool, step: int | None = None,
@@ -296,20 +349,23 @@ def set_up(cfg: TrainConfig, out: pathlib.Path, *, resume: bool, step: int | Non
     raise ValueError(f'batch_size={cfg.batch_size} must be divisible by the {pc} processes')
   batches = iter(data_lib.train_dataset(data.train_windows, batch_size=cfg.batch_size,
                                         seed=cfg.seed, shard_index=pi, shard_count=pc))
-  val = data_lib.eval_batches(data.val_windows[:cfg.eval_batches * cfg.batch_size],
-                               batch_size=cfg.batch_size)
+  windows = data.val_windows[:cfg.eval_batches * cfg.batch_size]  # poetx eval's default
+  val = data_lib.eval_batches(windows, batch_size=cfg.batch_size)
   ckpt = Checkpointer(out / 'checkpoints', max_to_keep=cfg.keep)
-  if resume:
+  records = ()
+  if resume:  # metrics.jsonl read (and refused if damaged) before anything moves
+    records = processes.on_primary('reading metrics.jsonl', lambda: (
+        read_metrics(out, warn=log) if (out / 'metrics.jsonl').exists() else ()))
     step, data_state = ckpt.resume(model, optimizer, step=step, run=out, log=log)
     batches.set_state(data_state)
     total = cfg.steps * cfg.grad_accum
     log(f'resumed from step {step}' + (f': the run is complete ({total} steps); raise '
                                        f'--steps to extend it' if step >= total else ''))
-  metrics = Metrics(out, step or 0, write=processes.is_primary())
+  metrics = Metrics(out, step or 0, write=processes.is_primary(), records=records or ())
   merges = []  # the step function's merges, reported by a hook (loop_hooks)
   step_fn = make_step(cfg, mc, on_merge=lambda *merge: merges.append(merge), mesh=mesh)
   return Run(cfg, out, mesh, model, optimizer, step_fn, batches, val, ckpt, metrics,
-             step or 0, merges=merges)
+             step or 0, merges=merges, val_windows=(len(windows), len(data.val_windows)))
 
 
 def _log_sizes(cfg: TrainConfig, mc, model, optimizer, log) -> None:
@@ -329,18 +385,25 @@ def _log_sizes(cfg: TrainConfig, mc, model, optimizer, log) -> None:
 def _start(run: Run, log) -> None:
   """Step 0: validates the initial model, then runs the hooks ``at_start``."""
   run.first_val = run.validate()
-  log(f'step 0: validation loss {run.first_val[0]:.4f}, perplexity {run.first_val[1]:.2f}')
+  log(_validation_line(run.first_val, run.val_windows))
   for hook in run.hooks:
     if hook.at_start and hook.on == 'step':
       _call(run, hook)
+
+
+def _validation_line(v: Validation, windows: tuple[int, int]) -> str:
+  return (f'step {v.step}: validation loss {v.loss:.4f}, perplexity {v.ppl:.2f} '
+          f'({windows[0]} of {windows[1]} validation windows)')
 
 
 def _log_step(run: Run) -> None:
   """Fetches the loss (stopping on a non-finite one), updates the progress bar
   and writes the step's record."""
   run.loss = loss = float(run.loss)
-  if not math.isfinite(loss):
-    run.diverged(f'the loss became {loss} at step {run.step}')
+  if not math.isfinite(loss):  # the step's loss is that of the state before it
+    run.diverged(f'the loss became {loss} at step {run.step}, computed from the state of '
+                 f'step {run.step - 1}', bad=run.step - 1)
+  run.good = run.step - 1
   elapsed = time.perf_counter() - run.t0
   tok_s = (run.step - run.start) * (run.cfg.batch_size * run.cfg.seq_len) / elapsed
   run.progress.update(run.step, loss, tok_s)
@@ -365,11 +428,10 @@ def _finish(run: Run, log) -> dict:
   if 'peak_bytes_in_use' in stats:  # GPUs report it; the CPU does not
     summary['peak_gib'] = stats['peak_bytes_in_use'] / 2 ** 30
   if run.first_val:
-    summary['val_before'] = {'loss': run.first_val[0], 'ppl': run.first_val[1]}
-  if run.last_val:
-    summary['val_after'] = {'loss': run.last_val[0], 'ppl': run.last_val[1]}
-    log(f'step {run.step}: validation loss {run.last_val[0]:.4f}, '
-        f'perplexity {run.last_val[1]:.2f}')
+    summary['val_before'] = run.first_val._asdict()
+  if run.last_val:  # of its own step, which may be before the last
+    summary['val_after'] = run.last_val._asdict()
+    log(_validation_line(run.last_val, run.val_windows))
   if run.stopped:
     log(f'stopped at step {run.step} ({run.stopped}); resume with --resume')
   return summary
