@@ -415,8 +415,8 @@ def test_the_training_loss_of_an_moe_model_adds_its_weighted_aux_losses():
 def test_a_generator_cap_trains_a_step_that_diverges_without_it(tmp_path, corpus):
   """At 40 times its default step (block 8: 5e-3) POET-X's series leaves its
   region of convergence at the first merge and the model collapses to a
-  uniform prediction; with max_generator_norm it trains. At the default step
-  the cap never binds here: the same run bit for bit."""
+  uniform prediction; with max_generator_norm it trains. (Under the cap a
+  block is unchanged exactly: tests/test_ops.py.)"""
   def run(name, **kw):
     cfg = _cfg(tmp_path / name, corpus, batch_size=8, steps=30, merge_every=10,
                eval_every=30, log_every=5, **kw)
@@ -429,7 +429,6 @@ def test_a_generator_cap_trains_a_step_that_diverges_without_it(tmp_path, corpus
   assert error > 1 and after > before - 0.1                     # collapsed
   before, after, error = run('capped', poet_lr=0.2, max_generator_norm=0.5)
   assert error < 0.1 and after < before - 1.0                   # trains
-  assert run('default') == run('default-capped', max_generator_norm=0.5)
 
 
 def test_hooks_are_checked_before_anything_is_written(tmp_path, corpus):
