@@ -86,3 +86,27 @@ def dense_rotation(q_KxP, perm_N, n, *, block_size, terms=4, max_norm=None):
   bd = jax.scipy.linalg.block_diag(*[g[j] for j in range(g.shape[0])])[:n, :n]
   phi = jnp.zeros((n, n), jnp.float32).at[perm_N, jnp.arange(n)].set(1.0)
   return phi @ bd @ phi.T
+
+
+@pytest.fixture(scope='session', autouse=True)
+def _compilation_cache(tmp_path_factory):
+  """One persistent compilation cache for the whole suite, in this process and
+  in the subprocesses tests start: every run builds its own jitted step, so
+  without it the same programs compile again in each test (same programs,
+  same numbers)."""
+  options = {'jax_compilation_cache_dir': str(tmp_path_factory.mktemp('jit-cache')),
+             'jax_persistent_cache_min_compile_time_secs': 0,
+             'jax_persistent_cache_min_entry_size_bytes': 0}
+  saved = {k: getattr(jax.config, k) for k in options}
+  env = {k.upper(): os.environ.get(k.upper()) for k in options}
+  for k, v in options.items():
+    jax.config.update(k, v)
+    os.environ[k.upper()] = str(v)
+  yield
+  for k, v in saved.items():
+    jax.config.update(k, v)
+  for k, v in env.items():
+    if v is None:
+      os.environ.pop(k, None)
+    else:
+      os.environ[k] = v
