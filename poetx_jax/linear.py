@@ -310,8 +310,7 @@ class POETLinear(nnx.Module):
     def form(kernel, scale, q_in, q_out, perm_in, perm_out):
       return ops.poet_kernel(kernel, q_in, q_out, perm_in, perm_out, dtype=dtype,
                              block_size=self.block_size, terms=self.terms,
-                        max_norm=self.max_generator_norm,
-                             kernel_scale=scale)
+                             kernel_scale=scale, max_norm=self.max_generator_norm)
 
     if self.mode == 'mem':
       form = jax.checkpoint(form, policy=jax.checkpoint_policies.nothing_saveable)
