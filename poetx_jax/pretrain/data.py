@@ -121,10 +121,11 @@ class _WindowsToBatch:
     self.rows = rows
 
   def __call__(self, idx: np.ndarray) -> dict[str, np.ndarray]:
-    return _to_batch(self.windows[np.asarray(idx)[self.rows]])
+    return to_batch(self.windows[np.asarray(idx)[self.rows]])
 
 
-def _to_batch(w: np.ndarray) -> dict[str, np.ndarray]:
+def to_batch(w: np.ndarray) -> dict[str, np.ndarray]:
+  """(B, L + 1) windows -> ``{'inputs': (B, L), 'targets': (B, L)}`` int32."""
   return {'inputs': np.ascontiguousarray(np.maximum(w[:, :-1], 0), dtype=np.int32),
           'targets': np.ascontiguousarray(w[:, 1:], dtype=np.int32)}
 
@@ -168,6 +169,9 @@ def train_dataset(windows: np.ndarray, *, batch_size: int, seed: int,
   single process gets, so a run sees the same windows whatever its number of
   processes.
 
+  Windows of a mixture (:class:`poetx_jax.pretrain.mixture.MixedWindows`)
+  give its batches, drawn from its sources in the proportion of their weights.
+
   ``iter()`` of the result is a ``grain.DatasetIterator``; its ``get_state()``
   is a JSON-serialisable dict, and ``set_state`` on a fresh iterator of the same
   pipeline resumes with exactly the batches of an uninterrupted run.
@@ -197,11 +201,14 @@ def train_dataset(windows: np.ndarray, *, batch_size: int, seed: int,
   # grain seeds epoch e with seed + e; mixing keeps nearby seeds' epochs apart.
   shuffle_seed = int(np.random.SeedSequence(int(seed)).generate_state(1)[0])
   grain = _import_grain()
-  ds = (grain.MapDataset.range(windows.shape[0])
-        .shuffle(seed=shuffle_seed)
-        .batch(batch_size, drop_remainder=True)
-        .repeat()
-        .map(_WindowsToBatch(windows, rows)))
+  if hasattr(windows, 'grain_dataset'):  # a mixture's
+    ds = windows.grain_dataset(batch_size=batch_size, seed=shuffle_seed, rows=rows)
+  else:
+    ds = (grain.MapDataset.range(windows.shape[0])
+          .shuffle(seed=shuffle_seed)
+          .batch(batch_size, drop_remainder=True)
+          .repeat()
+          .map(_WindowsToBatch(windows, rows)))
   if read_options is None:
     read_options = grain.ReadOptions(num_threads=2, prefetch_buffer_size=8)
   return ds.to_iter_dataset(read_options)
@@ -215,7 +222,7 @@ def eval_batches(windows: np.ndarray, *, batch_size: int) -> list[dict[str, np.n
   rows = math.ceil(n / batch_size) * batch_size
   padded = np.full((rows, width), -1, np.int32)
   padded[:n] = windows
-  return [_to_batch(padded[i:i + batch_size]) for i in range(0, rows, batch_size)]
+  return [to_batch(padded[i:i + batch_size]) for i in range(0, rows, batch_size)]
 
 
 # ----------------------------------------------------------------------------- all of it
@@ -227,7 +234,8 @@ class TextData:
   ``docs`` (None: :func:`~poetx_jax.pretrain.corpus.default_corpus`) are tokenized with ``tokenizer_path``
   if given, else with a byte-level BPE of ``vocab_size`` trained on the whole
   corpus; both the tokenizer and the token stream are cached in ``cache_dir``.
-  The last ``val_fraction`` of the tokens is the validation split.
+  The last ``val_fraction`` of the tokens is the validation split (None:
+  there is none, every token trains).
 
   Attributes:
     tokenizer: the :class:`~poetx_jax.pretrain.tokenizer.Tokenizer`.
@@ -244,7 +252,7 @@ class TextData:
 
   def __init__(self, docs: tp.Sequence[str] | None = None, *, seq_len: int,
                cache_dir: PathLike, tokenizer_path: PathLike | None = None,
-               vocab_size: int = 4096, val_fraction: float = 0.05):
+               vocab_size: int = 4096, val_fraction: float | None = 0.05):
     if docs is None:
       docs, desc = corpus.default_corpus()
     else:
@@ -253,7 +261,8 @@ class TextData:
     self.tokenizer = load_or_train_tokenizer(docs, path=tokenizer_path,
                                              vocab_size=vocab_size, cache_dir=cache_dir)
     tokens = tokenize_corpus(docs, self.tokenizer, cache_dir=cache_dir)
-    train, val = split(tokens, val_fraction=val_fraction, seq_len=seq_len)
+    train, val = ((tokens, tokens[:0]) if val_fraction is None else
+                  split(tokens, val_fraction=val_fraction, seq_len=seq_len))
     self.train_windows, self.val_windows = pack(train, seq_len), pack(val, seq_len)
     self.num_tokens = int(len(tokens))
     self.seq_len = seq_len
