@@ -78,11 +78,13 @@ def test_selection_is_grains_mixing_and_counts_its_prefixes():
   assert order.tolist() == [[0, 0], [1, 0], [0, 1], [1, 1], [0, 2], [0, 3]]
 
 
-def test_a_mixture_trains_resumes_bit_exactly_and_reports_each_source(corpora, tmp_path):
-  data = [f'{corpora / "a"}:0.7', f'{corpora / "pb"}:0.3']  # files and a prepared dir
-  straight = _cfg(tmp_path / 's', data)
+def test_a_mixture_trains_resumes_bit_exactly_and_reports_each_source(corpora, tmp_path,
+                                                                     capsys):
+  """Files and a prepared directory mixed 0.7 : 0.3, validated on a set of its own."""
+  data, val = [f'{corpora / "a"}:0.7', f'{corpora / "pb"}:0.3'], [str(corpora / 'val')]
+  straight = _cfg(tmp_path / 's', data, val_data=val)
   s = train(straight, **QUIET)
-  split = _cfg(tmp_path / 'r', data)
+  split = _cfg(tmp_path / 'r', data, val_data=val)
   train(split, stop_after=3, **QUIET)
   train(split, resume=True, **QUIET)
   assert _losses(straight.out_dir) == _losses(split.out_dir) and len(_losses(split.out_dir)) == 6
@@ -92,30 +94,24 @@ def test_a_mixture_trains_resumes_bit_exactly_and_reports_each_source(corpora, t
   assert _records(split.out_dir)[-1]['windows_drawn'] == s['windows_drawn']
   record = json.loads((pathlib.Path(straight.out_dir) / 'data.json').read_text())
   assert [(x['data'], x['weight']) for x in record['sources']] == list(zip(names, [0.7, 0.3]))
-  assert all(x['train_windows'] > 0 and x['val_windows'] > 0 for x in record['sources'])
+  assert all(x['train_windows'] > 0 and x['val_windows'] == 0 for x in record['sources'])
   assert record['train_tokens'] == sum(x['train_tokens'] for x in record['sources'])
-
-  # Other weights are another corpus: --resume refuses them.
-  with pytest.raises(CheckpointError, match='--resume: the corpus no longer matches'):
-    train(_cfg(tmp_path / 's', [f'{corpora / "a"}:0.5', f'{corpora / "pb"}:0.5'], steps=7),
-          resume=True, **QUIET)
-
-
-def test_a_validation_set_of_its_own(corpora, tmp_path, capsys):
-  cfg = _cfg(tmp_path, [str(corpora / 'a')], val_data=[str(corpora / 'val')], steps=4)
-  train(cfg, **QUIET)
-  d = loading.load_data(cfg)
-  record = json.loads((tmp_path / 'run' / 'data.json').read_text())
+  d = loading.load_data(straight)
   assert record['val_data']['windows'] == len(d.val_windows) > 0
-  assert record['train_tokens'] == d.parts[0].num_tokens  # every token trains
-  assert any('val_loss' in r for r in _records(cfg.out_dir))
-  assert cli.main(['eval', cfg.out_dir, '--eval-batches', 'all']) == 0
+  assert any('val_loss' in r for r in _records(straight.out_dir))
+  capsys.readouterr()
+  assert cli.main(['eval', straight.out_dir, '--eval-batches', 'all']) == 0
   assert json.loads(capsys.readouterr().out.splitlines()[-1])['val_windows_total'] == len(
       d.val_windows)
-  (corpora / 'val2').mkdir(exist_ok=True)
-  (corpora / 'val2' / 'v.txt').write_text('other held out text. ' * 60)
+
+  # Other weights, another validation set: another corpus, which --resume refuses.
+  with pytest.raises(CheckpointError, match='--resume: the corpus no longer matches'):
+    train(_cfg(tmp_path / 's', [f'{corpora / "a"}:0.5', f'{corpora / "pb"}:0.5'],
+               val_data=val, steps=7), resume=True, **QUIET)
+  (tmp_path / 'val2').mkdir()
+  (tmp_path / 'val2' / 'v.txt').write_text('other held out text. ' * 60)
   with pytest.raises(CheckpointError, match='validation split'):
-    train(_cfg(tmp_path, [str(corpora / 'a')], val_data=[str(corpora / 'val2')], steps=6),
+    train(_cfg(tmp_path / 's', data, val_data=[str(tmp_path / 'val2')], steps=7),
           resume=True, **QUIET)
 
 
