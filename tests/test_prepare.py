@@ -104,8 +104,8 @@ def test_damaged_dataset_and_bad_inputs_are_clear_errors(sources, tmp_path):
   bad = tmp_path / 'bad'
   bad.mkdir()
   (bad / 'latin1.txt').write_bytes(b'caf\xe9 au lait\n')
-  with pytest.raises(ValueError, match=r'latin1\.txt is not UTF-8'):
-    prepare.prepare([bad], tmp_path / 'b', vocab_size=300, progress=False)
+  with pytest.raises(ValueError, match=r'latin1\.txt is not UTF-8'):  # named: strict
+    prepare.prepare([bad / 'latin1.txt'], tmp_path / 'b', vocab_size=300, progress=False)
   (bad / 'latin1.txt').unlink()
   (bad / 'rec.jsonl').write_text('{"body": "x"}\n')
   with pytest.raises(ValueError, match=r"rec\.jsonl, line 1: no string field 'text'"):
@@ -166,3 +166,30 @@ def test_prepared_windows_index_like_arrays(tmp_path):
     got = list(pool.map(lambda i: fresh[int(i)], np.arange(len(want)).repeat(4)))
   np.testing.assert_array_equal(np.stack(got), want.repeat(4, axis=0))
   np.testing.assert_array_equal(pickle.loads(pickle.dumps(fresh))[3:6][np.arange(3)], want[3:6])
+
+
+def test_a_folder_of_python_sources_skips_what_is_not_text(tmp_path, capsys):
+  """.py files are documents; in a folder, text files that are not UTF-8, are
+  binary or unreadable are skipped and named in the manifest (named on the
+  command line they are errors)."""
+  src = tmp_path / 'site-packages' / 'pkg'
+  src.mkdir(parents=True)
+  for i in range(6):
+    (src / f'm{i}.py').write_text(f'def f{i}(x):\n  return x * {i}  # the {i}th\n' * 20)
+  (src / 'latin1.py').write_bytes(b'# caf\xe9\nx = 1\n')
+  (src / 'nul.txt').write_bytes(b'text\x00with a NUL\n')
+  (src / 'data.bin').write_bytes(b'\xff\xfe')  # no corpus extension: never read
+  assert cli.main(['prepare', str(src.parent), '--out', str(tmp_path / 'ds'), '--vocab-size',
+                   '300', '--workers', '1']) == 0
+  out = capsys.readouterr().out
+  assert 'of 6 documents from 8 sources' in out and 'skipped 2 text files' in out
+  m = json.loads((tmp_path / 'ds' / 'manifest.json').read_text())
+  assert {s['path'].rsplit('/', 1)[1]: s.get('skipped') for s in m['sources']
+          if s.get('skipped')} == {'latin1.py': 'not UTF-8', 'nul.txt': 'binary (a NUL byte)'}
+  assert len(m['shards']) == 1  # small files share a task and its shards
+  docs = data.read_documents([src.parent])  # training from the folder skips the same
+  tok = Tokenizer.load(tmp_path / 'ds' / 'tokenizer.json')
+  stream = shards.TokenShards(tmp_path / 'ds')
+  np.testing.assert_array_equal(stream.read(0, len(stream)), tokenize_corpus(docs, tok))
+  with pytest.raises(ValueError, match=r'nul\.txt holds a NUL byte'):
+    data.read_documents([src / 'nul.txt'])

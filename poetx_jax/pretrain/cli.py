@@ -35,7 +35,7 @@ def _train_parser(sub, *, defaults: bool = True):
   p.add_argument('--resume', action='store_true', help='continue the run in --out-dir '
                  'from its newest intact checkpoint; the options not given are read from '
                  'its run.json, those given must agree with it (but --steps may be raised '
-                 'to extend the run, --data, --cache-dir may move, and --strategy, --fsdp '
+                 'to extend the run, --data, --val-data, --cache-dir may move, and --strategy, --fsdp '
                  'may change: a saved --fsdp that does not divide the devices present is '
                  'lowered to the largest that does)')
   p.add_argument('--step', type=int, default=None, metavar='N',
@@ -152,11 +152,22 @@ def cmd_prepare(a) -> int:
   from poetx_jax.pretrain import prepare
   extra = {k: v for k, v in (('shard_tokens', a.shard_tokens),
                              ('sample_chars', a.sample_chars)) if v is not None}
+  hf = {k: v for k, v in (('hf_config', a.hf_config), ('hf_data_files', a.hf_data_files),
+                          ('split', a.split)) if v is not None}
+  if hf and a.hf_dataset is None:
+    raise ValueError(f'--{"/--".join(k.replace("_", "-") for k in hf)} need --hf-dataset')
+  if not a.inputs and a.hf_dataset is None:
+    raise ValueError('prepare needs corpus files or directories, or --hf-dataset NAME')
   m = prepare.prepare(a.inputs, a.out, tokenizer=a.tokenizer, vocab_size=a.vocab_size,
-                      text_field=a.text_field, workers=a.workers, **extra)
+                      text_field=a.text_field, workers=a.workers, hf_dataset=a.hf_dataset,
+                      **hf, **extra)
+  skipped = [s['path'] for s in m['sources'] if s.get('skipped')]
   print(f'{a.out}: {m["tokens"]:,} tokens ({m["dtype"]}) of {m["documents"]:,} documents '
-        f'from {len(m["sources"])} files in {len(m["shards"])} shards; tokenizer '
-        f'{m["tokenizer"]} (vocab {m["vocab_size"]})')
+        f'from {len(m["sources"])} sources in {len(m["shards"])} shards; tokenizer '
+        f'{m["tokenizer"]} (vocab {m["vocab_size"]})'
+        + (f'; skipped {len(skipped)} text files that are unreadable, not UTF-8 or binary '
+           f'({", ".join(skipped[:3])}{", ..." if len(skipped) > 3 else ""}; the manifest '
+           f'names them all)' if skipped else ''))
   return 0
 
 
@@ -202,6 +213,52 @@ def cmd_plot(a) -> int:
   print(f'wrote {plot_runs(a.runs, a.out)}')
   return 0
 
+
+def _prepare_parser(sub) -> None:
+  """The ``poetx prepare`` subcommand."""
+  p = sub.add_parser('prepare', help='tokenize corpus files into a dataset directory '
+                                     'that poetx train --data streams from',
+                     description='Tokenize corpus files of any size (.txt .md .rst .py '
+                                 '.jsonl(.gz/.zst) .json.gz/.zst .parquet; directories '
+                                 'recursively, skipping their text files that are '
+                                 'unreadable, not UTF-8 or binary), then a Hugging Face '
+                                 'dataset (--hf-dataset), into token shards with a manifest '
+                                 'and the tokenizer, in worker processes and memory bounded '
+                                 'by the shard size. Running it again on unchanged inputs '
+                                 'does nothing; an interrupted prepare resumes. Train on '
+                                 'the result with poetx train --data DIR.')
+  p.add_argument('inputs', nargs='*', metavar='input',
+                 help='corpus files or directories (none with --hf-dataset alone)')
+  p.add_argument('--out', required=True, metavar='DIR', help='the dataset directory (required)')
+  p.add_argument('--tokenizer', default=None, metavar='JSON',
+                 help='a tokenizers JSON file to use (default: train a byte-level BPE '
+                      'on a sample of the corpus)')
+  p.add_argument('--vocab-size', type=int, default=4096,
+                 help='vocabulary of the BPE trained without --tokenizer (default: '
+                      '%(default)s); OUT keeps the one it was prepared with, another is '
+                      'refused')
+  p.add_argument('--text-field', default='text',
+                 help='the text field of jsonl / parquet records and the text column of '
+                      '--hf-dataset (default: %(default)s)')
+  p.add_argument('--hf-dataset', default=None, metavar='NAME_OR_PATH',
+                 help='a Hugging Face dataset, read with the datasets package (pip install '
+                      "'poetx_jax[hf]'): a hub name, streamed; a local folder of data "
+                      'files, or json / parquet with --hf-data-files; or a directory '
+                      'written by save_to_disk')
+  p.add_argument('--hf-config', default=None, metavar='NAME',
+                 help='with --hf-dataset: its configuration (subset)')
+  p.add_argument('--split', default=None,
+                 help='with --hf-dataset: the split to read (default: train)')
+  p.add_argument('--hf-data-files', nargs='+', default=None, metavar='PATTERN',
+                 help='with --hf-dataset: the data files to read (paths or glob patterns, '
+                      'in the dataset\'s repository on the hub)')
+  p.add_argument('--workers', type=int, default=None,
+                 help='worker processes (default: the CPUs, at most one per file)')
+  p.add_argument('--shard-tokens', type=int, default=None,
+                 help='tokens per shard at most (default: 2^24)')
+  p.add_argument('--sample-chars', type=int, default=None,
+                 help='characters of the BPE\'s training sample at most (default: 100 M)')
+  p.set_defaults(func=cmd_prepare)
 
 def build_parser() -> argparse.ArgumentParser:
   """The ``poetx`` parser: its train, eval, export, plot and prepare subcommands."""
@@ -254,33 +311,7 @@ def build_parser() -> argparse.ArgumentParser:
                       'format (.png, .pdf, .svg, ...); a name without an image suffix '
                       'gets .png appended. The path written is printed.')
   p.set_defaults(func=cmd_plot)
-  p = sub.add_parser('prepare', help='tokenize corpus files into a dataset directory '
-                                     'that poetx train --data streams from',
-                     description='Tokenize corpus files of any size (.txt .md .rst '
-                                 '.jsonl(.gz) .json.gz .parquet; directories recursively) '
-                                 'into token shards with a manifest and the tokenizer, '
-                                 'one worker process per file at a time and memory bounded '
-                                 'by the shard size. Running it again on unchanged inputs '
-                                 'does nothing; an interrupted prepare resumes. Train on '
-                                 'the result with poetx train --data DIR.')
-  p.add_argument('inputs', nargs='+', metavar='input', help='corpus files or directories')
-  p.add_argument('--out', required=True, metavar='DIR', help='the dataset directory (required)')
-  p.add_argument('--tokenizer', default=None, metavar='JSON',
-                 help='a tokenizers JSON file to use (default: train a byte-level BPE '
-                      'on a sample of the corpus)')
-  p.add_argument('--vocab-size', type=int, default=4096,
-                 help='vocabulary of the BPE trained without --tokenizer (default: '
-                      '%(default)s); OUT keeps the one it was prepared with, another is '
-                      'refused')
-  p.add_argument('--text-field', default='text',
-                 help='the text field of jsonl / parquet records (default: %(default)s)')
-  p.add_argument('--workers', type=int, default=None,
-                 help='worker processes (default: the CPUs, at most one per file)')
-  p.add_argument('--shard-tokens', type=int, default=None,
-                 help='tokens per shard at most (default: 2^24)')
-  p.add_argument('--sample-chars', type=int, default=None,
-                 help='characters of the BPE\'s training sample at most (default: 100 M)')
-  p.set_defaults(func=cmd_prepare)
+  _prepare_parser(sub)
   return parser
 
 

@@ -78,8 +78,14 @@ class TrainConfig:
       {}, 'override config fields, e.g. layers=4,hidden=128', metavar='K=V,...',
       parse=parse_overrides)
   data: list[str] | None = _option(
-      None, 'text files or folders (.txt .md .rst .jsonl .jsonl.gz .json.gz .parquet)',
-      none='the built-in corpus', metavar='PATH')
+      None, 'text files or folders (.txt .md .rst .py .jsonl .jsonl.gz .json.gz .jsonl.zst '
+      '.parquet) read as one corpus, or a prepared dataset directory; PATH:W for each: a '
+      'mixture, drawn in the proportion of the weights W', none='the built-in corpus',
+      metavar='PATH')
+  val_data: list[str] | None = _option(
+      None, 'validation text files or folders, or a prepared dataset directory: the data '
+      'then trains whole (val_fraction unused)', none='the last val_fraction of each --data '
+      'source', metavar='PATH')
   tokenizer: str | None = _option(
       None, 'tokenizer file (HF tokenizers JSON or sentencepiece .model)',
       none='a BPE trained on the corpus')

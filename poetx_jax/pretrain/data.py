@@ -1,4 +1,5 @@
-"""Text data for LLM pretraining: documents, packed windows, grain batches.
+"""Text data for LLM pretraining: packed windows and grain batches of documents
+(read by :mod:`poetx_jax.pretrain.documents`, re-exported here).
 
 Everything is local (no network). The path from text to batches (the
 tokenizer in tokenizer.py)::
@@ -19,164 +20,23 @@ masked targets (padding).
 
 from __future__ import annotations
 
-import gzip
 import hashlib
-import json
 import math
 import os
 import typing as tp
-import zlib
-from pathlib import Path
 
 import numpy as np
 
 from poetx_jax.pretrain import corpus
+from poetx_jax.pretrain.documents import (SUPPORTED_EXTENSIONS, TEXT_EXTENSIONS,  # noqa: F401
+                                          corpus_files, corpus_sources, iter_file_documents,
+                                          read_documents)
 from poetx_jax.pretrain.tokenizer import load_or_train_tokenizer, tokenize_corpus
 
 if tp.TYPE_CHECKING:
   import grain
 
 PathLike = tp.Union[str, os.PathLike]
-
-# Longest first, so that '.jsonl.gz' wins over a shorter suffix.
-SUPPORTED_EXTENSIONS = ('.jsonl.gz', '.json.gz', '.parquet', '.jsonl', '.txt', '.md', '.rst')
-_TEXT_EXTENSIONS = ('.txt', '.md', '.rst')
-_JSON_EXTENSIONS = ('.jsonl.gz', '.json.gz', '.jsonl')
-
-
-# ----------------------------------------------------------------------------- documents
-
-
-def _extension(path: Path) -> str | None:
-  """The supported extension ``path`` ends with, or None."""
-  name = path.name.lower()
-  return next((e for e in SUPPORTED_EXTENSIONS if name.endswith(e)), None)
-
-
-def _iter_json_lines(path: Path, ext: str, text_field: str) -> tp.Iterator[str]:
-  opener = gzip.open if ext.endswith('.gz') else open
-  with opener(path, 'rt', encoding='utf-8') as f:
-    for lineno, line in enumerate(f, start=1):
-      if not line.strip():
-        continue
-      try:
-        record = json.loads(line)
-      except json.JSONDecodeError as e:
-        raise ValueError(f'{path}, line {lineno}: invalid JSON ({e})') from None
-      text = record.get(text_field) if isinstance(record, dict) else None
-      if not isinstance(text, str):
-        keys = sorted(record) if isinstance(record, dict) else type(record).__name__
-        raise ValueError(f'{path}, line {lineno}: no string field {text_field!r} '
-                         f'(found {keys})')
-      yield text
-
-
-def _iter_parquet(path: Path, text_field: str) -> tp.Iterator[str]:
-  try:
-    import pyarrow.parquet as pq  # pylint: disable=g-import-not-at-top
-  except ImportError as e:
-    raise ImportError(f'reading {path} needs pyarrow (pip install pyarrow)') from e
-  try:
-    table = pq.ParquetFile(path)
-  except (ValueError, OSError) as e:  # pyarrow's ArrowInvalid is a ValueError
-    raise ValueError(f'{path} is not a parquet file pyarrow can read ({e})') from None
-  names = table.schema_arrow.names
-  if text_field not in names:
-    raise ValueError(f'{path}: no column {text_field!r} (columns: {names})')
-  row, batches = 0, table.iter_batches(columns=[text_field], batch_size=4096)
-  while True:
-    try:
-      batch = next(batches, None)
-    except (ValueError, OSError) as e:  # a damaged row group
-      raise ValueError(f'{path}: cannot read the parquet rows after row {row} ({e})') from None
-    if batch is None:
-      return
-    for v in batch.column(0).to_pylist():
-      if v is not None and not isinstance(v, str):
-        raise ValueError(f'{path}, row {row}: column {text_field!r} holds '
-                         f'{type(v).__name__}, expected str')
-      row += 1
-      if v is not None:
-        yield v
-
-
-def iter_file_documents(path: PathLike, text_field: str = 'text') -> tp.Iterator[str]:
-  """The non-empty documents of one corpus file, streamed (formats as
-  :func:`read_documents`): a jsonl file line by line, a parquet file by record
-  batch, so memory stays bounded by a document, not by the file.
-
-  Raises:
-    ValueError: an unsupported extension, a record without the text field,
-      a file that is not UTF-8, a ``.gz`` file that is not gzip (or is cut
-      short), or a ``.parquet`` file pyarrow cannot read (each naming the file).
-  """
-  path = Path(path)
-  ext = _extension(path)
-  if ext is None:
-    raise ValueError(f'unsupported file {path}: supported extensions are '
-                     f'{", ".join(SUPPORTED_EXTENSIONS)}')
-  try:
-    if ext in _TEXT_EXTENSIONS:
-      docs = iter([path.read_text(encoding='utf-8')])
-    elif ext in _JSON_EXTENSIONS:
-      docs = _iter_json_lines(path, ext, text_field)
-    else:
-      docs = _iter_parquet(path, text_field)
-    for doc in docs:
-      if doc.strip():
-        yield doc
-  except UnicodeDecodeError as e:
-    raise ValueError(f'{path} is not UTF-8 text ({e.reason} at byte {e.start})') from None
-  except (gzip.BadGzipFile, EOFError, zlib.error) as e:
-    raise ValueError(f'{path} is not a gzip file, or is cut short ({e}); a {ext} file '
-                     f'must be gzip-compressed JSON lines') from None
-
-
-def corpus_files(paths: PathLike | tp.Sequence[PathLike]) -> list[Path]:
-  """The corpus files of files and directories, in reading order (a
-  directory's supported files recursively, sorted).
-
-  Raises:
-    FileNotFoundError: a path does not exist.
-  """
-  if isinstance(paths, (str, os.PathLike)):
-    paths = [paths]
-  files = []
-  for p in map(Path, paths):
-    if not p.exists():
-      raise FileNotFoundError(f'no such file or directory: {p}')
-    if p.is_dir():
-      files += sorted(f for f in p.rglob('*') if f.is_file() and _extension(f))
-    else:
-      files.append(p)
-  return files
-
-
-def read_documents(paths: PathLike | tp.Sequence[PathLike], *,
-                   text_field: str = 'text') -> list[str]:
-  """Reads the documents of files and directories, in order.
-
-  Formats, by extension: ``.txt`` / ``.md`` / ``.rst`` (a file is one document);
-  ``.jsonl``, ``.jsonl.gz``, ``.json.gz`` (one JSON object a line, its
-  ``text_field`` string is a document: C4's layout); ``.parquet`` (the
-  ``text_field`` column; needs pyarrow). A directory is read recursively, its
-  files in sorted order, skipping files of other extensions. Empty and
-  whitespace-only documents are dropped.
-
-  Raises:
-    FileNotFoundError: a path does not exist.
-    ValueError: unsupported extension, a JSON line or table without the field,
-      or no non-empty document at all.
-  """
-  if isinstance(paths, (str, os.PathLike)):
-    paths = [paths]
-  docs = []
-  for f in corpus_files(paths):
-    docs.extend(iter_file_documents(f, text_field))
-  if not docs:
-    raise ValueError('corpus is empty: no non-empty documents in '
-                     + ', '.join(str(p) for p in paths))
-  return docs
 
 
 # ----------------------------------------------------------------------------- windows
@@ -261,10 +121,11 @@ class _WindowsToBatch:
     self.rows = rows
 
   def __call__(self, idx: np.ndarray) -> dict[str, np.ndarray]:
-    return _to_batch(self.windows[np.asarray(idx)[self.rows]])
+    return to_batch(self.windows[np.asarray(idx)[self.rows]])
 
 
-def _to_batch(w: np.ndarray) -> dict[str, np.ndarray]:
+def to_batch(w: np.ndarray) -> dict[str, np.ndarray]:
+  """(B, L + 1) windows -> ``{'inputs': (B, L), 'targets': (B, L)}`` int32."""
   return {'inputs': np.ascontiguousarray(np.maximum(w[:, :-1], 0), dtype=np.int32),
           'targets': np.ascontiguousarray(w[:, 1:], dtype=np.int32)}
 
@@ -308,6 +169,9 @@ def train_dataset(windows: np.ndarray, *, batch_size: int, seed: int,
   single process gets, so a run sees the same windows whatever its number of
   processes.
 
+  Windows of a mixture (:class:`poetx_jax.pretrain.mixture.MixedWindows`)
+  give its batches, drawn from its sources in the proportion of their weights.
+
   ``iter()`` of the result is a ``grain.DatasetIterator``; its ``get_state()``
   is a JSON-serialisable dict, and ``set_state`` on a fresh iterator of the same
   pipeline resumes with exactly the batches of an uninterrupted run.
@@ -337,11 +201,14 @@ def train_dataset(windows: np.ndarray, *, batch_size: int, seed: int,
   # grain seeds epoch e with seed + e; mixing keeps nearby seeds' epochs apart.
   shuffle_seed = int(np.random.SeedSequence(int(seed)).generate_state(1)[0])
   grain = _import_grain()
-  ds = (grain.MapDataset.range(windows.shape[0])
-        .shuffle(seed=shuffle_seed)
-        .batch(batch_size, drop_remainder=True)
-        .repeat()
-        .map(_WindowsToBatch(windows, rows)))
+  if hasattr(windows, 'grain_dataset'):  # a mixture's
+    ds = windows.grain_dataset(batch_size=batch_size, seed=shuffle_seed, rows=rows)
+  else:
+    ds = (grain.MapDataset.range(windows.shape[0])
+          .shuffle(seed=shuffle_seed)
+          .batch(batch_size, drop_remainder=True)
+          .repeat()
+          .map(_WindowsToBatch(windows, rows)))
   if read_options is None:
     read_options = grain.ReadOptions(num_threads=2, prefetch_buffer_size=8)
   return ds.to_iter_dataset(read_options)
@@ -355,7 +222,7 @@ def eval_batches(windows: np.ndarray, *, batch_size: int) -> list[dict[str, np.n
   rows = math.ceil(n / batch_size) * batch_size
   padded = np.full((rows, width), -1, np.int32)
   padded[:n] = windows
-  return [_to_batch(padded[i:i + batch_size]) for i in range(0, rows, batch_size)]
+  return [to_batch(padded[i:i + batch_size]) for i in range(0, rows, batch_size)]
 
 
 # ----------------------------------------------------------------------------- all of it
@@ -367,7 +234,8 @@ class TextData:
   ``docs`` (None: :func:`~poetx_jax.pretrain.corpus.default_corpus`) are tokenized with ``tokenizer_path``
   if given, else with a byte-level BPE of ``vocab_size`` trained on the whole
   corpus; both the tokenizer and the token stream are cached in ``cache_dir``.
-  The last ``val_fraction`` of the tokens is the validation split.
+  The last ``val_fraction`` of the tokens is the validation split (None:
+  there is none, every token trains).
 
   Attributes:
     tokenizer: the :class:`~poetx_jax.pretrain.tokenizer.Tokenizer`.
@@ -384,7 +252,7 @@ class TextData:
 
   def __init__(self, docs: tp.Sequence[str] | None = None, *, seq_len: int,
                cache_dir: PathLike, tokenizer_path: PathLike | None = None,
-               vocab_size: int = 4096, val_fraction: float = 0.05):
+               vocab_size: int = 4096, val_fraction: float | None = 0.05):
     if docs is None:
       docs, desc = corpus.default_corpus()
     else:
@@ -393,7 +261,8 @@ class TextData:
     self.tokenizer = load_or_train_tokenizer(docs, path=tokenizer_path,
                                              vocab_size=vocab_size, cache_dir=cache_dir)
     tokens = tokenize_corpus(docs, self.tokenizer, cache_dir=cache_dir)
-    train, val = split(tokens, val_fraction=val_fraction, seq_len=seq_len)
+    train, val = ((tokens, tokens[:0]) if val_fraction is None else
+                  split(tokens, val_fraction=val_fraction, seq_len=seq_len))
     self.train_windows, self.val_windows = pack(train, seq_len), pack(val, seq_len)
     self.num_tokens = int(len(tokens))
     self.seq_len = seq_len

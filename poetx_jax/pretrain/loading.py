@@ -20,9 +20,10 @@ import jax
 from flax import nnx
 
 from poetx_jax.models import llama
+from poetx_jax.pretrain import corpus
 from poetx_jax.pretrain import data as data_lib
-from poetx_jax.pretrain import processes
-from poetx_jax.pretrain import shards
+from poetx_jax.pretrain import mixture, processes, shards
+from poetx_jax.pretrain import tokenizer as tokenizer_lib
 from poetx_jax.pretrain.checkpoint import Checkpointer
 from poetx_jax.pretrain.config import TrainConfig
 from poetx_jax.pretrain.factories import build_model, model_config
@@ -30,14 +31,23 @@ from poetx_jax.pretrain.rundir import (check_data, read_config, read_data_record
                                        stored_tokenizer)
 
 
+def _data_paths(cfg: TrainConfig) -> list[str]:
+  """The paths of ``cfg.data``, weights (``PATH:W``) left out."""
+  return [p for p, _ in mixture.parse_data(cfg.data or ())]
+
+
 def prepared_vocab_size(cfg: TrainConfig) -> int | None:
-  """The vocabulary of the prepared dataset directory ``cfg.data`` names (its
-  manifest's), or None where it names none (or its manifest is unreadable:
-  :func:`load_data` says why)."""
-  if not (cfg.data and len(cfg.data) == 1 and shards.is_prepared(cfg.data[0])):
+  """The vocabulary of the first prepared dataset directory ``cfg.data``
+  names (its manifest's), or None where it names none (or its manifest is
+  unreadable: :func:`load_data` says why)."""
+  try:
+    prepared = [p for p in _data_paths(cfg) if shards.is_prepared(p)]
+  except ValueError:
+    return None  # bad weights: load_data says why
+  if not prepared:
     return None
   try:
-    return int(json.loads((pathlib.Path(cfg.data[0]) / shards.MANIFEST).read_text())
+    return int(json.loads((pathlib.Path(prepared[0]) / shards.MANIFEST).read_text())
                ['vocab_size'])
   except (OSError, ValueError, KeyError, TypeError):
     return None
@@ -52,34 +62,103 @@ def with_prepared_vocab(cfg: TrainConfig) -> TrainConfig:
 
 
 def load_data(cfg: TrainConfig, tokenizer: str | pathlib.Path | None = None
-              ) -> data_lib.TextData | shards.PreparedData:
+              ) -> data_lib.TextData | shards.PreparedData | mixture.MixtureData:
   """The corpus of ``cfg`` tokenized (with ``tokenizer``, else ``cfg.tokenizer``,
   else a BPE trained on it), split and packed; a prepared dataset directory
-  (``poetx prepare``) is read from its shards.
+  (``poetx prepare``) is read from its shards. Weighted ``--data`` entries
+  (``PATH:W``) or ``--val-data`` give a :class:`~poetx_jax.pretrain.mixture.MixtureData`.
 
   Raises:
     ValueError: unreadable data, a directory ``poetx prepare`` has not
-      finished (named, with how to finish it), or a prepared one among other
-      paths (its shards would be skipped as files of no corpus format).
+      finished (named, with how to finish it), a prepared one among other
+      unweighted paths (its shards would be skipped as files of no corpus
+      format), bad weights, or a ``--val-data`` path that is also trained on.
   """
-  for path in cfg.data or ():
-    if shards.is_prepared(path) and len(cfg.data) > 1:
-      raise ValueError(f'{path} is a prepared dataset directory: train on it alone '
-                       f'(--data {path}), or prepare all {len(cfg.data)} paths into one')
+  entries = mixture.parse_data(cfg.data or ())
+  paths, weighted = [p for p, _ in entries], any(w is not None for _, w in entries)
+  val_paths = [p for p, _ in mixture.parse_data(cfg.val_data or ())]
+  if val_paths != list(cfg.val_data or ()):
+    raise ValueError(f'--val-data takes paths, not weights: {" ".join(cfg.val_data)}')
+  for path in paths + val_paths:
     if shards.is_unfinished(path):
       raise ValueError(f'{path} is an unfinished poetx prepare directory (no '
                        f'{shards.MANIFEST}): run the same `poetx prepare INPUT... --out '
                        f'{path}` again to finish it (it resumes where it stopped), then '
                        f'train with --data {path}')
+  for group, flag in ((() if weighted else paths, '--data'), (val_paths, '--val-data')):
+    for path in group:
+      if shards.is_prepared(path) and len(group) > 1:
+        use = 'train on' if flag == '--data' else 'validate on'
+        raise ValueError(
+            f'{path} is a prepared dataset directory: {use} it alone ({flag} {path})'
+            + (f', give every path a weight to mix them (--data {path}:1 '
+               f'{" ".join(p + ":1" for p in group if p != path)}),' if flag == '--data'
+               else '') + f' or prepare all {len(group)} paths into one')
+  _check_apart(paths, val_paths)
+  tokenizer = tokenizer or cfg.tokenizer
+  if weighted or val_paths:
+    groups = [([p], w) for p, w in entries] if weighted else [(paths, 1.0)]
+    return _load_mixture(cfg, groups, val_paths, tokenizer)
   if cfg.data and len(cfg.data) == 1 and shards.is_prepared(cfg.data[0]):
     return shards.PreparedData(cfg.data[0], seq_len=cfg.seq_len,
-                               val_fraction=cfg.val_fraction,
-                               tokenizer_path=tokenizer or cfg.tokenizer)
+                               val_fraction=cfg.val_fraction, tokenizer_path=tokenizer)
   docs = data_lib.read_documents(cfg.data) if cfg.data else None
-  return data_lib.TextData(docs, tokenizer_path=tokenizer or cfg.tokenizer,
+  return data_lib.TextData(docs, tokenizer_path=tokenizer,
                            vocab_size=cfg.vocab_size, seq_len=cfg.seq_len,
                            val_fraction=cfg.val_fraction,
                            cache_dir=pathlib.Path(cfg.cache_dir).expanduser())
+
+
+def _check_apart(paths: list[str], val_paths: list[str]) -> None:
+  """ValueError if a ``--val-data`` path is (or is inside) a ``--data`` one."""
+  train = [pathlib.Path(p).resolve() for p in paths]
+  for v in val_paths:
+    rv = pathlib.Path(v).resolve()
+    for p, rp in zip(paths, train):
+      if rv == rp or rp in rv.parents:
+        raise ValueError(f'--val-data {v} is also trained on (--data {p}): validate on '
+                         f'text the run does not train on')
+
+
+def _load_mixture(cfg: TrainConfig, groups: list[tuple[list[str], float]],
+                  val_paths: list[str], tokenizer) -> mixture.MixtureData:
+  """The :class:`~poetx_jax.pretrain.mixture.MixtureData` of the sources
+  ``groups`` (paths and weight each; no paths: the built-in corpus) and the
+  validation set ``val_paths``, tokenized alike: with ``tokenizer``, else
+  that of the first prepared directory, else a BPE trained on the sources'
+  documents together."""
+  every = [g for g, _ in groups] + ([val_paths] if val_paths else [])
+  prepared = [g[0] for g in every if len(g) == 1 and shards.is_prepared(g[0])]
+  docs = {}
+  for i, paths in enumerate(every):
+    if not (len(paths) == 1 and shards.is_prepared(paths[0])):
+      docs[i] = data_lib.read_documents(paths) if paths else corpus.default_corpus()[0]
+  cache = pathlib.Path(cfg.cache_dir).expanduser()
+  manifests = [shards.TokenShards(p).manifest for p in prepared]
+  for p, m in zip(prepared[1:], manifests[1:]):
+    if m['tokenizer_sha256'] != manifests[0]['tokenizer_sha256']:
+      raise ValueError(f'{prepared[0]} and {p} were prepared with different tokenizers; '
+                       f'the sources of a run share one: prepare {p} again with --tokenizer '
+                       f'{pathlib.Path(prepared[0]) / manifests[0]["tokenizer"]}')
+  if tokenizer is None and prepared:
+    tokenizer = pathlib.Path(prepared[0]) / manifests[0]['tokenizer']
+  if tokenizer is None:
+    train_docs = [d for i in range(len(groups)) for d in docs.get(i, ())]
+    tokenizer = tokenizer_lib.load_or_train_tokenizer(
+        train_docs, vocab_size=cfg.vocab_size, cache_dir=cache).path
+
+  def source(i, paths, val_fraction):
+    if i not in docs:
+      return shards.PreparedData(paths[0], seq_len=cfg.seq_len, val_fraction=val_fraction,
+                                 tokenizer_path=tokenizer)
+    return data_lib.TextData(docs[i], tokenizer_path=tokenizer, seq_len=cfg.seq_len,
+                             val_fraction=val_fraction, cache_dir=cache)
+
+  fraction = None if val_paths else cfg.val_fraction
+  parts = [source(i, g, fraction) for i, (g, _) in enumerate(groups)]
+  val = source(len(groups), val_paths, None) if val_paths else None
+  names = [' '.join(g) or 'the built-in corpus' for g, _ in groups]
+  return mixture.MixtureData(parts, [w for _, w in groups], names, val, ' '.join(val_paths))
 
 
 def run_data(out: pathlib.Path, cfg: TrainConfig, *, resume: bool) -> data_lib.TextData:

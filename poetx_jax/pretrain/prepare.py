@@ -1,56 +1,61 @@
-"""``poetx prepare``: corpus files of any size -> a tokenized dataset directory.
+"""``poetx prepare``: corpus files of any size, or a Hugging Face dataset ->
+a tokenized dataset directory.
 
 The directory holds the token stream of the corpus (every document's tokens
 followed by the tokenizer's eos, documents in the order of
-:func:`poetx_jax.pretrain.data.read_documents`) cut into shards of at most
-``shard_tokens`` tokens, each a raw little-endian ``uint16`` array (``uint32``
-when the vocabulary does not fit), read back with positioned reads; the tokenizer
-(``tokenizer.json``); and ``manifest.json``::
+:func:`poetx_jax.pretrain.documents.read_documents`, then those of the
+dataset) cut into shards of at most ``shard_tokens`` tokens, each a raw
+little-endian ``uint16`` array (``uint32`` when the vocabulary does not fit),
+read back with positioned reads; the tokenizer (``tokenizer.json``); and
+``manifest.json``::
 
     {"format": "poetx-tokens-1", "dtype": "uint16", "vocab_size": 4096,
      "eos_id": 4095, "tokenizer_sha256": ..., "text_field": "text",
      "bpe": {"vocab_size": 4096, "sample_chars": 100000000},
-     "sources": [{"path": ..., "bytes": ..., "mtime_ns": ..., "sha256": ...}, ...],
+     "sources": [{"path": ..., "bytes": ..., "mtime_ns": ..., "lenient": false,
+                  "documents": ..., "sha256": ...}, ...,
+                 {"hf_dataset": ..., "config": ..., "split": ..., "data_files": ...,
+                  "version": ..., "documents": ..., "sha256": ...}],
      "shards": [{"file": "shard-00000-00000.bin", "tokens": ..., "sha256": ...,
                  "max_id": ...}, ...],
      "documents": ..., "tokens": ...}
 
-Each source file is tokenized by a worker process of its own, streaming its
-documents (jsonl line by line, parquet by record batch), so memory is bounded
-by the shard size, not by the corpus. A source whose shards are written is
-recorded in ``parts/``; an interrupted prepare resumes from there, and
-running it again on unchanged inputs (same paths, sizes and modification
-times, same tokenizer) does nothing; other inputs, another tokenizer, or
-(without ``tokenizer``) another ``vocab_size`` or ``sample_chars`` for the
-trained BPE are refused, finished or not. Training reads the directory with
+A text file found in a folder (not named itself) that cannot be read, is not
+UTF-8 or holds a NUL byte is skipped: its source has ``"skipped": WHY`` and
+no documents (:func:`poetx_jax.pretrain.documents.iter_file_documents`).
+
+The sources are tokenized in tasks, each by a worker process of its own:
+runs of consecutive files of up to ``shard_tokens`` bytes in all, and the
+dataset alone (streamed, :mod:`poetx_jax.pretrain.hfdata`); each streams its
+documents (jsonl line by line, parquet and datasets by record batch), so
+memory is bounded by the shard size, not by the corpus. A task whose shards
+are written is recorded in ``parts/``; an interrupted prepare resumes from
+there, and running it again on unchanged inputs (same paths, sizes and
+modification times, the same dataset version, same tokenizer) does nothing;
+other inputs, another tokenizer, or (without ``tokenizer``) another
+``vocab_size`` or ``sample_chars`` for the trained BPE are refused, finished
+or not. Training reads the directory with
 :class:`poetx_jax.pretrain.shards.PreparedData` (``poetx train --data DIR``).
 
 Without ``tokenizer`` a byte-level BPE of ``vocab_size`` is trained on a
-sample: from each source file its first documents, up to ``sample_chars /
-number of files`` characters each (100 M characters in all by default); the
+sample: from each source its first documents, up to ``sample_chars /
+number of sources`` characters each (100 M characters in all by default); the
 two are recorded as ``"bpe"`` in the manifest (``null`` with a given
 tokenizer), and in ``parts/bpe.json`` until the manifest is written.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
-import contextlib
-import hashlib
 import json
-import multiprocessing
 import os
 import shutil
-import signal
-import sys
-import threading
 import typing as tp
 from pathlib import Path
 
 import numpy as np
 
-from poetx_jax.pretrain import data as data_lib
-from poetx_jax.pretrain import shards
+from poetx_jax.pretrain import documents, shards
+from poetx_jax.pretrain.prepare_tasks import run_tasks, source_documents
 from poetx_jax.pretrain.files import atomic_write
 from poetx_jax.pretrain.tokenizer import Tokenizer, file_hash
 
@@ -67,75 +72,42 @@ def token_dtype(vocab_size: int) -> np.dtype:
   return np.dtype('<u2') if vocab_size <= 1 << 16 else np.dtype('<u4')
 
 
-def _source_record(path: Path) -> dict:
+def _file_record(path: Path, found: bool) -> dict:
   st = path.stat()
-  return {'path': str(path.resolve()), 'bytes': st.st_size, 'mtime_ns': st.st_mtime_ns}
+  return {'path': str(path.resolve()), 'bytes': st.st_size, 'mtime_ns': st.st_mtime_ns,
+          'lenient': found}
+
+
+# What identifies a source without reading it: a file's, a dataset's.
+_FILE_KEYS, _HF_KEYS = ('path', 'bytes', 'mtime_ns'), ('hf_dataset', 'config', 'split',
+                                                       'data_files', 'version')
 
 
 def _same_source(a: dict, b: dict) -> bool:
-  return all(a[k] == b[k] for k in ('path', 'bytes', 'mtime_ns'))
+  keys = _HF_KEYS if 'hf_dataset' in b else _FILE_KEYS
+  return all(a.get(k) == b[k] for k in keys)
 
 
-def _sample(files: list[Path], text_field: str, sample_chars: int) -> tp.Iterator[str]:
-  budget = max(1, sample_chars // max(len(files), 1))
-  for f in files:
+def _same_sources(a: tp.Sequence[dict], b: tp.Sequence[dict]) -> bool:
+  return len(a) == len(b) and all(map(_same_source, a, b))
+
+
+def _source_name(source: dict) -> str:
+  if 'hf_dataset' in source:
+    from poetx_jax.pretrain import hfdata  # pylint: disable=g-import-not-at-top
+    return hfdata.describe(source)
+  return source['path']
+
+
+def _sample(sources: list[dict], text_field: str, sample_chars: int) -> tp.Iterator[str]:
+  budget = max(1, sample_chars // max(len(sources), 1))
+  for source in sources:
     taken = 0
-    for doc in data_lib.iter_file_documents(f, text_field):
+    for doc in source_documents(source, text_field):
       yield doc
       taken += len(doc)
       if taken >= budget:
         break
-
-
-_TOKENIZERS: dict[str, Tokenizer] = {}
-
-
-def _tokenize_source(task: dict) -> dict:
-  """Worker: one source file -> its shards in ``task['out']``; returns its part record."""
-  path, out, index = Path(task['path']), Path(task['out']), task['index']
-  tok = _TOKENIZERS.get(task['tokenizer'])
-  if tok is None:
-    tok = _TOKENIZERS[task['tokenizer']] = Tokenizer.load(task['tokenizer'])
-  dtype, limit, eos = np.dtype(task['dtype']), task['shard_tokens'], tok.eos_id
-  shards, pending, n_pending, documents = [], [], 0, 0
-
-  def flush():
-    nonlocal pending, n_pending
-    if not n_pending:
-      return
-    arr = np.concatenate(pending)
-    name = f'shard-{index:05d}-{len(shards):05d}.bin'
-    atomic_write(out / name, arr.tofile)
-    shards.append({'file': name, 'tokens': int(arr.size),
-                   'sha256': hashlib.sha256(arr.tobytes()).hexdigest(),
-                   'max_id': int(arr.max())})
-    pending, n_pending = [], 0
-
-  batch = []
-
-  def encode(batch):
-    nonlocal n_pending, documents
-    for ids in tok.encode_batch(batch):
-      ids = np.append(np.asarray(ids, dtype), np.asarray(eos, dtype))
-      documents += 1
-      while ids.size:  # a document may span shards
-        room = limit - n_pending
-        pending.append(ids[:room])
-        n_pending += min(room, ids.size)
-        ids = ids[room:]
-        if n_pending >= limit:
-          flush()
-
-  for doc in data_lib.iter_file_documents(path, task['text_field']):
-    batch.append(doc)
-    if len(batch) == 64:
-      encode(batch)
-      batch = []
-  if batch:
-    encode(batch)
-  flush()
-  return {'source': {**task['source'], 'sha256': file_hash(path)},
-          'shards': shards, 'documents': documents}
 
 
 def prepare(inputs: PathLike | tp.Sequence[PathLike], out: PathLike, *,
@@ -143,12 +115,17 @@ def prepare(inputs: PathLike | tp.Sequence[PathLike], out: PathLike, *,
             text_field: str = 'text', workers: int | None = None,
             shard_tokens: int = DEFAULT_SHARD_TOKENS,
             sample_chars: int = DEFAULT_SAMPLE_CHARS,
+            hf_dataset: str | None = None, hf_config: str | None = None,
+            split: str = 'train', hf_data_files: tp.Sequence[str] | None = None,
             progress: bool = True) -> dict:
-  """Tokenizes the corpus files ``inputs`` into the dataset directory ``out``
-  (the module docstring has its layout). Returns the manifest.
+  """Tokenizes the corpus files ``inputs`` (then the Hugging Face dataset
+  ``hf_dataset``, if given) into the dataset directory ``out`` (the module
+  docstring has its layout). Returns the manifest.
 
   Args:
-    inputs: files and directories, as :func:`~poetx_jax.pretrain.data.read_documents`.
+    inputs: files and directories, as
+      :func:`~poetx_jax.pretrain.documents.read_documents`; may be empty with
+      ``hf_dataset``.
     out: the dataset directory (created).
     tokenizer: a tokenizer file to use; None trains a BPE on a sample.
     vocab_size: the BPE's vocabulary when training one.
@@ -156,17 +133,27 @@ def prepare(inputs: PathLike | tp.Sequence[PathLike], out: PathLike, *,
     workers: worker processes (default: the CPUs, at most one per file).
     shard_tokens: tokens per shard at most.
     sample_chars: characters of the BPE's training sample at most.
+    hf_dataset, hf_config, split, hf_data_files: a ``datasets`` source, its
+      config, split and data files (:func:`~poetx_jax.pretrain.hfdata.hf_source`;
+      its ``text_field`` column is read).
     progress: show a progress bar over the source files' bytes.
 
   Raises:
     FileNotFoundError: an input does not exist.
-    ValueError: a bad argument, an unsupported or unreadable file (named), no
-      documents at all, or ``out`` holding a dataset (finished or not) of
-      other inputs, another tokenizer or another BPE request.
+    ValueError: a bad argument, an unsupported or unreadable file (named), a
+      dataset that cannot be read (named), no documents at all, or ``out``
+      holding a dataset (finished or not) of other inputs, another tokenizer
+      or another BPE request.
+    ImportError: ``hf_dataset`` without the datasets package.
   """
   _check_arguments(vocab_size=vocab_size, shard_tokens=shard_tokens,
                    sample_chars=sample_chars, workers=workers)
-  plan = _plan(inputs, out, text_field)
+  hf = None
+  if hf_dataset is not None:
+    from poetx_jax.pretrain import hfdata  # pylint: disable=g-import-not-at-top
+    hf = hfdata.hf_source(hf_dataset, config=hf_config, split=split,
+                          data_files=hf_data_files)
+  plan = _plan(inputs, out, text_field, hf)
   bpe = None if tokenizer is not None else {'vocab_size': vocab_size,
                                             'sample_chars': sample_chars}
   prepared = _prepared_manifest(plan, tokenizer, bpe)
@@ -182,10 +169,9 @@ def prepare(inputs: PathLike | tp.Sequence[PathLike], out: PathLike, *,
 
 
 class _Plan(tp.NamedTuple):
-  """What a prepare works on: the dataset directory, the source files (in the
-  order of their documents), their records and the text field."""
+  """What a prepare works on: the dataset directory, the records of its
+  sources (in the order of their documents) and the text field."""
   out: Path
-  files: list[Path]
   sources: list[dict]
   text_field: str
 
@@ -200,13 +186,19 @@ def _check_arguments(*, vocab_size, shard_tokens, sample_chars, workers) -> None
     raise ValueError(f'workers must be a positive int, got {workers!r}')
 
 
-def _plan(inputs: PathLike | tp.Sequence[PathLike], out: PathLike, text_field: str) -> _Plan:
-  """The source files of ``inputs`` and the dataset directory ``out`` (not a file)."""
-  files = data_lib.corpus_files(inputs)
+def _plan(inputs: PathLike | tp.Sequence[PathLike], out: PathLike, text_field: str,
+          hf: dict | None) -> _Plan:
+  """The sources of ``inputs`` (and the dataset record ``hf``) and the
+  dataset directory ``out`` (not a file)."""
+  sources = [_file_record(f, found) for f, found in documents.corpus_sources(inputs)]
+  if hf is not None:
+    sources.append(hf)
+  if not sources:
+    raise ValueError('prepare needs corpus files or directories, or --hf-dataset')
   out = Path(out)
   if out.exists() and not out.is_dir():
     raise ValueError(f'--out {out} is a file, not a directory')
-  return _Plan(out, files, [_source_record(f) for f in files], text_field)
+  return _Plan(out, sources, text_field)
 
 
 def _prepared_manifest(plan: _Plan, tokenizer: PathLike | None,
@@ -223,8 +215,7 @@ def _prepared_manifest(plan: _Plan, tokenizer: PathLike | None,
   if not manifest_path.is_file():
     return None
   old = json.loads(manifest_path.read_text())
-  same_inputs = (len(old['sources']) == len(plan.sources)
-                 and all(map(_same_source, old['sources'], plan.sources)))
+  same_inputs = _same_sources(old['sources'], plan.sources)
   same_tokenizer = tokenizer is None or file_hash(tokenizer) == old['tokenizer_sha256']
   if same_inputs and same_tokenizer and old.get('text_field') == plan.text_field:
     _check_bpe(plan.out, old.get('bpe'), bpe)
@@ -263,33 +254,53 @@ def _store_tokenizer(plan: _Plan, tokenizer: PathLike | None, bpe: dict | None) 
   if tok_path.is_file():
     _check_bpe(plan.out, json.loads(record.read_text()) if record.is_file() else None, bpe)
     return tok_path
-  sample = [d for d in _sample(plan.files, plan.text_field, bpe['sample_chars']) if d.strip()]
+  sample = list(_sample(plan.sources, plan.text_field, bpe['sample_chars']))
   if not sample:
     raise ValueError('corpus is empty: no non-empty documents in '
-                     + ', '.join(map(str, plan.files)))
+                     + ', '.join(map(_source_name, plan.sources)))
   record.parent.mkdir(exist_ok=True)
   atomic_write(record, lambda tmp: Path(tmp).write_text(json.dumps(bpe)))
   Tokenizer.train_bpe(sample, vocab_size=bpe['vocab_size'], path=tok_path)
   return tok_path
 
 
+def _tasks(sources: list[dict], shard_tokens: int) -> list[list[int]]:
+  """The sources of each task, by index: runs of consecutive files of
+  ``shard_tokens`` bytes in all at most (or one larger file), and each
+  dataset alone (a folder of many small files makes a few shards, not one
+  each)."""
+  tasks, size = [], 0
+  for i, source in enumerate(sources):
+    n = source.get('bytes', 0)
+    if (not tasks or 'hf_dataset' in source or 'hf_dataset' in sources[tasks[-1][-1]]
+        or size + n > shard_tokens):
+      tasks.append([])
+      size = 0
+    tasks[-1].append(i)
+    size += n
+  return tasks
+
+
 def _tokenize_sources(plan: _Plan, tok_path: Path, tok_hash: str, dtype: np.dtype, *,
                       shard_tokens: int, workers: int | None, progress: bool) -> list[dict]:
-  """The part record of every source file, in order: the one in ``out/parts``
-  where it is of the same source, tokenizer and text field, else that of
-  the file tokenized now (:func:`_tokenize_source`), recorded there."""
+  """The part record of every task (:func:`_tasks`), in order: the one in
+  ``out/parts`` where it is of the same sources, tokenizer and text field,
+  else that of the task run now
+  (:func:`~poetx_jax.pretrain.prepare_tasks.tokenize_task`), recorded there."""
   parts_dir = plan.out / 'parts'
   parts_dir.mkdir(exist_ok=True)
+  tasks = _tasks(plan.sources, shard_tokens)
   parts, todo = {}, []
-  for i, (f, rec) in enumerate(zip(plan.files, plan.sources)):
+  for i, members in enumerate(tasks):
+    sources = [plan.sources[j] for j in members]
     part_file = parts_dir / f'{i:05d}.json'
     if part_file.is_file():
       part = json.loads(part_file.read_text())
-      if (_same_source(part['source'], rec) and part.get('tokenizer') == tok_hash
+      if (_same_sources(part.get('sources', ()), sources) and part.get('tokenizer') == tok_hash
           and part.get('text_field') == plan.text_field):
         parts[i] = part
         continue
-    todo.append({'index': i, 'path': str(f), 'out': str(plan.out), 'source': rec,
+    todo.append({'index': i, 'out': str(plan.out), 'sources': sources,
                  'tokenizer': str(tok_path), 'dtype': dtype.str,
                  'shard_tokens': shard_tokens, 'text_field': plan.text_field})
 
@@ -299,95 +310,8 @@ def _tokenize_sources(plan: _Plan, tok_path: Path, tok_hash: str, dtype: np.dtyp
                  lambda tmp: Path(tmp).write_text(json.dumps(part)))
     parts[task['index']] = part
 
-  _run_tasks(todo, done, workers=workers, progress=progress, files=len(plan.files))
-  return [parts[i] for i in range(len(plan.files))]
-
-
-def _run_tasks(todo: list[dict], done: tp.Callable[[dict, dict], None], *,
-               workers: int | None, progress: bool, files: int) -> None:
-  """Runs :func:`_tokenize_source` on each task of ``todo`` (in ``workers``
-  processes where there are several) and ``done(task, part)`` as each ends,
-  in order, with a progress bar over their bytes if ``progress``."""
-  bar = None
-  if progress:
-    from tqdm.auto import tqdm  # pylint: disable=g-import-not-at-top
-    bar = tqdm(total=sum(t['source']['bytes'] for t in todo), unit='B', unit_scale=True,
-               desc=f'tokenizing {len(todo)} of {files} files')
-  n_workers = min(workers or os.cpu_count() or 1, max(len(todo), 1))
-
-  def finish(task, part):
-    done(task, part)
-    if bar is not None:
-      bar.update(task['source']['bytes'])
-
-  try:
-    if n_workers <= 1:
-      for task in todo:
-        finish(task, _tokenize_source(task))
-    else:
-      ctx = multiprocessing.get_context('spawn')  # the caller may hold threads (jax)
-      pool = concurrent.futures.ProcessPoolExecutor(
-          n_workers, mp_context=ctx, initializer=_worker_init, initargs=(os.getpid(),))
-      try:
-        with _terminate_on_sigterm(pool):
-          for task, part in zip(todo, pool.map(_tokenize_source, todo)):
-            finish(task, part)
-      except BaseException:  # an error, Ctrl-C: the other files' work is not awaited
-        _terminate(pool)
-        pool.shutdown(wait=False, cancel_futures=True)
-        raise
-      pool.shutdown()
-  finally:
-    if bar is not None:
-      bar.close()
-
-
-def _worker_init(parent: int) -> None:
-  """A worker's start: on Linux it is killed when the prepare that started
-  it dies, however it dies (``kill -9`` too: prctl PR_SET_PDEATHSIG); it
-  leaves Ctrl-C to that process, which stops it."""
-  signal.signal(signal.SIGINT, signal.SIG_IGN)
-  if sys.platform.startswith('linux'):
-    import ctypes  # pylint: disable=g-import-not-at-top
-    pr_set_pdeathsig = 1
-    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
-  if os.getppid() != parent:  # it died before the line above
-    os._exit(1)
-
-
-def _terminate(pool: concurrent.futures.ProcessPoolExecutor) -> None:
-  """Sends SIGTERM to the pool's workers (their files are tokenized again by
-  the next prepare); takes no lock, so a signal handler may call it."""
-  try:
-    workers = list((getattr(pool, '_processes', None) or {}).values())
-  except RuntimeError:  # changed while copied: the pool is starting or ending
-    workers = []
-  for w in workers:
-    with contextlib.suppress(OSError, ValueError, AttributeError):
-      w.terminate()
-
-
-@contextlib.contextmanager
-def _terminate_on_sigterm(pool: concurrent.futures.ProcessPoolExecutor) -> tp.Iterator[None]:
-  """While the pool works, SIGTERM first terminates its workers, then this
-  process as SIGTERM does by default (where SIGTERM has its default action
-  and this is the main thread; elsewhere the workers' PR_SET_PDEATHSIG does)."""
-  if (threading.current_thread() is not threading.main_thread()
-      or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL):
-    yield
-    return
-
-  def on_sigterm(signum, frame):
-    del frame
-    _terminate(pool)
-    signal.signal(signum, signal.SIG_DFL)
-    os.kill(os.getpid(), signum)
-
-  signal.signal(signal.SIGTERM, on_sigterm)
-  try:
-    yield
-  finally:
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+  run_tasks(todo, done, workers=workers, progress=progress, files=len(tasks))
+  return [parts[i] for i in range(len(tasks))]
 
 
 def _write_manifest(plan: _Plan, parts: list[dict], tok: Tokenizer, tok_path: Path,
@@ -400,11 +324,11 @@ def _write_manifest(plan: _Plan, parts: list[dict], tok: Tokenizer, tok_path: Pa
   all_shards = [s for p in parts for s in p['shards']]
   if not all_shards:
     raise ValueError('corpus is empty: no non-empty documents in '
-                     + ', '.join(map(str, plan.files)))
+                     + ', '.join(map(_source_name, plan.sources)))
   manifest = {'format': FORMAT, 'dtype': dtype.name, 'vocab_size': tok.vocab_size,
               'eos_id': tok.eos_id, 'tokenizer': tok_path.name,
               'tokenizer_sha256': tok_hash, 'text_field': plan.text_field, 'bpe': bpe,
-              'sources': [p['source'] for p in parts], 'shards': all_shards,
+              'sources': [s for p in parts for s in p['sources']], 'shards': all_shards,
               'documents': sum(p['documents'] for p in parts),
               'tokens': sum(s['tokens'] for s in all_shards)}
   text = json.dumps(manifest, indent=1)

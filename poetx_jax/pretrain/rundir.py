@@ -43,7 +43,7 @@ from poetx_jax.pretrain.tokenizer import file_hash
 RUN_FILE, DATA_FILE = 'run.json', 'data.json'
 # Options that say where things are, not what the run is: --resume may change
 # them (the corpus is checked against data.json's hashes instead).
-LOCATIONS = ('out_dir', 'cache_dir', 'data')
+LOCATIONS = ('out_dir', 'cache_dir', 'data', 'val_data')
 # Options that say how the state is laid out on the devices, not what is
 # trained: --resume may change them (checkpoints restore onto any mesh), and
 # resumed_config fits a saved fsdp to the devices present.

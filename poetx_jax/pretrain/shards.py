@@ -268,7 +268,8 @@ class PreparedData:
   (same attributes), read from its shards on demand: start-up time and host
   memory do not grow with the corpus.
 
-  The split is :func:`~poetx_jax.pretrain.data.split`'s (the last ``val_fraction`` of the stream); the
+  The split is :func:`~poetx_jax.pretrain.data.split`'s (the last
+  ``val_fraction`` of the stream; None: no split, all of it trains); the
   windows are :class:`TokenWindows`. ``fingerprint`` holds each split's token
   count and, for its sha256, the digest of the manifest's shard hashes and the
   split's token range (computed when the dataset was prepared; each shard is
@@ -276,7 +277,7 @@ class PreparedData:
   starting in the background here).
   """
 
-  def __init__(self, directory: PathLike, *, seq_len: int, val_fraction: float = 0.05,
+  def __init__(self, directory: PathLike, *, seq_len: int, val_fraction: float | None = 0.05,
                tokenizer_path: PathLike | None = None):
     self.shards = TokenShards(directory)
     m = self.shards.manifest
@@ -293,9 +294,11 @@ class PreparedData:
                        f'of {directory} says {m["vocab_size"]}; prepare the dataset again')
     self.shards.verify_in_background()
     n = len(self.shards)
-    cut = data.split_point(n, val_fraction=val_fraction, seq_len=seq_len)
+    cut = n if val_fraction is None else data.split_point(n, val_fraction=val_fraction,
+                                                          seq_len=seq_len)
     self.train_windows = TokenWindows(self.shards, 0, cut, seq_len)
-    self.val_windows = TokenWindows(self.shards, cut, n, seq_len)
+    self.val_windows = TokenWindows(self.shards, cut, n, seq_len,
+                                    index=range(0) if cut == n else None)
     self.num_tokens, self.seq_len = n, seq_len
     digest = hashlib.sha256(''.join(s['sha256'] for s in m['shards']).encode()).hexdigest()
 

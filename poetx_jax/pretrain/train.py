@@ -123,6 +123,8 @@ class Run:
   stopped: str | None = None
   good: int | None = None  # the newest step whose state gave a finite loss
   merges: list = dataclasses.field(default_factory=list)  # (step, error) to report
+  # windows -> {source: windows of it among them}: a mixture's (MixtureData.drawn)
+  drawn: tp.Callable[[int], dict] | None = None
   # The loop's state: the last step's loss (a device array until logged),
   # the clock, the progress bar and where this call started.
   loss: tp.Any = None
@@ -365,7 +367,8 @@ def set_up(cfg: TrainConfig, out: pathlib.Path, *, resume: bool, step: int | Non
   merges = []  # the step function's merges, reported by a hook (loop_hooks)
   step_fn = make_step(cfg, mc, on_merge=lambda *merge: merges.append(merge), mesh=mesh)
   return Run(cfg, out, mesh, model, optimizer, step_fn, batches, val, ckpt, metrics,
-             step or 0, merges=merges, val_windows=(len(windows), len(data.val_windows)))
+             step or 0, merges=merges, val_windows=(len(windows), len(data.val_windows)),
+             drawn=getattr(data, 'drawn', None))
 
 
 def _log_sizes(cfg: TrainConfig, mc, model, optimizer, log) -> None:
@@ -417,6 +420,11 @@ def _finish(run: Run, log) -> dict:
   closing = time.perf_counter()
   run.ckpt.close()  # waits for the asynchronous checkpoint writes
   closing = time.perf_counter() - closing
+  drawn = run.drawn(run.step * run.cfg.batch_size) if run.drawn else None
+  if drawn:  # the training windows of each source so far (the run's, resumed or not)
+    run.metrics.write({'step': run.step, 'windows_drawn': drawn})
+    log('training windows drawn by step ' + f'{run.step}: '
+        + ', '.join(f'{k}: {v:,}' for k, v in drawn.items()))
   run.metrics.close()
   elapsed = time.perf_counter() - run.t0
   tokens = (run.step - run.start) * (run.cfg.batch_size * run.cfg.seq_len)
@@ -427,6 +435,8 @@ def _finish(run: Run, log) -> dict:
   stats = jax.local_devices()[0].memory_stats() or {}
   if 'peak_bytes_in_use' in stats:  # GPUs report it; the CPU does not
     summary['peak_gib'] = stats['peak_bytes_in_use'] / 2 ** 30
+  if drawn:
+    summary['windows_drawn'] = drawn
   if run.first_val:
     summary['val_before'] = run.first_val._asdict()
   if run.last_val:  # of its own step, which may be before the last
