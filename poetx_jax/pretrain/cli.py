@@ -35,9 +35,9 @@ def _train_parser(sub, *, defaults: bool = True):
   p.add_argument('--resume', action='store_true', help='continue the run in --out-dir '
                  'from its newest intact checkpoint; the options not given are read from '
                  'its run.json, those given must agree with it (but --steps may be raised '
-                 'to extend the run, --data, --cache-dir may move, and --strategy, --fsdp '
-                 'may change: a saved --fsdp that does not divide the devices present is '
-                 'lowered to the largest that does)')
+                 'to extend the run, --data, --cache-dir may move, and --tracking, '
+                 '--profile-steps, --strategy, --fsdp may change: a saved --fsdp that '
+                 'does not divide the devices present is lowered to the largest that does)')
   p.add_argument('--step', type=int, default=None, metavar='N',
                  help='with --resume: continue from checkpoint step N instead (the newer '
                       'checkpoints are moved to a new folder of '

@@ -32,6 +32,7 @@ from poetx_jax.pretrain.factories import (build_state, compute_dtype, make_step,
 from poetx_jax.pretrain.metrics import (Metrics, Progress, StopFlag, TrainClock,
                                         merge_reporter)
 from poetx_jax.pretrain.plot import read_metrics
+from poetx_jax.pretrain.tracking import Tracking
 
 
 class NonFiniteLoss(FloatingPointError):
@@ -116,6 +117,7 @@ class Run:
   ckpt: Checkpointer
   metrics: Metrics
   step: int
+  tracking: Tracking
   hooks: list[Hook] = dataclasses.field(default_factory=list)
   val_windows: tuple[int, int] = (0, 0)  # in the validation batches, in the split
   first_val: Validation | None = None  # at step 0
@@ -123,9 +125,10 @@ class Run:
   stopped: str | None = None
   good: int | None = None  # the newest step whose state gave a finite loss
   merges: list = dataclasses.field(default_factory=list)  # (step, error) to report
-  # The loop's state: the last step's loss (a device array until logged),
-  # the clock, the progress bar and where this call started.
+  # The loop's state: the last step's loss and gradient norm (device arrays
+  # until logged), the clock, the progress bar and where this call started.
   loss: tp.Any = None
+  grad_norm: tp.Any = None
   clock: TrainClock | None = None
   progress: Progress | None = None
   t0: float = 0.0
@@ -245,8 +248,8 @@ def train(cfg: TrainConfig, *, resume: bool = False, step: int | None = None, lo
     run.t0, run.start = time.perf_counter(), run.step
     with StopFlag() as stop, TrainClock() as run.clock:
       while run.step < total:
-        run.loss = run.step_fn(run.model, run.optimizer,
-                               place_batch(next(run.batches), run.mesh))
+        run.loss, run.grad_norm = run.step_fn(run.model, run.optimizer,
+                                              place_batch(next(run.batches), run.mesh))
         run.step += 1
         _after_step(run, last=run.step == total)
         signal = _agreed(stop.signal, at_log=run.step % cfg.log_every == 0)
@@ -264,7 +267,8 @@ def loop_hooks(run: Run, hooks: tp.Sequence[Hook], log) -> list[Hook]:
   """The hooks of a run in the order they run after a step: the report of
   the merges the step made (POET-X); the given ones that do not wait; the
   log line (every ``log_every``: the loss fetched and checked finite, the
-  progress bar, a metrics record); the validation (every ``eval_every``); the given ones that
+  progress bar, a metrics record) and the step statistics (tracking.py); a
+  profile's start and stop; the validation (every ``eval_every``); the given ones that
   wait; the checkpoint (every ``checkpoint_every``)."""
   cfg, hooks = run.cfg, list(hooks)
   report = (merge_reporter(run.metrics, log, poet_lr=model_poet_lr(cfg, run.model),
@@ -283,7 +287,10 @@ def loop_hooks(run: Run, hooks: tp.Sequence[Hook], log) -> list[Hook]:
 
   return (([Hook(report_merges, wait=False)] if report else [])
           + [h for h in hooks if not h.wait]
-          + [Hook(_log_step, every=cfg.log_every, wait=False)]
+          + [Hook(_log_step, every=cfg.log_every, wait=False),
+             Hook(run.tracking.step_stats, every=cfg.log_every, wait=False)]
+          + ([Hook(run.tracking.profile, at_start=True, wait=False)]
+             if cfg.profile_steps else [])
           + [Hook(validate, every=cfg.eval_every)]
           + [h for h in hooks if h.wait]
           + [Hook(save, every=cfg.checkpoint_every)])
@@ -361,11 +368,16 @@ def set_up(cfg: TrainConfig, out: pathlib.Path, *, resume: bool, step: int | Non
     total = cfg.steps * cfg.grad_accum
     log(f'resumed from step {step}' + (f': the run is complete ({total} steps); raise '
                                        f'--steps to extend it' if step >= total else ''))
-  metrics = Metrics(out, step or 0, write=processes.is_primary(), records=records or ())
+  tracking = Tracking(cfg, out, mc, resume_step=step or 0, write=processes.is_primary(),
+                      poet_lr=model_poet_lr(cfg, model) if cfg.optimizer == 'poetx' else None)
+  metrics = Metrics(out, step or 0, write=processes.is_primary(), records=records or (),
+                    sinks=[tracking])
   merges = []  # the step function's merges, reported by a hook (loop_hooks)
-  step_fn = make_step(cfg, mc, on_merge=lambda *merge: merges.append(merge), mesh=mesh)
+  step_fn = make_step(cfg, mc, on_merge=lambda *merge: merges.append(merge), mesh=mesh,
+                      grad_norm=True)
   return Run(cfg, out, mesh, model, optimizer, step_fn, batches, val, ckpt, metrics,
-             step or 0, merges=merges, val_windows=(len(windows), len(data.val_windows)))
+             step or 0, tracking, merges=merges,
+             val_windows=(len(windows), len(data.val_windows)))
 
 
 def _log_sizes(cfg: TrainConfig, mc, model, optimizer, log) -> None:
