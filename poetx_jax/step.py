@@ -7,6 +7,7 @@ import weakref
 
 import jax
 import jax.numpy as jnp
+import optax
 from flax import nnx
 
 from poetx_jax.cycle import MergeClock, merge, merge_due
@@ -17,7 +18,7 @@ def make_train_step(loss_fn: tp.Callable, *, merge_every: int | None = None,
                     seed: int = 0, has_aux: bool = False, donate: bool = True,
                     on_merge: tp.Callable[[int, jax.Array], None] | None = None,
                     data_parallel: jax.sharding.Mesh | None = None,
-                    loss_weight: tp.Callable | None = None) -> tp.Callable:
+                    loss_weight: tp.Callable | None = None, grad_norm: bool = False) -> tp.Callable:
   """Builds ``step(model, optimizer, batch) -> loss`` (state donated).
 
   One call computes ``nnx.value_and_grad(loss_fn)(model, batch)`` (all
@@ -64,6 +65,8 @@ def make_train_step(loss_fn: tp.Callable, *, merge_every: int | None = None,
       tokens). The devices' losses and gradients are then averaged with these
       weights, which is the global mean however unevenly the items fall. None
       weighs the devices equally (a mean over rows).
+    grad_norm: return ``(out, grad_norm)``: also the gradients' global norm before
+      clipping (of the call's micro-batch), as a device array (``_update_fn``).
 
   Returns:
     The step function; it returns the loss (and aux) before the update. It
@@ -72,23 +75,22 @@ def make_train_step(loss_fn: tp.Callable, *, merge_every: int | None = None,
     its values: merges and checkpoint restores are fine) only between steps
     made by different step functions. ``step.lower(model, optimizer, batch)``
     lowers the gradient-and-update program, which returns ``(out, merge_due,
-    merge_key)`` (abstract model and optimizer states work).
+    merge_key, grad_norm)`` (abstract model and optimizer states work).
   """
   base_key = jax.random.key(seed)
   verdicts = _MergeVerdicts(merge_every)
   value_and_grad = _value_and_grad(loss_fn, has_aux, data_parallel, loss_weight)
-  programs = _Programs(_update_fn(value_and_grad, base_key), donate)
+  programs = _Programs(_update_fn(value_and_grad, base_key, grad_norm), donate)
 
   def step(model, optimizer: nnx.Optimizer, batch):
-    if not programs.has_cycle(optimizer):
-      return programs.run(model, optimizer, batch)[0]
-    verdicts.before_call(optimizer)
-    out, flag, key = programs.run(model, optimizer, batch)
-    if verdicts.after_call(optimizer, flag):
+    if cycle := programs.has_cycle(optimizer):
+      verdicts.before_call(optimizer)
+    out, flag, key, norm = programs.run(model, optimizer, batch)
+    if cycle and verdicts.after_call(optimizer, flag):
       error = merge(model, rngs=key)
       if on_merge is not None:
         on_merge(int(optimizer.step[...]), error)
-    return out
+    return (out, norm) if grad_norm else out
 
   step.lower = programs.lower
   return step
@@ -107,21 +109,27 @@ def _value_and_grad(loss_fn: tp.Callable, has_aux: bool,
   return _per_device_grads(loss_fn, data_parallel, loss_weight)
 
 
-def _update_fn(value_and_grad: tp.Callable, base_key: jax.Array) -> tp.Callable:
+def _update_fn(value_and_grad: tp.Callable, base_key: jax.Array,
+               grad_norm: bool = False) -> tp.Callable:
   """The step's device program: ``update(model, optimizer, batch) -> (out,
-  merge_due, merge_key)``. It applies the gradients with ``optimizer.update``;
-  ``merge_due`` says whether that completed a POET-X merge cycle (always False
-  without a ``poetx`` state) and ``merge_key`` is ``fold_in(base_key, step)``."""
+  merge_due, merge_key, grad_norm)``. It applies the gradients with
+  ``optimizer.update``; ``merge_due`` says whether that completed a POET-X
+  merge cycle (always False without a ``poetx`` state), ``merge_key`` is
+  ``fold_in(base_key, step)`` and ``grad_norm`` the gradients' global norm
+  (None unless ``grad_norm``): an extra output of the same program, which the
+  caller reads only when it wants it (a log step), so the host does not wait
+  for it; the losses and updates are bitwise those without it."""
 
   def update(model, optimizer: nnx.Optimizer, batch):
     out, grads = value_and_grad(model, batch)
+    norm = optax.global_norm(grads) if grad_norm else None
     old_state = nnx.as_pure(optimizer.opt_state)
     optimizer.update(model, grads)
     if poetx_states(old_state):
       due = merge_due(old_state, nnx.as_pure(optimizer.opt_state))
     else:  # no POET-X in this optimizer: nothing ever merges
       due = jnp.zeros((), bool)
-    return out, due, jax.random.fold_in(base_key, optimizer.step[...])
+    return out, due, jax.random.fold_in(base_key, optimizer.step[...]), norm
 
   return update
 

@@ -37,6 +37,13 @@ def test_skewadam_option_conflicts_are_named(options, match):
     ('mode', 'slow', r"mode must be one of \('fast', 'mem'\), got 'slow'"),
     ('quantize', 'fp8', r"quantize must be None or one of \('int8', 'int4'\), got 'fp8'"),
     ('steps', True, 'steps must be an int >= 1, got True'),
+    ('tracking', ['mlflow'], r"tracking must be a list of \('tensorboard', 'wandb'\)"),
+    ('tracking', 'wandb', r"tracking must be a list of .*, got 'wandb'"),
+    ('profile_steps', '5', "profile_steps must be A:B, .* got '5'"),
+    ('profile_steps', '3:2', "profile_steps must be A:B, .*1 <= A <= B.* got '3:2'"),
+    ('profile_steps', '0:2', "profile_steps must be A:B, .* got '0:2'"),
+    ('profile_steps', '500:601', "profile_steps='500:601' ends after the run's last "
+                                 "micro-step, 600"),
 ])
 def test_options_that_cannot_be_honoured_are_errors(field, value, message):
   with pytest.raises(ValueError, match=message):

@@ -7,7 +7,7 @@ import textwrap
 
 # What only the app (poetx_jax.pretrain, the `pretrain` extra) may import.
 APP_PACKAGES = ('grain', 'orbax', 'tokenizers', 'pyarrow', 'safetensors', 'matplotlib',
-                'tqdm', 'tensorboardX', 'sentencepiece')
+                'tqdm', 'tensorboardX', 'wandb', 'sentencepiece')
 
 # Prepended to a script: makes the app's packages unimportable.
 BLOCK_APP_PACKAGES = f"""

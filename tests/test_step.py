@@ -126,3 +126,31 @@ def test_state_stays_in_the_objects_and_other_objects_rebind():
   assert int(opt_two.step[...]) == 1 and int(opt_one.step[...]) == 1
   assert not np.array_equal(two.layers[0].q_in[...], q_two)
   np.testing.assert_allclose(float(_loss(one, batch)), float(nnx.jit(_loss)(one, batch)))
+
+
+@pytest.mark.parametrize('merge_every', [3, None], ids=['poetx', 'adam'])
+def test_grad_norm_is_returned_without_changing_the_training(merge_every):
+  """grad_norm=True returns the gradients' global norm beside each loss; the
+  losses and the trained state are bitwise those of the plain step."""
+  def train(grad_norm):
+    model = _model()
+    opt = (_optimizer(model, merge_every) if merge_every else
+           nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param))
+    step = poetx_jax.make_train_step(_loss, merge_every=merge_every, grad_norm=grad_norm)
+    out, norms = [], []
+    for b in _batches(7):
+      if grad_norm:
+        want = optax.global_norm(nnx.grad(_loss)(model, b))  # before the step updates it
+        loss, norm = step(model, opt, b)
+        norms.append((float(norm), float(want)))
+      else:
+        loss = step(model, opt, b)
+      out.append(float(loss))
+    return out, norms, nnx.to_pure_dict(nnx.state(model))
+
+  plain_losses, _, plain_state = train(False)
+  losses, norms, state = train(True)
+  assert losses == plain_losses
+  chex.assert_trees_all_equal(state, plain_state)
+  for got, want in norms:
+    np.testing.assert_allclose(got, want, rtol=1e-5)

@@ -3,6 +3,7 @@
     poetx train                       # tiny Llama, POET-X, built-in corpus
     poetx train --optimizer adamw --out-dir runs/tiny-adamw
     poetx train --resume --out-dir runs/tiny-poetx
+    poetx train --config runs/tiny-poetx/run.json --out-dir runs/again   # or a .yaml
     poetx eval runs/tiny-poetx
     poetx export runs/tiny-poetx --out exported/
     poetx plot runs/tiny-poetx runs/tiny-adamw --out loss.png
@@ -12,6 +13,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import pathlib
@@ -24,20 +26,26 @@ def _train_parser(sub, *, defaults: bool = True):
   from poetx_jax.pretrain.config import add_options
   p = sub.add_parser('train', help='train a Llama with POET-X (or AdamW)',
                      description='Train a Llama with POET-X (or AdamW). Every option '
-                                 'but --resume, --step, --distributed and --plot is a '
-                                 'field of TrainConfig, saved in OUT_DIR/run.json. Exit '
+                                 'but --config, --resume, --step, --distributed and --plot '
+                                 'is a field of TrainConfig, saved in OUT_DIR/run.json. Exit '
                                  'status: 0 finished, 2 bad option, data or checkpoint, '
                                  '3 non-finite loss, 4 OUT_DIR in use by another '
                                  'training, 5 a process of a --distributed run missing, '
                                  '130 / 143 stopped by SIGINT / SIGTERM (a '
                                  'checkpoint saved: continue with --resume).')
   add_options(p, defaults=defaults)
+  p.add_argument('--config', default=None, metavar='FILE',
+                 help='read the options from a JSON or YAML file (.json, .yaml, .yml) of '
+                      'TrainConfig fields by name, e.g. a run\'s run.json; the options given '
+                      'on the command line override it (not with --resume, which reads the '
+                      'run\'s own run.json)')
   p.add_argument('--resume', action='store_true', help='continue the run in --out-dir '
                  'from its newest intact checkpoint; the options not given are read from '
                  'its run.json, those given must agree with it (but --steps may be raised '
-                 'to extend the run, --data, --val-data, --cache-dir may move, and --strategy, --fsdp '
-                 'may change: a saved --fsdp that does not divide the devices present is '
-                 'lowered to the largest that does)')
+                 'to extend the run, --data, --val-data, --cache-dir may move, and '
+                 '--tracking, --profile-steps, --strategy, --fsdp may change: a saved '
+                 '--fsdp that does not divide the devices present is lowered to the '
+                 'largest that does)')
   p.add_argument('--step', type=int, default=None, metavar='N',
                  help='with --resume: continue from checkpoint step N instead (the newer '
                       'checkpoints are moved to a new folder of '
@@ -96,6 +104,14 @@ def cmd_train(a) -> int:
                                defaults=False).parse_args(a.argv[1:]))
   else:
     given = {k for k, v in vars(cfg).items() if v != getattr(TrainConfig(), k)}
+  if a.config is not None:  # the file's options, those given over them
+    if a.resume:
+      raise ValueError('--config does not go with --resume: a resumed run reads its own '
+                       'run.json (options given with --resume must agree with it)')
+    from poetx_jax.pretrain.config_file import config_with_file, read_config_file
+    fields = {f.name for f in dataclasses.fields(TrainConfig)} & set(given)
+    cfg = config_with_file(a.config, {k: getattr(cfg, k) for k in fields})
+    given = set(given) | set(read_config_file(a.config))
   if a.resume:  # the options given again; the rest are the run's (run.json)
     cfg = resumed_config(cfg, given, device_count=jax.device_count())
   elif 'vocab_size' in given:

@@ -33,6 +33,7 @@ from poetx_jax.pretrain.tokenizer import MIN_BPE_VOCAB
 
 OPTIMIZERS = ('poetx', 'adamw', 'skewadam')
 DTYPES = ('float32', 'bfloat16')
+TRACKERS = ('tensorboard', 'wandb')
 
 
 def parse_overrides(text: str) -> dict:
@@ -152,6 +153,12 @@ class TrainConfig:
   eval_batches: int = _count(20, 'validation batches per evaluation')
   log_every: int = _count(10, 'log every N micro-steps')
   checkpoint_every: int = _count(100, 'checkpoint every N micro-steps')
+  tracking: list[str] = _option([], 'also send the metrics to TensorBoard (event files in '
+                                'OUT_DIR/tensorboard) and/or Weights & Biases (needs wandb)',
+                                choices=TRACKERS)
+  profile_steps: str | None = _option(None, 'write a jax.profiler trace of micro-steps A to B '
+                                      '(from 1, inclusive) to OUT_DIR/profile', metavar='A:B',
+                                      none='no trace')
   keep: int = _count(3, 'checkpoints kept')
   out_dir: str | None = _option(None, 'run directory', none='runs/MODEL-OPTIMIZER')
   cache_dir: str = _option('~/.cache/poetx_jax', 'tokenizer and token cache')
@@ -180,10 +187,28 @@ class TrainConfig:
     if self.lean_state and (self.skew_tiers or self.optimizer == 'skewadam'):
       raise ValueError('lean_state and SkewAdam (optimizer skewadam, skew_tiers) both choose '
                        'the optimizer state of the same parameters: pick one')
+    if self.profile_steps is not None:
+      _, last = profile_window(self.profile_steps)
+      if last > self.steps * self.grad_accum:
+        raise ValueError(f'profile_steps={self.profile_steps!r} ends after the run\'s last '
+                         f'micro-step, {self.steps * self.grad_accum}')
     if device_count is not None and device_count % self.fsdp:
       valid = [n for n in range(1, device_count + 1) if device_count % n == 0]
       raise ValueError(f'fsdp={self.fsdp} must divide the {device_count} device(s); '
                        f'valid: {valid}')
+
+
+def profile_window(text: str) -> tuple[int, int]:
+  """``--profile-steps`` ``'A:B'`` as ``(A, B)``, ``1 <= A <= B``; ValueError else.
+
+    >>> profile_window('20:25')
+    (20, 25)
+  """
+  a, colon, b = str(text).partition(':')
+  if colon and a.strip().isdigit() and b.strip().isdigit() and 1 <= int(a) <= int(b):
+    return int(a), int(b)
+  raise ValueError(f'profile_steps must be A:B, the first and last micro-step to trace with '
+                   f'1 <= A <= B (e.g. 20:25), got {text!r}')
 
 
 def _base_type(hint) -> tuple[type, bool]:
@@ -212,6 +237,10 @@ def _check(name: str, value: tp.Any, hint, md: tp.Mapping) -> None:
   if optional and value is None:
     return
   or_none = f' (or None: {md["none"]})' if optional else ''
+  if typ is list and 'choices' in md:  # some of the choices
+    if not (isinstance(value, list) and all(v in md['choices'] for v in value)):
+      raise ValueError(f'{name} must be a list of {md["choices"]} (or []), got {value!r}')
+    return
   if 'choices' in md:
     if value not in md['choices']:
       either = 'None or ' if optional else ''
@@ -250,7 +279,7 @@ def _help(md: tp.Mapping, default: tp.Any, choices: tp.Sequence | None) -> str:
     text += f' (default: {md["none"]})'
   elif isinstance(default, dict) and default:
     text += f' (default: {",".join(f"{k}={json.dumps(v)}" for k, v in default.items())})'
-  elif not (default is False or default == {}):
+  elif not (default is False or default == {} or default == []):
     text += f' (default: {default})'
   return text.replace('%', '%%')
 
@@ -299,7 +328,7 @@ def add_options(parser: argparse.ArgumentParser, *, defaults: bool = True,
       action = argparse.BooleanOptionalAction if value is True else 'store_true'
       parser.add_argument(flag, action=action, default=default, help=kw['help'])
     elif typ is list:
-      parser.add_argument(flag, nargs='*', default=default, **kw)
+      parser.add_argument(flag, nargs='*', default=default, choices=choices, **kw)
     elif 'parse' in md:  # read from text by config_from_args
       parser.add_argument(flag, type=str, default=default, **kw)
     else:

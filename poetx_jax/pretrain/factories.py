@@ -178,10 +178,12 @@ def _finish_optimizer(cfg: TrainConfig, model, tx) -> nnx.Optimizer:
   return nnx.Optimizer(model, tx, wrt=nnx.Param)
 
 
-def make_step(cfg: TrainConfig, mc: LlamaConfig, on_merge=None, mesh=None):
+def make_step(cfg: TrainConfig, mc: LlamaConfig, on_merge=None, mesh=None,
+              grad_norm: bool = False):
   """The run's train step ``step(model, optimizer, batch) -> loss``; ``on_merge``:
   called as ``on_merge(step, orthogonality_error)`` at each POET-X merge;
-  ``mesh``: the training mesh, if any."""
+  ``mesh``: the training mesh, if any; ``grad_norm``: return ``(loss,
+  grad_norm)`` (:func:`poetx_jax.make_train_step`)."""
   if cfg.optimizer == 'poetx':
     # Per-device programs only where each row is computed on its own (a
     # routed model's capacity and aux losses are per global batch).
@@ -189,8 +191,9 @@ def make_step(cfg: TrainConfig, mc: LlamaConfig, on_merge=None, mesh=None):
           else None)
     return poetx_jax.make_train_step(training_loss, merge_every=cfg.merge_every * cfg.grad_accum,
                                      seed=cfg.seed, on_merge=on_merge,
-                                     data_parallel=dp, loss_weight=target_count)
-  return poetx_jax.make_train_step(training_loss)  # AdamW, SkewAdam: never merge
+                                     data_parallel=dp, loss_weight=target_count,
+                                     grad_norm=grad_norm)
+  return poetx_jax.make_train_step(training_loss, grad_norm=grad_norm)  # AdamW: never merge
 
 
 def make_training_mesh(cfg: TrainConfig):

@@ -12,7 +12,12 @@ and the flag a SIGTERM or Ctrl-C raises.
 * at step 0 and every ``eval_every`` steps ``val_loss`` and ``val_ppl``;
 * at every POET-X merge ``merge_orthogonality_error`` (what
   :func:`poetx_jax.merge` returns);
+* every ``log_every`` steps the learning rates, gradient norm, training
+  throughput and model FLOPs utilisation (tracking.py);
 * the records of a probe, if the run has one.
+
+The run's trackers (``--tracking``: TensorBoard, Weights & Biases) get every
+record too (tracking.py).
 """
 
 from __future__ import annotations
@@ -36,42 +41,36 @@ ORTHOGONALITY_WARNING = 0.1
 
 
 class Metrics:
-  """metrics.jsonl (and TensorBoard when tensorboardX is installed).
+  """metrics.jsonl, and the ``sinks`` that get each record too (the run's
+  trackers: :class:`~poetx_jax.pretrain.tracking.Tracking`).
 
   On resume (``resume_step > 0``) the file is rewritten with the ``records``
   read from it before (:func:`~poetx_jax.pretrain.plot.read_metrics`) up to
   ``resume_step``. ``write=False`` (the other processes of a multi-process
-  run) writes nothing.
+  run) writes nothing. ``close()`` closes the sinks.
   """
 
   def __init__(self, out_dir: pathlib.Path, resume_step: int, *, write: bool = True,
-               records: tp.Sequence[dict] = ()):
+               records: tp.Sequence[dict] = (), sinks: tp.Sequence[tp.Any] = ()):
     self.path = out_dir / 'metrics.jsonl'
     self._write = write
-    self._tb = None
+    self.sinks = list(sinks)
     if not write:  # another process of the run writes them
       return
     kept = [r for r in records if r['step'] <= resume_step] if resume_step else []
     self.path.write_text(''.join(json.dumps(r) + '\n' for r in kept))
-    try:
-      from tensorboardX import SummaryWriter  # optional
-      self._tb = SummaryWriter(str(out_dir / 'tb'))
-    except ImportError:
-      pass
 
   def write(self, record: dict) -> None:
     if not self._write:
       return
     with self.path.open('a') as f:
       f.write(json.dumps(record) + '\n')
-    if self._tb is not None:
-      for k, v in record.items():
-        if k != 'step' and isinstance(v, (int, float)):
-          self._tb.add_scalar(k, v, record['step'])
+    for sink in self.sinks:
+      sink.write(record)
 
   def close(self):
-    if self._tb is not None:
-      self._tb.close()
+    for sink in self.sinks:
+      sink.close()
 
 
 def merge_reporter(metrics: Metrics, log: tp.Callable[[str], None], *, poet_lr: float,

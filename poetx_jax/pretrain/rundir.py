@@ -48,6 +48,9 @@ LOCATIONS = ('out_dir', 'cache_dir', 'data', 'val_data')
 # trained: --resume may change them (checkpoints restore onto any mesh), and
 # resumed_config fits a saved fsdp to the devices present.
 LAYOUT = ('strategy', 'fsdp')
+# Options that say where the metrics also go and what is profiled: --resume
+# may change them.
+REPORTING = ('tracking', 'profile_steps')
 
 
 class RunLocked(RuntimeError):
@@ -203,12 +206,13 @@ def resumed_config(cfg: TrainConfig, given: tp.Iterable[str], *,
 
 def _check_resumable(run_file: pathlib.Path, cfg: TrainConfig) -> None:
   """Raises CheckpointError unless ``cfg`` may continue the run of ``run_file``:
-  equal but for LOCATIONS and LAYOUT, with ``steps`` at least the saved ones."""
+  equal but for LOCATIONS, LAYOUT and REPORTING, with ``steps`` at least the
+  saved ones."""
   # A field newer than the run (absent from its run.json) holds its default.
   saved = {**dataclasses.asdict(TrainConfig()), **_saved_run(run_file.parent)}
   now = dataclasses.asdict(cfg)
   diff = {k: (saved.get(k), v) for k, v in now.items()
-          if k not in LOCATIONS + LAYOUT + ('steps',) and saved.get(k) != v}
+          if k not in LOCATIONS + LAYOUT + REPORTING + ('steps',) and saved.get(k) != v}
   if diff:
     raise CheckpointError(f'--resume: the configuration differs from the one in {run_file} '
                           f'(saved, given): {diff}; leave these options out to use the '

@@ -5,7 +5,8 @@ optimizer and train step), runs the loop with validation, metrics, progress
 and checkpoints, and returns a summary. ``poetx train`` (cli.py) is a thin
 shell over it. The pieces live beside it: the options in config.py, what they
 build in factories.py, the loss and validation in evaluation.py, the metrics,
-progress bar and clock in metrics.py, the run directory in rundir.py.
+progress bar and clock in metrics.py, the hooks in hooks.py, the run
+directory in rundir.py.
 """
 
 from __future__ import annotations
@@ -29,9 +30,11 @@ from poetx_jax.pretrain.evaluation import evaluate, place_batch
 from poetx_jax.pretrain.factories import (build_state, compute_dtype, make_step,
                                           make_training_mesh, model_config, model_poet_lr,
                                           size_text)
+from poetx_jax.pretrain.hooks import Hook
 from poetx_jax.pretrain.metrics import (Metrics, Progress, StopFlag, TrainClock,
                                         merge_reporter)
 from poetx_jax.pretrain.plot import read_metrics
+from poetx_jax.pretrain.tracking import Tracking
 
 
 class NonFiniteLoss(FloatingPointError):
@@ -65,42 +68,6 @@ class Validation(tp.NamedTuple):
   ppl: float
 
 
-@dataclasses.dataclass(frozen=True)
-class Hook:
-  """Something the training loop does every ``every`` micro-steps, and after
-  the last: ``fn(run)`` with the :class:`Run`; a dict it returns is written to
-  ``metrics.jsonl`` as ``{'step': run.step, **result}``.
-
-  Attributes:
-    fn: ``fn(run) -> dict | None``; it must not change the model unless it
-      means to (a fault injected by a test).
-    every: micro-steps between calls (the last step always calls it).
-    at_start: also call it at step 0 of a fresh run (after its validation).
-    wait: call it with the training clock paused, once the dispatched steps
-      are done (evaluations, probes, checkpoints); False: at once, the step
-      just dispatched (its time counts as training).
-    on: ``'step'``, after a step; ``'save'``, after each checkpoint save
-      starts (``every`` then counts micro-steps as well).
-
-  The loop's own work is hooks too (:func:`loop_hooks`): the log line, the
-  validation, the merge report, the checkpoint.
-  """
-  fn: tp.Callable[['Run'], dict | None]
-  every: int = 1
-  at_start: bool = False
-  wait: bool = True
-  on: str = 'step'
-
-  def __post_init__(self):
-    if not isinstance(self.every, int) or isinstance(self.every, bool) or self.every < 1:
-      raise ValueError(f'Hook every must be an int >= 1, got {self.every!r}')
-    if self.on not in ('step', 'save'):
-      raise ValueError(f"Hook on must be 'step' or 'save', got {self.on!r}")
-
-  def due(self, step: int, last: bool) -> bool:
-    return last or step % self.every == 0
-
-
 @dataclasses.dataclass
 class Run:
   """A run being trained: its configuration, directory, state, data, writers
@@ -116,6 +83,7 @@ class Run:
   ckpt: Checkpointer
   metrics: Metrics
   step: int
+  tracking: Tracking
   hooks: list[Hook] = dataclasses.field(default_factory=list)
   val_windows: tuple[int, int] = (0, 0)  # in the validation batches, in the split
   first_val: Validation | None = None  # at step 0
@@ -125,9 +93,10 @@ class Run:
   merges: list = dataclasses.field(default_factory=list)  # (step, error) to report
   # windows -> {source: windows of it among them}: a mixture's (MixtureData.drawn)
   drawn: tp.Callable[[int], dict] | None = None
-  # The loop's state: the last step's loss (a device array until logged),
-  # the clock, the progress bar and where this call started.
+  # The loop's state: the last step's loss and gradient norm (device arrays
+  # until logged), the clock, the progress bar and where this call started.
   loss: tp.Any = None
+  grad_norm: tp.Any = None
   clock: TrainClock | None = None
   progress: Progress | None = None
   t0: float = 0.0
@@ -247,8 +216,8 @@ def train(cfg: TrainConfig, *, resume: bool = False, step: int | None = None, lo
     run.t0, run.start = time.perf_counter(), run.step
     with StopFlag() as stop, TrainClock() as run.clock:
       while run.step < total:
-        run.loss = run.step_fn(run.model, run.optimizer,
-                               place_batch(next(run.batches), run.mesh))
+        run.loss, run.grad_norm = run.step_fn(run.model, run.optimizer,
+                                              place_batch(next(run.batches), run.mesh))
         run.step += 1
         _after_step(run, last=run.step == total)
         signal = _agreed(stop.signal, at_log=run.step % cfg.log_every == 0)
@@ -266,7 +235,8 @@ def loop_hooks(run: Run, hooks: tp.Sequence[Hook], log) -> list[Hook]:
   """The hooks of a run in the order they run after a step: the report of
   the merges the step made (POET-X); the given ones that do not wait; the
   log line (every ``log_every``: the loss fetched and checked finite, the
-  progress bar, a metrics record); the validation (every ``eval_every``); the given ones that
+  progress bar, a metrics record) and the step statistics (tracking.py); a
+  profile's start and stop; the validation (every ``eval_every``); the given ones that
   wait; the checkpoint (every ``checkpoint_every``)."""
   cfg, hooks = run.cfg, list(hooks)
   report = (merge_reporter(run.metrics, log, poet_lr=model_poet_lr(cfg, run.model),
@@ -285,7 +255,10 @@ def loop_hooks(run: Run, hooks: tp.Sequence[Hook], log) -> list[Hook]:
 
   return (([Hook(report_merges, wait=False)] if report else [])
           + [h for h in hooks if not h.wait]
-          + [Hook(_log_step, every=cfg.log_every, wait=False)]
+          + [Hook(_log_step, every=cfg.log_every, wait=False),
+             Hook(run.tracking.step_stats, every=cfg.log_every, wait=False)]
+          + ([Hook(run.tracking.profile, at_start=True, wait=False)]
+             if cfg.profile_steps else [])
           + [Hook(validate, every=cfg.eval_every)]
           + [h for h in hooks if h.wait]
           + [Hook(save, every=cfg.checkpoint_every)])
@@ -363,11 +336,16 @@ def set_up(cfg: TrainConfig, out: pathlib.Path, *, resume: bool, step: int | Non
     total = cfg.steps * cfg.grad_accum
     log(f'resumed from step {step}' + (f': the run is complete ({total} steps); raise '
                                        f'--steps to extend it' if step >= total else ''))
-  metrics = Metrics(out, step or 0, write=processes.is_primary(), records=records or ())
+  tracking = Tracking(cfg, out, mc, resume_step=step or 0, write=processes.is_primary(),
+                      poet_lr=model_poet_lr(cfg, model) if cfg.optimizer == 'poetx' else None)
+  metrics = Metrics(out, step or 0, write=processes.is_primary(), records=records or (),
+                    sinks=[tracking])
   merges = []  # the step function's merges, reported by a hook (loop_hooks)
-  step_fn = make_step(cfg, mc, on_merge=lambda *merge: merges.append(merge), mesh=mesh)
+  step_fn = make_step(cfg, mc, on_merge=lambda *merge: merges.append(merge), mesh=mesh,
+                      grad_norm=True)
   return Run(cfg, out, mesh, model, optimizer, step_fn, batches, val, ckpt, metrics,
-             step or 0, merges=merges, val_windows=(len(windows), len(data.val_windows)),
+             step or 0, tracking, merges=merges,
+             val_windows=(len(windows), len(data.val_windows)),
              drawn=getattr(data, 'drawn', None))
 
 

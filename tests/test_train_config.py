@@ -1,0 +1,85 @@
+"""``poetx train --config FILE``: a run's options from JSON or YAML, the
+command line over them; a run's own run.json trains the same run again."""
+
+import dataclasses
+import json
+import pathlib
+
+import pytest
+
+from poetx_jax.pretrain import cli, rundir
+from poetx_jax.pretrain.config import TrainConfig
+from poetx_jax.pretrain.config_file import config_with_file, read_config_file
+from conftest import write_corpus
+
+# test_train.py's tiny run (the same programs: compiled once in the suite),
+# with the learning rate as YAML writes it: text, which the field reads as a number.
+YAML = """\
+model: tiny
+model_overrides: {{layers: 1, hidden: 32, mlp: 64, heads: 2, kv_heads: 1}}
+data: {corpus}
+vocab_size: 300
+seq_len: 32
+batch_size: 4
+steps: 600
+warmup: 2
+lr: 3e-3
+merge_every: 4
+block_size: 8
+eval_every: 6
+eval_batches: 2
+log_every: 1
+checkpoint_every: 100
+dtype: float32
+cache_dir: {cache}
+"""
+
+
+def _losses(run):
+  recs = [json.loads(l) for l in (pathlib.Path(run) / 'metrics.jsonl').read_text().splitlines()]
+  return [(r['step'], r['loss']) for r in recs if 'loss' in r]
+
+
+def test_run_json_trains_the_same_run_and_the_command_line_wins(tmp_path, capsys):
+  (tmp_path / 'corpus').mkdir()
+  write_corpus(tmp_path / 'corpus')
+  config = tmp_path / 'run.yaml'
+  config.write_text(YAML.format(corpus=tmp_path / 'corpus', cache=tmp_path / 'cache'))
+  first, again = tmp_path / 'first', tmp_path / 'again'
+  assert cli.main(['train', '--config', str(config), '--steps', '12', '--out-dir', str(first),
+                   '--plot', str(tmp_path / 'a.png')]) == 0
+  cfg = rundir.read_config(first)
+  assert cfg.steps == 12 and cfg.lr == 3e-3 and cfg.data == [str(tmp_path / 'corpus')]
+  assert cfg.model_overrides == {'layers': 1, 'hidden': 32, 'mlp': 64, 'heads': 2, 'kv_heads': 1}
+  # run.json read back is the run's TrainConfig; trained again, the same losses
+  assert config_with_file(first / 'run.json') == cfg
+  assert cli.main(['train', '--config', str(first / 'run.json'), '--out-dir', str(again),
+                   '--plot', str(tmp_path / 'b.png')]) == 0
+  assert rundir.read_config(again) == dataclasses.replace(cfg, out_dir=str(again))
+  assert _losses(again) == _losses(first) and len(_losses(first)) == 12
+  capsys.readouterr()
+
+
+def test_bad_config_files_are_refused_by_name(tmp_path, capsys):
+  bad = tmp_path / 'bad.yaml'
+  bad.write_text('steps: 10\nstepz: 3\nlr_max: 1\n')
+  with pytest.raises(ValueError, match=r"bad.yaml: 'stepz', 'lr_max' are not options; valid: "
+                                       r"model, model_overrides"):
+    read_config_file(bad)
+  assert cli.main(['train', '--config', str(bad)]) == 2
+  assert "'stepz', 'lr_max' are not options" in capsys.readouterr().err
+  for name, text, match in [
+      ('a.json', '[1, 2]', 'must hold a mapping of options to values, got list'),
+      ('b.json', '{"steps": 1,}', 'not valid JSON'),
+      ('c.yaml', 'steps: [1', 'not valid YAML'),
+      ('d.toml', 'steps = 1', r"JSON \(.json\) or YAML \(.yaml, .yml\), got the suffix '.toml'"),
+      ('e.yaml', 'lr: fast', "lr must be a number, got 'fast'")]:
+    (tmp_path / name).write_text(text)
+    with pytest.raises(ValueError, match=match):
+      read_config_file(tmp_path / name)
+  (tmp_path / 'f.json').write_text('{"steps": 0}')
+  with pytest.raises(ValueError, match='steps must be an int >= 1, got 0'):
+    config_with_file(tmp_path / 'f.json')
+  assert config_with_file(tmp_path / 'f.json', {'steps': 5}) == TrainConfig(steps=5)
+  assert cli.main(['train', '--config', str(tmp_path / 'f.json'), '--resume']) == 2
+  assert '--config does not go with --resume' in capsys.readouterr().err
