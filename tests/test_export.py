@@ -116,6 +116,50 @@ def test_export_refuses_an_existing_export_unless_forced(run, tmp_path, capsys):
   assert 'is the run directory' in _one_line_error(capsys, 'export')
 
 
+def test_export_writes_bfloat16_shards_with_an_index_covering_each_tensor_once(
+    run, tmp_path, capsys):
+  import ml_dtypes
+  import numpy as np
+  from safetensors import safe_open
+  full, out = tmp_path / 'f32', tmp_path / 'hf'
+  assert cli.main(['export', str(run), '--out', str(full)]) == 0
+  assert cli.main(['export', str(run), '--out', str(out), '--dtype', 'bfloat16',
+                   '--max-shard-size', '20KB']) == 0
+  index = _json(out / 'model.safetensors.index.json')
+  shards = sorted(p.name for p in out.glob('model-*.safetensors'))
+  assert len(shards) > 2 and shards[-1] == f'model-{len(shards):05d}-of-{len(shards):05d}.safetensors'
+  assert not (out / 'model.safetensors').exists()
+  assert _json(out / 'config.json')['torch_dtype'] == 'bfloat16'
+  held, total = {}, 0  # every tensor in exactly one shard, the one the index names
+  for shard in shards:
+    with safe_open(str(out / shard), framework='numpy') as f:
+      tensors = {name: f.get_tensor(name) for name in f.keys()}
+    for name, x in tensors.items():
+      assert name not in held and index['weight_map'][name] == shard
+      assert x.dtype == ml_dtypes.bfloat16
+    sizes = [x.nbytes for x in tensors.values()]
+    assert sum(sizes) <= 20_000 or len(sizes) == 1, (shard, sizes)
+    held.update(tensors)
+    total += sum(sizes)
+  with safe_open(str(full / 'model.safetensors'), framework='numpy') as f:
+    want = {name: f.get_tensor(name) for name in f.keys()}
+  assert set(held) == set(index['weight_map']) == set(want)
+  assert index['metadata'] == {'total_size': total}
+  for name, x in want.items():  # float32 rounded to bfloat16
+    np.testing.assert_array_equal(held[name], x.astype(ml_dtypes.bfloat16))
+  # Replaced by a one-file export: the shards and the index go.
+  assert cli.main(['export', str(run), '--out', str(out), '--force']) == 0
+  assert not list(out.glob('model-*')) and not (out / 'model.safetensors.index.json').exists()
+  assert (out / 'model.safetensors').read_bytes() == (full / 'model.safetensors').read_bytes()
+  capsys.readouterr()
+  bad = tmp_path / 'bad'
+  assert cli.main(['export', str(run), '--out', str(bad), '--max-shard-size', '5 parsecs']) == 2
+  assert "size '5 parsecs' is not a number of bytes" in _one_line_error(capsys, 'export')
+  with pytest.raises(SystemExit):  # argparse: not one of the choices
+    cli.main(['export', str(run), '--out', str(bad), '--dtype', 'int8'])
+  assert not bad.exists()
+
+
 def _proto(*fields):
   """A protobuf message of (field number, int or bytes) fields."""
   def varint(v):

@@ -203,7 +203,8 @@ def cmd_eval(a) -> int:
 
 def cmd_export(a) -> int:
   from poetx_jax.pretrain.export import export_run
-  paths = export_run(a.run, a.out, step=a.step, force=a.force)
+  paths = export_run(a.run, a.out, step=a.step, force=a.force, dtype=a.dtype,
+                     max_shard_size=a.max_shard_size)
   print(f'wrote {a.out}: {", ".join(p.name for p in paths)}')
   return 0
 
@@ -285,7 +286,8 @@ def build_parser() -> argparse.ArgumentParser:
                                     'config, tokenizer)',
                      description='Write a directory that Hugging Face clients load as it '
                                  'is (LlamaForCausalLM, AutoTokenizer, pipeline): merged '
-                                 'dense weights (model.safetensors), config.json and '
+                                 'dense weights (model.safetensors, or shards with their '
+                                 'index), config.json and '
                                  'generation_config.json with the special-token ids, and '
                                  'the run\'s stored tokenizer (tokenizer.json, or '
                                  'tokenizer.model) with tokenizer_config.json and '
@@ -299,6 +301,14 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument('--force', action='store_true',
                  help='replace an export already in DIR, removing its files that this '
                       'export does not write (default: refuse)')
+  p.add_argument('--dtype', default='float32', choices=('float32', 'bfloat16'),
+                 help='the dtype of the exported weights, written as config.json\'s '
+                      'torch_dtype (default: %(default)s)')
+  p.add_argument('--max-shard-size', default='5GB', metavar='SIZE',
+                 help='the largest weight file, e.g. 5GB (10^9 bytes) or 2GiB; larger '
+                      'weights are split into model-0000i-of-0000n.safetensors shards '
+                      'listed by model.safetensors.index.json, as save_pretrained '
+                      'writes them (default: %(default)s)')
   p.set_defaults(func=cmd_export)
   p = sub.add_parser('plot', help='loss / perplexity curves of runs to an image',
                      description='Training loss and validation perplexity against step '
