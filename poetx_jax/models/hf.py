@@ -11,7 +11,9 @@ checkpoint (a directory, or a config dict and a state dict) as a
 :class:`LlamaConfig` and its weights, :func:`build_from_hf` builds the model
 holding them without drawing random weights first (each decoder layer filled,
 then converted, e.g. poetized, as it is built), :func:`load_hf_weights` fills
-a model already built::
+a model already built. config.json is read and written by
+:mod:`poetx_jax.models.hf_json` (:func:`llama_config`, :func:`hf_config`,
+both given here)::
 
     config, weights = hf.from_hf('exported/')
     model = hf.build_from_hf(config, weights, scan_layers=True)
@@ -123,6 +125,8 @@ def hf_state_dict(model: Llama, *, dtype: str = 'float32') -> dict[str, np.ndarr
   return sd
 
 
+# Tensors some checkpoints hold that are no weights: rotary tables, which
+# this Llama computes from rope_theta.
 _BUFFERS = ('.rotary_emb.inv_freq',)
 
 

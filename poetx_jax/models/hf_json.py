@@ -97,11 +97,13 @@ def _token_ids(config: LlamaConfig, **ids: int | None) -> dict[str, int]:
 
 # ------------------------------------------------------------------------ import
 
-# config.json fields read into a LlamaConfig, with Hugging Face's defaults.
-_FIELDS = {'hidden_size': None, 'intermediate_size': None, 'num_hidden_layers': None,
-           'num_attention_heads': None, 'vocab_size': None, 'num_key_value_heads': None,
-           'max_position_embeddings': 2048, 'rms_norm_eps': 1e-6, 'rope_theta': 10000.0,
-           'tie_word_embeddings': False, 'initializer_range': 0.02}
+# config.json fields read into a LlamaConfig: those it must have, and the
+# others with Hugging Face's defaults (num_key_value_heads: num_attention_heads).
+_REQUIRED = ('vocab_size', 'hidden_size', 'intermediate_size', 'num_hidden_layers',
+             'num_attention_heads')
+_DEFAULTS = {'num_key_value_heads': None, 'max_position_embeddings': 2048,
+             'rms_norm_eps': 1e-6, 'rope_theta': 10000.0, 'tie_word_embeddings': False,
+             'initializer_range': 0.02}
 # Fields that must hold the value this Llama computes with (or be absent).
 _FIXED = {'architectures': ['LlamaForCausalLM'], 'model_type': 'llama', 'hidden_act': 'silu',
           'attention_bias': False, 'mlp_bias': False, 'attention_dropout': 0.0}
@@ -121,11 +123,12 @@ _IGNORED = frozenset({
 
 def _refuse_unsupported(hf: tp.Mapping[str, tp.Any]) -> None:
   """Raises ValueError naming the first config.json field this Llama cannot honour."""
-  unknown = sorted(set(hf) - set(_FIELDS) - set(_FIXED) - set(_CHECKED) - _IGNORED)
+  read = {*_REQUIRED, *_DEFAULTS, *_FIXED, *_CHECKED}
+  unknown = sorted(set(hf) - read - _IGNORED)
   if unknown:
     raise ValueError(f'config.json field(s) {unknown} are not supported (a Llama with '
                      f'them computes something this model does not); supported: '
-                     f'{sorted({*_FIELDS, *_FIXED, *_CHECKED})}')
+                     f'{sorted(read)}')
   for key, want in _FIXED.items():
     if key in hf and hf[key] != want:
       raise ValueError(f'config.json {key}={hf[key]!r} is not supported: this Llama has '
@@ -168,17 +171,19 @@ def llama_config(hf: tp.Mapping[str, tp.Any], *, block_size: int | None = None
   """
   if not isinstance(hf, tp.Mapping):
     raise ValueError(f'a config.json dict is needed, got {type(hf).__name__}')
-  missing = [k for k, v in _FIELDS.items() if v is None and k not in hf
-             and k != 'num_key_value_heads']
+  missing = [k for k in _REQUIRED if hf.get(k) is None]
   if missing:
     raise ValueError(f'config.json lacks {missing}: not a LlamaForCausalLM config')
   _refuse_unsupported(hf)
-  get = lambda k: hf[k] if hf.get(k) is not None else _FIELDS[k]  # pylint: disable=unnecessary-lambda-assignment
+
+  def get(key):  # a field absent or null takes Hugging Face's default
+    return hf[key] if hf.get(key) is not None else _DEFAULTS[key]
+
   rope = hf.get('rope_parameters') or {}
   kw = dict(vocab_size=get('vocab_size'), hidden=get('hidden_size'),
             mlp=get('intermediate_size'), layers=get('num_hidden_layers'),
             heads=get('num_attention_heads'),
-            kv_heads=hf.get('num_key_value_heads') or get('num_attention_heads'),
+            kv_heads=get('num_key_value_heads') or get('num_attention_heads'),
             max_seq_len=get('max_position_embeddings'), norm_eps=get('rms_norm_eps'),
             rope_theta=rope.get('rope_theta', get('rope_theta')),
             tie_embeddings=get('tie_word_embeddings'), init_std=get('initializer_range'))
@@ -192,7 +197,3 @@ def llama_config(hf: tp.Mapping[str, tp.Any], *, block_size: int | None = None
     return dataclasses.replace(config, block_size=block_size)
   except ValueError as e:
     raise ValueError(f'config.json does not describe a valid Llama: {e}') from None
-
-
-# Tensors some checkpoints hold that are no weights: rotary tables recomputed
-# from rope_theta.
