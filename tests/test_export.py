@@ -1,20 +1,25 @@
-"""poetx export, plot and the help of eval/export/plot (tiny run, CPU).
+"""poetx export, a run started from an export (--init-from-hf), plot and the
+help of eval/export/plot (tiny run, CPU).
 
 The export is checked against what transformers reads, without transformers or
 torch: the keys of config.json, generation_config.json, tokenizer_config.json
 and special_tokens_map.json, and their token ids against tokenizer.json.
 """
 
+import dataclasses
 import json
 import os
 import pathlib
 import shutil
 
+import numpy as np
 import pytest
 import tokenizers
 
-from poetx_jax.pretrain import cli, export
+from poetx_jax.models import hf
+from poetx_jax.pretrain import cli, export, factories, rundir
 from poetx_jax.pretrain.config import TrainConfig
+from poetx_jax.pretrain.plot import read_metrics
 from poetx_jax.pretrain.tokenizer import EOS, file_hash
 from poetx_jax.pretrain.train import train
 from conftest import write_corpus
@@ -114,6 +119,111 @@ def test_export_refuses_an_existing_export_unless_forced(run, tmp_path, capsys):
   assert 'is a file' in _one_line_error(capsys, 'export')
   assert cli.main(['export', str(run), '--out', str(run)]) == 2
   assert 'is the run directory' in _one_line_error(capsys, 'export')
+
+
+def test_export_writes_bfloat16_shards_with_an_index_covering_each_tensor_once(
+    run, tmp_path, capsys):
+  import ml_dtypes
+  import numpy as np
+  from safetensors import safe_open
+  full, out = tmp_path / 'f32', tmp_path / 'hf'
+  assert cli.main(['export', str(run), '--out', str(full)]) == 0
+  assert cli.main(['export', str(run), '--out', str(out), '--dtype', 'bfloat16',
+                   '--max-shard-size', '20KB']) == 0
+  index = _json(out / 'model.safetensors.index.json')
+  shards = sorted(p.name for p in out.glob('model-*.safetensors'))
+  n = len(shards)
+  assert n > 2 and shards == [f'model-{i:05d}-of-{n:05d}.safetensors' for i in range(1, n + 1)]
+  assert not (out / 'model.safetensors').exists()
+  assert _json(out / 'config.json')['torch_dtype'] == 'bfloat16'
+  held, total = {}, 0  # every tensor in exactly one shard, the one the index names
+  for shard in shards:
+    with safe_open(str(out / shard), framework='numpy') as f:
+      tensors = {name: f.get_tensor(name) for name in f.keys()}
+    for name, x in tensors.items():
+      assert name not in held and index['weight_map'][name] == shard
+      assert x.dtype == ml_dtypes.bfloat16
+    sizes = [x.nbytes for x in tensors.values()]
+    assert sum(sizes) <= 20_000 or len(sizes) == 1, (shard, sizes)
+    held.update(tensors)
+    total += sum(sizes)
+  with safe_open(str(full / 'model.safetensors'), framework='numpy') as f:
+    want = {name: f.get_tensor(name) for name in f.keys()}
+  assert set(held) == set(index['weight_map']) == set(want)
+  assert index['metadata'] == {'total_size': total}
+  for name, x in want.items():  # float32 rounded to bfloat16
+    np.testing.assert_array_equal(held[name], x.astype(ml_dtypes.bfloat16))
+  # Replaced by a one-file export: the shards and the index go.
+  assert cli.main(['export', str(run), '--out', str(out), '--force']) == 0
+  assert not list(out.glob('model-*')) and not (out / 'model.safetensors.index.json').exists()
+  assert (out / 'model.safetensors').read_bytes() == (full / 'model.safetensors').read_bytes()
+  capsys.readouterr()
+  bad = tmp_path / 'bad'
+  assert cli.main(['export', str(run), '--out', str(bad), '--max-shard-size', '5 parsecs']) == 2
+  assert "size '5 parsecs' is not a number of bytes" in _one_line_error(capsys, 'export')
+  with pytest.raises(SystemExit):  # argparse: not one of the choices
+    cli.main(['export', str(run), '--out', str(bad), '--dtype', 'int8'])
+  assert not bad.exists()
+
+
+def _val_loss(run, step):
+  return next(r['val_loss'] for r in read_metrics(run) if r['step'] == step and 'val_loss' in r)
+
+
+def test_an_exported_poet_run_starts_a_new_run_with_the_same_function(run, tmp_path, capsys):
+  """poetx train --init-from-hf: the model is config.json's, the tokenizer the
+  checkpoint's, the step-0 state (poetized afresh) the exported function: the
+  new run's first validation loss is the old run's last. The source is
+  recorded; the new run exports again (its model config read from the record,
+  its checkpoint restored into a model built without the source); AdamW
+  starts from the same weights; disagreeing options and vocabularies are
+  refused by name."""
+  exp = tmp_path / 'exp'
+  assert cli.main(['export', str(run), '--out', str(exp)]) == 0
+  old = rundir.read_config(run)
+  new = TrainConfig(init_from_hf=str(exp), data=old.data, seq_len=32, batch_size=4, steps=1,
+                    warmup=1, eval_every=1, eval_batches=1, log_every=1, block_size=8,
+                    dtype='float32', out_dir=str(tmp_path / 'new'), cache_dir=old.cache_dir)
+  train(new, log=lambda *_: None)
+  assert _val_loss(new.out_dir, 0) == pytest.approx(_val_loss(run, old.steps), rel=1e-5)
+  saved = _json(pathlib.Path(new.out_dir) / 'run.json')
+  assert saved['init_from_hf'] == str(exp) and saved['tokenizer'] == str(exp / 'tokenizer.json')
+  record = _json(pathlib.Path(new.out_dir) / 'data.json')['init_from_hf']
+  assert record['path'] == str(exp.resolve())
+  assert record['weights_sha256'] == {'model.safetensors': file_hash(exp / 'model.safetensors')}
+  assert record['config_sha256'] == file_hash(exp / 'config.json')
+  assert record['model']['hidden'] == 32 and record['model']['vocab_size'] == 300
+  shutil.rmtree(exp)  # never read again
+  assert cli.main(['export', new.out_dir, '--out', str(tmp_path / 'again')]) == 0
+  assert _json(tmp_path / 'again' / 'config.json')['hidden_size'] == 32
+
+  assert cli.main(['export', str(run), '--out', str(exp)]) == 0
+  config, weights = hf.from_hf(exp)
+  adamw = dataclasses.replace(new, optimizer='adamw')
+  model = factories.build_model(adamw, factories.model_config(adamw, 300, config), None,
+                                weights)
+  for name, x in hf.hf_state_dict(model).items():
+    np.testing.assert_array_equal(x, weights[name])
+
+  base = ['train', '--init-from-hf', str(exp), '--data', *old.data, '--seq-len', '32',
+          '--cache-dir', old.cache_dir, '--steps', '1']
+  capsys.readouterr()
+
+  def refused(*options):
+    assert cli.main([*base, *options, '--out-dir', str(tmp_path / 'refused')]) == 2
+    return _one_line_error(capsys, 'train')
+
+  assert (f'--model-overrides sets hidden=64, {exp}/config.json gives 32'
+          in refused('--model-overrides', 'hidden=64'))
+  assert f'--model 60m sets hidden=512, {exp}/config.json gives 32' in refused('--model', '60m')
+  spec = _json(exp / 'tokenizer.json')  # one token added: 301 against 300
+  spec['added_tokens'].append({**spec['added_tokens'][0], 'id': 300, 'content': '<pad>'})
+  (tmp_path / 'tok.json').write_text(json.dumps(spec))
+  assert (f'{exp} has a vocabulary of 300 (config.json vocab_size), the run\'s tokenizer 301 '
+          'tokens' in refused('--tokenizer', str(tmp_path / 'tok.json')))
+  hf_config = _json(exp / 'config.json')
+  (exp / 'config.json').write_text(json.dumps({**hf_config, 'intermediate_size': 96}))
+  assert 'model.layers.0.mlp.gate_proj.weight has shape (64, 32)' in refused()
 
 
 def _proto(*fields):

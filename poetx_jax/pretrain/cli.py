@@ -219,7 +219,8 @@ def cmd_eval(a) -> int:
 
 def cmd_export(a) -> int:
   from poetx_jax.pretrain.export import export_run
-  paths = export_run(a.run, a.out, step=a.step, force=a.force)
+  paths = export_run(a.run, a.out, step=a.step, force=a.force, dtype=a.dtype,
+                     max_shard_size=a.max_shard_size)
   print(f'wrote {a.out}: {", ".join(p.name for p in paths)}')
   return 0
 
@@ -276,6 +277,40 @@ def _prepare_parser(sub) -> None:
                  help='characters of the BPE\'s training sample at most (default: 100 M)')
   p.set_defaults(func=cmd_prepare)
 
+
+def _export_parser(sub):
+  """The ``poetx export`` parser."""
+  p = sub.add_parser('export', help='a Hugging Face Llama directory (merged weights, '
+                                    'config, tokenizer)',
+                     description='Write a directory that Hugging Face clients load as it '
+                                 'is (LlamaForCausalLM, AutoTokenizer, pipeline): merged '
+                                 'dense weights (model.safetensors, or shards with their '
+                                 'index), config.json and generation_config.json with the '
+                                 'special-token ids, and the run\'s stored tokenizer '
+                                 '(tokenizer.json, or tokenizer.model) with '
+                                 'tokenizer_config.json and special_tokens_map.json. The '
+                                 'corpus is not read. poetx train --init-from-hf DIR '
+                                 'starts a run from it.')
+  p.add_argument('run', help='the run directory (the --out-dir of poetx train)')
+  p.add_argument('--out', required=True, metavar='DIR',
+                 help='the export directory, created if missing (required); one that '
+                      'already holds an export is refused unless --force')
+  p.add_argument('--step', type=int, default=None,
+                 help='the checkpoint step to export (default: the newest)')
+  p.add_argument('--force', action='store_true',
+                 help='replace an export already in DIR, removing its files that this '
+                      'export does not write (default: refuse)')
+  p.add_argument('--dtype', default='float32', choices=('float32', 'bfloat16'),
+                 help='the dtype of the exported weights, written as config.json\'s '
+                      'torch_dtype (default: %(default)s)')
+  p.add_argument('--max-shard-size', default='5GB', metavar='SIZE',
+                 help='the largest weight file, e.g. 5GB (10^9 bytes) or 2GiB; larger '
+                      'weights are split into model-0000i-of-0000n.safetensors shards '
+                      'listed by model.safetensors.index.json, as save_pretrained '
+                      'writes them (default: %(default)s)')
+  return p
+
+
 def build_parser() -> argparse.ArgumentParser:
   """The ``poetx`` parser: its train, eval, export, plot and prepare subcommands."""
   parser = argparse.ArgumentParser(prog='poetx', description=__doc__.split('\n\n')[0])
@@ -297,25 +332,7 @@ def build_parser() -> argparse.ArgumentParser:
                       '--eval-batches, so the loss is the one training logged at that '
                       'step. The output gives val_windows scored of val_windows_total')
   p.set_defaults(func=cmd_eval)
-  p = sub.add_parser('export', help='a Hugging Face Llama directory (merged weights, '
-                                    'config, tokenizer)',
-                     description='Write a directory that Hugging Face clients load as it '
-                                 'is (LlamaForCausalLM, AutoTokenizer, pipeline): merged '
-                                 'dense weights (model.safetensors), config.json and '
-                                 'generation_config.json with the special-token ids, and '
-                                 'the run\'s stored tokenizer (tokenizer.json, or '
-                                 'tokenizer.model) with tokenizer_config.json and '
-                                 'special_tokens_map.json. The corpus is not read.')
-  p.add_argument('run', help='the run directory (the --out-dir of poetx train)')
-  p.add_argument('--out', required=True, metavar='DIR',
-                 help='the export directory, created if missing (required); one that '
-                      'already holds an export is refused unless --force')
-  p.add_argument('--step', type=int, default=None,
-                 help='the checkpoint step to export (default: the newest)')
-  p.add_argument('--force', action='store_true',
-                 help='replace an export already in DIR, removing its files that this '
-                      'export does not write (default: refuse)')
-  p.set_defaults(func=cmd_export)
+  _export_parser(sub).set_defaults(func=cmd_export)
   p = sub.add_parser('plot', help='loss / perplexity curves of runs to an image',
                      description='Training loss and validation perplexity against step '
                                  'of one or more runs, from their metrics.jsonl; a run '

@@ -78,6 +78,12 @@ class TrainConfig:
   model_overrides: dict = _option(
       {}, 'override config fields, e.g. layers=4,hidden=128', metavar='K=V,...',
       parse=parse_overrides)
+  init_from_hf: str | None = _option(
+      None, 'start from a Hugging Face LlamaForCausalLM directory (config.json and '
+      'safetensors): the model is its config.json (--model and --model-overrides, where '
+      'given, must agree; block_size may be set), the step-0 weights its own (poetized '
+      'for POET-X); without --tokenizer the run uses its tokenizer',
+      none='random weights', metavar='DIR')
   data: list[str] | None = _option(
       None, 'text files or folders (.txt .md .rst .py .jsonl .jsonl.gz .json.gz .jsonl.zst '
       '.parquet) read as one corpus, or a prepared dataset directory; PATH:W for each: a '

@@ -1,6 +1,9 @@
 """Export a run as a directory any Hugging Face client uses as it is.
 
-    OUT/model.safetensors        merged dense weights: float32, HF names, (out, in)
+    OUT/model.safetensors        merged dense weights: float32 or bfloat16, HF names,
+                                 (out, in); above --max-shard-size (5GB) in shards,
+                                 model-0000i-of-0000n.safetensors, with
+                                 model.safetensors.index.json
     OUT/config.json              LlamaForCausalLM, with the tokenizer's bos/eos/pad ids
     OUT/generation_config.json   the same ids, for generate() and pipelines
     OUT/tokenizer.json           the run's tokenizer (tokenizer.model for sentencepiece)
@@ -9,7 +12,9 @@
     OUT/special_tokens_map.json  the bos / eos / pad (/ unk) tokens
 
     poetx export runs/tiny-poetx --out exported/
+    poetx export runs/1b-poetx --out exported/ --dtype bfloat16 --max-shard-size 2GB
     # with transformers and torch: pipeline('text-generation', model='exported/')
+    # or back into a run: poetx train --init-from-hf exported/ ...
 
 The POET layers are merged (``R W0 P``) into plain kernels, so the exported
 model runs with zero POET overhead.
@@ -26,8 +31,10 @@ to export), and pads with EOS where it defines no pad.
 An export never mixes with another: a directory that already holds one is
 refused unless ``force``, which also removes the old export's files that the
 new one does not write (a ``tokenizer.json`` where a sentencepiece run is
-exported). Each file is written whole (a temporary file renamed) with the mode
-of any other new file (0666 less the umask).
+exported, shards of another count). Each file is written whole (a temporary
+file renamed) with the mode of any other new file (0666 less the umask): the
+weights first (the shards before their index), then config.json and the
+tokenizer files.
 """
 
 from __future__ import annotations
@@ -40,7 +47,7 @@ import typing as tp
 
 import poetx_jax
 from poetx_jax import models
-from poetx_jax.models import hf
+from poetx_jax.models import hf, hf_files
 from poetx_jax.pretrain.files import atomic_write
 
 # A directory holding any of these holds an export: the files written here, and
@@ -197,6 +204,8 @@ def check_destination(out_dir: str | pathlib.Path, *, force: bool = False) -> li
     raise ValueError(f'{out} is a file; an export is a directory: give a new or '
                      f'empty directory')
   held = [n for n in EXPORT_FILES if (out / n).exists()]
+  if out.is_dir():
+    held += sorted(p.name for p in out.iterdir() if hf_files.SHARD.fullmatch(p.name))
   if held and not force:
     raise ValueError(f'{out} already holds an export ({", ".join(held)}); replace it '
                      f'with --force (force=True), or choose another directory')
@@ -205,7 +214,8 @@ def check_destination(out_dir: str | pathlib.Path, *, force: bool = False) -> li
 
 def export_model(model, mc: models.LlamaConfig, out_dir: str | pathlib.Path,
                  tokenizer_path: str | pathlib.Path | None = None, *,
-                 force: bool = False) -> list[pathlib.Path]:
+                 force: bool = False, dtype: str = 'float32',
+                 max_shard_size: int | str = '5GB') -> list[pathlib.Path]:
   """Writes ``model`` (POET or plain Llama) and its tokenizer to ``out_dir``.
 
   Args:
@@ -217,16 +227,21 @@ def export_model(model, mc: models.LlamaConfig, out_dir: str | pathlib.Path,
       written, with no special-token ids.
     force: replace an export already in ``out_dir``, removing its files that
       this one does not write.
+    dtype: of the weights, ``'float32'`` or ``'bfloat16'`` (config.json's
+      ``torch_dtype`` says which).
+    max_shard_size: the largest weight file (bytes, or text such as ``'5GB'``,
+      10^9 bytes, or ``'2GiB'``); more weights are split into shards, each
+      holding whole tensors, listed by ``model.safetensors.index.json``.
 
   Returns:
     The paths written.
 
   Raises:
     ValueError: ``out_dir`` is a file or holds an export (and not ``force``);
-      the tokenizer's vocabulary is not the model's.
+      the tokenizer's vocabulary is not the model's; a bad dtype or size.
   """
-  from safetensors.numpy import save_file  # pylint: disable=g-import-not-at-top
   hf.check_exportable(mc)
+  max_bytes = _checked_options(dtype, max_shard_size)
   out = pathlib.Path(out_dir)
   held = check_destination(out, force=force)
   files: dict[str, tp.Callable[[str], object]] = {}
@@ -240,9 +255,9 @@ def export_model(model, mc: models.LlamaConfig, out_dir: str | pathlib.Path,
                        f'model a vocabulary of {mc.vocab_size}: they must be equal')
     ids = {'bos_token_id': special.bos[1], 'eos_token_id': special.eos[1],
            'pad_token_id': special.pad[1]}
-  state = hf.hf_state_dict(poetx_jax.unpoetize(model))
-  files['model.safetensors'] = lambda tmp: save_file(state, tmp, metadata={'format': 'pt'})
-  files['config.json'] = _json_writer(hf.hf_config(mc, **ids))
+  files.update(_weight_files(hf.hf_state_dict(poetx_jax.unpoetize(model), dtype=dtype),
+                             max_bytes))
+  files['config.json'] = _json_writer(hf.hf_config(mc, torch_dtype=dtype, **ids))
   if tokenizer_path is not None:
     files['generation_config.json'] = _json_writer(hf.hf_generation_config(mc, **ids))
     name = 'tokenizer.model' if tokenizer_path.suffix == '.model' else 'tokenizer.json'
@@ -256,16 +271,38 @@ def export_model(model, mc: models.LlamaConfig, out_dir: str | pathlib.Path,
   return written
 
 
+def _checked_options(dtype: str, max_shard_size: int | str) -> int:
+  """The largest shard in bytes; ValueError for a dtype or size that is none."""
+  if dtype not in hf.DTYPES:
+    raise ValueError(f'dtype must be one of {", ".join(hf.DTYPES)}, got {dtype!r}')
+  return hf_files.parse_size(max_shard_size)
+
+
+def _weight_files(state: dict, max_bytes: int) -> dict[str, tp.Callable[[str], object]]:
+  """Writers of the safetensors files of ``state`` in shards of at most
+  ``max_bytes`` (one file ``model.safetensors`` when it fits), then the index."""
+  from safetensors.numpy import save_file  # pylint: disable=g-import-not-at-top
+  names, index = hf_files.plan_shards({k: x.nbytes for k, x in state.items()}, max_bytes)
+  files = {name: (lambda tmp, keys=keys: save_file({k: state[k] for k in keys}, tmp,
+                                                   metadata={'format': 'pt'}))
+           for name, keys in names.items()}
+  if index is not None:  # written after its shards
+    files[hf_files.INDEX] = _json_writer(index)
+  return files
+
+
 def export_run(run: str | pathlib.Path, out_dir: str | pathlib.Path,
-               step: int | None = None, *, force: bool = False) -> list[pathlib.Path]:
+               step: int | None = None, *, force: bool = False, dtype: str = 'float32',
+               max_shard_size: int | str = '5GB') -> list[pathlib.Path]:
   """Exports the newest (or given) checkpoint of a run directory with the
   tokenizer stored in it (the corpus is not read); returns the paths written.
-  See :func:`export_model` for ``force`` and the errors."""
+  See :func:`export_model` for the options and the errors."""
   from poetx_jax.pretrain import loading, rundir  # pylint: disable=g-import-not-at-top
   if pathlib.Path(out_dir).resolve() == pathlib.Path(run).resolve():
     raise ValueError(f'the export directory {out_dir} is the run directory; choose '
                      f'another one')
   check_destination(out_dir, force=force)  # before the checkpoint is read
+  _checked_options(dtype, max_shard_size)
   cfg = rundir.read_config(run)
   try:
     hf.check_exportable(models.get_config(cfg.model, **cfg.model_overrides))
@@ -273,4 +310,5 @@ def export_run(run: str | pathlib.Path, out_dir: str | pathlib.Path,
     raise ValueError(f'{run} trained model {cfg.model!r}: {e}') from None
   tokenizer = rundir.stored_tokenizer(run)
   _, mc, model, _ = loading.load_model(run, step=step)
-  return export_model(model, mc, out_dir, tokenizer, force=force)
+  return export_model(model, mc, out_dir, tokenizer, force=force, dtype=dtype,
+                      max_shard_size=max_shard_size)

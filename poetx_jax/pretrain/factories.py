@@ -19,8 +19,10 @@ from flax import nnx
 
 import poetx_jax
 from poetx_jax import models, sharding
+from poetx_jax.models import hf
 from poetx_jax.lean import lean_adamw
 from poetx_jax.models.llama import LlamaConfig
+from poetx_jax.pretrain import hf_init
 from poetx_jax.pretrain.config import TrainConfig
 from poetx_jax.pretrain.evaluation import target_count, training_loss
 
@@ -32,20 +34,27 @@ def compute_dtype(name: str):
   return jnp.dtype(name)
 
 
-def model_config(cfg: TrainConfig, vocab_size: int) -> LlamaConfig:
+def model_config(cfg: TrainConfig, vocab_size: int,
+                 source: LlamaConfig | None = None) -> LlamaConfig:
   """The named config (dense or mixture-of-experts) with overrides, its
-  vocabulary set to the tokenizer's."""
-  mc = dataclasses.replace(models.get_config(cfg.model, **cfg.model_overrides),
-                           vocab_size=vocab_size)
+  vocabulary set to the tokenizer's; with ``cfg.init_from_hf``, ``source``,
+  the checkpoint's config, which they must agree with (:func:`hf_init.model_config`)."""
+  if cfg.init_from_hf is not None:
+    mc = hf_init.model_config(cfg, source, vocab_size)
+  else:
+    mc = dataclasses.replace(models.get_config(cfg.model, **cfg.model_overrides),
+                             vocab_size=vocab_size)
   if cfg.seq_len > mc.max_seq_len:
     raise ValueError(f'seq_len={cfg.seq_len} is longer than model {cfg.model!r} '
                      f'supports (max_seq_len={mc.max_seq_len})')
   return mc
 
 
-def build_model(cfg: TrainConfig, mc: LlamaConfig, mesh=None):
+def build_model(cfg: TrainConfig, mc: LlamaConfig, mesh=None, weights=None):
   """The model ``mc`` describes (poetized for POET-X: a mixture-of-experts
-  model's experts too, not its routers) as it is at step 0 of the run.
+  model's experts too, not its routers) as it is at step 0 of the run:
+  random, or holding ``weights`` (Hugging Face names: ``hf.from_hf``), with
+  no random weights drawn (``hf.build_from_hf``).
 
   For POET-X each decoder layer is converted as soon as it is built (its dense
   kernels freed), so the dense weights of only one layer are resident at a
@@ -65,17 +74,20 @@ def build_model(cfg: TrainConfig, mc: LlamaConfig, mesh=None):
   if mesh is not None and cfg.strategy == 'fsdp' and cfg.scan_layers:
     place = sharding.placement(mesh, cfg.strategy)
   convert = _layer_converter(cfg, mc) if cfg.optimizer == 'poetx' else None
-  return mc.build(dtype=dtype, param_dtype=param_dtype, remat=cfg.remat,
-                  attention=cfg.attention, rngs=nnx.Rngs(jax.random.key(cfg.seed)),
-                  convert_layer=convert, scan_layers=cfg.scan_layers, place=place)
+  options = dict(dtype=dtype, param_dtype=param_dtype, remat=cfg.remat,
+                 attention=cfg.attention, convert_layer=convert,
+                 scan_layers=cfg.scan_layers, place=place)
+  if weights is not None:
+    return hf.build_from_hf(mc, weights, **options)
+  return mc.build(rngs=nnx.Rngs(jax.random.key(cfg.seed)), **options)
 
 
-def build_state(cfg: TrainConfig, mc: LlamaConfig, mesh=None) -> tuple[nnx.Module,
-                                                                       nnx.Optimizer]:
-  """``(model, optimizer)`` of the run at step 0 (:func:`build_model`,
-  :func:`build_optimizer`), placed on ``mesh`` by ``cfg.strategy`` (None:
-  the default device)."""
-  model = build_model(cfg, mc, mesh)
+def build_state(cfg: TrainConfig, mc: LlamaConfig, mesh=None,
+                weights=None) -> tuple[nnx.Module, nnx.Optimizer]:
+  """``(model, optimizer)`` of the run at step 0 (:func:`build_model`, from
+  ``weights`` if given; :func:`build_optimizer`), placed on ``mesh`` by
+  ``cfg.strategy`` (None: the default device)."""
+  model = build_model(cfg, mc, mesh, weights)
   optimizer = build_optimizer(cfg, model)
   if mesh is not None:
     if cfg.batch_size % mesh.size:

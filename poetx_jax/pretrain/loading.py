@@ -22,7 +22,7 @@ from flax import nnx
 from poetx_jax.models import llama
 from poetx_jax.pretrain import corpus
 from poetx_jax.pretrain import data as data_lib
-from poetx_jax.pretrain import mixture, processes, shards
+from poetx_jax.pretrain import hf_init, mixture, processes, shards
 from poetx_jax.pretrain import tokenizer as tokenizer_lib
 from poetx_jax.pretrain.checkpoint import Checkpointer
 from poetx_jax.pretrain.config import TrainConfig
@@ -195,7 +195,8 @@ def load_model(out_dir: str | pathlib.Path, *, step: int | None = None
   first, and no optimizer state is built or read."""
   out = pathlib.Path(out_dir)
   cfg = read_config(out)
-  mc = model_config(cfg, read_data_record(out)['vocab_size'])
+  record = read_data_record(out)
+  mc = model_config(cfg, record['vocab_size'], hf_init.recorded_config(record))
   shapes = nnx.eval_shape(lambda: build_model(cfg, mc))
   model, step = Checkpointer(out / 'checkpoints').restore_model(shapes, step=step)
   return cfg, mc, model, step

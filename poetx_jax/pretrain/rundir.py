@@ -165,8 +165,11 @@ class RunLock:
 
 
 def default_out_dir(cfg: TrainConfig) -> str:
-  """``cfg.out_dir``, or ``runs/MODEL-OPTIMIZER`` when it is None."""
-  return cfg.out_dir or f'runs/{cfg.model}-{cfg.optimizer}'
+  """``cfg.out_dir``, or ``runs/MODEL-OPTIMIZER`` when it is None (MODEL: the
+  name of the ``init_from_hf`` directory where the run starts from one)."""
+  model = ((pathlib.Path(cfg.init_from_hf).resolve().name or 'hf') if cfg.init_from_hf
+           else cfg.model)
+  return cfg.out_dir or f'runs/{model}-{cfg.optimizer}'
 
 
 def _saved_run(out: pathlib.Path) -> dict:

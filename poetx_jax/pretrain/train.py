@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from poetx_jax.pretrain import data as data_lib
-from poetx_jax.pretrain import loading, processes, rundir
+from poetx_jax.pretrain import hf_init, loading, processes, rundir
 from poetx_jax.pretrain.checkpoint import Checkpointer
 from poetx_jax.pretrain.config import TrainConfig
 from poetx_jax.pretrain.evaluation import evaluate, place_batch
@@ -192,7 +192,10 @@ def train(cfg: TrainConfig, *, resume: bool = False, step: int | None = None, lo
   """
   _checked(cfg, resume, step, hooks)
   cfg = dataclasses.replace(cfg, out_dir=rundir.default_out_dir(cfg))
-  if not resume:  # run.json records a prepared dataset's vocabulary, not vocab_size's
+  if not resume:  # run.json records the tokenizer and vocabulary used: a checkpoint's,
+    # a prepared dataset's (not vocab_size's)
+    cfg = hf_init.with_checkpoint_tokenizer(
+        cfg, prepared=loading.prepared_vocab_size(cfg) is not None)
     cfg = loading.with_prepared_vocab(cfg)
   primary = processes.is_primary()  # of several processes, the first reports
   log = log if primary else (lambda *_: None)
@@ -312,9 +315,10 @@ def set_up(cfg: TrainConfig, out: pathlib.Path, *, resume: bool, step: int | Non
   (from ``step``, else the newest intact checkpoint)."""
   data = loading.run_data(out, cfg, resume=resume)
   log(f'data: {data.description}')
-  mc = model_config(cfg, data.tokenizer.vocab_size)
+  source = hf_init.run_source(cfg, out, resume=resume, log=log)  # --init-from-hf
+  mc = model_config(cfg, data.tokenizer.vocab_size, source and source.config)
   mesh = make_training_mesh(cfg)
-  model, optimizer = build_state(cfg, mc, mesh)
+  model, optimizer = build_state(cfg, mc, mesh, source and source.weights)
   if mesh is not None:
     log(f'mesh: {dict(mesh.shape)}, strategy {cfg.strategy}')
   _log_sizes(cfg, mc, model, optimizer, log)
