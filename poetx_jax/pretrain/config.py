@@ -29,30 +29,12 @@ import typing as tp
 
 from poetx_jax import linear, models, ops, sharding
 from poetx_jax.models import llama
+from poetx_jax.pretrain.kv import parse_overrides, split_assignments, split_top
 from poetx_jax.pretrain.tokenizer import MIN_BPE_VOCAB
 
 OPTIMIZERS = ('poetx', 'adamw', 'skewadam')
 DTYPES = ('float32', 'bfloat16')
 TRACKERS = ('tensorboard', 'wandb')
-
-
-def parse_overrides(text: str) -> dict:
-  """The ``--model-overrides`` text as a dict, values read as JSON where they
-  parse, else kept as strings.
-
-    >>> parse_overrides('layers=4,hidden=128,name=x')
-    {'layers': 4, 'hidden': 128, 'name': 'x'}
-  """
-  out = {}
-  for item in filter(None, text.split(',')):
-    if '=' not in item:
-      raise ValueError(f'--model-overrides wants K=V pairs, got {item!r}')
-    k, v = item.split('=', 1)
-    try:
-      out[k.strip()] = json.loads(v)
-    except json.JSONDecodeError:
-      out[k.strip()] = v
-  return out
 
 
 def _option(default: tp.Any, help: str, **metadata) -> tp.Any:  # pylint: disable=redefined-builtin
@@ -356,41 +338,6 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 
 
 # ------------------------------------------------------------------- K=V overrides
-
-_OPEN, _CLOSE = '[{(', ']})'
-
-
-def split_top(text: str, sep: str) -> list[str]:
-  """``text`` split at each ``sep`` outside brackets (``[]``, ``{}``, ``()``).
-
-    >>> split_top('a=1,b={x=1,y=2},c=[p,q]', ',')
-    ['a=1', 'b={x=1,y=2}', 'c=[p,q]']
-  """
-  parts, depth, start = [], 0, 0
-  for i, ch in enumerate(text):
-    depth += (ch in _OPEN) - (ch in _CLOSE)
-    if ch == sep and depth == 0:
-      parts.append(text[start:i])
-      start = i + 1
-  return parts + [text[start:]]
-
-
-def split_assignments(text: str) -> list[tuple[str, str]]:
-  """The ``(key, value text)`` pairs of ``K=V,K=V`` text (commas inside
-  brackets belong to their value; a ``-`` in a key reads ``_``); raises
-  ValueError for an item that is not ``K=V`` or a key given twice."""
-  pairs = []
-  for item in filter(str.strip, split_top(text, ',')):
-    if '=' not in item:
-      raise ValueError(f'{item.strip()!r} in {text!r} is not K=V')
-    k, v = item.split('=', 1)
-    pairs.append((k.strip().replace('-', '_'), v.strip()))
-  keys = [k for k, _ in pairs]
-  for k in keys:
-    if keys.count(k) > 1:
-      raise ValueError(f'{k} is given twice in {text!r}')
-  return pairs
-
 
 _TRUE, _FALSE = ('true', 'yes', 'on', '1'), ('false', 'no', 'off', '0')
 
