@@ -86,6 +86,11 @@ command about 7.5 minutes on an H200)::
     python3 experiments/compare_quality.py $Q --out runs/q130-b128 \\
         --runs optimizer=adamw,lr=6e-4 'optimizer=poetx,block_size=128,poet_lr=1e-3|2e-3,lr=3e-3'
 
+``--jobs N`` trains N runs at once, each in a process of its own on the same
+GPU (a 130M model leaves most of an H200 idle); the numbers are the same as
+one at a time, the steady tokens/s of each run lower (they share the GPU), so
+its equal-time table compares runs of one ``--jobs`` setting only.
+
 Short runs are dominated by compilation (each run's learning rates are
 constants of its update program, so every run compiles its own); the measured
 costs and a first H200 comparison are in BENCHMARKS.md. The POET-X
@@ -119,9 +124,11 @@ import argparse
 import dataclasses
 import itertools
 import json
+import os
 import pathlib
 import re
 import shutil
+import subprocess
 import sys
 import time
 
@@ -218,12 +225,22 @@ def parse_args(argv=None):
   p.add_argument('--out', default='runs/quality', help='where the runs and the report go')
   p.add_argument('--overwrite', action='store_true',
                  help='replace run directories left in OUT by an earlier invocation')
+  p.add_argument('--jobs', type=int, default=1,
+                 help='runs trained at once, each in a process of its own on the same '
+                      'devices (a small model leaves a GPU idle between its kernels); '
+                      'default: one at a time, in this process')
+  p.add_argument('--only', default=None, help=argparse.SUPPRESS)  # a --jobs child's run
+  p.add_argument('--best-lr', type=float, default=None, help=argparse.SUPPRESS)
   a = p.parse_args(argv)
+  if a.jobs < 1:
+    p.error(f'--jobs must be >= 1, got {a.jobs}')
   try:
     a.base = config.config_from_args(a)
     a.plan = plan_runs(a.base, a.runs)
   except (ValueError, TypeError) as e:
     p.error(str(e))
+  if a.only is not None and a.only not in [r['name'] for r in a.plan]:
+    p.error(f'--only {a.only!r} is not a run of --runs')
   a.probe_every = a.probe_every or a.base.eval_every
   if a.probe_every < 1:
     p.error(f'--probe-every must be >= 1, got {a.probe_every}')
@@ -307,11 +324,17 @@ def spectrum_hook(every: int):
 
 
 # ------------------------------------------------------------------------ main
-def train_run(a, run: dict, done: list[dict], out: pathlib.Path) -> dict:
-  """Trains one run with the spectrum hook; its summary (quality_report.summarise)."""
+def train_run(a, run: dict, done: list[dict], out: pathlib.Path,
+              best_lr: float | None = None) -> dict:
+  """Trains one run with the spectrum hook; its summary (quality_report.summarise).
+  ``lr=best`` is ``best_lr`` if given, else the best AdamW rate among ``done``.
+  A run whose loss turns non-finite is summarised as diverged (up to its last
+  logged step), not raised: a sweep goes on past its unstable corners."""
   from poetx_jax.pretrain import factories
   from poetx_jax.pretrain import train as train_lib
-  cfg = run_config(a.base, run, out, R.best_adamw_lr(done) if run['best_lr'] else None)
+  if run['best_lr'] and best_lr is None:
+    best_lr = R.best_adamw_lr(done)
+  cfg = run_config(a.base, run, out, best_lr if run['best_lr'] else None)
   block = cfg.block_size or factories.model_config(cfg, cfg.vocab_size).block_size
   spec = {'name': run['name'], 'config': run['config'], 'optimizer': cfg.optimizer,
           'lr': cfg.lr, 'poet_lr': cfg.poet_lr, 'seed': cfg.seed,
@@ -319,13 +342,60 @@ def train_run(a, run: dict, done: list[dict], out: pathlib.Path) -> dict:
           'tiers': cfg.skew_tiers, 'merge_every': cfg.merge_every}
   progress(f'run {len(done) + 1}/{len(a.plan)}: {run["name"]} (lr {cfg.lr:g})')
   hook = spectrum_hook(a.probe_every)
-  summary = train_lib.train(cfg, log=lambda m, n=run['name']: progress(f'{n}: {m}'),
-                            hooks=[hook])
-  r = R.summarise(spec, pathlib.Path(summary['out_dir']), cfg.batch_size * cfg.seq_len)
+  try:
+    train_lib.train(cfg, log=lambda m, n=run['name']: progress(f'{n}: {m}'), hooks=[hook])
+  except train_lib.NonFiniteLoss as e:
+    spec['diverged'] = str(e)
+    progress(f'{run["name"]}: diverged: {e}')
+  r = R.summarise(spec, pathlib.Path(cfg.out_dir), cfg.batch_size * cfg.seq_len)
   r['probed_layers'] = hook.fn.paths or []
   progress(f'{run["name"]}: val ppl {r["val_ppl_start"]:.2f} -> {r["val_ppl_final"]:.2f}, '
            f'{r["steady_s"]:.1f} s steady + {r["compile_s"]:.1f} s compiling')
   return r
+
+
+# ------------------------------------------------------- runs side by side
+def run_jobs(a, argv: list[str], out: pathlib.Path) -> list[dict]:
+  """Trains the plan's runs ``a.jobs`` at a time, each in a process of its own
+  (this script with ``--only NAME``) on the same devices, its output in
+  OUT/logs/NAME.log; the ``lr=best`` runs start once every other run is done.
+  Each child gets 0.9 / jobs of the accelerator's memory
+  (XLA_PYTHON_CLIENT_MEM_FRACTION) unless the environment sets it. The
+  summaries, in plan order; SystemExit naming the runs that failed."""
+  env = dict(os.environ)
+  env.setdefault('XLA_PYTHON_CLIENT_MEM_FRACTION', f'{0.9 / a.jobs:.3f}')
+  (out / 'logs').mkdir(parents=True, exist_ok=True)
+  done: dict[str, dict] = {}
+  failed = []
+  for phase in (False, True):  # the lr=best runs after the others
+    queue = [r for r in a.plan if r['best_lr'] == phase]
+    best = ['--best-lr', repr(R.best_adamw_lr(list(done.values())))] if phase and queue else []
+    live: dict[str, subprocess.Popen] = {}
+    while queue or live:
+      while queue and len(live) < a.jobs:
+        run = queue.pop(0)
+        log = open(out / 'logs' / f'{run["name"]}.log', 'w')
+        cmd = [sys.executable, str(pathlib.Path(__file__).resolve()), *argv,
+               '--only', run['name'], *best]
+        live[run['name']] = subprocess.Popen(cmd, env=env, stdout=log, stderr=log)
+        log.close()
+        progress(f'started {run["name"]} ({len(done) + len(failed) + len(live)}'
+                 f'/{len(a.plan)}), log {out / "logs" / (run["name"] + ".log")}')
+      time.sleep(0.5)
+      for name, proc in list(live.items()):
+        if proc.poll() is None:
+          continue
+        del live[name]
+        summary = out / 'runs' / name / 'summary.json'
+        if proc.returncode == 0 and summary.is_file():
+          done[name] = json.loads(summary.read_text())
+          progress(f'{name}: val ppl {done[name]["val_ppl_final"]:.2f}')
+        else:
+          failed.append(name)
+          progress(f'{name} failed (exit {proc.returncode}); see its log')
+  if failed:
+    raise SystemExit(f'runs {failed} failed; their logs: {out / "logs"}')
+  return [done[r['name']] for r in a.plan]
 
 
 def header(a, data, runs: list[dict]) -> dict:
@@ -369,17 +439,30 @@ def _fresh_out(a) -> pathlib.Path:
 
 
 def main(argv=None):
+  argv = sys.argv[1:] if argv is None else list(argv)
   a = parse_args(argv)
+  if a.only is not None:  # one run of a --jobs study, in a process of its own
+    out = pathlib.Path(a.out)
+    run = next(r for r in a.plan if r['name'] == a.only)
+    r = train_run(a, run, [], out, best_lr=a.best_lr)
+    (out / 'runs' / run['name'] / 'summary.json').write_text(json.dumps(r))
+    return r
+  if a.jobs > 1:  # the children take the accelerator's memory, not this process
+    os.environ.setdefault('XLA_PYTHON_CLIENT_PREALLOCATE', 'false')
   import jax
   from poetx_jax.pretrain import loading
   out = _fresh_out(a)
-  data = loading.load_data(run_config(a.base, a.plan[0], out))
+  data = loading.load_data(run_config(a.base, a.plan[0], out))  # tokenized once, cached
   print(f'data: {data.description}', flush=True)
   progress(f'{len(a.plan)} runs of {a.base.model}, {a.base.steps} updates x '
-           f'{a.base.batch_size * a.base.seq_len:,} tokens, on {jax.devices()[0].device_kind}')
-  results = []
-  for run in a.plan:
-    results.append(train_run(a, run, results, out))
+           f'{a.base.batch_size * a.base.seq_len:,} tokens, {a.jobs} at a time, on '
+           f'{jax.devices()[0].device_kind}')
+  if a.jobs > 1:
+    results = run_jobs(a, argv, out)
+  else:
+    results = []
+    for run in a.plan:
+      results.append(train_run(a, run, results, out))
   res = {'header': header(a, data, results),
          'args': {'runs': a.runs, 'probe_every': a.probe_every,
                   'base': dataclasses.asdict(a.base)},

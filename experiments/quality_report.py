@@ -54,7 +54,9 @@ def _routing(recs: list[dict]) -> dict:
 
 
 def summarise(spec: dict, out_dir: pathlib.Path, tokens_per_step: int) -> dict:
-  """One run's results from its metrics.jsonl, after the fields of ``spec``."""
+  """One run's results from its metrics.jsonl, after the fields of ``spec``. A
+  run whose spec has ``diverged`` (the message of its non-finite loss) has an
+  infinite final and best perplexity: it is never a family's best."""
   from poetx_jax.pretrain.plot import read_metrics
   recs = read_metrics(out_dir)
   logs = {r['step']: r for r in recs if 'loss' in r}
@@ -71,10 +73,12 @@ def summarise(spec: dict, out_dir: pathlib.Path, tokens_per_step: int) -> dict:
     vals = [v for p in probes for k, v in p.items() if k.endswith(suffix)]
     return max(vals) if vals else None
 
+  diverged = spec.get('diverged')
+  final = math.inf if diverged else evals[-1]['val_ppl']
   return {**spec, 'out_dir': str(out_dir), 'steps': end, 'tokens': end * tokens_per_step,
           'evals': evals, 'val_ppl_start': evals[0]['val_ppl'],
-          'val_ppl_final': evals[-1]['val_ppl'],
-          'val_ppl_best': min(e['val_ppl'] for e in evals),
+          'val_ppl_final': final,
+          'val_ppl_best': math.inf if diverged else min(e['val_ppl'] for e in evals),
           'elapsed_s': last['elapsed_s'], 'train_s': last['train_s'],
           'compile_s': last['compile_s'], 'steady_s': steady[end],
           'steady_tokens_per_s': end * tokens_per_step / max(steady[end], 1e-9),
@@ -147,9 +151,11 @@ def best_adamw_lr(runs: list[dict]) -> float:
 
 
 def analyse(runs: list[dict]) -> dict:
-  """The equal-time budget (the shortest run's steady time), each run's
-  perplexity at it, the configurations and each family's best."""
-  budget = min(r['steady_s'] for r in runs)
+  """The equal-time budget (the shortest steady time of the runs that did not
+  diverge), each run's perplexity at it, the configurations and each family's
+  best."""
+  finished = [r for r in runs if not r.get('diverged')] or runs
+  budget = min(r['steady_s'] for r in finished)
   for r in runs:
     r['val_ppl_at_equal_time'] = ppl_at_time(r['evals'], budget)
   configs = configurations(runs)
@@ -274,6 +280,10 @@ def _pm(s: dict, spec='.2f') -> str:
   return f"{format(s['mean'], spec)} ± {format(s['sd'], spec)}"
 
 
+def _diverged(r: dict) -> str:
+  return f" (diverged; last logged step {r['steps']})" if r.get('diverged') else ''
+
+
 def _tokens(n: int) -> str:
   return f'{n / 1e6:.2f}M' if n >= 1e6 else f'{n / 1e3:.1f}k'
 
@@ -323,7 +333,7 @@ def _run_table(res: dict) -> list[str]:
            '|---|---|---|---|---|---|---|---|---|---|']
   for r in res['runs']:
     lines.append(
-        f"| {r['name']} | {r['val_ppl_final']:.2f} | {r['val_ppl_best']:.2f} "
+        f"| {r['name']}{_diverged(r)} | {r['val_ppl_final']:.2f} | {r['val_ppl_best']:.2f} "
         f"| {_fmt(r['val_ppl_at_equal_time'])} | {r['steady_s']:.1f} "
         f"| {r['steady_tokens_per_s']:,.0f} | {r['compile_s']:.1f} | {len(r['loss_spikes'])} "
         f"| {_fmt(r['max_sv_rel_change'], '.2e')} | {_fmt(r['max_orth_err'], '.1e')} |")

@@ -60,11 +60,22 @@ def _assert_spectrum(res, runs):
   assert all(r['max_orth_err'] < 1e-3 for r in runs.values() if r['optimizer'] == 'poetx')
 
 
-def test_compare_quality_end_to_end(tmp_path, corpus, capsys):
-  res = compare_quality.main(_args(tmp_path, corpus))
+@pytest.fixture(scope='module')
+def serial(tmp_path_factory, corpus):
+  """The default study, one run at a time: (its result, what it printed, its tmp dir)."""
+  import contextlib
+  import io
+  tmp = tmp_path_factory.mktemp('serial')
+  printed = io.StringIO()
+  with contextlib.redirect_stdout(printed):
+    res = compare_quality.main(_args(tmp, corpus))
+  return res, printed.getvalue(), tmp
+
+
+def test_compare_quality_end_to_end(serial, corpus):
+  res, printed, tmp_path = serial
   out = tmp_path / 'out'
   assert json.loads((out / 'results.json').read_text())['best'] == res['best']
-  printed = capsys.readouterr().out
   assert printed.startswith('data: 40 documents')
   assert '| optimizer=poetx,poet_lr=5e-3,lr=best |' in printed
   assert (out / 'quality.md').read_text() in printed
@@ -116,6 +127,31 @@ def test_compare_quality_end_to_end(tmp_path, corpus, capsys):
   # A second invocation does not clobber the runs without --overwrite.
   with pytest.raises(SystemExit, match='--overwrite'):
     compare_quality.main(_args(tmp_path, corpus))
+
+
+def test_jobs_train_runs_side_by_side_with_the_same_results(serial, tmp_path, corpus):
+  """--jobs 2: each run in a process of its own gives the perplexities of the
+  one-at-a-time study; lr=best waits for the AdamW runs (one of which
+  diverges, is reported so and is never the best)."""
+  ref = {r['name']: r for r in serial[0]['runs']}
+  res = compare_quality.main(_args(tmp_path, corpus, ADAMW + ',seed=0', 'optimizer=adamw,lr=1e30',
+                                   'optimizer=poetx,poet_lr=2.5e-3,lr=best') + ['--jobs', '2'])
+  runs = {r['name']: r for r in res['runs']}
+  assert list(runs) == ['optimizer=adamw,lr=3e-3,seed=0', 'optimizer=adamw,lr=1e30',
+                        'optimizer=poetx,poet_lr=2.5e-3,lr=best']
+  for name in ('optimizer=adamw,lr=3e-3,seed=0', 'optimizer=poetx,poet_lr=2.5e-3,lr=best'):
+    assert [e['val_loss'] for e in runs[name]['evals']] == pytest.approx(
+        [e['val_loss'] for e in ref[name]['evals']], rel=1e-6)
+    assert not runs[name].get('diverged')
+  bad = runs['optimizer=adamw,lr=1e30']
+  assert 'diverged' in bad and bad['val_ppl_final'] == math.inf
+  assert runs['optimizer=poetx,poet_lr=2.5e-3,lr=best']['lr'] == 3e-3
+  assert res['best']['AdamW'] == 'optimizer=adamw,lr=3e-3'
+  assert res['equal_time_s'] == min(runs[n]['steady_s'] for n in runs if n != bad['name'])
+  logs = tmp_path / 'out' / 'logs'
+  assert sorted(p.name for p in logs.iterdir()) == sorted(f'{n}.log' for n in runs)
+  md = (tmp_path / 'out' / 'quality.md').read_text()
+  assert '| optimizer=adamw,lr=1e30 (diverged; last logged step' in md
 
 
 def test_run_specs_expand_into_runs_and_configurations():

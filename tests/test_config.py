@@ -29,6 +29,9 @@ def test_skewadam_option_conflicts_are_named(options, match):
     ('val_fraction', 0.0, r'val_fraction must be in \(0, 1\), got 0.0'),
     ('val_fraction', 1, r'val_fraction must be in \(0, 1\), got 1'),
     ('lr', -1e-3, 'lr must be >= 0, got -0.001'),
+    ('lr', float('nan'), 'lr must be a finite number >= 0, got nan'),
+    ('poet_lr', float('inf'), r'poet_lr must be a finite number > 0 \(or None.*got inf'),
+    ('min_lr_ratio', 1e30, r'min_lr_ratio must be in \[0, 1\], got 1e\+30'),
     ('weight_decay', -0.1, 'weight_decay must be >= 0, got -0.1'),
     ('clip', -1.0, 'clip must be >= 0, got -1.0'),
     ('group_size', 0, 'group_size must be an int >= 1, got 0'),
@@ -48,6 +51,11 @@ def test_skewadam_option_conflicts_are_named(options, match):
 def test_options_that_cannot_be_honoured_are_errors(field, value, message):
   with pytest.raises(ValueError, match=message):
     TrainConfig(**{field: value}).validate()
+
+
+def test_bounds_hold_for_values_far_from_them():
+  # A value so large that adding 1 does not change it is still within ">= 0".
+  TrainConfig(lr=1e30, clip=1e300, steps=2**62).validate()
 
 
 def test_the_train_flags_are_generated_from_the_config(capsys):

@@ -229,3 +229,28 @@ def test_train_tiny_flags(capsys):
   train_tiny.main(['--toy-steps', '3', '--toy-block-size', '8', '--toy-seed', '1'])
   out = capsys.readouterr().out
   assert 'poetx: loss' in out and 'adamw: loss' in out and 'step    2' in out
+
+
+def test_site_corpus_splits_packages_by_name_and_prepares_both(tmp_path, monkeypatch):
+  """site_corpus: every package on one side only, split by its name alone;
+  validation prepared with the training side's tokenizer."""
+  import site_corpus
+  sp = tmp_path / 'site-packages'
+  words = ' '.join(f'w{i % 97}' for i in range(3000))
+  for i in range(12):
+    (sp / f'pkg{i}').mkdir(parents=True)
+    (sp / f'pkg{i}' / 'mod.py').write_text(f'# package {i}\n"""{words}"""\n')
+  (sp / 'pkg0-1.0.dist-info').mkdir()
+  (sp / 'pkg0-1.0.dist-info' / 'METADATA.txt').write_text(words)
+  monkeypatch.setattr(site_corpus, 'site_dirs', lambda: [sp])
+  got = site_corpus.main(['--out', str(tmp_path / 'out'), '--val-every', '4',
+                          '--vocab-size', '300', '--workers', '1'])
+  names = lambda es: {e.name for e in es}  # noqa: E731
+  assert names(got['train']) | names(got['val']) == {f'pkg{i}' for i in range(12)}
+  assert not names(got['train']) & names(got['val']) and got['val']
+  assert site_corpus.split(got['train'] + got['val'], 4)[1] == got['val']
+  train, val = (json.loads((tmp_path / 'out' / s / 'manifest.json').read_text())
+                for s in ('train', 'val'))
+  assert train['tokenizer_sha256'] == val['tokenizer_sha256']
+  files = lambda m: {pathlib.Path(f['path']).parent.name for f in m['sources']}  # noqa: E731
+  assert files(val) == names(got['val']) and files(train) == names(got['train'])

@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import typing as tp
 
 from poetx_jax import linear, models, ops, sharding
@@ -246,8 +247,12 @@ def _check(name: str, value: tp.Any, hint, md: tp.Mapping) -> None:
   if typ is list and not value:  # `--data` with nothing after it
     raise ValueError(f'{name} must name at least one path{or_none}, got [] '
                      f'(--{name.replace("_", "-")} with no path after it)')
-  if numeric and not (value >= md.get('min', value) and value > md.get('gt', value - 1)
-                      and value <= md.get('max', value) and value < md.get('lt', value + 1)):
+  if numeric and not math.isfinite(value):
+    raise ValueError(f'{name} must be a finite number {_bounds(md)}{or_none}, got {value!r}')
+  if numeric and not (('min' not in md or value >= md['min'])
+                      and ('gt' not in md or value > md['gt'])
+                      and ('max' not in md or value <= md['max'])
+                      and ('lt' not in md or value < md['lt'])):
     kind = 'an int ' if typ is int else ''
     raise ValueError(f'{name} must be {kind}{_bounds(md)}{or_none}, got {value!r}')
 

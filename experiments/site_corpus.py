@@ -1,0 +1,106 @@
+"""A training corpus and a validation corpus of other sources, from the
+installed Python packages' text: what a machine without network holds most of.
+
+The top-level entries of every site-packages directory (packages, modules,
+their documentation) are split by name: an entry whose name hashes into
+bucket 0 of ``--val-every`` goes to validation, the rest to training, so no
+package is in both. Both are prepared with ``poetx prepare``: training with a
+byte-level BPE trained on it, validation with that tokenizer::
+
+    python3 experiments/site_corpus.py --out data/site
+    poetx train --model 130m --data data/site/train --val-data data/site/val
+
+It prints the two sides' entries and sizes first (``--dry-run``: only that).
+The split depends only on the entry names, so it is the same on every machine
+with the same packages; another set of packages gives another corpus, which
+data/site/*/manifest.json describes (files, documents, tokens).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import pathlib
+import site
+import subprocess
+import sys
+import sysconfig
+
+TEXT = ('.py', '.md', '.rst', '.txt')  # what prepare reads as documents here
+
+
+def site_dirs() -> list[pathlib.Path]:
+  """The site-packages directories of this interpreter (and PYTHONPATH's
+  entries that are not this checkout), deduplicated, in order."""
+  dirs = [*site.getsitepackages(), sysconfig.get_paths()['purelib']]
+  here = pathlib.Path(__file__).resolve().parents[1]
+  dirs += [p for p in os.environ.get('PYTHONPATH', '').split(os.pathsep)
+           if p and pathlib.Path(p).resolve() != here]
+  out = []
+  for d in map(pathlib.Path, dirs):
+    if d.is_dir() and d.resolve() not in [o.resolve() for o in out]:
+      out.append(d)
+  return out
+
+
+def entries(dirs: list[pathlib.Path]) -> list[pathlib.Path]:
+  """Top-level packages and modules of ``dirs`` (no metadata or caches)."""
+  skip = ('.dist-info', '.egg-info', '__pycache__', '.pth', '.so', '.libs')
+  return sorted((e for d in dirs for e in d.iterdir()
+                 if not e.name.endswith(skip) and not e.name.startswith(('.', '_'))
+                 and (e.is_dir() or e.suffix in TEXT)), key=lambda e: (e.name, str(e)))
+
+
+def text_bytes(entry: pathlib.Path) -> int:
+  """Bytes of the text files under ``entry`` that prepare reads."""
+  if entry.is_file():
+    return entry.stat().st_size
+  return sum(f.stat().st_size for f in entry.rglob('*')
+             if f.suffix in TEXT and f.is_file() and not f.is_symlink())
+
+
+def split(items: list[pathlib.Path], every: int) -> tuple[list, list]:
+  """(train, val): an entry is validation when sha256(name) % every == 0."""
+  val = [e for e in items if int(hashlib.sha256(e.name.encode()).hexdigest(), 16) % every == 0]
+  return [e for e in items if e not in val], val
+
+
+def main(argv=None) -> dict:
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument('--out', required=True, help='writes OUT/train and OUT/val')
+  p.add_argument('--val-every', type=int, default=40,
+                 help='one entry name in N (by hash) goes to validation (default: %(default)s)')
+  p.add_argument('--vocab-size', type=int, default=4096, help='the BPE\'s (default: %(default)s)')
+  p.add_argument('--sample-chars', type=int, default=None,
+                 help='characters of the BPE\'s training sample (default: prepare\'s)')
+  p.add_argument('--workers', type=int, default=None, help='prepare\'s worker processes')
+  p.add_argument('--dry-run', action='store_true', help='print the split, prepare nothing')
+  a = p.parse_args(argv)
+  if a.val_every < 2:
+    p.error(f'--val-every must be >= 2, got {a.val_every}')
+  train, val = split(entries(site_dirs()), a.val_every)
+  if not train or not val:
+    p.error(f'no {"training" if not train else "validation"} entries among the installed '
+            f'packages ({len(train) + len(val)} entries); try another --val-every')
+  sizes = {e: text_bytes(e) for e in train + val}
+  mb = lambda es: sum(sizes[e] for e in es) / 1e6  # noqa: E731
+  print(f'train: {len(train)} entries, {mb(train):.1f} MB of text; '
+        f'val: {len(val)} entries, {mb(val):.1f} MB: {", ".join(e.name for e in val)}',
+        flush=True)
+  if a.dry_run:
+    return {'train': train, 'val': val}
+  out = pathlib.Path(a.out)
+  common = [*(['--workers', str(a.workers)] if a.workers else [])]
+  poetx = [sys.executable, '-m', 'poetx_jax.pretrain.cli', 'prepare']
+  subprocess.run([*poetx, *map(str, train), '--out', str(out / 'train'), '--vocab-size',
+                  str(a.vocab_size), *common,
+                  *(['--sample-chars', str(a.sample_chars)] if a.sample_chars else [])],
+                 check=True)
+  subprocess.run([*poetx, *map(str, val), '--out', str(out / 'val'), '--tokenizer',
+                  str(out / 'train' / 'tokenizer.json'), *common], check=True)
+  return {'train': train, 'val': val}
+
+
+if __name__ == '__main__':
+  main()
