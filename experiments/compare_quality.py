@@ -335,12 +335,14 @@ def train_run(a, run: dict, done: list[dict], out: pathlib.Path,
   if run['best_lr'] and best_lr is None:
     best_lr = R.best_adamw_lr(done)
   cfg = run_config(a.base, run, out, best_lr if run['best_lr'] else None)
-  block = cfg.block_size or factories.model_config(cfg, cfg.vocab_size).block_size
+  mc = factories.model_config(cfg, cfg.vocab_size)
+  block = cfg.block_size or mc.block_size
+  lr = factories.peak_lr(cfg, mc)
   spec = {'name': run['name'], 'config': run['config'], 'optimizer': cfg.optimizer,
-          'lr': cfg.lr, 'poet_lr': cfg.poet_lr, 'seed': cfg.seed,
+          'lr': lr, 'poet_lr': cfg.poet_lr, 'seed': cfg.seed,
           'block_size': block if cfg.optimizer == 'poetx' else None,
           'tiers': cfg.skew_tiers, 'merge_every': cfg.merge_every}
-  progress(f'run {len(done) + 1}/{len(a.plan)}: {run["name"]} (lr {cfg.lr:g})')
+  progress(f'run {len(done) + 1}/{len(a.plan)}: {run["name"]} (lr {lr:g})')
   hook = spectrum_hook(a.probe_every)
   try:
     train_lib.train(cfg, log=lambda m, n=run['name']: progress(f'{n}: {m}'), hooks=[hook])

@@ -4,7 +4,8 @@ installed Python packages' text: what a machine without network holds most of.
 The top-level entries of every site-packages directory (packages, modules,
 their documentation) are split by name: an entry whose name hashes into
 bucket 0 of ``--val-every`` goes to validation, the rest to training, so no
-package is in both. Both are prepared with ``poetx prepare``: training with a
+package is in both. Only their text files (.py .md .rst .txt) are read, through
+a folder of links to them (OUT/src), so packages' data files stay out. Both are prepared with ``poetx prepare``: training with a
 byte-level BPE trained on it, validation with that tokenizer::
 
     python3 experiments/site_corpus.py --out data/site
@@ -22,6 +23,7 @@ import argparse
 import hashlib
 import os
 import pathlib
+import shutil
 import site
 import subprocess
 import sys
@@ -52,18 +54,51 @@ def entries(dirs: list[pathlib.Path]) -> list[pathlib.Path]:
                  and (e.is_dir() or e.suffix in TEXT)), key=lambda e: (e.name, str(e)))
 
 
-def text_bytes(entry: pathlib.Path) -> int:
-  """Bytes of the text files under ``entry`` that prepare reads."""
+def text_files(entry: pathlib.Path) -> list[pathlib.Path]:
+  """The text files of ``entry`` (itself, or those under it), in sorted order:
+  packages' data files (.jsonl, .parquet, ...) are not text to train on."""
   if entry.is_file():
-    return entry.stat().st_size
-  return sum(f.stat().st_size for f in entry.rglob('*')
-             if f.suffix in TEXT and f.is_file() and not f.is_symlink())
+    return [entry]
+  return sorted(f for f in entry.rglob('*')
+                if f.suffix in TEXT and f.is_file() and not f.is_symlink())
+
+
+def text_bytes(entry: pathlib.Path) -> int:
+  """Bytes of the text files of ``entry``."""
+  return sum(f.stat().st_size for f in text_files(entry))
+
+
+def stage(items: list[pathlib.Path], dest: pathlib.Path) -> pathlib.Path:
+  """``dest``, a folder of links to the text files of ``items`` (each under its
+  entry's name, kept in order), for ``poetx prepare`` to read as a folder:
+  leniently, skipping what is not UTF-8."""
+  if dest.exists():
+    shutil.rmtree(dest)
+  for i, e in enumerate(items):
+    root = dest / f'{i:04d}-{e.name}'
+    for f in text_files(e):
+      link = root / (f.relative_to(e) if e.is_dir() else f.name)
+      link.parent.mkdir(parents=True, exist_ok=True)
+      link.symlink_to(f.resolve())
+  return dest
 
 
 def split(items: list[pathlib.Path], every: int) -> tuple[list, list]:
   """(train, val): an entry is validation when sha256(name) % every == 0."""
   val = [e for e in items if int(hashlib.sha256(e.name.encode()).hexdigest(), 16) % every == 0]
   return [e for e in items if e not in val], val
+
+
+def _first(items: list, sizes: dict, mb: float | None) -> list:
+  """The entries of ``items``, in order, that fit in ``mb`` MB (None: all)."""
+  if mb is None:
+    return items
+  kept, total = [], 0
+  for e in items:
+    if total + sizes[e] <= mb * 1e6:
+      kept.append(e)
+      total += sizes[e]
+  return kept
 
 
 def main(argv=None) -> dict:
@@ -75,15 +110,23 @@ def main(argv=None) -> dict:
   p.add_argument('--sample-chars', type=int, default=None,
                  help='characters of the BPE\'s training sample (default: prepare\'s)')
   p.add_argument('--workers', type=int, default=None, help='prepare\'s worker processes')
+  p.add_argument('--train-mb', type=float, default=None,
+                 help='at most this much training text: the training entries in name '
+                      'order while they fit (default: all)')
+  p.add_argument('--val-mb', type=float, default=30,
+                 help='at most this much validation text, likewise (default: %(default)s)')
   p.add_argument('--dry-run', action='store_true', help='print the split, prepare nothing')
   a = p.parse_args(argv)
   if a.val_every < 2:
     p.error(f'--val-every must be >= 2, got {a.val_every}')
   train, val = split(entries(site_dirs()), a.val_every)
+  sizes = {e: text_bytes(e) for e in train + val}
+  train = _first(train, sizes, a.train_mb)
+  val = _first(val, sizes, a.val_mb)
   if not train or not val:
     p.error(f'no {"training" if not train else "validation"} entries among the installed '
-            f'packages ({len(train) + len(val)} entries); try another --val-every')
-  sizes = {e: text_bytes(e) for e in train + val}
+            f'packages ({len(train) + len(val)} entries); try another --val-every or a '
+            f'larger --train-mb')
   mb = lambda es: sum(sizes[e] for e in es) / 1e6  # noqa: E731
   print(f'train: {len(train)} entries, {mb(train):.1f} MB of text; '
         f'val: {len(val)} entries, {mb(val):.1f} MB: {", ".join(e.name for e in val)}',
@@ -93,11 +136,12 @@ def main(argv=None) -> dict:
   out = pathlib.Path(a.out)
   common = [*(['--workers', str(a.workers)] if a.workers else [])]
   poetx = [sys.executable, '-m', 'poetx_jax.pretrain.cli', 'prepare']
-  subprocess.run([*poetx, *map(str, train), '--out', str(out / 'train'), '--vocab-size',
+  train_src, val_src = stage(train, out / 'src' / 'train'), stage(val, out / 'src' / 'val')
+  subprocess.run([*poetx, str(train_src), '--out', str(out / 'train'), '--vocab-size',
                   str(a.vocab_size), *common,
                   *(['--sample-chars', str(a.sample_chars)] if a.sample_chars else [])],
                  check=True)
-  subprocess.run([*poetx, *map(str, val), '--out', str(out / 'val'), '--tokenizer',
+  subprocess.run([*poetx, str(val_src), '--out', str(out / 'val'), '--tokenizer',
                   str(out / 'train' / 'tokenizer.json'), *common], check=True)
   return {'train': train, 'val': val}
 

@@ -198,7 +198,7 @@ def test_bad_flags_are_named(capsys):
   for argv, msg in ((['--model', 'xl'], 'model must be one of'),
                     (['--runs', 'optimizer=adamw,lrr=1'],
                      "'lrr' in 'optimizer=adamw,lrr=1' is not an option; valid: model, "),
-                    (['--runs', 'lr=fast'], "lr must be a number, got 'fast'"),
+                    (['--runs', 'lr=fast'], "lr must be a number or none, got 'fast'"),
                     (['--runs', 'optimizer=adamw,lr=1e-3|-1'], 'lr must be >= 0, got -1.0'),
                     (['--runs', 'optimizer=adamw,lr=1e-3|1e-3'],
                      "run 'optimizer=adamw,lr=1e-3' is given twice"),

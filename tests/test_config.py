@@ -5,6 +5,7 @@ import dataclasses
 
 import pytest
 
+from poetx_jax import models
 from poetx_jax.pretrain import cli
 from poetx_jax.pretrain.config import TrainConfig
 
@@ -28,8 +29,8 @@ def test_skewadam_option_conflicts_are_named(options, match):
     ('block_size', 1, 'block_size must be an int >= 2 .*, got 1'),
     ('val_fraction', 0.0, r'val_fraction must be in \(0, 1\), got 0.0'),
     ('val_fraction', 1, r'val_fraction must be in \(0, 1\), got 1'),
-    ('lr', -1e-3, 'lr must be >= 0, got -0.001'),
-    ('lr', float('nan'), 'lr must be a finite number >= 0, got nan'),
+    ('lr', -1e-3, r'lr must be >= 0 \(or None: 0.003; AdamW .*: 0.0006\), got -0.001'),
+    ('lr', float('nan'), r'lr must be a finite number >= 0 \(or None.*got nan'),
     ('poet_lr', float('inf'), r'poet_lr must be a finite number > 0 \(or None.*got inf'),
     ('min_lr_ratio', 1e30, r'min_lr_ratio must be in \[0, 1\], got 1e\+30'),
     ('weight_decay', -0.1, 'weight_decay must be >= 0, got -0.1'),
@@ -66,7 +67,8 @@ def test_the_train_flags_are_generated_from_the_config(capsys):
   actions = {a.dest: a for a in train_parser._actions}  # pylint: disable=protected-access
   for f in dataclasses.fields(TrainConfig):
     action = actions[f.name]
-    assert action.option_strings == ['--' + f.name.replace('_', '-')]
+    flag = '--' + f.name.replace('_', '-')
+    assert action.option_strings in ([flag], [flag, '--no-' + flag[2:]])
     assert action.help and f.metadata['help'] in action.help.replace('%%', '%')
   assert {'resume', 'distributed', 'plot'} <= set(actions)
   from poetx_jax.pretrain.config import config_from_args
@@ -126,7 +128,7 @@ def test_an_experiment_parser_has_its_own_defaults_and_runs_are_k_v_overrides(ca
   assert apply_overrides(cfg, '') == cfg
   for text, message in (
       ('lrr=1', r"'lrr' in 'lrr=1' is not an option; valid: model, model_overrides, .*cache_dir"),
-      ('lr=fast', "lr must be a number, got 'fast'"),
+      ('lr=fast', "lr must be a number or none, got 'fast'"),
       ('steps=1.5', "steps must be an int, got '1.5'"),
       ('block_size=x', "block_size must be an int or none, got 'x'"),
       ('scan_layers=maybe', "scan_layers must be true or false, got 'maybe'"),
@@ -138,3 +140,38 @@ def test_an_experiment_parser_has_its_own_defaults_and_runs_are_k_v_overrides(ca
       ('optimizer=adamw,quantize=int8', 'quantize=.int8. needs optimizer poetx')):
     with pytest.raises(ValueError, match=message):
       apply_overrides(cfg, text)
+
+
+def test_adamw_learning_rate_default_is_per_size():
+  """lr None: 3e-3, but 6e-4 for AdamW on a model of hidden >= 512 (the best of
+  the 130m sweep); POET-X's other parameters keep 3e-3; a given lr is kept."""
+  from poetx_jax.pretrain.factories import model_config, peak_lr
+  def lr(**kw):
+    cfg = TrainConfig(**kw)
+    return peak_lr(cfg, model_config(cfg, 4096))
+  assert lr(model='tiny', optimizer='adamw') == 3e-3 and lr(model='130m', optimizer='adamw') == 6e-4
+  assert lr(model='130m') == 3e-3 and lr(model='130m', optimizer='skewadam') == 3e-3
+  assert lr(model='130m', optimizer='adamw', lr=1e-3) == 1e-3
+
+
+def test_normalize_rows_default_is_per_size():
+  """None: on for a fresh POET-X model of hidden >= 512 (as poet_torch), off for
+  the tiny default and for a run started from a checkpoint; set, it is honoured;
+  --normalize-rows / --no-normalize-rows set it either way."""
+  from poetx_jax.pretrain.factories import model_config, normalize_rows
+  def resolved(**kw):
+    cfg = TrainConfig(**kw)
+    return normalize_rows(cfg, model_config(cfg, 4096))
+  assert not resolved(model='tiny') and resolved(model='60m') and resolved(model='130m')
+  assert not resolved(model='tiny', model_overrides={'hidden': 256, 'mlp': 512})
+  assert resolved(model='tiny', model_overrides={'hidden': 512, 'mlp': 1024})
+  assert resolved(model='tiny', normalize_rows=True) and not resolved(model='130m',
+                                                                      normalize_rows=False)
+  assert not resolved(model='130m', optimizer='adamw')
+  assert not normalize_rows(TrainConfig(model='130m', init_from_hf='d'),
+                            models.get_config('130m'))
+  parser = cli.build_parser()
+  from poetx_jax.pretrain.config import config_from_args
+  got = [config_from_args(parser.parse_args(['train', *a])).normalize_rows
+         for a in ([], ['--normalize-rows'], ['--no-normalize-rows'])]
+  assert got == [None, True, False]

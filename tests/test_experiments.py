@@ -240,6 +240,8 @@ def test_site_corpus_splits_packages_by_name_and_prepares_both(tmp_path, monkeyp
   for i in range(12):
     (sp / f'pkg{i}').mkdir(parents=True)
     (sp / f'pkg{i}' / 'mod.py').write_text(f'# package {i}\n"""{words}"""\n')
+  (sp / 'pkg1' / 'tests').mkdir()
+  (sp / 'pkg1' / 'tests' / 'table.jsonl').write_text('{"price": 1}\n')  # data, not text
   (sp / 'pkg0-1.0.dist-info').mkdir()
   (sp / 'pkg0-1.0.dist-info' / 'METADATA.txt').write_text(words)
   monkeypatch.setattr(site_corpus, 'site_dirs', lambda: [sp])

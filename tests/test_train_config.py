@@ -73,7 +73,7 @@ def test_bad_config_files_are_refused_by_name(tmp_path, capsys):
       ('b.json', '{"steps": 1,}', 'not valid JSON'),
       ('c.yaml', 'steps: [1', 'not valid YAML'),
       ('d.toml', 'steps = 1', r"JSON \(.json\) or YAML \(.yaml, .yml\), got the suffix '.toml'"),
-      ('e.yaml', 'lr: fast', "lr must be a number, got 'fast'")]:
+      ('e.yaml', 'lr: fast', "lr must be a number or none, got 'fast'")]:
     (tmp_path / name).write_text(text)
     with pytest.raises(ValueError, match=match):
       read_config_file(tmp_path / name)

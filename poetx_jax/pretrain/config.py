@@ -36,6 +36,13 @@ from poetx_jax.pretrain.tokenizer import MIN_BPE_VOCAB
 OPTIMIZERS = ('poetx', 'adamw', 'skewadam')
 DTYPES = ('float32', 'bfloat16')
 TRACKERS = ('tensorboard', 'wandb')
+# Per-size defaults (docs/quality.md: measured at 130m, where AdamW's best rate
+# of 3e-4..2e-3 was 6e-4 and normalize_rows helped POET-X; the tiny default
+# trains better with neither): from this hidden size, normalize_rows=None is on
+# and lr=None is ADAMW_WIDE_LR for AdamW.
+WIDE_HIDDEN = 512
+DEFAULT_LR = 3e-3
+ADAMW_WIDE_LR = 6e-4
 
 
 def _option(default: tp.Any, help: str, **metadata) -> tp.Any:  # pylint: disable=redefined-builtin
@@ -86,8 +93,10 @@ class TrainConfig:
   steps: int = _count(600, 'optimizer updates')
   optimizer: str = _option('poetx', 'POET-X, or a dense-weight baseline: AdamW, or '
                            "SkewAdam (per-population state for MoE models)", choices=OPTIMIZERS)
-  lr: float = _option(3e-3, 'peak learning rate of AdamW (and of the non-POET parameters)',
-                      min=0)
+  lr: float | None = _option(
+      None, 'peak learning rate of AdamW (and of the non-POET parameters)', min=0,
+      none=f'{DEFAULT_LR:g}; AdamW on a model of hidden size >= {WIDE_HIDDEN}: '
+           f'{ADAMW_WIDE_LR:g}')
   poet_lr: float | None = _option(None, 'peak POET-X step size', gt=0,
                                   none='min(5e-3, 0.25 / block size)')
   warmup: int = _option(30, 'warmup updates', min=0)
@@ -100,9 +109,11 @@ class TrainConfig:
       None, "POET-X: cap each block generator's spectral norm (an upper bound of it) so "
       'the Cayley–Neumann series stays in its region of convergence whatever the step',
       gt=0, lt=1, none='no cap')
-  normalize_rows: bool = _option(False, 'POET-X: scale each output row of every converted '
-                                 'weight to unit norm at conversion (the published POET-X '
-                                 'does; the spectrum POET-X then keeps)')
+  normalize_rows: bool | None = _option(
+      None, 'POET-X: scale each output row of every converted weight to unit norm at '
+      'conversion (the published POET-X does; the spectrum POET-X then keeps)',
+      none=f'on for a fresh model of hidden size >= {WIDE_HIDDEN} (60m and '
+           'up), off for smaller ones and with --init-from-hf')
   mode: str = _option('fast', 'POET-X fast (keeps activations) or mem (recomputes)',
                       choices=linear.MODES)
   form: str = _option('input', 'POET layer product order: rotate the activations (input) '
@@ -317,8 +328,8 @@ def add_options(parser: argparse.ArgumentParser, *, defaults: bool = True,
     choices = md.get('choices')
     kw = dict(help=_help(md, value, choices), metavar=md.get('metavar'))
     default = value if defaults else argparse.SUPPRESS
-    if typ is bool:  # a True default: --flag / --no-flag
-      action = argparse.BooleanOptionalAction if value is True else 'store_true'
+    if typ is bool:  # a True or None default: --flag / --no-flag
+      action = argparse.BooleanOptionalAction if value is not False else 'store_true'
       parser.add_argument(flag, action=action, default=default, help=kw['help'])
     elif typ is list:
       parser.add_argument(flag, nargs='*', default=default, choices=choices, **kw)

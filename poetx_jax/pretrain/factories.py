@@ -23,7 +23,7 @@ from poetx_jax.models import hf
 from poetx_jax.lean import lean_adamw
 from poetx_jax.models.llama import LlamaConfig
 from poetx_jax.pretrain import hf_init
-from poetx_jax.pretrain.config import TrainConfig
+from poetx_jax.pretrain.config import ADAMW_WIDE_LR, DEFAULT_LR, WIDE_HIDDEN, TrainConfig
 from poetx_jax.pretrain.evaluation import target_count, training_loss
 
 
@@ -98,6 +98,24 @@ def build_state(cfg: TrainConfig, mc: LlamaConfig, mesh=None,
   return model, optimizer
 
 
+def normalize_rows(cfg: TrainConfig, mc: LlamaConfig) -> bool:
+  """Whether POET-X conversion scales W0's rows to unit norm: ``cfg.normalize_rows``,
+  or by default for a fresh model of hidden size >= WIDE_HIDDEN (never for one
+  started from a checkpoint, whose function it would change)."""
+  if cfg.normalize_rows is not None:
+    return cfg.normalize_rows
+  return cfg.optimizer == 'poetx' and cfg.init_from_hf is None and mc.hidden >= WIDE_HIDDEN
+
+
+def peak_lr(cfg: TrainConfig, mc: LlamaConfig) -> float:
+  """The run's peak learning rate of AdamW (or SkewAdam), or of POET-X's
+  non-POET parameters: ``cfg.lr``, else DEFAULT_LR, or ADAMW_WIDE_LR for AdamW
+  on a model of hidden size >= WIDE_HIDDEN."""
+  if cfg.lr is not None:
+    return cfg.lr
+  return ADAMW_WIDE_LR if cfg.optimizer == 'adamw' and mc.hidden >= WIDE_HIDDEN else DEFAULT_LR
+
+
 def _layer_converter(cfg: TrainConfig, mc: LlamaConfig):
   """``convert(layer)``: a decoder layer poetized as the run configures, its
   dense kernels consumed; permutations drawn from ``seed + 1``, layer after layer."""
@@ -105,7 +123,7 @@ def _layer_converter(cfg: TrainConfig, mc: LlamaConfig):
 
   def convert(layer):
     return poetx_jax.poetize(layer, rngs=poet_rngs, consume=True,
-                             normalize_rows=cfg.normalize_rows,
+                             normalize_rows=normalize_rows(cfg, mc),
                              max_generator_norm=cfg.max_generator_norm,
                              block_size=cfg.block_size or mc.block_size, mode=cfg.mode,
                              form=cfg.form, implementation=cfg.implementation,
@@ -154,8 +172,8 @@ def build_optimizer(cfg: TrainConfig, model) -> nnx.Optimizer:
   """The run's optimizer: POET-X for the generators and AdamW (or SkewAdam's
   tiers) for the rest, or AdamW or SkewAdam for everything, clipped and
   accumulated as configured."""
+  lr = schedule(peak_lr(cfg, model.config), cfg)
   if cfg.optimizer == 'skewadam' or cfg.skew_tiers:
-    lr = schedule(cfg.lr, cfg)
     if cfg.optimizer == 'skewadam':
       tx = poetx_jax.skewadam(lr, poetx_jax.skewadam_labels(model, poet=False),
                               weight_decay=cfg.weight_decay)
@@ -165,9 +183,9 @@ def build_optimizer(cfg: TrainConfig, model) -> nnx.Optimizer:
       tx = poetx_jax.poetx_skewadam(model, poet, lr, weight_decay=cfg.weight_decay)
     return _finish_optimizer(cfg, model, tx)
   if cfg.lean_state:
-    adamw = lean_adamw(schedule(cfg.lr, cfg), weight_decay=cfg.weight_decay)
+    adamw = lean_adamw(lr, weight_decay=cfg.weight_decay)
   else:
-    adamw = optax.adamw(schedule(cfg.lr, cfg), b1=0.9, b2=0.999,
+    adamw = optax.adamw(lr, b1=0.9, b2=0.999,
                         weight_decay=cfg.weight_decay)
   if cfg.optimizer == 'poetx':
     lean = dict(mu_dtype=jnp.bfloat16, second_moment='block') if cfg.lean_state else {}

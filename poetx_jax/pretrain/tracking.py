@@ -43,7 +43,7 @@ import time
 import jax
 
 from poetx_jax.pretrain.config import TrainConfig, profile_window
-from poetx_jax.pretrain.factories import schedule
+from poetx_jax.pretrain.factories import peak_lr, schedule
 
 # Dense bf16 peak FLOP/s of one device, from the vendors' datasheets (no
 # sparsity), by a substring of ``device.device_kind``; the first match counts.
@@ -181,7 +181,7 @@ class Tracking:
                resume_step: int = 0, write: bool = True):
     self.trackers = [open_tracker(name, out, cfg, resume_step=resume_step)
                      for name in (cfg.tracking if write else ())]
-    self.schedules = {'lr': schedule(cfg.lr, cfg)}
+    self.schedules = {'lr': schedule(peak_lr(cfg, mc), cfg)}
     if poet_lr is not None:
       self.schedules['poet_lr'] = schedule(poet_lr, cfg)
     self.flops = flops_per_token(mc, cfg.seq_len)
