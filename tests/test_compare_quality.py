@@ -199,7 +199,9 @@ def test_bad_flags_are_named(capsys):
                     (['--runs', 'optimizer=adamw,lrr=1'],
                      "'lrr' in 'optimizer=adamw,lrr=1' is not an option; valid: model, "),
                     (['--runs', 'lr=fast'], "lr must be a number or none, got 'fast'"),
-                    (['--runs', 'optimizer=adamw,lr=1e-3|-1'], 'lr must be >= 0, got -1.0'),
+                    (['--runs', 'optimizer=adamw,lr=1e-3|-1'],
+                     'lr must be >= 0 (or None: 0.003; AdamW on a model of hidden size '
+                     '>= 512: 0.0006), got -1.0'),
                     (['--runs', 'optimizer=adamw,lr=1e-3|1e-3'],
                      "run 'optimizer=adamw,lr=1e-3' is given twice"),
                     (['--runs', 'optimizer=poetx,lr=best'], 'has no AdamW run'),
