@@ -8,10 +8,11 @@ package is in both. Only their text files (.py .md .rst .txt) are read, through
 a folder of links to them (OUT/src), so packages' data files stay out. Both are prepared with ``poetx prepare``: training with a
 byte-level BPE trained on it, validation with that tokenizer::
 
-    python3 experiments/site_corpus.py --out data/site
+    python3 experiments/site_corpus.py --out data/site --sample-chars 30000000
     poetx train --model 130m --data data/site/train --val-data data/site/val
 
-It prints the two sides' entries and sizes first (``--dry-run``: only that).
+Options it does not know go to the training side's ``poetx prepare``
+(``--vocab-size``, ``--sample-chars``, ``--workers``, ...). It prints the two sides' entries and sizes first (``--dry-run``: only that).
 The split depends only on the entry names, so it is the same on every machine
 with the same packages; another set of packages gives another corpus, which
 data/site/*/manifest.json describes (files, documents, tokens).
@@ -102,21 +103,18 @@ def _first(items: list, sizes: dict, mb: float | None) -> list:
 
 
 def main(argv=None) -> dict:
-  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                              epilog='other options go to poetx prepare of the training side')
   p.add_argument('--out', required=True, help='writes OUT/train and OUT/val')
   p.add_argument('--val-every', type=int, default=40,
                  help='one entry name in N (by hash) goes to validation (default: %(default)s)')
-  p.add_argument('--vocab-size', type=int, default=4096, help='the BPE\'s (default: %(default)s)')
-  p.add_argument('--sample-chars', type=int, default=None,
-                 help='characters of the BPE\'s training sample (default: prepare\'s)')
-  p.add_argument('--workers', type=int, default=None, help='prepare\'s worker processes')
   p.add_argument('--train-mb', type=float, default=None,
                  help='at most this much training text: the training entries in name '
                       'order while they fit (default: all)')
   p.add_argument('--val-mb', type=float, default=30,
                  help='at most this much validation text, likewise (default: %(default)s)')
   p.add_argument('--dry-run', action='store_true', help='print the split, prepare nothing')
-  a = p.parse_args(argv)
+  a, prepare_args = p.parse_known_args(argv)
   if a.val_every < 2:
     p.error(f'--val-every must be >= 2, got {a.val_every}')
   train, val = split(entries(site_dirs()), a.val_every)
@@ -134,15 +132,12 @@ def main(argv=None) -> dict:
   if a.dry_run:
     return {'train': train, 'val': val}
   out = pathlib.Path(a.out)
-  common = [*(['--workers', str(a.workers)] if a.workers else [])]
   poetx = [sys.executable, '-m', 'poetx_jax.pretrain.cli', 'prepare']
   train_src, val_src = stage(train, out / 'src' / 'train'), stage(val, out / 'src' / 'val')
-  subprocess.run([*poetx, str(train_src), '--out', str(out / 'train'), '--vocab-size',
-                  str(a.vocab_size), *common,
-                  *(['--sample-chars', str(a.sample_chars)] if a.sample_chars else [])],
+  subprocess.run([*poetx, str(train_src), '--out', str(out / 'train'), *prepare_args],
                  check=True)
   subprocess.run([*poetx, str(val_src), '--out', str(out / 'val'), '--tokenizer',
-                  str(out / 'train' / 'tokenizer.json'), *common], check=True)
+                  str(out / 'train' / 'tokenizer.json')], check=True)
   return {'train': train, 'val': val}
 
 
