@@ -87,9 +87,10 @@ command about 7.5 minutes on an H200)::
         --runs optimizer=adamw,lr=6e-4 'optimizer=poetx,block_size=128,poet_lr=1e-3|2e-3,lr=3e-3'
 
 ``--jobs N`` trains N runs at once, each in a process of its own on the same
-GPU (a 130M model leaves most of an H200 idle); the numbers are the same as
-one at a time, the steady tokens/s of each run lower (they share the GPU), so
-its equal-time table compares runs of one ``--jobs`` setting only.
+GPU (a 130M model leaves most of an H200 idle). Each run's losses are those
+it has alone (tested on the CPU); its steady tokens/s are lower and depend on
+what shares the GPU with it, so with ``--jobs`` above 1 the equal-time table
+is not a comparison of speeds.
 
 Short runs are dominated by compilation (each run's learning rates are
 constants of its update program, so every run compiles its own); the measured
