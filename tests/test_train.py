@@ -431,6 +431,24 @@ def test_a_generator_cap_trains_a_step_that_diverges_without_it(tmp_path, corpus
   assert error < 0.1 and after < before - 1.0                   # trains
 
 
+def test_the_merge_aware_clip_changes_only_the_updates_after_a_merge(tmp_path, corpus):
+  """--clip-ramp: the updates before the first merge are those of plain
+  clipping, bit for bit; after it the bound dips (0.1 x clip) and the run
+  departs from the plain one."""
+  def losses(name, **kw):
+    cfg = _cfg(tmp_path / name, corpus, batch_size=8, steps=10, merge_every=4,
+               eval_every=10, log_every=1, clip=0.5, **kw)
+    train(cfg, log=lambda *_: None)
+    recs = [json.loads(l) for l in (pathlib.Path(cfg.out_dir) / 'metrics.jsonl').open()]
+    return [r['loss'] for r in recs if 'loss' in r]
+
+  plain, ramped = losses('plain'), losses('ramped', clip_ramp=3)
+  # the loss of step k is of the parameters after k - 1 updates: merge at update 4
+  assert ramped[:5] == plain[:5] and ramped[5:] != plain[5:]
+  with pytest.raises(ValueError, match='clip_ramp=3 needs optimizer poetx and clip > 0'):
+    TrainConfig(clip_ramp=3, clip=0.0).validate()
+
+
 def test_hooks_are_checked_before_anything_is_written(tmp_path, corpus):
   with pytest.raises(ValueError, match='Hook every must be an int >= 1, got 0'):
     Hook(lambda run: None, every=0)

@@ -43,6 +43,8 @@ TRACKERS = ('tensorboard', 'wandb')
 WIDE_HIDDEN = 512
 DEFAULT_LR = 3e-3
 ADAMW_WIDE_LR = 6e-4
+# clip_ramp applies during these first updates, as the published POET-X's does.
+CLIP_RAMP_UNTIL = 2000
 
 
 def _option(default: tp.Any, help: str, **metadata) -> tp.Any:  # pylint: disable=redefined-builtin
@@ -103,6 +105,10 @@ class TrainConfig:
   min_lr_ratio: float = _option(0.1, 'final/peak learning rate', min=0, max=1)
   weight_decay: float = _option(0.0, 'AdamW weight decay', min=0)
   clip: float = _option(1.0, 'global-norm clip (0: off)', min=0)
+  clip_ramp: int = _option(
+      0, 'POET-X: after each merge, clip to 0.1 x --clip and ramp the bound back over N '
+      f'updates, during the first {CLIP_RAMP_UNTIL} updates (the published POET-X\'s '
+      'merge-aware clip; 0: plain clipping)', min=0)
   merge_every: int = _count(50, 'POET-X merge interval in updates')
   block_size: int | None = _option(None, 'POET block size', min=2, none="the model config's")
   max_generator_norm: float | None = _option(
@@ -181,6 +187,9 @@ class TrainConfig:
     if self.normalize_rows and self.optimizer != 'poetx':
       raise ValueError(f'normalize_rows needs optimizer poetx (it sets the spectrum POET-X '
                        f'keeps; got {self.optimizer!r})')
+    if self.clip_ramp and (self.optimizer != 'poetx' or not self.clip):
+      raise ValueError(f'clip_ramp={self.clip_ramp} needs optimizer poetx and clip > 0 '
+                       f'(got {self.optimizer!r}, clip={self.clip})')
     if self.skew_tiers and self.optimizer != 'poetx':
       raise ValueError(f'skew_tiers needs optimizer poetx (got {self.optimizer!r}; '
                        f"optimizer 'skewadam' is SkewAdam for every parameter)")

@@ -23,7 +23,8 @@ from poetx_jax.models import hf
 from poetx_jax.lean import lean_adamw
 from poetx_jax.models.llama import LlamaConfig
 from poetx_jax.pretrain import hf_init
-from poetx_jax.pretrain.config import ADAMW_WIDE_LR, DEFAULT_LR, WIDE_HIDDEN, TrainConfig
+from poetx_jax.pretrain.config import (ADAMW_WIDE_LR, CLIP_RAMP_UNTIL, DEFAULT_LR, WIDE_HIDDEN,
+                                        TrainConfig)
 from poetx_jax.pretrain.evaluation import target_count, training_loss
 
 
@@ -200,8 +201,12 @@ def build_optimizer(cfg: TrainConfig, model) -> nnx.Optimizer:
 
 
 def _finish_optimizer(cfg: TrainConfig, model, tx) -> nnx.Optimizer:
-  """``tx`` clipped and accumulated as configured, over the model's Params."""
-  if cfg.clip > 0:
+  """``tx`` clipped (to a bound that dips after each merge with ``clip_ramp``) and
+  accumulated as configured, over the model's Params."""
+  if cfg.clip > 0 and cfg.clip_ramp:
+    tx = poetx_jax.clip_by_global_norm_after_merge(tx, cfg.clip, ramp_steps=cfg.clip_ramp,
+                                                   until=CLIP_RAMP_UNTIL)
+  elif cfg.clip > 0:
     tx = optax.chain(optax.clip_by_global_norm(cfg.clip), tx)
   if cfg.grad_accum > 1:
     tx = optax.MultiSteps(tx, every_k_schedule=cfg.grad_accum)
