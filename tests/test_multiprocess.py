@@ -218,5 +218,5 @@ def test_a_killed_peer_stops_the_other_naming_it(tmp_path):
   assert procs[0].returncode == 5, err[-3000:]
   assert err.strip().splitlines()[-1] == (
       f'poetx train: error: process 0: process 1 of 2 sent no heartbeat for {timeout} s '
-      f'(killed, crashed or cut off; its output may say why); stopping')
+      f'(killed, crashed or cut off; its output may say why); stopping'), err[-3000:]
   assert waited < timeout + 15, waited

@@ -31,9 +31,14 @@ _KEY = 'poetx/heartbeat/'  # + process index: its heartbeat count, in the coordi
 
 def _stop(message: str) -> tp.NoReturn:
   """Writes ``message`` as one line and ends the process (exit PEER_MISSING) at
-  once, from any thread: the main one may be blocked in a collective."""
-  sys.stderr.write(message.replace('\n', ' ') + '\n')
+  once, from any thread: the main one may be blocked in a collective. The line
+  is the last of stderr: what the other threads write from then on (the main
+  one's traceback of the collective the missing peer broke, say) is dropped."""
   sys.stderr.flush()
+  err = os.dup(2)
+  devnull = os.open(os.devnull, os.O_WRONLY)
+  os.dup2(devnull, 2)  # the other threads' output from now on
+  os.write(err, (message.replace('\n', ' ') + '\n').encode())
   os._exit(PEER_MISSING)  # pylint: disable=protected-access
 
 
