@@ -362,9 +362,11 @@ def run_jobs(a, argv: list[str], out: pathlib.Path) -> list[dict]:
   """Trains the plan's runs ``a.jobs`` at a time, each in a process of its own
   (this script with ``--only NAME``) on the same devices, its output in
   OUT/logs/NAME.log; the ``lr=best`` runs start once every other run is done.
-  Each child gets 0.9 / jobs of the accelerator's memory
-  (XLA_PYTHON_CLIENT_MEM_FRACTION) unless the environment sets it. The
-  summaries, in plan order; SystemExit naming the runs that failed."""
+  The children inherit this process's environment, where :func:`main` turned
+  XLA's preallocation off: each takes the accelerator's memory as it needs it,
+  up to 0.9 / jobs of it (XLA_PYTHON_CLIENT_MEM_FRACTION, unless the
+  environment sets either). The summaries, in plan order; SystemExit naming
+  the runs that failed."""
   env = dict(os.environ)
   env.setdefault('XLA_PYTHON_CLIENT_MEM_FRACTION', f'{0.9 / a.jobs:.3f}')
   (out / 'logs').mkdir(parents=True, exist_ok=True)

@@ -64,20 +64,15 @@ def text_files(entry: pathlib.Path) -> list[pathlib.Path]:
                 if f.suffix in TEXT and f.is_file() and not f.is_symlink())
 
 
-def text_bytes(entry: pathlib.Path) -> int:
-  """Bytes of the text files of ``entry``."""
-  return sum(f.stat().st_size for f in text_files(entry))
-
-
-def stage(items: list[pathlib.Path], dest: pathlib.Path) -> pathlib.Path:
-  """``dest``, a folder of links to the text files of ``items`` (each under its
-  entry's name, kept in order), for ``poetx prepare`` to read as a folder:
-  leniently, skipping what is not UTF-8."""
+def stage(items: list[pathlib.Path], files: dict, dest: pathlib.Path) -> pathlib.Path:
+  """``dest``, a folder of links to the text files of ``items`` (``files[entry]``,
+  each under its entry's name, kept in order), for ``poetx prepare`` to read as
+  a folder: leniently, skipping what is not UTF-8."""
   if dest.exists():
     shutil.rmtree(dest)
   for i, e in enumerate(items):
     root = dest / f'{i:04d}-{e.name}'
-    for f in text_files(e):
+    for f in files[e]:
       link = root / (f.relative_to(e) if e.is_dir() else f.name)
       link.parent.mkdir(parents=True, exist_ok=True)
       link.symlink_to(f.resolve())
@@ -118,7 +113,8 @@ def main(argv=None) -> dict:
   if a.val_every < 2:
     p.error(f'--val-every must be >= 2, got {a.val_every}')
   train, val = split(entries(site_dirs()), a.val_every)
-  sizes = {e: text_bytes(e) for e in train + val}
+  files = {e: text_files(e) for e in train + val}  # each tree walked once
+  sizes = {e: sum(f.stat().st_size for f in fs) for e, fs in files.items()}
   train = _first(train, sizes, a.train_mb)
   val = _first(val, sizes, a.val_mb)
   if not train or not val:
@@ -133,7 +129,8 @@ def main(argv=None) -> dict:
     return {'train': train, 'val': val}
   out = pathlib.Path(a.out)
   poetx = [sys.executable, '-m', 'poetx_jax.pretrain.cli', 'prepare']
-  train_src, val_src = stage(train, out / 'src' / 'train'), stage(val, out / 'src' / 'val')
+  train_src = stage(train, files, out / 'src' / 'train')
+  val_src = stage(val, files, out / 'src' / 'val')
   subprocess.run([*poetx, str(train_src), '--out', str(out / 'train'), *prepare_args],
                  check=True)
   subprocess.run([*poetx, str(val_src), '--out', str(out / 'val'), '--tokenizer',
