@@ -105,6 +105,25 @@ def busy_time(events: list[dict]) -> float:
   return total
 
 
+def idle_gaps(events: list[dict], short_us: float = 20.0) -> tuple[float, float, float]:
+  """The device's idle time between kernels, in microseconds: ``(short,
+  long, longest)``, the gaps under ``short_us`` summed (kernel launch
+  latency inside a program: more kernels, more of it), the longer ones summed
+  (the device waiting for the host), and the longest gap."""
+  short = long = longest = 0.0
+  end = None
+  for e in sorted(events, key=lambda e: e['start']):
+    if end is not None and e['start'] > end:
+      gap = e['start'] - end
+      longest = max(longest, gap)
+      if gap < short_us:
+        short += gap
+      else:
+        long += gap
+    end = e['start'] + e['dur'] if end is None else max(end, e['start'] + e['dur'])
+  return short, long, longest
+
+
 def hlo_ops(hlo_text: str) -> dict[str, tuple[str, str]]:
   """HLO instruction name -> (result shape, the JAX op_name of its metadata)
   from compiled HLO text."""
@@ -137,10 +156,13 @@ def summarize(events: list[dict], steps: int, wall_s: float, ops: dict[str, tupl
     row[1] += 1
     row[2] = row[2] or e['name']
   total = sum(by_cat.values()) or 1.0
+  short, long, longest = idle_gaps(events)
   tops = sorted(by_op.items(), key=lambda kv: -kv[1][0])[:top]
   return {
       'steps': steps, 'wall_ms': 1e3 * wall_s / steps, 'busy_ms': 1e3 * busy / steps,
       'kernel_ms': 1e3 * kernel / steps, 'busy_share': busy / wall_s if wall_s else 0.0,
+      'kernels': len(events) // steps, 'launch_gaps_ms': short / 1e3 / steps,
+      'host_waits_ms': long / 1e3 / steps, 'longest_gap_ms': longest / 1e3,
       'categories': {c: {'ms': by_cat[c] / 1e3 / steps, 'share': by_cat[c] / total}
                      for c in CATEGORIES},
       'top': [{'op': op, 'module': module, 'category': c, 'ms': t / 1e3 / steps,
@@ -154,6 +176,10 @@ def format_report(r: dict) -> str:
   """A profile summary as text."""
   lines = [f"{r['run']}: {r['wall_ms']:.1f} ms/step wall, device busy {r['busy_ms']:.1f} ms "
            f"({100 * r['busy_share']:.0f}%), kernels {r['kernel_ms']:.1f} ms"]
+  if 'kernels' in r:
+    lines.append(f"  {r['kernels']} kernels/step; idle between kernels: gaps < 20 us "
+                 f"{r['launch_gaps_ms']:.1f} ms/step, longer {r['host_waits_ms']:.1f} ms/step "
+                 f"(longest {r['longest_gap_ms']:.2f} ms)")
   lines.append('  ' + '  '.join(f"{c} {v['ms']:.1f} ms ({100 * v['share']:.0f}%)"
                                 for c, v in r['categories'].items() if v['ms'] > 0))
   for t in r['top']:

@@ -169,6 +169,7 @@ def test_profile_step_reports_a_real_step(tmp_path, monkeypatch):
   assert sum(c['share'] for c in r['categories'].values()) == pytest.approx(1.0)
   assert r['categories']['gather']['ms'] > 0  # the POET permutations
   assert r['top'] and all(t['op'] and t['hlo'] for t in r['top'][:5])
+  assert r['kernels'] > 0 and r['launch_gaps_ms'] >= 0 and r['host_waits_ms'] >= 0
 
 
 def test_profile_step_busy_time_and_categories():
@@ -176,6 +177,9 @@ def test_profile_step_busy_time_and_categories():
   events = [{'start': 0.0, 'dur': 10.0}, {'start': 5.0, 'dur': 10.0},
             {'start': 20.0, 'dur': 5.0}, {'start': 21.0, 'dur': 1.0}]
   assert profile_step.busy_time(events) == 20.0  # overlaps count once
+  # idle: 15..20 (5 us, a launch gap), then 25..60 (35 us, a wait)
+  events.append({'start': 60.0, 'dur': 2.0})
+  assert profile_step.idle_gaps(events, short_us=20.0) == (5.0, 35.0, 35.0)
   cat = profile_step.category
   assert cat('gemm_fusion_dot.3', 'gemm_fusion_dot_3') == 'gemm'
   assert cat('custom-call.7', 'nvjet_sm90_tst_128x160') == 'gemm'
