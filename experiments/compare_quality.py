@@ -342,7 +342,7 @@ def train_run(a, run: dict, done: list[dict], out: pathlib.Path,
   spec = {'name': run['name'], 'config': run['config'], 'optimizer': cfg.optimizer,
           'lr': lr, 'poet_lr': cfg.poet_lr, 'seed': cfg.seed,
           'block_size': block if cfg.optimizer == 'poetx' else None,
-          'tiers': cfg.skew_tiers, 'merge_every': cfg.merge_every}
+          'tiers': cfg.skew_tiers, 'merge_every': factories.merge_interval(cfg, mc)}
   progress(f'run {len(done) + 1}/{len(a.plan)}: {run["name"]} (lr {lr:g})')
   hook = spectrum_hook(a.probe_every)
   try:
@@ -416,7 +416,8 @@ def header(a, data, runs: list[dict]) -> dict:
   return {
       **{k: getattr(cfg, k) for k in ('model', 'model_overrides', 'seq_len', 'batch_size',
                                       'steps', 'warmup', 'min_lr_ratio', 'clip', 'seed',
-                                      'merge_every', 'eval_every')},
+                                      'eval_every')},
+      'merge_every': factories.merge_interval(cfg, mc),
       'runs': a.runs, 'dense_params': mc.num_params(),
       'vocab_size': data.tokenizer.vocab_size, 'tokens_per_step': tokens_per_step,
       'tokens_per_run': cfg.steps * tokens_per_step, 'train_tokens': train_tokens,

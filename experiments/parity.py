@@ -142,7 +142,7 @@ def anchor_command(cfg, seed: int, windows: pathlib.Path, vocab: int, metrics: p
           '--steps', str(cfg.steps), '--batch', str(cfg.batch_size),
           '--lr', str(factories.peak_lr(cfg, mc)),
           '--poet-lr', str(factories.poet_lr(cfg, cfg.block_size or mc.block_size)),
-          '--poet-scale', '1.0', '--merge-every', str(cfg.merge_every),
+          '--poet-scale', '1.0', '--merge-every', str(factories.merge_interval(cfg, mc)),
           '--block-size', str(cfg.block_size or mc.block_size), '--warmup', str(cfg.warmup),
           '--min-lr-ratio', str(cfg.min_lr_ratio), '--clip', str(cfg.clip),
           '--eval-every', str(cfg.eval_every), '--eval-batches', str(cfg.eval_batches),

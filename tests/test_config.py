@@ -7,7 +7,7 @@ import pytest
 
 from poetx_jax import models
 from poetx_jax.pretrain import cli
-from poetx_jax.pretrain.config import TrainConfig
+from poetx_jax.pretrain.config import TrainConfig, apply_overrides
 
 
 @pytest.mark.parametrize('options, match', [
@@ -152,6 +152,22 @@ def test_adamw_learning_rate_default_is_per_size():
   assert lr(model='tiny', optimizer='adamw') == 3e-3 and lr(model='130m', optimizer='adamw') == 6e-4
   assert lr(model='130m') == 3e-3 and lr(model='130m', optimizer='skewadam') == 3e-3
   assert lr(model='130m', optimizer='adamw', lr=1e-3) == 1e-3
+
+
+def test_merge_interval_default_is_per_size():
+  """merge_every None: every 50 updates, but every 200 on a model of hidden >=
+  512 (the 130m sweep's better interval); a given interval is kept; the
+  optimizer and the step the app builds merge on the resolved interval."""
+  from poetx_jax.pretrain.factories import merge_interval, model_config
+  def every(**kw):
+    cfg = TrainConfig(**kw)
+    return merge_interval(cfg, model_config(cfg, 4096))
+  assert every(model='tiny') == 50 and every(model='60m') == 200 and every(model='130m') == 200
+  assert every(model='tiny', model_overrides={'hidden': 512, 'mlp': 1024}) == 200
+  assert every(model='130m', merge_every=50) == 50 and every(model='tiny', merge_every=7) == 7
+  with pytest.raises(ValueError, match='merge_every'):
+    TrainConfig(merge_every=0).validate()
+  assert apply_overrides(TrainConfig(), 'merge_every=none').merge_every is None
 
 
 def test_normalize_rows_default_is_per_size():

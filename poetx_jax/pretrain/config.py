@@ -37,12 +37,16 @@ OPTIMIZERS = ('poetx', 'adamw', 'skewadam')
 DTYPES = ('float32', 'bfloat16')
 TRACKERS = ('tensorboard', 'wandb')
 # Per-size defaults (docs/quality.md: measured at 130m, where AdamW's best rate
-# of 3e-4..2e-3 was 6e-4 and normalize_rows helped POET-X; the tiny default
-# trains better with neither): from this hidden size, normalize_rows=None is on
-# and lr=None is ADAMW_WIDE_LR for AdamW.
+# of 3e-4..2e-3 was 6e-4, normalize_rows helped POET-X, and merges every 200
+# updates beat merges every 50; the tiny default trains better with the first
+# two off and keeps its merges every 50): from this hidden size, lr=None is
+# ADAMW_WIDE_LR for AdamW, normalize_rows=None is on and merge_every=None is
+# WIDE_MERGE_EVERY.
 WIDE_HIDDEN = 512
 DEFAULT_LR = 3e-3
 ADAMW_WIDE_LR = 6e-4
+DEFAULT_MERGE_EVERY = 50
+WIDE_MERGE_EVERY = 200
 # clip_ramp applies during these first updates, as the published POET-X's does.
 CLIP_RAMP_UNTIL = 2000
 
@@ -109,7 +113,10 @@ class TrainConfig:
       0, 'POET-X: after each merge, clip to 0.1 x --clip and ramp the bound back over N '
       f'updates, during the first {CLIP_RAMP_UNTIL} updates (the published POET-X\'s '
       'merge-aware clip; 0: plain clipping)', min=0)
-  merge_every: int = _count(50, 'POET-X merge interval in updates')
+  merge_every: int | None = _option(
+      None, 'POET-X merge interval in updates', min=1,
+      none=f'{DEFAULT_MERGE_EVERY}; {WIDE_MERGE_EVERY} on a model of hidden size >= '
+           f'{WIDE_HIDDEN}')
   block_size: int | None = _option(None, 'POET block size', min=2, none="the model config's")
   max_generator_norm: float | None = _option(
       None, "POET-X: cap each block generator's spectral norm (an upper bound of it) so "

@@ -23,7 +23,8 @@ from poetx_jax.models import hf
 from poetx_jax.lean import lean_adamw
 from poetx_jax.models.llama import LlamaConfig
 from poetx_jax.pretrain import hf_init
-from poetx_jax.pretrain.config import (ADAMW_WIDE_LR, CLIP_RAMP_UNTIL, DEFAULT_LR, WIDE_HIDDEN,
+from poetx_jax.pretrain.config import (ADAMW_WIDE_LR, CLIP_RAMP_UNTIL, DEFAULT_LR,
+                                        DEFAULT_MERGE_EVERY, WIDE_HIDDEN, WIDE_MERGE_EVERY,
                                         TrainConfig)
 from poetx_jax.pretrain.evaluation import target_count, training_loss
 
@@ -117,6 +118,15 @@ def peak_lr(cfg: TrainConfig, mc: LlamaConfig) -> float:
   return ADAMW_WIDE_LR if cfg.optimizer == 'adamw' and mc.hidden >= WIDE_HIDDEN else DEFAULT_LR
 
 
+def merge_interval(cfg: TrainConfig, mc: LlamaConfig) -> int:
+  """POET-X's merge interval in updates: ``cfg.merge_every``, else
+  DEFAULT_MERGE_EVERY, or WIDE_MERGE_EVERY on a model of hidden size >=
+  WIDE_HIDDEN."""
+  if cfg.merge_every is not None:
+    return cfg.merge_every
+  return WIDE_MERGE_EVERY if mc.hidden >= WIDE_HIDDEN else DEFAULT_MERGE_EVERY
+
+
 def _layer_converter(cfg: TrainConfig, mc: LlamaConfig):
   """``convert(layer)``: a decoder layer poetized as the run configures, its
   dense kernels consumed; permutations drawn from ``seed + 1``, layer after layer."""
@@ -180,7 +190,7 @@ def build_optimizer(cfg: TrainConfig, model) -> nnx.Optimizer:
                               weight_decay=cfg.weight_decay)
     else:
       poet = poetx_jax.poetx(schedule(model_poet_lr(cfg, model), cfg),
-                             merge_every=cfg.merge_every)
+                             merge_every=merge_interval(cfg, model.config))
       tx = poetx_jax.poetx_skewadam(model, poet, lr, weight_decay=cfg.weight_decay)
     return _finish_optimizer(cfg, model, tx)
   if cfg.lean_state:
@@ -192,8 +202,8 @@ def build_optimizer(cfg: TrainConfig, model) -> nnx.Optimizer:
     lean = dict(mu_dtype=jnp.bfloat16, second_moment='block') if cfg.lean_state else {}
     peak = model_poet_lr(cfg, model)
     tx = poetx_jax.poetx_partition(
-        model, poetx_jax.poetx(schedule(peak, cfg), merge_every=cfg.merge_every,
-                               **lean),
+        model, poetx_jax.poetx(schedule(peak, cfg),
+                               merge_every=merge_interval(cfg, model.config), **lean),
         adamw)
   else:
     tx = adamw
@@ -224,7 +234,8 @@ def make_step(cfg: TrainConfig, mc: LlamaConfig, on_merge=None, mesh=None,
     # routed model's capacity and aux losses are per global batch).
     dp = (mesh if mesh is not None and cfg.strategy == 'dp' and mc.rows_independent
           else None)
-    return poetx_jax.make_train_step(training_loss, merge_every=cfg.merge_every * cfg.grad_accum,
+    every = merge_interval(cfg, mc) * cfg.grad_accum
+    return poetx_jax.make_train_step(training_loss, merge_every=every,
                                      seed=cfg.seed, on_merge=on_merge,
                                      data_parallel=dp, loss_weight=target_count,
                                      grad_norm=grad_norm)

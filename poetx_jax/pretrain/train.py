@@ -28,8 +28,8 @@ from poetx_jax.pretrain.checkpoint import Checkpointer
 from poetx_jax.pretrain.config import TrainConfig
 from poetx_jax.pretrain.evaluation import evaluate, place_batch
 from poetx_jax.pretrain.factories import (build_state, compute_dtype, make_step,
-                                          make_training_mesh, model_config, model_poet_lr,
-                                          size_text)
+                                          make_training_mesh, merge_interval, model_config,
+                                          model_poet_lr, size_text)
 from poetx_jax.pretrain.hooks import Hook
 from poetx_jax.pretrain.metrics import (Metrics, Progress, StopFlag, TrainClock,
                                         merge_reporter)
@@ -243,7 +243,7 @@ def loop_hooks(run: Run, hooks: tp.Sequence[Hook], log) -> list[Hook]:
   wait; the checkpoint (every ``checkpoint_every``)."""
   cfg, hooks = run.cfg, list(hooks)
   report = (merge_reporter(run.metrics, log, poet_lr=model_poet_lr(cfg, run.model),
-                           merge_every=cfg.merge_every)
+                           merge_every=merge_interval(cfg, run.model.config))
             if cfg.optimizer == 'poetx' else None)
 
   def report_merges(run):
