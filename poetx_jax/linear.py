@@ -96,7 +96,9 @@ class POETLinear(nnx.Module):
       permutes the activations (no weight-gradient GEMM in the backward);
       ``'weight'`` rotates and permutes the frozen kernel and runs one dense
       GEMM (a dense layer's backward, but no activation-sized rotations or
-      gathers). See :func:`poetx_jax.ops.poet_linear`.
+      gathers); ``'auto'`` the one of fewer FLOPs for each call's token count
+      (:func:`poetx_jax.ops.choose_form`: the weight form for narrow layers).
+      See :func:`poetx_jax.ops.poet_linear`.
     implementation: ``'xla'`` (every piece in XLA) or ``'pallas'`` (the block
       products on the Mosaic GPU kernels of ``pallas_kernels``, Hopper GPUs;
       interpreted on other backends, for tests; B a multiple of 64, at most
@@ -284,6 +286,13 @@ class POETLinear(nnx.Module):
       y = y + bias
     return y
 
+  def form_for(self, input_shape: tp.Sequence[int]) -> str:
+    """The form (``'input'`` or ``'weight'``) a call on inputs of
+    ``input_shape`` runs: ``form``, with ``'auto'`` resolved for their token
+    count (all axes but the last)."""
+    return ops.resolve_form(self.form, input_shape, self.in_features, self.out_features,
+                            self.block_size)
+
   def rotation_blocks(self) -> tuple[Array, Array]:
     """The float32 Cayley–Neumann blocks of P and R (full precision)."""
     return ops.rotation_blocks_pair(self.q_in[...], self.q_out[...], self.in_features,
@@ -352,10 +361,13 @@ def swiglu(gate: nnx.Linear | POETLinear, up: nnx.Linear | POETLinear,
   """``down(activation(gate(x)) * up(x))``, the gated MLP of Llama, for plain
   or POET layers.
 
-  When all three are POET layers, the gate and up outputs are gathered
-  straight into the down projection's input order
-  (:func:`poetx_jax.ops.gather_between`): two activation gathers instead of
-  three. Gathers are exact, so the values are those of the plain formula.
+  When all three are POET layers and the down projection runs the input form
+  (:meth:`POETLinear.form_for`), the gate and up outputs are gathered
+  straight into its input order (:func:`poetx_jax.ops.gather_between`): two
+  activation gathers instead of three. Gathers are exact, so the values are
+  those of the plain formula. When it runs the weight form, its input
+  permutation is folded into its weight and the plain formula runs (weight
+  forms of gate and up then gather no activations at all).
 
   Args:
     gate, up, down: the three projections (``nnx.Linear`` or POETLinear).
@@ -380,6 +392,8 @@ def swiglu(gate: nnx.Linear | POETLinear, up: nnx.Linear | POETLinear,
   """
   name = (lambda h: checkpoint_name(h, hidden_name)) if hidden_name else (lambda h: h)
   if not all(isinstance(lin, POETLinear) for lin in (gate, up, down)):
+    return down(name(activation(gate(x)) * up(x)))
+  if down.form_for((*x.shape[:-1], down.in_features)) == 'weight':
     return down(name(activation(gate(x)) * up(x)))
   perm = down.perm_in[...]
   g = ops.permute(gate(x, permute_output=False), ops.gather_between(gate.perm_out[...], perm))

@@ -43,6 +43,7 @@ in the activations' dtype with float32 accumulation, as ``nnx.Linear``'s GEMM do
 from __future__ import annotations
 
 import functools
+import math
 import typing as tp
 
 import jax
@@ -251,7 +252,36 @@ permute.defvjp(_permute_fwd, _permute_bwd)
 
 
 # ------------------------------------------------------------------ the layer
-FORMS = ('input', 'weight')
+FORMS = ('input', 'weight', 'auto')
+
+
+def choose_form(tokens: int, in_features: int, out_features: int, block_size: int) -> str:
+  """The form (``'input'`` or ``'weight'``) of fewer FLOPs, forward and
+  backward, for ``tokens`` rows of a layer of ``in_features`` x
+  ``out_features`` with B = ``block_size``.
+
+  Input form: the frozen GEMM and its input gradient (4 T I O) and the block
+  products on activations, forward, input gradient and generator gradient
+  (6 T B (I + O)). Weight form: a dense layer's three GEMMs (6 T I O) and the
+  block products on the weight, forward and backward (12 B I O). So the weight
+  form wins when ``I O (T + 6 B) < 3 T B (I + O)``: for large T, when
+  r = B (I + O) / (I O) > 1/3 (narrow layers, e.g. a 130M Llama's at B = 256),
+  and never for a wide one (an 8B Llama's r is about 0.1). The input form's
+  activation gathers are not counted (they would favour the weight form more).
+  """
+  i, o, b, t = in_features, out_features, block_size, tokens
+  return 'weight' if i * o * (t + 6 * b) < 3 * t * b * (i + o) else 'input'
+
+
+def resolve_form(form: str, x_shape: tp.Sequence[int], in_features: int, out_features: int,
+                 block_size: int) -> str:
+  """``form``, or for ``'auto'`` :func:`choose_form` of the tokens in
+  ``x_shape`` (all axes but the last)."""
+  if form not in FORMS:
+    raise ValueError(f'form must be one of {FORMS}, got {form!r}')
+  if form != 'auto':
+    return form
+  return choose_form(math.prod(x_shape[:-1]), in_features, out_features, block_size)
 
 
 def gather_between(perm_out_N: Array, perm_in_N: Array) -> Array:
@@ -342,6 +372,8 @@ def poet_linear(x_TxI: Array, kernel_IxO: Array, q_in_KxP: Array, q_out_KxP: Arr
   T x O). ``form='weight'`` rotates and permutes the frozen kernel (I x O,
   independent of T; in float32, rounded to x's dtype once), then runs one
   GEMM: a dense layer's backward, all block products and gathers weight-sized.
+  ``form='auto'`` takes the one of fewer FLOPs for x's token count
+  (:func:`choose_form`).
 
   Args:
     x_TxI: activations (..., I) in the compute dtype.
@@ -352,7 +384,7 @@ def poet_linear(x_TxI: Array, kernel_IxO: Array, q_in_KxP: Array, q_out_KxP: Arr
     remat: POET-Xmem: keep only x for the backward and recompute the rest,
       the series included (POET-Xfast keeps its powers: several K x B x B
       float32 arrays per side).
-    form: ``'input'`` or ``'weight'`` (above).
+    form: ``'input'``, ``'weight'`` or ``'auto'`` (above).
     precision: precision of the activation-sized products.
     implementation: replacements (:class:`Implementation`) for the series
       and, in the input form, the block products and gathers; None: jnp.
@@ -379,6 +411,7 @@ def poet_linear(x_TxI: Array, kernel_IxO: Array, q_in_KxP: Array, q_out_KxP: Arr
     raise ValueError(f'the inputs have shape {tuple(x_TxI.shape)}: their last axis must '
                      f'hold the layer\'s {i} input features, it holds '
                      f'{x_TxI.shape[-1] if x_TxI.ndim else "none"}')
+  form = resolve_form(form, x_TxI.shape, i, perm_out_O.shape[-1], block_size)
   layer = functools.partial(
       _poet_layer, block_size=block_size, terms=terms, form=form, precision=precision,
       impl=Implementation() if implementation is None else implementation,

@@ -200,7 +200,8 @@ def test_bad_input_errors():
     POETLinear(32, 8, block_size=16, rngs=rngs)
   with pytest.raises(ValueError, match="mode must be one of \\('fast', 'mem'\\), got 'slow'"):
     POETLinear(8, 8, block_size=4, mode='slow', rngs=rngs)
-  with pytest.raises(ValueError, match="form must be one of \\('input', 'weight'\\), got 'w'"):
+  with pytest.raises(ValueError, match="form must be one of \\('input', 'weight', 'auto'\\), "
+                                       "got 'w'"):
     POETLinear(8, 8, block_size=4, form='w', rngs=rngs)
   with pytest.raises(ValueError, match='terms must be an int >= 1'):
     POETLinear(8, 8, block_size=4, terms=0, rngs=rngs)
@@ -346,3 +347,66 @@ def test_a_capped_layer_merges_the_rotation_it_applied(keys):
   with pytest.raises(ValueError, match=r'max_generator_norm must be None or a number in '
                                        r'\(0, 1\)'):
     POETLinear(48, 32, block_size=16, max_generator_norm=1.5, rngs=nnx.Rngs(0))
+
+
+def test_auto_form_takes_the_form_of_fewer_flops_per_call(keys):
+  """form='auto' resolves per call from the token count (ops.choose_form:
+  I O (T + 6B) < 3 T B (I + O) picks the weight form) and then computes
+  exactly what that explicit form computes, values and gradients."""
+  assert ops.choose_form(16384, 768, 768, 256) == 'weight'     # a 130M Llama's layers
+  assert ops.choose_form(16384, 2048, 768, 256) == 'weight'
+  assert ops.choose_form(8192, 4096, 14336, 256) == 'input'    # an 8B Llama's
+  assert ops.choose_form(8192, 2048, 2048, 256) == 'input'     # a 1B Llama's
+  # the boundary: I = O = 3B at large T flips at T = 6B I / (I - 3B) ... here
+  # I = O = 64, B = 16: 64*64*(T + 96) < 3*T*16*128 <=> T > 192
+  assert ops.choose_form(192, 64, 64, 16) == 'input' and ops.choose_form(193, 64, 64, 16) == 'weight'
+  layer = POETLinear(64, 64, block_size=16, form='auto', rngs=nnx.Rngs(3))
+  randomize_generators(layer, keys())
+  for tokens, want in ((8, 'input'), (512, 'weight')):
+    x = jax.random.normal(keys(), (tokens, 64))
+    assert layer.form_for(x.shape) == want
+    explicit = POETLinear(64, 64, block_size=16, form=want, rngs=nnx.Rngs(3))
+    nnx.update(explicit, nnx.state(layer))
+    grad = lambda m: nnx.value_and_grad(lambda m, x: (m(x) ** 2).sum(), argnums=(0, 1))(m, x)
+    chex.assert_trees_all_equal(grad(layer), grad(explicit))
+  with pytest.raises(ValueError, match="form must be one of .*got 'fast'"):
+    ops.resolve_form('fast', (4, 64), 64, 64, 16)
+
+
+@pytest.mark.parametrize('form', ['weight', 'auto'])
+def test_swiglu_of_weight_form_layers_gathers_no_activations(keys, form):
+  """A down projection in the weight form takes its input permutation in its
+  weight: swiglu is then the plain formula (values and gradients bit for
+  bit), and with gate and up in the weight form too no activation is gathered."""
+  hidden, inner, tokens = 64, 176, 512  # auto: the weight form for all three at B = 32
+  lin = lambda i, o, s: poetx_jax.POETLinear.from_linear(
+      nnx.Linear(i, o, use_bias=False, rngs=nnx.Rngs(s)), block_size=32, form=form,
+      rngs=nnx.Rngs(s + 10))
+  mlp = nnx.Dict(gate_proj=lin(hidden, inner, 0), up_proj=lin(hidden, inner, 1),
+                 down_proj=lin(inner, hidden, 2))
+  for layer in mlp.values():
+    randomize_generators(layer, keys())
+    assert layer.form_for((tokens, layer.in_features)) == 'weight'
+  x = jax.random.normal(keys(), (tokens, hidden))
+  graphdef, state, rest = nnx.split(mlp, nnx.Param, ...)
+
+  def loss(state, x, joined):
+    m = nnx.merge(graphdef, state, rest)
+    if joined:
+      y = poetx_jax.swiglu(m['gate_proj'], m['up_proj'], m['down_proj'], x)
+    else:
+      y = m['down_proj'](jax.nn.silu(m['gate_proj'](x)) * m['up_proj'](x))
+    return (y ** 2).sum()
+
+  value_and_grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)), static_argnums=2)
+  chex.assert_trees_all_equal(value_and_grad(state, x, True), value_and_grad(state, x, False))
+  gathered = []
+  permute = ops.permute
+
+  def counted(a, perm):
+    gathered.append(a.shape)
+    return permute(a, perm)
+
+  with mock.patch.object(ops, 'permute', counted):
+    jax.make_jaxpr(lambda s, x: loss(s, x, True))(state, x)
+  assert gathered and all(tokens not in shape for shape in gathered)  # weights only
