@@ -29,7 +29,7 @@ def test_skewadam_option_conflicts_are_named(options, match):
     ('block_size', 1, 'block_size must be an int >= 2 .*, got 1'),
     ('val_fraction', 0.0, r'val_fraction must be in \(0, 1\), got 0.0'),
     ('val_fraction', 1, r'val_fraction must be in \(0, 1\), got 1'),
-    ('lr', -1e-3, r'lr must be >= 0 \(or None: 0.003; AdamW .*: 0.0006\), got -0.001'),
+    ('lr', -1e-3, r'lr must be >= 0 \(or None: 0.003; AdamW .*: 0.0006, .*\), got -0.001'),
     ('lr', float('nan'), r'lr must be a finite number >= 0 \(or None.*got nan'),
     ('poet_lr', float('inf'), r'poet_lr must be a finite number > 0 \(or None.*got inf'),
     ('min_lr_ratio', 1e30, r'min_lr_ratio must be in \[0, 1\], got 1e\+30'),
@@ -168,6 +168,23 @@ def test_merge_interval_default_is_per_size():
   with pytest.raises(ValueError, match='merge_every'):
     TrainConfig(merge_every=0).validate()
   assert apply_overrides(TrainConfig(), 'merge_every=none').merge_every is None
+
+
+def test_layer_form_default_is_per_size():
+  """form None: 'auto' (per layer, the form of fewer FLOPs) on a model of
+  hidden >= 512, 'input' on smaller ones (the default CPU run's); a given
+  form is kept, and the model the app builds carries it."""
+  from poetx_jax.pretrain.factories import build_state, layer_form, model_config
+  def form(**kw):
+    cfg = TrainConfig(**kw)
+    return layer_form(cfg, model_config(cfg, 4096))
+  assert form(model='tiny') == 'input' and form(model='60m') == 'auto'
+  assert form(model='130m') == 'auto' and form(model='130m', form='input') == 'input'
+  assert form(model='tiny', form='weight') == 'weight'
+  cfg = apply_overrides(TrainConfig(), 'form=auto,vocab_size=512')
+  model, _ = build_state(cfg, model_config(cfg, 512), None)
+  q = model.layers[0].self_attn.q_proj
+  assert q.form == 'auto' and q.form_for((2048, q.in_features)) == 'weight'
 
 
 def test_normalize_rows_default_is_per_size():

@@ -41,7 +41,8 @@ TRACKERS = ('tensorboard', 'wandb')
 # updates beat merges every 50; the tiny default trains better with the first
 # two off and keeps its merges every 50): from this hidden size, lr=None is
 # ADAMW_WIDE_LR for AdamW, normalize_rows=None is on and merge_every=None is
-# WIDE_MERGE_EVERY.
+# WIDE_MERGE_EVERY; form=None is 'auto' there (at 130m the weight form's step
+# measured 44.1 ms against the input form's 53.5), 'input' below.
 WIDE_HIDDEN = 512
 DEFAULT_LR = 3e-3
 ADAMW_WIDE_LR = 6e-4
@@ -102,9 +103,11 @@ class TrainConfig:
   lr: float | None = _option(
       None, 'peak learning rate of AdamW (and of the non-POET parameters)', min=0,
       none=f'{DEFAULT_LR:g}; AdamW on a model of hidden size >= {WIDE_HIDDEN}: '
-           f'{ADAMW_WIDE_LR:g}')
+           f'{ADAMW_WIDE_LR:g}, the best of the 130m sweep in docs/quality.md')
   poet_lr: float | None = _option(None, 'peak POET-X step size', gt=0,
-                                  none='min(5e-3, 0.25 / block size)')
+                                  none='min(5e-3, 0.25 / block size); in the 130m sweep '
+                                       '(docs/quality.md) twice it trained better short-term '
+                                       'but broke the series (merge errors up to 3.9)')
   warmup: int = _option(30, 'warmup updates', min=0)
   min_lr_ratio: float = _option(0.1, 'final/peak learning rate', min=0, max=1)
   weight_decay: float = _option(0.0, 'AdamW weight decay', min=0)
@@ -116,7 +119,8 @@ class TrainConfig:
   merge_every: int | None = _option(
       None, 'POET-X merge interval in updates', min=1,
       none=f'{DEFAULT_MERGE_EVERY}; {WIDE_MERGE_EVERY} on a model of hidden size >= '
-           f'{WIDE_HIDDEN}')
+           f'{WIDE_HIDDEN}, better than {DEFAULT_MERGE_EVERY} in the 130m sweep in '
+           'docs/quality.md')
   block_size: int | None = _option(None, 'POET block size', min=2, none="the model config's")
   max_generator_norm: float | None = _option(
       None, "POET-X: cap each block generator's spectral norm (an upper bound of it) so "
@@ -126,11 +130,16 @@ class TrainConfig:
       None, 'POET-X: scale each output row of every converted weight to unit norm at '
       'conversion (the published POET-X does; the spectrum POET-X then keeps)',
       none=f'on for a fresh model of hidden size >= {WIDE_HIDDEN} (60m and '
-           'up), off for smaller ones and with --init-from-hf')
+           'up; it decided POET-X\'s quality in the 130m study, docs/quality.md), off for '
+           'smaller ones and with --init-from-hf')
   mode: str = _option('fast', 'POET-X fast (keeps activations) or mem (recomputes)',
                       choices=linear.MODES)
-  form: str = _option('input', 'POET layer product order: rotate the activations (input) '
-                      'or the frozen weight (weight); same function', choices=ops.FORMS)
+  form: str | None = _option(
+      None, 'POET layer product order: rotate the activations (input) or the frozen weight '
+      '(weight), or per layer the one of fewer FLOPs (auto: weight for narrow layers); '
+      'same function', choices=ops.FORMS,
+      none=f'auto on a model of hidden size >= {WIDE_HIDDEN} (at 130m the weight form\'s '
+           'step is 18% shorter, BENCHMARKS.md), input below')
   implementation: str = _option(
       'xla', "POET layers' block products: XLA, or the Pallas Mosaic GPU kernels (Hopper, "
       '16-bit activations; block size a multiple of 64, <= 512)',

@@ -127,6 +127,14 @@ def merge_interval(cfg: TrainConfig, mc: LlamaConfig) -> int:
   return WIDE_MERGE_EVERY if mc.hidden >= WIDE_HIDDEN else DEFAULT_MERGE_EVERY
 
 
+def layer_form(cfg: TrainConfig, mc: LlamaConfig) -> str:
+  """The POET layers' ``form``: ``cfg.form``, else ``'auto'`` on a model of
+  hidden size >= WIDE_HIDDEN and ``'input'`` below."""
+  if cfg.form is not None:
+    return cfg.form
+  return 'auto' if mc.hidden >= WIDE_HIDDEN else 'input'
+
+
 def _layer_converter(cfg: TrainConfig, mc: LlamaConfig):
   """``convert(layer)``: a decoder layer poetized as the run configures, its
   dense kernels consumed; permutations drawn from ``seed + 1``, layer after layer."""
@@ -137,7 +145,7 @@ def _layer_converter(cfg: TrainConfig, mc: LlamaConfig):
                              normalize_rows=normalize_rows(cfg, mc),
                              max_generator_norm=cfg.max_generator_norm,
                              block_size=cfg.block_size or mc.block_size, mode=cfg.mode,
-                             form=cfg.form, implementation=cfg.implementation,
+                             form=layer_form(cfg, mc), implementation=cfg.implementation,
                              quantize=cfg.quantize, group_size=cfg.group_size)
 
   return convert
