@@ -386,3 +386,53 @@ def report(res: dict) -> str:
   """The markdown report of an analysed study (:func:`analyse` and its header)."""
   return '\n'.join(_intro(res) + _config_table(res) + _run_table(res) + _eval_table(res)
                    + _spectrum_text(res))
+
+
+# ------------------------------------------------------------ joined studies
+def join(studies: list[dict]) -> dict:
+  """One analysed study of the runs of several (their ``results.json``), e.g.
+  a second seed trained later on the same data with the same base options:
+  runs whose overrides are the same set of ``K=V`` pairs but for ``seed`` are
+  one configuration whatever the order they were written in. The header is
+  the first study's, its ``runs`` all the studies' specs."""
+  from poetx_jax.pretrain.kv import split_top
+  if not studies:
+    raise ValueError('join needs at least one study')
+  names, seen, runs = set(), {}, []
+  for study in studies:
+    for r in study['runs']:
+      if r['name'] in names:
+        raise ValueError(f'run {r["name"]!r} is in more than one study')
+      names.add(r['name'])
+      key = frozenset(split_top(r['config'], ',')) if r['config'] else frozenset()
+      runs.append({**r, 'config': seen.setdefault(key, r['config'])})
+  header = {**studies[0]['header'], 'runs': [s for st in studies for s in st['header']['runs']]}
+  return {'header': header, **analyse(runs)}
+
+
+def main(argv=None) -> dict:
+  """``quality_report.py --out DIR A/results.json B/results.json ...``: the
+  report, results and plots of the joined studies (:func:`join`) in DIR."""
+  import argparse
+  import json
+  p = argparse.ArgumentParser(description='Report several compare_quality studies as one.')
+  p.add_argument('results', nargs='+', help="compare_quality's results.json files")
+  p.add_argument('--out', required=True, help='writes quality.md, results.json and plots here')
+  a = p.parse_args(argv)
+  try:
+    res = join([json.loads(pathlib.Path(f).read_text()) for f in a.results])
+  except (OSError, ValueError, KeyError) as e:
+    p.error(str(e))
+  out = pathlib.Path(a.out)
+  out.mkdir(parents=True, exist_ok=True)
+  (out / 'results.json').write_text(json.dumps(res, indent=1))
+  md = report(res)
+  (out / 'quality.md').write_text(md)
+  plot_quality(res, out / 'quality.png')
+  plot_spectrum(res, res['header']['probed_layers'], out / 'spectrum.png')
+  print(md)
+  return res
+
+
+if __name__ == '__main__':
+  main()

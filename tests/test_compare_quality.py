@@ -201,7 +201,7 @@ def test_bad_flags_are_named(capsys):
                     (['--runs', 'lr=fast'], "lr must be a number or none, got 'fast'"),
                     (['--runs', 'optimizer=adamw,lr=1e-3|-1'],
                      'lr must be >= 0 (or None: 0.003; AdamW on a model of hidden size '
-                     '>= 512: 0.0006), got -1.0'),
+                     '>= 512: 0.0006, the best of the 130m sweep in docs/quality.md), got -1.0'),
                     (['--runs', 'optimizer=adamw,lr=1e-3|1e-3'],
                      "run 'optimizer=adamw,lr=1e-3' is given twice"),
                     (['--runs', 'optimizer=poetx,lr=best'], 'has no AdamW run'),
@@ -227,3 +227,29 @@ def test_spike_rule_and_time_interpolation():
   pts = [{'steady_s': 0.0, 'val_ppl': 100.0}, {'steady_s': 2.0, 'val_ppl': 25.0}]
   assert R.ppl_at_time(pts, 1.0) == pytest.approx(50.0)
   assert R.ppl_at_time(pts, 3.0) is None
+
+
+def test_join_reports_studies_of_other_seeds_as_one(serial, tmp_path):
+  """quality_report.py joins results.json files: a configuration written with
+  its K=V pairs in another order in a later study (a second seed, say) is the
+  same configuration, with statistics over both; a run in two studies is refused."""
+  first = json.loads(json.dumps(serial[0]))
+  second = json.loads(json.dumps(first))
+  for r in second['runs']:
+    r['config'] = ','.join(reversed(r['config'].split(',')))
+    r['seed'] += 10
+    r['name'] = f"{r['config']},seed={r['seed']}"
+    r['val_ppl_final'] += 1.0
+  for f, study in (('a.json', first), ('b.json', second)):
+    (tmp_path / f).write_text(json.dumps(study))
+  res = R.main(['--out', str(tmp_path / 'joined'), str(tmp_path / 'a.json'),
+                str(tmp_path / 'b.json')])
+  assert len(res['runs']) == 2 * len(first['runs'])
+  assert [c['config'] for c in res['configurations']] == [
+      c['config'] for c in first['configurations']]
+  for c, c1 in zip(res['configurations'], first['configurations']):
+    assert c['seeds'] == c1['seeds'] + [s + 10 for s in c1['seeds']]
+    assert c['val_ppl_final']['mean'] == pytest.approx(c1['val_ppl_final']['mean'] + 0.5)
+  assert (tmp_path / 'joined' / 'quality.md').is_file()
+  with pytest.raises(SystemExit):
+    R.main(['--out', str(tmp_path / 'twice'), str(tmp_path / 'a.json'), str(tmp_path / 'a.json')])
