@@ -31,14 +31,8 @@ from poetx_jax.factored import (
 )
 from poetx_jax.hyperparams import check_hyperparameters
 from poetx_jax.lean import lean_adamw, scale_by_lean_adam
-from poetx_jax.linear import (
-    FrozenKernel,
-    Permutation,
-    POETLinear,
-    POETParam,
-    linear_operands,
-    swiglu,
-)
+from poetx_jax.groups import batched_series, linear_operands, swiglu
+from poetx_jax.linear import FrozenKernel, Permutation, POETLinear, POETParam
 from poetx_jax.optim import (
     ScaleByPoetxState,
     clip_by_global_norm_after_merge,
@@ -62,7 +56,8 @@ __version__ = '0.1.0'
 
 __all__ = [
     'FrozenKernel', 'MergeClock', 'POETLinear', 'POETParam', 'Permutation',
-    'ScaleByPoetxState', 'clip_by_global_norm_after_merge', 'default_poet_lr',
+    'ScaleByPoetxState', 'batched_series', 'clip_by_global_norm_after_merge',
+    'default_poet_lr',
     'effective_kernel', 'for_each_layer', 'lean_adamw', 'make_train_step', 'merge',
     'merge_clip_bound', 'merge_due', 'merge_layer', 'ops', 'orthogonality_error',
     'linear_operands', 'poet_layers', 'poetize', 'poetx', 'poetx_labels', 'poetx_partition',

@@ -8,19 +8,26 @@ that works on whole models (conversion, stacks of layers) is in
 
 from __future__ import annotations
 
+import contextvars
 import typing as tp
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 from flax.nnx.nn import dtypes, initializers
-from jax.ad_checkpoint import checkpoint_name
 
 from poetx_jax import ops
 
 Array = jax.Array
 MODES = ('fast', 'mem')
 IMPLEMENTATIONS = ('xla', 'pallas')
+
+
+# id(POETLinear) -> (G_P, G_R, series precision): the rotation blocks that
+# poetx_jax.groups.batched_series computed for the layers of a module, while
+# its block runs.
+_BLOCKS: contextvars.ContextVar[dict | None] = contextvars.ContextVar('poetx_blocks',
+                                                                      default=None)
 
 
 class POETParam(nnx.Param):
@@ -272,6 +279,9 @@ class POETLinear(nnx.Module):
       dtype = self.dtype or jnp.result_type(inputs, jnp.float32)
       x, bias = dtypes.promote_dtype((inputs, bias), dtype=dtype)
       kernel, scale = self.kernel[...], self.kernel_scale[...]
+    given = (_BLOCKS.get() or {}).get(id(self))
+    blocks = (given[:2] if given is not None and given[2] == ops.series_precision(x.dtype)
+              else None)
     y = ops.poet_linear(x, kernel, self.q_in[...], self.q_out[...],
                         self.perm_in[...], self.perm_out[...],
                         block_size=self.block_size, terms=self.terms,
@@ -281,7 +291,7 @@ class POETLinear(nnx.Module):
                         implementation=implementation_for(self.implementation,
                                                           self.block_size),
                         kernel_scale=scale, permute_input=permute_input,
-                        permute_output=permute_output)
+                        permute_output=permute_output, blocks=blocks)
     if bias is not None:
       y = y + bias
     return y
@@ -337,65 +347,3 @@ class POETLinear(nnx.Module):
     self._one_layer('orthogonality_error', 'poetx_jax.orthogonality_error(layer) takes a stack')
     g_in, g_out = self.rotation_blocks() if blocks is None else blocks
     return jnp.maximum(ops.orthogonality_error(g_in), ops.orthogonality_error(g_out))
-
-
-def linear_operands(layer: nnx.Linear | POETLinear, x: Array) -> tuple[Array, Array]:
-  """``(x, kernel)`` in the compute dtype, such that ``x @ kernel`` is what
-  a bias-free ``layer`` computes: for an ``nnx.Linear`` its kernel (leading
-  axes and all) promoted with ``x`` as the layer promotes them; for a
-  POETLinear (or a stack of them) :meth:`POETLinear.compute_kernel`. For
-  products a layer's own call cannot express, e.g. grouped products
-  (``jax.lax.ragged_dot``) over a stack of expert kernels."""
-  if not isinstance(layer, POETLinear):
-    x, kernel = dtypes.promote_dtype((x, layer.kernel[...]), dtype=layer.dtype)
-    return x, kernel
-  dtype = layer.dtype or jnp.result_type(x, layer.kernel[...] if layer.quantize is None
-                                         else jnp.float32)
-  return x.astype(dtype), layer.compute_kernel(dtype)
-
-
-def swiglu(gate: nnx.Linear | POETLinear, up: nnx.Linear | POETLinear,
-           down: nnx.Linear | POETLinear, x: Array, *,
-           activation: tp.Callable[[Array], Array] = jax.nn.silu,
-           hidden_name: str | None = None) -> Array:
-  """``down(activation(gate(x)) * up(x))``, the gated MLP of Llama, for plain
-  or POET layers.
-
-  When all three are POET layers and the down projection runs the input form
-  (:meth:`POETLinear.form_for`), the gate and up outputs are gathered
-  straight into its input order (:func:`poetx_jax.ops.gather_between`): two
-  activation gathers instead of three. Gathers are exact, so the values are
-  those of the plain formula. When it runs the weight form, its input
-  permutation is folded into its weight and the plain formula runs (weight
-  forms of gate and up then gather no activations at all).
-
-  Args:
-    gate, up, down: the three projections (``nnx.Linear`` or POETLinear).
-    x: the input (..., hidden).
-    activation: applied to the gate's output.
-    hidden_name: a ``jax.ad_checkpoint.checkpoint_name`` for the hidden
-      activation (for rematerialisation policies), or None.
-
-  Example::
-
-    >>> import jax.numpy as jnp
-    >>> from flax import nnx
-    >>> import poetx_jax
-    >>> lin = lambda i, o, s: nnx.Linear(i, o, use_bias=False, rngs=nnx.Rngs(s))
-    >>> mlp = nnx.Dict(gate=lin(32, 64, 0), up=lin(32, 64, 1), down=lin(64, 32, 2))
-    >>> poet = poetx_jax.poetize(mlp, block_size=16, rngs=nnx.Rngs(3))
-    >>> x = jnp.ones((2, 32))
-    >>> y = poetx_jax.swiglu(poet['gate'], poet['up'], poet['down'], x)
-    >>> want = poet['down'](jax.nn.silu(poet['gate'](x)) * poet['up'](x))
-    >>> bool(jnp.allclose(y, want, atol=1e-6))
-    True
-  """
-  name = (lambda h: checkpoint_name(h, hidden_name)) if hidden_name else (lambda h: h)
-  if not all(isinstance(lin, POETLinear) for lin in (gate, up, down)):
-    return down(name(activation(gate(x)) * up(x)))
-  if down.form_for((*x.shape[:-1], down.in_features)) == 'weight':
-    return down(name(activation(gate(x)) * up(x)))
-  perm = down.perm_in[...]
-  g = ops.permute(gate(x, permute_output=False), ops.gather_between(gate.perm_out[...], perm))
-  u = ops.permute(up(x, permute_output=False), ops.gather_between(up.perm_out[...], perm))
-  return down(name(activation(g) * u), permute_input=False)

@@ -32,7 +32,7 @@ zero-padded to K*B and the last block's generator is masked to its top-left
 ``r x r`` corner (r = N - (K-1) B), so the padded rotation is ``diag(G_r, I)``:
 exactly block-orthogonal on the real coordinates, with padding that never mixes in.
 
-The series runs in float32. For float32 activations (and for merges and
+The series (:mod:`poetx_jax.series`, re-exported here) runs in float32. For float32 activations (and for merges and
 ``effective_kernel``) its products use full float32 precision; for bf16/fp16
 activations they use the backend's default float32 matmul precision (TF32 on
 NVIDIA GPUs: ~5e-4 relative error in the series terms), because the blocks are
@@ -48,17 +48,17 @@ import typing as tp
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from poetx_jax.layout import materialized, row_major
 from poetx_jax.quant import QUANT_BITS, dequantize_kernel, quantize_kernel  # noqa: F401
+from poetx_jax.series import (  # noqa: F401
+    DEFAULT_TERMS, cayley_neumann, orthogonality_error, rotation_blocks, rotation_blocks_batched,
+    rotation_blocks_pair, series_precision)
 from poetx_jax.skew import (  # noqa: F401
     cap_generators, check_block_size, generator_bound_sq, num_blocks, pack_skew, ragged_mask,
     skew_size, unpack_skew)
 
 Array = jax.Array
-
-DEFAULT_TERMS = 4
 
 
 class Implementation(tp.NamedTuple):
@@ -75,80 +75,6 @@ class Implementation(tp.NamedTuple):
   series: tp.Callable | None = None
   rotate: tp.Callable | None = None
   permute: tp.Callable | None = None
-
-
-# ------------------------------------------------------------- Cayley–Neumann
-def cayley_neumann(q_KxBxB: Array, terms: int = DEFAULT_TERMS,
-                   precision=jax.lax.Precision.HIGHEST) -> Array:
-  """G = I + 2 * sum_{i=1..terms} Q^i, the truncated Cayley transform, by Horner.
-
-  Args:
-    q_KxBxB: skew-symmetric blocks, shape (..., B, B).
-    terms: number of powers of Q kept (k >= 1); ``terms - 1`` products.
-    precision: matmul precision (HIGHEST keeps float32 exact on GPUs).
-
-  Returns:
-    The blocks of ``G`` in the dtype of ``q_KxBxB``.
-  """
-  if not isinstance(terms, (int, np.integer)) or terms < 1:
-    raise ValueError(f'terms must be an int >= 1, got {terms!r}')
-  mm = functools.partial(jnp.matmul, precision=precision)
-  eye = jnp.eye(q_KxBxB.shape[-1], dtype=q_KxBxB.dtype)
-  # Q (I + Q (I + ... (I + Q))) with ``terms`` factors of Q in all.
-  acc = q_KxBxB
-  for _ in range(terms - 1):
-    acc = mm(q_KxBxB, eye + acc)
-  return eye + 2 * acc
-
-
-def rotation_blocks(q_KxP: Array, n: int, block_size: int,
-                    terms: int = DEFAULT_TERMS,
-                    precision=jax.lax.Precision.HIGHEST,
-                    max_norm: float | None = None) -> Array:
-  """Packed parameters of one side -> its (K, B, B) rotation blocks G (float32).
-
-  Applies the ragged-block mask when ``block_size`` does not divide ``n``,
-  and :func:`cap_generators` when ``max_norm`` is given.
-  """
-  q = unpack_skew(_masked(q_KxP, n, block_size), block_size)
-  return cayley_neumann(q if max_norm is None else cap_generators(q, max_norm), terms,
-                        precision)
-
-
-def _masked(q_KxP: Array, n: int, block_size: int) -> Array:
-  """float32 generators of one side, the ragged last block confined to its corner."""
-  mask = ragged_mask(n, block_size)
-  q = q_KxP.astype(jnp.float32)
-  return q if mask is None else q * mask
-
-
-def rotation_blocks_pair(q_in_KxP: Array, q_out_KxP: Array, i: int, o: int,
-                         block_size: int, terms: int = DEFAULT_TERMS,
-                         precision=jax.lax.Precision.HIGHEST,
-                         series: tp.Callable | None = None,
-                         max_norm: float | None = None) -> tuple[Array, Array]:
-  """rotation_blocks for both sides of a layer as one batched series.
-
-  Same values as two ``rotation_blocks`` calls, in half the (small) kernels.
-  ``series(q_KxBxB, terms)``, if given, replaces :func:`cayley_neumann` (a
-  kernel implementation of the same map; ``precision`` is then unused).
-  ``max_norm``: :func:`cap_generators` first (None: no cap).
-  """
-  q = jnp.concatenate([_masked(q_in_KxP, i, block_size), _masked(q_out_KxP, o, block_size)])
-  q = unpack_skew(q, block_size)
-  if max_norm is not None:
-    q = cap_generators(q, max_norm)
-  g = cayley_neumann(q, terms, precision) if series is None else series(q, terms)
-  return g[:q_in_KxP.shape[0]], g[q_in_KxP.shape[0]:]
-
-
-def orthogonality_error(g_KxBxB: Array) -> Array:
-  """max over blocks of ||G^T G - I||_F / sqrt(B)."""
-  b = g_KxBxB.shape[-1]
-  g = g_KxBxB.astype(jnp.float32)
-  gtg = jnp.matmul(jnp.swapaxes(g, -1, -2), g, precision=jax.lax.Precision.HIGHEST)
-  err = jnp.linalg.norm(gtg - jnp.eye(b), axis=(-2, -1)) / np.sqrt(b)
-  return jnp.max(err)
 
 
 # ------------------------------------------------------- block-diagonal apply
@@ -332,12 +258,11 @@ def _poet_weight_core(x, kernel_IxO, g_in, g_out, perm_in, perm_out, precision,
   return jnp.matmul(x, kernel.astype(x.dtype), precision=precision)
 
 
-def _poet_layer(x, kernel, scale, q_in, q_out, perm_in, perm_out, *, block_size, terms,
+def _poet_layer(x, kernel, scale, q_in, q_out, perm_in, perm_out, blocks, *, block_size, terms,
                 form, precision, impl, sides, max_norm):
   """The body of :func:`poet_linear` (rematerialised whole under ``remat``)."""
   i, o = perm_in.shape[-1], perm_out.shape[-1]
-  cn_precision = (jax.lax.Precision.HIGHEST if jnp.dtype(x.dtype).itemsize >= 4
-                  else jax.lax.Precision.DEFAULT)
+  cn_precision = series_precision(x.dtype)
   # The series and the dequantisation depend on parameters only; tied to x
   # here, the compiler cannot run them (or a rematerialised layer's
   # recomputation of them) for every layer at once, ahead of their use.
@@ -347,8 +272,11 @@ def _poet_layer(x, kernel, scale, q_in, q_out, perm_in, perm_out, *, block_size,
     kernel = kernel.astype(x.dtype)
   else:
     kernel = dequantize_kernel(kernel, scale, i, x.dtype)
-  g_in, g_out = rotation_blocks_pair(q_in, q_out, i, o, block_size, terms, cn_precision,
-                                     impl.series, max_norm)
+  if blocks is None:
+    g_in, g_out = rotation_blocks_pair(q_in, q_out, i, o, block_size, terms, cn_precision,
+                                       impl.series, max_norm)
+  else:
+    g_in, g_out = blocks
   if form == 'input':
     return _poet_core(x, kernel, g_in.astype(x.dtype), g_out.astype(x.dtype),
                       perm_in, perm_out, precision, impl, sides)
@@ -362,7 +290,8 @@ def poet_linear(x_TxI: Array, kernel_IxO: Array, q_in_KxP: Array, q_out_KxP: Arr
                 form: str = 'input', precision=None,
                 implementation: Implementation | None = None,
                 kernel_scale: Array | None = None, permute_input: bool = True,
-                permute_output: bool = True, max_norm: float | None = None) -> Array:
+                permute_output: bool = True, max_norm: float | None = None,
+                blocks: tuple[Array, Array] | None = None) -> Array:
   """The POET-X layer ``y = x @ effective_kernel``.
 
   Two orders of the same product (equal up to rounding): ``form='input'``
@@ -396,6 +325,11 @@ def poet_linear(x_TxI: Array, kernel_IxO: Array, q_in_KxP: Array, q_out_KxP: Arr
     permute_output: False: the result is returned as ``y[..., perm_out_O]``.
     max_norm: :func:`cap_generators` on every block before the series (None:
       no cap).
+    blocks: the float32 rotation blocks ``(G_P, G_R)`` of ``q_in_KxP`` and
+      ``q_out_KxP``, already computed (:func:`rotation_blocks_batched`, with
+      :func:`series_precision` of x's dtype, ``terms`` and ``max_norm``): the
+      layer then skips its own series (``q_in_KxP`` and ``q_out_KxP`` are
+      unused). None: the layer computes them.
 
   Returns:
     y of shape (..., O) in x's dtype (no bias), or ``y[..., perm_out_O]``.
@@ -418,7 +352,8 @@ def poet_linear(x_TxI: Array, kernel_IxO: Array, q_in_KxP: Array, q_out_KxP: Arr
       sides=(bool(permute_input), bool(permute_output)), max_norm=max_norm)
   if remat:  # the series too: its saved powers are K x B x B float32 arrays per side
     layer = jax.checkpoint(layer, policy=jax.checkpoint_policies.nothing_saveable)
-  return layer(x_TxI, kernel_IxO, kernel_scale, q_in_KxP, q_out_KxP, perm_in_I, perm_out_O)
+  return layer(x_TxI, kernel_IxO, kernel_scale, q_in_KxP, q_out_KxP, perm_in_I, perm_out_O,
+               blocks)
 
 
 def poet_kernel(kernel_IxO: Array, q_in_KxP: Array, q_out_KxP: Array, perm_in_I: Array,

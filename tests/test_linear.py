@@ -410,3 +410,72 @@ def test_swiglu_of_weight_form_layers_gathers_no_activations(keys, form):
   with mock.patch.object(ops, 'permute', counted):
     jax.make_jaxpr(lambda s, x: loss(s, x, True))(state, x)
   assert gathered and all(tokens not in shape for shape in gathered)  # weights only
+
+
+def _series_block(dtype=jnp.float32):
+  """POET layers of two block sizes (one side ragged), one in mode 'mem', and a
+  plain Linear, as in a decoder block."""
+  rngs = nnx.Rngs(0)
+  kw = dict(dtype=dtype, rngs=rngs)
+  return nnx.Dict(
+      a=POETLinear(64, 48, block_size=16, **kw), b=POETLinear(48, 64, block_size=16, **kw),
+      c=POETLinear(64, 40, block_size=16, form='weight', **kw),  # 40: a ragged block
+      d=POETLinear(64, 64, block_size=32, **kw),
+      e=POETLinear(64, 64, block_size=16, mode='mem', **kw),
+      f=nnx.Linear(64, 64, **kw))
+
+
+def _series_forward(m, x, batched):
+  def body():
+    h = m['b'](jax.nn.silu(m['a'](x)))
+    return (h + m['d'](x) + m['e'](x) + m['f'](x)).sum() + m['c'](x).sum()
+  if batched:
+    with poetx_jax.batched_series(m, x):
+      return body()
+  return body()
+
+
+@pytest.mark.parametrize('dtype', [jnp.float32, jnp.bfloat16])
+def test_batched_series_gives_each_layers_own_values_and_gradients(keys, dtype):
+  """Under batched_series the layers of a block use blocks computed in one
+  series per block size: the loss and every gradient are those of each layer
+  computing its own series, bit for bit."""
+  m = _series_block(dtype)
+  for layer in m.values():
+    if isinstance(layer, POETLinear):
+      randomize_generators(layer, keys())
+  x = jax.random.normal(keys(), (4, 8, 64), dtype)
+  grads = [nnx.jit(nnx.value_and_grad(_series_forward, argnums=(0, 1)),
+                   static_argnums=2)(m, x, batched) for batched in (True, False)]
+  chex.assert_trees_all_equal(*grads)
+  assert float(jnp.abs(grads[0][1][0]['a']['q_in'][...]).max()) > 0
+
+
+def test_batched_series_runs_one_series_per_block_size(keys):
+  """The block's four 'fast' POET layers take two series (B = 16 and 32), not
+  one each: fewer products in the traced program; the 'mem' layer and a
+  layer called on inputs of another dtype than the block's input compute their
+  own."""
+  m = _series_block()
+  x = jax.random.normal(keys(), (4, 8, 64))
+  terms = m['a'].terms
+
+  def dots(batched):
+    jaxpr = jax.make_jaxpr(lambda x: _series_forward(m, x, batched))(x)
+    return sum(str(e.primitive) == 'dot_general' for e in jaxpr.jaxpr.eqns)
+
+  # each series is terms - 1 products: 5 series (a, b, c, d, e) become 3 (B 16, B 32, e)
+  assert dots(False) - dots(True) == 2 * (terms - 1)
+  # A layer whose compute dtype follows its inputs (dtype None, bf16 base):
+  # the block's float32 input sets HIGHEST precision for its series; a call
+  # on bf16 inputs (DEFAULT precision) computes a series of its own.
+  layer = POETLinear(64, 64, block_size=16, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(1))
+
+  def call_dots(dtype):
+    def f(x):
+      with poetx_jax.batched_series(layer, x):
+        return layer(x.astype(dtype))
+    jaxpr = jax.make_jaxpr(f)(x)
+    return sum(str(e.primitive) == 'dot_general' for e in jaxpr.jaxpr.eqns)
+
+  assert call_dots(jnp.bfloat16) - call_dots(jnp.float32) == terms - 1

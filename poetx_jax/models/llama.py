@@ -26,7 +26,7 @@ from flax import nnx
 from flax.nnx.nn import initializers
 from jax.ad_checkpoint import checkpoint_name
 
-from poetx_jax.linear import swiglu
+from poetx_jax.groups import batched_series, swiglu
 from poetx_jax.models.stack import StackedLayers
 
 Array = jax.Array
@@ -284,8 +284,9 @@ class DecoderLayer(nnx.Module):
     self.mlp = self.mlp_class(config, **kw)
 
   def __call__(self, x: Array, positions: Array | None = None) -> tuple[Array, dict]:
-    x = x + self.self_attn(self.input_layernorm(x), positions)
-    return x + self.mlp(self.post_attention_layernorm(x)), {}
+    with batched_series(self, x):  # the POET projections' series in one batch
+      x = x + self.self_attn(self.input_layernorm(x), positions)
+      return x + self.mlp(self.post_attention_layernorm(x)), {}
 
 
 class Llama(nnx.Module):

@@ -44,7 +44,7 @@ from flax.nnx.nn import initializers
 from jax.ad_checkpoint import checkpoint_name
 
 from poetx_jax import ops
-from poetx_jax.linear import linear_operands
+from poetx_jax.groups import linear_operands
 from poetx_jax.models.llama import DecoderLayer, Llama, LlamaConfig
 
 Array = jax.Array

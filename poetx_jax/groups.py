@@ -1,0 +1,139 @@
+"""POET layers used together: the SwiGLU join, a block's batched series, and
+the operands of grouped products.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import typing as tp
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from flax.nnx.nn import dtypes
+from jax.ad_checkpoint import checkpoint_name
+
+from poetx_jax import ops
+from poetx_jax.linear import _BLOCKS, POETLinear, implementation_for
+
+Array = jax.Array
+
+
+def _compute_dtype(layer: POETLinear, x_dtype) -> tp.Any:
+  """The dtype a call of ``layer`` on inputs of ``x_dtype`` computes in."""
+  if layer.dtype is not None:
+    return layer.dtype
+  return jnp.result_type(x_dtype, layer.kernel[...] if layer.quantize is None else jnp.float32)
+
+
+@contextlib.contextmanager
+def batched_series(module: nnx.Module, x: Array):
+  """While the block runs, the single POET layers of ``module`` (mode
+  ``'fast'``; not stacks) use rotation blocks computed for all of them at
+  once: one Cayley–Neumann series per group of equal block size, terms,
+  cap and implementation (:func:`poetx_jax.ops.rotation_blocks_batched`), a
+  few kernels in place of a few per layer. Same values as each layer's own
+  series, gradients included.
+
+  ``x`` is the module's input: the series is tied to it (so the compiler
+  computes it where the module runs, not for every module ahead), and each
+  layer's compute dtype for inputs of x's dtype sets the series' precision; a
+  layer called on inputs of another dtype computes its own. Layers in mode
+  ``'mem'`` keep their own series (recomputed in their backward, not kept).
+
+  Example::
+
+    def __call__(self, x):  # a decoder block
+      with poetx_jax.batched_series(self, x):
+        x = x + self.attn(self.norm1(x))
+        return x + self.mlp(self.norm2(x))
+  """
+  layers = [m for _, m in nnx.iter_graph(module)
+            if isinstance(m, POETLinear) and not m.stack_shape and m.mode == 'fast']
+  if not layers:
+    yield
+    return
+  groups: dict[tuple, list[POETLinear]] = {}
+  for layer in layers:
+    precision = ops.series_precision(_compute_dtype(layer, x.dtype))
+    key = (layer.block_size, layer.terms, layer.max_generator_norm, layer.implementation,
+           precision)
+    groups.setdefault(key, []).append(layer)
+  blocks = {}
+  for (block_size, terms, max_norm, implementation, precision), members in groups.items():
+    _, qs = jax.lax.optimization_barrier(
+        (x, [(m.q_in[...], m.q_out[...]) for m in members]))
+    impl = implementation_for(implementation, block_size)
+    sides = [(q, n) for m, (q_in, q_out) in zip(members, qs)
+             for q, n in ((q_in, m.in_features), (q_out, m.out_features))]
+    g = ops.rotation_blocks_batched(sides, block_size, terms, precision,
+                                    impl.series if impl is not None else None, max_norm)
+    for j, m in enumerate(members):
+      blocks[id(m)] = (g[2 * j], g[2 * j + 1], precision)
+  token = _BLOCKS.set({**(_BLOCKS.get() or {}), **blocks})
+  try:
+    yield
+  finally:
+    _BLOCKS.reset(token)
+
+
+def linear_operands(layer: nnx.Linear | POETLinear, x: Array) -> tuple[Array, Array]:
+  """``(x, kernel)`` in the compute dtype, such that ``x @ kernel`` is what
+  a bias-free ``layer`` computes: for an ``nnx.Linear`` its kernel (leading
+  axes and all) promoted with ``x`` as the layer promotes them; for a
+  POETLinear (or a stack of them) :meth:`POETLinear.compute_kernel`. For
+  products a layer's own call cannot express, e.g. grouped products
+  (``jax.lax.ragged_dot``) over a stack of expert kernels."""
+  if not isinstance(layer, POETLinear):
+    x, kernel = dtypes.promote_dtype((x, layer.kernel[...]), dtype=layer.dtype)
+    return x, kernel
+  dtype = layer.dtype or jnp.result_type(x, layer.kernel[...] if layer.quantize is None
+                                         else jnp.float32)
+  return x.astype(dtype), layer.compute_kernel(dtype)
+
+
+def swiglu(gate: nnx.Linear | POETLinear, up: nnx.Linear | POETLinear,
+           down: nnx.Linear | POETLinear, x: Array, *,
+           activation: tp.Callable[[Array], Array] = jax.nn.silu,
+           hidden_name: str | None = None) -> Array:
+  """``down(activation(gate(x)) * up(x))``, the gated MLP of Llama, for plain
+  or POET layers.
+
+  When all three are POET layers and the down projection runs the input form
+  (:meth:`POETLinear.form_for`), the gate and up outputs are gathered
+  straight into its input order (:func:`poetx_jax.ops.gather_between`): two
+  activation gathers instead of three. Gathers are exact, so the values are
+  those of the plain formula. When it runs the weight form, its input
+  permutation is folded into its weight and the plain formula runs (weight
+  forms of gate and up then gather no activations at all).
+
+  Args:
+    gate, up, down: the three projections (``nnx.Linear`` or POETLinear).
+    x: the input (..., hidden).
+    activation: applied to the gate's output.
+    hidden_name: a ``jax.ad_checkpoint.checkpoint_name`` for the hidden
+      activation (for rematerialisation policies), or None.
+
+  Example::
+
+    >>> import jax.numpy as jnp
+    >>> from flax import nnx
+    >>> import poetx_jax
+    >>> lin = lambda i, o, s: nnx.Linear(i, o, use_bias=False, rngs=nnx.Rngs(s))
+    >>> mlp = nnx.Dict(gate=lin(32, 64, 0), up=lin(32, 64, 1), down=lin(64, 32, 2))
+    >>> poet = poetx_jax.poetize(mlp, block_size=16, rngs=nnx.Rngs(3))
+    >>> x = jnp.ones((2, 32))
+    >>> y = poetx_jax.swiglu(poet['gate'], poet['up'], poet['down'], x)
+    >>> want = poet['down'](jax.nn.silu(poet['gate'](x)) * poet['up'](x))
+    >>> bool(jnp.allclose(y, want, atol=1e-6))
+    True
+  """
+  name = (lambda h: checkpoint_name(h, hidden_name)) if hidden_name else (lambda h: h)
+  if not all(isinstance(lin, POETLinear) for lin in (gate, up, down)):
+    return down(name(activation(gate(x)) * up(x)))
+  if down.form_for((*x.shape[:-1], down.in_features)) == 'weight':
+    return down(name(activation(gate(x)) * up(x)))
+  perm = down.perm_in[...]
+  g = ops.permute(gate(x, permute_output=False), ops.gather_between(gate.perm_out[...], perm))
+  u = ops.permute(up(x, permute_output=False), ops.gather_between(up.perm_out[...], perm))
+  return down(name(activation(g) * u), permute_input=False)
