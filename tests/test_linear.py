@@ -283,6 +283,24 @@ def test_skipped_permutations_are_the_callers_gathers(keys, mode, form):
     assert rel_err(g_state_s[name][...], g_state[name][...]) <= max(tol, 1e-7), name
 
 
+def _swiglu_loss(mlp, weights):
+  """``(loss(state, x, joined), state)``: the sum of ``weights`` times the
+  SwiGLU of ``mlp``'s gate, up and down projections, through
+  ``poetx_jax.swiglu`` (joined) or the three layers one by one, as a function
+  of ``mlp``'s Params."""
+  graphdef, state, rest = nnx.split(mlp, nnx.Param, ...)
+
+  def loss(state, x, joined):
+    m = nnx.merge(graphdef, state, rest)
+    if joined:
+      y = poetx_jax.swiglu(m['gate_proj'], m['up_proj'], m['down_proj'], x)
+    else:
+      y = m['down_proj'](jax.nn.silu(m['gate_proj'](x)) * m['up_proj'](x))
+    return (y.astype(jnp.float32) * weights).sum()
+
+  return loss, state
+
+
 @pytest.mark.parametrize('mode', ['fast', 'mem'])
 @pytest.mark.parametrize('dtype', [jnp.float32, jnp.bfloat16])
 def test_swiglu_joins_poet_gathers_exactly(keys, mode, dtype):
@@ -301,15 +319,7 @@ def test_swiglu_joins_poet_gathers_exactly(keys, mode, dtype):
     lin.q_out[...] = 0.05 * jax.random.normal(keys(), lin.q_out.shape)
   x = jax.random.normal(keys(), (2, 8, hidden), dtype)
   ct = jax.random.normal(keys(), (2, 8, hidden), dtype)
-  graphdef, state, rest = nnx.split(mlp, nnx.Param, ...)
-
-  def loss(state, x, joined):
-    m = nnx.merge(graphdef, state, rest)
-    if joined:
-      y = poetx_jax.swiglu(m['gate_proj'], m['up_proj'], m['down_proj'], x)
-    else:
-      y = m['down_proj'](jax.nn.silu(m['gate_proj'](x)) * m['up_proj'](x))
-    return (y.astype(jnp.float32) * ct).sum()
+  loss, state = _swiglu_loss(mlp, ct)
 
   value_and_grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)), static_argnums=2)
   got, want = value_and_grad(state, x, True), value_and_grad(state, x, False)
@@ -388,15 +398,7 @@ def test_swiglu_of_weight_form_layers_gathers_no_activations(keys, form):
     randomize_generators(layer, keys())
     assert layer.form_for((tokens, layer.in_features)) == 'weight'
   x = jax.random.normal(keys(), (tokens, hidden))
-  graphdef, state, rest = nnx.split(mlp, nnx.Param, ...)
-
-  def loss(state, x, joined):
-    m = nnx.merge(graphdef, state, rest)
-    if joined:
-      y = poetx_jax.swiglu(m['gate_proj'], m['up_proj'], m['down_proj'], x)
-    else:
-      y = m['down_proj'](jax.nn.silu(m['gate_proj'](x)) * m['up_proj'](x))
-    return (y ** 2).sum()
+  loss, state = _swiglu_loss(mlp, x)
 
   value_and_grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)), static_argnums=2)
   chex.assert_trees_all_equal(value_and_grad(state, x, True), value_and_grad(state, x, False))
