@@ -172,6 +172,23 @@ def test_profile_step_reports_a_real_step(tmp_path, monkeypatch):
   assert r['kernels'] > 0 and r['launch_gaps_ms'] >= 0 and r['host_waits_ms'] >= 0
 
 
+def test_compile_time_reports_each_program(tmp_path):
+  """compile_time.py on the tiny model: trace+lower and XLA compile timed, the
+  programs' sizes counted, POET-X's first merge (its programs compiled) slower
+  than a second one."""
+  import compile_time
+  out = tmp_path / 'c.json'
+  compile_time.main(['--model', 'tiny', '--seq-len', '32', '--batch-size', '2',
+                     '--vocab-size', '512', '--timed-steps', '1', '--run', 'optimizer=poetx',
+                     '--run', 'optimizer=adamw', '--json', str(out)])
+  poet, adamw = json.loads(out.read_text())
+  for r in (poet, adamw):
+    assert r['trace_lower_s'] > 0 and r['compile_s'] > 0
+  assert poet['stablehlo_lines'] > adamw['stablehlo_lines'] > 0
+  assert poet['entry_instructions'] > adamw['entry_instructions'] > 0
+  assert poet['merge_first_s'] > poet['merge_again_s'] > 0 and 'merge_first_s' not in adamw
+
+
 def test_profile_step_busy_time_and_categories():
   import profile_step
   events = [{'start': 0.0, 'dur': 10.0}, {'start': 5.0, 'dur': 10.0},

@@ -1,0 +1,115 @@
+"""Where a run's compile time goes: tracing and lowering, XLA's compilation, the merge programs.
+
+For each run (``bench_train.py``'s options and ``--run K=V,...`` syntax) a
+fresh process builds the model, optimizer and train step as ``poetx train``
+does and, ``--timed-steps`` times with JAX's caches cleared in between,
+times ``step.lower(...)`` (tracing the Python and lowering to StableHLO) and
+``.compile()`` (XLA), reporting the medians, the StableHLO's size in lines and
+the compiled entry computation's instruction count (each roughly a kernel on
+a GPU). For POET-X runs it then times the first merge of the model (its
+per-shape merge programs compiled, then run) against a second one (run
+only): the difference is the merge programs' compile time.
+
+    python3 experiments/compile_time.py --model 130m --seq-len 256 --batch-size 64 \\
+        --run optimizer=poetx --run optimizer=poetx,form=input --run optimizer=adamw
+    python3 experiments/compile_time.py --model tiny --seq-len 64 --timed-steps 1  # CPU smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+
+def entry_instructions(hlo_text: str) -> int:
+  """Instructions of a compiled program's entry computation (parameters,
+  tuples and bitcasts left out)."""
+  entry = hlo_text[hlo_text.index('\nENTRY '):]
+  entry = entry[:entry.index('\n}')]
+  ops = re.findall(r'^\s*(?:ROOT )?%?[\w.\-]+ = \S+ ([\w\-]+)\(', entry, re.M)
+  ops += re.findall(r'^\s*(?:ROOT )?%?[\w.\-]+ = \(.*?\) ([\w\-]+)\(', entry, re.M)
+  return sum(op not in ('parameter', 'tuple', 'get-tuple-element', 'bitcast') for op in ops)
+
+
+def time_run(cfg, label: str, repeats: int) -> dict:
+  """The compile times of one run (the module docstring)."""
+  import jax
+  import jax.numpy as jnp
+  import poetx_jax
+  from poetx_jax.pretrain import factories as F
+  mc = F.model_config(cfg, cfg.vocab_size)
+  model, opt = F.build_state(cfg, mc, None)
+  shape = (cfg.batch_size, cfg.seq_len)
+  batch = {'inputs': jnp.zeros(shape, jnp.int32), 'targets': jnp.zeros(shape, jnp.int32)}
+  step = F.make_step(cfg, mc)
+  lower_s, compile_s = [], []
+  for _ in range(max(repeats, 1)):
+    jax.clear_caches()
+    t0 = time.perf_counter()
+    lowered = step.lower(model, opt, batch)
+    t1 = time.perf_counter()
+    compiled = lowered.compile()
+    compile_s.append(time.perf_counter() - t1)
+    lower_s.append(t1 - t0)
+  r = {'run': label, 'model': cfg.model, 'trace_lower_s': statistics.median(lower_s),
+       'compile_s': statistics.median(compile_s),
+       'stablehlo_lines': lowered.as_text().count('\n'),
+       'entry_instructions': entry_instructions(compiled.as_text()),
+       'device': jax.devices()[0].device_kind}
+  if cfg.optimizer == 'poetx':
+    times = []
+    for i in range(2):
+      t0 = time.perf_counter()
+      jax.block_until_ready(poetx_jax.merge(model, rngs=jax.random.key(i)))
+      times.append(time.perf_counter() - t0)
+    r['merge_first_s'], r['merge_again_s'] = times
+  return r
+
+
+def format_row(r: dict) -> str:
+  """One result as a line of text."""
+  if 'error' in r:
+    return f"{r['run']}: failed: {r['error'][-200:]}"
+  merge = (f", first merge {r['merge_first_s']:.1f} s (again {r['merge_again_s']:.2f} s)"
+           if 'merge_first_s' in r else '')
+  return (f"{r['run']}: trace+lower {r['trace_lower_s']:.1f} s, XLA compile "
+          f"{r['compile_s']:.1f} s; StableHLO {r['stablehlo_lines']:,} lines, "
+          f"{r['entry_instructions']:,} compiled entry instructions{merge}")
+
+
+def main(argv=None):
+  import bench_train
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  bench_train.add_run_args(p, timed_steps=2)
+  a = p.parse_args(argv)
+  if a.single:  # child process: one run, JSON on the last line
+    label, overrides = bench_train.parse_run(a.single)
+    print(json.dumps(time_run(bench_train.run_config(a, overrides), label, a.timed_steps)))
+    return []
+  for run in bench_train.runs_of(a):
+    try:
+      bench_train.run_config(a, bench_train.parse_run(run)[1])
+    except ValueError as e:
+      p.error(f'--run {run!r}: {e}')
+  results = []
+  base = [sys.executable, os.path.abspath(__file__)] + list(argv or sys.argv[1:])
+  for run in bench_train.runs_of(a):
+    label = bench_train.parse_run(run)[0]
+    r, error = bench_train.run_child(base + ['--single', run], label)
+    results.append(r if error is None else {'run': label, 'error': error})
+    print(format_row(results[-1]), flush=True)
+  if a.json:
+    with open(a.json, 'w') as f:
+      json.dump(results, f, indent=1)
+  return results
+
+
+if __name__ == '__main__':
+  main()
