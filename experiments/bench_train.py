@@ -33,10 +33,12 @@ import dataclasses
 import json
 import math
 import statistics
+import os
 import subprocess
 import sys
 import tempfile
 import time
+import typing as tp
 
 
 def progress(msg: str) -> None:
@@ -297,6 +299,24 @@ def runs_of(a) -> list[str]:
   return a.run or a.default_runs
 
 
+def run_each(a, script: str, argv: list[str], show: tp.Callable[[dict], str]) -> list[dict]:
+  """Runs every ``--run`` of ``a`` in a process of its own (``script`` with
+  ``argv`` and ``--single RUN``: its last stdout line is the run's JSON
+  result), prints ``show(result)`` as each ends (a failed run's result is
+  ``{'run', 'error'}``) and writes them all to ``a.json`` if set; the results."""
+  results = []
+  base = [sys.executable, os.path.abspath(script)] + list(argv)
+  for run in runs_of(a):
+    label = parse_run(run)[0]
+    r, error = run_child(base + ['--single', run], label)
+    results.append(r if error is None else {'run': label, 'error': error})
+    print(show(results[-1]), flush=True)
+  if a.json:
+    with open(a.json, 'w') as f:
+      json.dump(results, f, indent=1)
+  return results
+
+
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   add_run_args(p)
@@ -306,22 +326,12 @@ def main(argv=None):
     print(json.dumps(one_run(run_config(a, overrides), label, warmup_steps=a.warmup_steps,
                              timed_steps=a.timed_steps)))
     return
-  results = []
-  base = [sys.executable, __file__] + list(argv or sys.argv[1:])
   for run in runs_of(a):
     try:
       run_config(a, parse_run(run)[1])  # refused here, before any process starts
     except ValueError as e:
       p.error(f'--run {run!r}: {e}')
-  for run in runs_of(a):
-    label = parse_run(run)[0]
-    r, error = run_child(base + ['--single', run], label)
-    results.append(r if error is None else {'run': label, 'error': error})
-    print(json.dumps(results[-1]), flush=True)
-  print_table(a, results)
-  if a.json:
-    with open(a.json, 'w') as f:
-      json.dump(results, f, indent=1)
+  print_table(a, run_each(a, __file__, argv or sys.argv[1:], json.dumps))
 
 
 def print_table(a, results: list[dict]) -> None:

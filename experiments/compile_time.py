@@ -98,18 +98,7 @@ def main(argv=None):
       bench_train.run_config(a, bench_train.parse_run(run)[1])
     except ValueError as e:
       p.error(f'--run {run!r}: {e}')
-  results = []
-  base = [sys.executable, os.path.abspath(__file__)] + list(argv or sys.argv[1:])
-  for run in bench_train.runs_of(a):
-    label = bench_train.parse_run(run)[0]
-    r, error = bench_train.run_child(base + ['--single', run], label)
-    results.append(r if error is None else {'run': label, 'error': error})
-    print(format_row(results[-1]), flush=True)
-  if a.json:
-    with open(a.json, 'w') as f:
-      json.dump(results, f, indent=1)
-  return results
-
+  return bench_train.run_each(a, __file__, argv or sys.argv[1:], format_row)
 
 if __name__ == '__main__':
   main()

@@ -253,16 +253,9 @@ def main(argv=None):
   if a.single:  # child process: one run, JSON on the last line
     print(json.dumps(profile_run(a, a.single)))
     return
-  results = []
-  base = [sys.executable, os.path.abspath(__file__)] + list(argv or sys.argv[1:])
-  for run in bench_train.runs_of(a):
-    label = bench_train.parse_run(run)[0]
-    r, error = bench_train.run_child(base + ['--single', run], label)
-    results.append(r if error is None else {'run': label, 'error': error})
-    print(format_report(r) if error is None else f'{label}: failed: {error}', flush=True)
-  if a.json:
-    with open(a.json, 'w') as f:
-      json.dump(results, f, indent=1)
+  bench_train.run_each(a, __file__, argv or sys.argv[1:],
+                       lambda r: f"{r['run']}: failed: {r['error']}" if 'error' in r
+                       else format_report(r))
 
 
 if __name__ == '__main__':
