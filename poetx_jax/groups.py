@@ -8,7 +8,6 @@ import contextlib
 import typing as tp
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 from flax.nnx.nn import dtypes
 from jax.ad_checkpoint import checkpoint_name
@@ -17,13 +16,6 @@ from poetx_jax import ops
 from poetx_jax.linear import _BLOCKS, POETLinear, implementation_for
 
 Array = jax.Array
-
-
-def _compute_dtype(layer: POETLinear, x_dtype) -> tp.Any:
-  """The dtype a call of ``layer`` on inputs of ``x_dtype`` computes in."""
-  if layer.dtype is not None:
-    return layer.dtype
-  return jnp.result_type(x_dtype, layer.kernel[...] if layer.quantize is None else jnp.float32)
 
 
 @contextlib.contextmanager
@@ -55,7 +47,7 @@ def batched_series(module: nnx.Module, x: Array):
     return
   groups: dict[tuple, list[POETLinear]] = {}
   for layer in layers:
-    precision = ops.series_precision(_compute_dtype(layer, x.dtype))
+    precision = ops.series_precision(layer.compute_dtype(x.dtype))
     key = (layer.block_size, layer.terms, layer.max_generator_norm, layer.implementation,
            precision)
     groups.setdefault(key, []).append(layer)
@@ -87,8 +79,7 @@ def linear_operands(layer: nnx.Linear | POETLinear, x: Array) -> tuple[Array, Ar
   if not isinstance(layer, POETLinear):
     x, kernel = dtypes.promote_dtype((x, layer.kernel[...]), dtype=layer.dtype)
     return x, kernel
-  dtype = layer.dtype or jnp.result_type(x, layer.kernel[...] if layer.quantize is None
-                                         else jnp.float32)
+  dtype = layer.compute_dtype(x.dtype)
   return x.astype(dtype), layer.compute_kernel(dtype)
 
 

@@ -276,8 +276,7 @@ class POETLinear(nnx.Module):
                                              dtype=self.dtype)
       scale = None
     else:  # dequantised inside the layer (recomputed under mode='mem')
-      dtype = self.dtype or jnp.result_type(inputs, jnp.float32)
-      x, bias = dtypes.promote_dtype((inputs, bias), dtype=dtype)
+      x, bias = dtypes.promote_dtype((inputs, bias), dtype=self.compute_dtype(inputs.dtype))
       kernel, scale = self.kernel[...], self.kernel_scale[...]
     given = (_BLOCKS.get() or {}).get(id(self))
     blocks = (given[:2] if given is not None and given[2] == ops.series_precision(x.dtype)
@@ -295,6 +294,14 @@ class POETLinear(nnx.Module):
     if bias is not None:
       y = y + bias
     return y
+
+  def compute_dtype(self, input_dtype) -> tp.Any:
+    """The dtype a call on inputs of ``input_dtype`` computes in: ``dtype``,
+    or the inputs' promoted with the base's (float32 for a quantised base)."""
+    if self.dtype is not None:
+      return self.dtype
+    return jnp.result_type(input_dtype,
+                           self.kernel[...] if self.quantize is None else jnp.float32)
 
   def form_for(self, input_shape: tp.Sequence[int]) -> str:
     """The form (``'input'`` or ``'weight'``) a call on inputs of

@@ -32,8 +32,9 @@ zero-padded to K*B and the last block's generator is masked to its top-left
 ``r x r`` corner (r = N - (K-1) B), so the padded rotation is ``diag(G_r, I)``:
 exactly block-orthogonal on the real coordinates, with padding that never mixes in.
 
-The series (:mod:`poetx_jax.series`, re-exported here) runs in float32. For float32 activations (and for merges and
-``effective_kernel``) its products use full float32 precision; for bf16/fp16
+The series (:mod:`poetx_jax.series`, re-exported here) runs in float32. For
+float32 activations (and for merges and ``effective_kernel``) its products
+use full float32 precision (:func:`series_precision`); for bf16/fp16
 activations they use the backend's default float32 matmul precision (TF32 on
 NVIDIA GPUs: ~5e-4 relative error in the series terms), because the blocks are
 then rounded to bf16 (~4e-3 relative) before use anyway. The block products run
@@ -338,8 +339,6 @@ def poet_linear(x_TxI: Array, kernel_IxO: Array, q_in_KxP: Array, q_out_KxP: Arr
     ValueError: ``x_TxI``'s last axis is not I (the length of ``perm_in_I``),
       or ``form`` is unknown.
   """
-  if form not in FORMS:
-    raise ValueError(f'form must be one of {FORMS}, got {form!r}')
   i = perm_in_I.shape[-1]
   if x_TxI.ndim < 1 or x_TxI.shape[-1] != i:
     raise ValueError(f'the inputs have shape {tuple(x_TxI.shape)}: their last axis must '
