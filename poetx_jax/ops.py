@@ -236,17 +236,23 @@ def _poet_core(x, kernel_IxO, g_in, g_out, perm_in, perm_out, precision, impl, s
 
 
 def rotate_weight(kernel_IxO, g_in, g_out, perm_in, perm_out, precision=None, *,
-                  permute_input=True, permute_output=True):
+                  permute_input=True, permute_output=True, dtype=None):
   """``Phi_I G_P^T kernel G_R^T Phi_O^T`` from the blocks of both factors: block
-  products and gathers on the weight (without ``Phi_I`` / ``Phi_O^T`` where
-  ``permute_input`` / ``permute_output`` is False, as in :func:`poet_linear`)."""
+  products on the weight in its own (I, O) layout (no transposes), rounded to
+  ``dtype`` (default: the kernel's), then the gathers, which so move
+  ``dtype``'s bytes (without ``Phi_I`` / ``Phi_O^T`` where ``permute_input`` /
+  ``permute_output`` is False, as in :func:`poet_linear`)."""
+  i = kernel_IxO.shape[0]
+  k, b, _ = g_in.shape
   a = rotate_features(kernel_IxO, g_out, precision=precision)             # kernel G_R^T
-  a = rotate_features(a.T, jnp.swapaxes(g_in, -1, -2), precision=precision)  # (O, I)
+  a = jnp.pad(a, [(0, k * b - i), (0, 0)]) if k * b != i else a
+  a = jnp.einsum('kjo,kji->kio', a.reshape(k, b, -1), g_in.astype(a.dtype),
+                 precision=precision).reshape(k * b, -1)[:i]              # G_P^T (...)
+  a = a if dtype is None else a.astype(dtype)
   if permute_input:
-    a = permute(a, invert_permutation(perm_in))                           # Phi_I (...)
-  a = a.T
+    a = permute_rows(a, invert_permutation(perm_in))                       # Phi_I (...)
   if permute_output:
-    a = permute(a, invert_permutation(perm_out))                          # (...) Phi_O^T
+    a = permute(a, invert_permutation(perm_out))                           # (...) Phi_O^T
   return a
 
 
@@ -255,8 +261,8 @@ def _poet_weight_core(x, kernel_IxO, g_in, g_out, perm_in, perm_out, precision,
   # The kernel is rotated in float32 and rounded to x's dtype once.
   kernel = rotate_weight(jax.lax.stop_gradient(kernel_IxO).astype(jnp.float32),
                          g_in, g_out, perm_in, perm_out, rot_precision,
-                         permute_input=sides[0], permute_output=sides[1])
-  return jnp.matmul(x, kernel.astype(x.dtype), precision=precision)
+                         permute_input=sides[0], permute_output=sides[1], dtype=x.dtype)
+  return jnp.matmul(x, kernel, precision=precision)
 
 
 def _poet_layer(x, kernel, scale, q_in, q_out, perm_in, perm_out, blocks, *, block_size, terms,
@@ -392,12 +398,8 @@ def poet_kernel(kernel_IxO: Array, q_in_KxP: Array, q_out_KxP: Array, perm_in_I:
   if blocks is None:
     blocks = rotation_blocks_pair(q_in_KxP, q_out_KxP, i, o, block_size, terms, cn_precision,
                                   max_norm=max_norm)
-  kernel = rotate_weight(jax.lax.stop_gradient(kernel).astype(jnp.float32), *blocks,
-                         perm_in_I, perm_out_O, cn_precision, permute_input=False,
-                         permute_output=False).astype(dtype)
-  # Permuted after the rounding (the same values): the gathers move dtype's bytes.
-  kernel = permute_rows(kernel, invert_permutation(perm_in_I))    # Phi_I (...)
-  return permute(kernel, invert_permutation(perm_out_O))          # (...) Phi_O^T
+  return rotate_weight(jax.lax.stop_gradient(kernel).astype(jnp.float32), *blocks,
+                       perm_in_I, perm_out_O, cn_precision, dtype=dtype)
 
 
 def permute_kernel(kernel_IxO: Array, perm_in_I: Array, perm_out_O: Array) -> Array:

@@ -171,6 +171,26 @@ def test_poet_kernel_matches_dense(keys):
   assert rel_err(x @ eff, y) < 1e-5
 
 
+def test_rotate_weight_rounds_before_its_gathers_with_the_same_values(keys):
+  """rotate_weight(dtype=bf16) gathers bf16 (half the bytes) and equals the
+  float32 result rounded after its gathers, values and generator gradients."""
+  _, kernel, q_in, q_out, p_in, p_out = _layer_inputs(keys, 20, 12, 8)
+  ct = jax.random.normal(keys(), (20, 12))
+
+  def f(q_in, q_out, dtype, late):
+    g_in, g_out = ops.rotation_blocks_pair(q_in, q_out, 20, 12, 8)
+    w = ops.rotate_weight(kernel, g_in, g_out, p_in, p_out, dtype=None if late else dtype)
+    return w.astype(dtype) if late else w
+
+  early = f(q_in, q_out, jnp.bfloat16, False)
+  assert early.dtype == jnp.bfloat16
+  np.testing.assert_array_equal(early, f(q_in, q_out, jnp.bfloat16, True))
+  loss = lambda late: lambda a, b: (f(a, b, jnp.bfloat16, late).astype(jnp.float32) * ct).sum()
+  for g_early, g_late in zip(jax.grad(loss(False), (0, 1))(q_in, q_out),
+                             jax.grad(loss(True), (0, 1))(q_in, q_out)):
+    np.testing.assert_array_equal(g_early, g_late)
+
+
 def test_forms_agree_and_bad_form(keys):
   x, kernel, q_in, q_out, p_in, p_out = _layer_inputs(keys, 40, 24, 8)
   stored = ops.permute_kernel(kernel, p_in, p_out)
