@@ -134,6 +134,29 @@ def test_merge_compiles_one_program_per_layer_shape(keys):
   assert (info.misses, info.hits) == (2, 6)  # 'up' and 'down' shapes; 4 layers x 2 merges
 
 
+def test_merge_programs_gpu_options_are_xla_options(keys, monkeypatch):
+  """The GPU merge programs' compiler options are options XLA knows (a wrong
+  name fails the compile); they leave the merge's result as it is on the CPU."""
+  from poetx_jax import cycle
+  model = poetx_jax.poetize(Tiny(nnx.Rngs(0)), block_size=8, rngs=nnx.Rngs(1))
+  _randomize_all(model, keys())
+  twin = nnx.clone(model)
+  poetx_jax.merge(model, rngs=jax.random.key(0))
+  cycle._merge_program.cache_clear()
+  monkeypatch.setattr(cycle.jax, 'default_backend', lambda: 'gpu')
+  try:
+    poetx_jax.merge(twin, rngs=jax.random.key(0))
+  finally:
+    cycle._merge_program.cache_clear()
+  chex.assert_trees_all_equal(nnx.to_pure_dict(nnx.state(twin)),
+                              nnx.to_pure_dict(nnx.state(model)))
+  monkeypatch.setitem(cycle.MERGE_GPU_COMPILER_OPTIONS, 'xla_gpu_no_such_option', 0)
+  with pytest.raises(Exception, match='no_such_option'):
+    cycle._merge_program.cache_clear()
+    poetx_jax.merge(twin, rngs=jax.random.key(1))
+  cycle._merge_program.cache_clear()
+
+
 def _by_path(model):
   return {poetx_jax.convert.path_str(p): n for p, n in nnx.iter_graph(model)}
 
