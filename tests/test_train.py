@@ -116,6 +116,7 @@ def test_merges_record_orthogonality_and_warn_when_it_is_lost(tmp_path, corpus):
   assert merge_errors(bad)[4] > 1.0
   warning, = [m for m in messages if m.startswith('warning')]
   assert 'merge of step 4' in warning and '--poet-lr (this run: 0.5)' in warning
+  assert '--max-generator-norm 0.5' in warning  # this run has no cap
 
 
 def test_incompatible_and_corrupt_checkpoints(tmp_path, corpus):

@@ -74,10 +74,14 @@ class Metrics:
 
 
 def merge_reporter(metrics: Metrics, log: tp.Callable[[str], None], *, poet_lr: float,
-                   merge_every: int) -> tp.Callable[[int, tp.Any], None]:
+                   merge_every: int, max_generator_norm: float | None = None
+                   ) -> tp.Callable[[int, tp.Any], None]:
   """``on_merge(step, error)`` for the train step: records each merge's
-  orthogonality error and logs a warning naming the remedy past
-  ``ORTHOGONALITY_WARNING``."""
+  orthogonality error and logs a warning naming the remedies past
+  ``ORTHOGONALITY_WARNING`` (the generator cap too, where the run has none)."""
+  cap = ('' if max_generator_norm is not None else
+         ', or cap the generators (--max-generator-norm 0.5: it kept 4x the default '
+         'step valid on Llama-130M, docs/quality.md)')
 
   def report(merge_step, error):
     error = float(error)
@@ -87,7 +91,7 @@ def merge_reporter(metrics: Metrics, log: tp.Callable[[str], None], *, poet_lr: 
           f'orthogonal (error {error:.3g} > {ORTHOGONALITY_WARNING}): the '
           f'Cayley–Neumann series has left its region of convergence, which '
           f'the weights now carry. Lower --poet-lr (this run: {poet_lr:g}) '
-          f'or merge more often (--merge-every {merge_every}).')
+          f'or merge more often (--merge-every {merge_every}){cap}.')
 
   return report
 

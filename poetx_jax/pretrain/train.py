@@ -243,7 +243,8 @@ def loop_hooks(run: Run, hooks: tp.Sequence[Hook], log) -> list[Hook]:
   wait; the checkpoint (every ``checkpoint_every``)."""
   cfg, hooks = run.cfg, list(hooks)
   report = (merge_reporter(run.metrics, log, poet_lr=model_poet_lr(cfg, run.model),
-                           merge_every=merge_interval(cfg, run.model.config))
+                           merge_every=merge_interval(cfg, run.model.config),
+                           max_generator_norm=cfg.max_generator_norm)
             if cfg.optimizer == 'poetx' else None)
 
   def report_merges(run):
