@@ -153,7 +153,11 @@ def _gather(x_TxN, idx_N):
 @jax.custom_vjp
 def permute_rows(x_NxT: Array, perm_N: Array) -> Array:
   """x[perm]: a row gather whose backward is the inverse gather (see :func:`permute`)."""
-  return x_NxT.at[perm_N].get(mode='promise_in_bounds', unique_indices=True)
+  return _take_rows(x_NxT, perm_N)
+
+
+def _take_rows(x_NxT, idx_N):
+  return x_NxT.at[idx_N].get(mode='promise_in_bounds', unique_indices=True)
 
 
 def _permute_rows_fwd(x_NxT, perm_N):
@@ -176,6 +180,26 @@ def _permute_bwd(perm_N, g_TxN):
 
 
 permute.defvjp(_permute_fwd, _permute_bwd)
+
+
+@jax.custom_vjp
+def unpermute(x_TxN: Array, perm_N: Array) -> Array:
+  """``x[..., inverse(perm)]``, undoing :func:`permute` by ``perm``: the
+  inverse formed once, in the forward; the backward gathers by ``perm``
+  itself (``permute`` by the inverse would invert it again)."""
+  return _gather(x_TxN, invert_permutation(perm_N))
+
+
+@jax.custom_vjp
+def unpermute_rows(x_NxT: Array, perm_N: Array) -> Array:
+  """``x[inverse(perm)]``: :func:`unpermute` along the first axis."""
+  return _take_rows(x_NxT, invert_permutation(perm_N))
+
+
+unpermute.defvjp(lambda x, perm: (unpermute(x, perm), perm),
+                 lambda perm, g: (_gather(g, perm), None))
+unpermute_rows.defvjp(lambda x, perm: (unpermute_rows(x, perm), perm),
+                      lambda perm, g: (_take_rows(g, perm), None))
 
 
 # ------------------------------------------------------------------ the layer
@@ -232,7 +256,9 @@ def _poet_core(x, kernel_IxO, g_in, g_out, perm_in, perm_out, precision, impl, s
   v = rot(u, g_in)
   w = jnp.matmul(v, jax.lax.stop_gradient(kernel_IxO), precision=precision)
   z = rot(w, g_out)
-  return perm(z, invert_permutation(perm_out)) if sides[1] else z
+  if not sides[1]:
+    return z
+  return unpermute(z, perm_out) if impl.permute is None else perm(z, invert_permutation(perm_out))
 
 
 def rotate_weight(kernel_IxO, g_in, g_out, perm_in, perm_out, precision=None, *,
@@ -250,9 +276,9 @@ def rotate_weight(kernel_IxO, g_in, g_out, perm_in, perm_out, precision=None, *,
                  precision=precision).reshape(k * b, -1)[:i]              # G_P^T (...)
   a = a if dtype is None else a.astype(dtype)
   if permute_input:
-    a = permute_rows(a, invert_permutation(perm_in))                       # Phi_I (...)
+    a = unpermute_rows(a, perm_in)                                         # Phi_I (...)
   if permute_output:
-    a = permute(a, invert_permutation(perm_out))                           # (...) Phi_O^T
+    a = unpermute(a, perm_out)                                             # (...) Phi_O^T
   return a
 
 

@@ -326,19 +326,25 @@ def test_swiglu_joins_poet_gathers_exactly(keys, mode, dtype):
   chex.assert_trees_all_equal(got, want)
   assert float(jnp.abs(want[1][1]).max()) > 0
 
-  def gathers(joined):  # activation gathers in the forward
-    calls = []
+  gathers = lambda joined: len(_gathered(lambda s, x: loss(s, x, joined), state, x))
+  assert (gathers(True), gathers(False)) == (5, 6)  # activation gathers in the forward
 
-    def counted(x, perm):
-      calls.append(x.shape)
-      return permute(x, perm)
 
-    with mock.patch.object(ops, 'permute', counted):
-      jax.make_jaxpr(lambda s, x: loss(s, x, joined))(state, x)
-    return len(calls)
+def _gathered(fn, *args) -> list[tuple[int, ...]]:
+  """The shapes of the arrays ``fn(*args)`` permutes (ops' gathers), when traced."""
+  shapes = []
 
-  permute = ops.permute
-  assert (gathers(True), gathers(False)) == (5, 6)
+  def counted(gather):
+    def run(a, perm):
+      shapes.append(a.shape)
+      return gather(a, perm)
+    return run
+
+  with contextlib.ExitStack() as stack:
+    for name in ('permute', 'unpermute', 'permute_rows', 'unpermute_rows'):
+      stack.enter_context(mock.patch.object(ops, name, counted(getattr(ops, name))))
+    jax.make_jaxpr(fn)(*args)
+  return shapes
 
 
 def test_a_capped_layer_merges_the_rotation_it_applied(keys):
@@ -402,15 +408,7 @@ def test_swiglu_of_weight_form_layers_gathers_no_activations(keys, form):
 
   value_and_grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)), static_argnums=2)
   chex.assert_trees_all_equal(value_and_grad(state, x, True), value_and_grad(state, x, False))
-  gathered = []
-  permute = ops.permute
-
-  def counted(a, perm):
-    gathered.append(a.shape)
-    return permute(a, perm)
-
-  with mock.patch.object(ops, 'permute', counted):
-    jax.make_jaxpr(lambda s, x: loss(s, x, True))(state, x)
+  gathered = _gathered(lambda s, x: loss(s, x, True), state, x)
   assert gathered and all(tokens not in shape for shape in gathered)  # weights only
 
 

@@ -191,6 +191,25 @@ def test_rotate_weight_rounds_before_its_gathers_with_the_same_values(keys):
     np.testing.assert_array_equal(g_early, g_late)
 
 
+@pytest.mark.parametrize('rows', [False, True])
+def test_unpermute_undoes_permute_and_inverts_once(keys, rows):
+  """unpermute(x, p) is x[..., inverse(p)] (rows: x[inverse(p)]), values and
+  gradients as autodiff of plain indexing gives them, with one inversion (a
+  scatter) in the forward and none in the backward."""
+  perm = ops.random_permutation(keys(), 24)
+  inv = jnp.argsort(perm)
+  x = jax.random.normal(keys(), (24, 24))
+  ct = jax.random.normal(keys(), (24, 24))
+  fn, there, ref = ((ops.unpermute_rows, ops.permute_rows, lambda x: x[inv]) if rows else
+                    (ops.unpermute, ops.permute, lambda x: x[:, inv]))
+  np.testing.assert_array_equal(fn(x, perm), ref(x))
+  np.testing.assert_array_equal(fn(there(x, perm), perm), x)
+  np.testing.assert_array_equal(jax.vjp(lambda x: fn(x, perm), x)[1](ct)[0],
+                                jax.vjp(ref, x)[1](ct)[0])
+  jaxpr = str(jax.make_jaxpr(jax.grad(lambda x: (fn(x, perm) * ct).sum()))(x))
+  assert jaxpr.count(' scatter[') == 1
+
+
 def test_forms_agree_and_bad_form(keys):
   x, kernel, q_in, q_out, p_in, p_out = _layer_inputs(keys, 40, 24, 8)
   stored = ops.permute_kernel(kernel, p_in, p_out)
