@@ -24,8 +24,10 @@ def batched_series(module: nnx.Module, x: Array):
   ``'fast'``; not stacks) use rotation blocks computed for all of them at
   once: one Cayley–Neumann series per group of equal block size, terms,
   cap and implementation (:func:`poetx_jax.ops.rotation_blocks_batched`), a
-  few kernels in place of a few per layer. Same values as each layer's own
-  series, gradients included.
+  few kernels in place of a few per layer, and the inverses of all their
+  permutations by one scatter (:func:`poetx_jax.ops.invert_permutations`)
+  in place of one (and its buffer's copy) per permutation. Same values as
+  each layer's own series and inverses, gradients included.
 
   ``x`` is the module's input: the series is tied to it (so the compiler
   computes it where the module runs, not for every module ahead), and each
@@ -51,6 +53,10 @@ def batched_series(module: nnx.Module, x: Array):
     key = (layer.block_size, layer.terms, layer.max_generator_norm, layer.implementation,
            precision)
     groups.setdefault(key, []).append(layer)
+  _, perms = jax.lax.optimization_barrier(
+      (x, [p for m in layers for p in (m.perm_in[...], m.perm_out[...])]))
+  inverses = ops.invert_permutations(perms)
+  inverses = {id(m): tuple(inverses[2 * j:2 * j + 2]) for j, m in enumerate(layers)}
   blocks = {}
   for (block_size, terms, max_norm, implementation, precision), members in groups.items():
     _, qs = jax.lax.optimization_barrier(
@@ -61,7 +67,7 @@ def batched_series(module: nnx.Module, x: Array):
     g = ops.rotation_blocks_batched(sides, block_size, terms, precision,
                                     impl.series if impl is not None else None, max_norm)
     for j, m in enumerate(members):
-      blocks[id(m)] = (g[2 * j], g[2 * j + 1], precision)
+      blocks[id(m)] = (g[2 * j], g[2 * j + 1], precision, inverses[id(m)])
   token = _BLOCKS.set({**(_BLOCKS.get() or {}), **blocks})
   try:
     yield

@@ -23,7 +23,8 @@ MODES = ('fast', 'mem')
 IMPLEMENTATIONS = ('xla', 'pallas')
 
 
-# id(POETLinear) -> (G_P, G_R, series precision): the rotation blocks that
+# id(POETLinear) -> (G_P, G_R, series precision, (inverse of perm_in, of
+# perm_out)): the rotation blocks and inverse permutations that
 # poetx_jax.groups.batched_series computed for the layers of a module, while
 # its block runs.
 _BLOCKS: contextvars.ContextVar[dict | None] = contextvars.ContextVar('poetx_blocks',
@@ -281,6 +282,7 @@ class POETLinear(nnx.Module):
     given = (_BLOCKS.get() or {}).get(id(self))
     blocks = (given[:2] if given is not None and given[2] == ops.series_precision(x.dtype)
               else None)
+    inverses = given[3] if given is not None else None
     y = ops.poet_linear(x, kernel, self.q_in[...], self.q_out[...],
                         self.perm_in[...], self.perm_out[...],
                         block_size=self.block_size, terms=self.terms,
@@ -290,7 +292,7 @@ class POETLinear(nnx.Module):
                         implementation=implementation_for(self.implementation,
                                                           self.block_size),
                         kernel_scale=scale, permute_input=permute_input,
-                        permute_output=permute_output, blocks=blocks)
+                        permute_output=permute_output, blocks=blocks, inverses=inverses)
     if bias is not None:
       y = y + bias
     return y

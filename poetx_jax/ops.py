@@ -182,24 +182,46 @@ def _permute_bwd(perm_N, g_TxN):
 permute.defvjp(_permute_fwd, _permute_bwd)
 
 
+def invert_permutations(perms: tp.Sequence[Array]) -> list[Array]:
+  """The inverses of several permutations (1-D), formed by one scatter."""
+  if len(perms) == 1:
+    return [invert_permutation(perms[0])]
+  sizes = [p.shape[-1] for p in perms]
+  offsets = [sum(sizes[:j]) for j in range(len(perms))]
+  inv = invert_permutation(jnp.concatenate([p + o for p, o in zip(perms, offsets)]))
+  return [inv[o:o + n] - o for o, n in zip(offsets, sizes)]
+
+
 @jax.custom_vjp
-def unpermute(x_TxN: Array, perm_N: Array) -> Array:
+def _gather_pair(x_TxN, idx_N, back_N):
+  """``x[..., idx]`` whose backward gathers by ``back``, idx's inverse."""
+  return _gather(x_TxN, idx_N)
+
+
+@jax.custom_vjp
+def _take_rows_pair(x_NxT, idx_N, back_N):
+  """``x[idx]`` whose backward gathers rows by ``back``, idx's inverse."""
+  return _take_rows(x_NxT, idx_N)
+
+
+_gather_pair.defvjp(lambda x, idx, back: (_gather(x, idx), back),
+                    lambda back, g: (_gather(g, back), None, None))
+_take_rows_pair.defvjp(lambda x, idx, back: (_take_rows(x, idx), back),
+                       lambda back, g: (_take_rows(g, back), None, None))
+
+
+def unpermute(x_TxN: Array, perm_N: Array, inverse_N: Array | None = None) -> Array:
   """``x[..., inverse(perm)]``, undoing :func:`permute` by ``perm``: the
-  inverse formed once, in the forward; the backward gathers by ``perm``
-  itself (``permute`` by the inverse would invert it again)."""
-  return _gather(x_TxN, invert_permutation(perm_N))
+  inverse formed once, in the forward (or given: ``inverse_N``); the backward
+  gathers by ``perm`` itself (``permute`` by the inverse would invert it again)."""
+  inverse_N = invert_permutation(perm_N) if inverse_N is None else inverse_N
+  return _gather_pair(x_TxN, inverse_N, perm_N)
 
 
-@jax.custom_vjp
-def unpermute_rows(x_NxT: Array, perm_N: Array) -> Array:
+def unpermute_rows(x_NxT: Array, perm_N: Array, inverse_N: Array | None = None) -> Array:
   """``x[inverse(perm)]``: :func:`unpermute` along the first axis."""
-  return _take_rows(x_NxT, invert_permutation(perm_N))
-
-
-unpermute.defvjp(lambda x, perm: (unpermute(x, perm), perm),
-                 lambda perm, g: (_gather(g, perm), None))
-unpermute_rows.defvjp(lambda x, perm: (unpermute_rows(x, perm), perm),
-                      lambda perm, g: (_take_rows(g, perm), None))
+  inverse_N = invert_permutation(perm_N) if inverse_N is None else inverse_N
+  return _take_rows_pair(x_NxT, inverse_N, perm_N)
 
 
 # ------------------------------------------------------------------ the layer
@@ -249,25 +271,33 @@ def gather_between(perm_out_N: Array, perm_in_N: Array) -> Array:
   return jnp.take(invert_permutation(perm_out_N), perm_in_N)
 
 
-def _poet_core(x, kernel_IxO, g_in, g_out, perm_in, perm_out, precision, impl, sides):
-  perm = impl.permute or permute
+def _poet_core(x, kernel_IxO, g_in, g_out, perm_in, perm_out, inverses, precision, impl,
+               sides):
   rot = functools.partial(rotate_features, precision=precision, rotate=impl.rotate)
-  u = perm(x, perm_in) if sides[0] else x
+  if not sides[0]:
+    u = x
+  elif impl.permute is not None:
+    u = impl.permute(x, perm_in)
+  else:
+    u = permute(x, perm_in) if inverses is None else _gather_pair(x, perm_in, inverses[0])
   v = rot(u, g_in)
   w = jnp.matmul(v, jax.lax.stop_gradient(kernel_IxO), precision=precision)
   z = rot(w, g_out)
   if not sides[1]:
     return z
-  return unpermute(z, perm_out) if impl.permute is None else perm(z, invert_permutation(perm_out))
+  if impl.permute is not None:
+    return impl.permute(z, invert_permutation(perm_out))
+  return unpermute(z, perm_out, None if inverses is None else inverses[1])
 
 
 def rotate_weight(kernel_IxO, g_in, g_out, perm_in, perm_out, precision=None, *,
-                  permute_input=True, permute_output=True, dtype=None):
+                  permute_input=True, permute_output=True, dtype=None, inverses=None):
   """``Phi_I G_P^T kernel G_R^T Phi_O^T`` from the blocks of both factors: block
   products on the weight in its own (I, O) layout (no transposes), rounded to
   ``dtype`` (default: the kernel's), then the gathers, which so move
   ``dtype``'s bytes (without ``Phi_I`` / ``Phi_O^T`` where ``permute_input`` /
-  ``permute_output`` is False, as in :func:`poet_linear`)."""
+  ``permute_output`` is False, as in :func:`poet_linear`). ``inverses``: the
+  permutations' inverses, if already formed."""
   i = kernel_IxO.shape[0]
   k, b, _ = g_in.shape
   a = rotate_features(kernel_IxO, g_out, precision=precision)             # kernel G_R^T
@@ -275,23 +305,26 @@ def rotate_weight(kernel_IxO, g_in, g_out, perm_in, perm_out, precision=None, *,
   a = jnp.einsum('kjo,kji->kio', a.reshape(k, b, -1), g_in.astype(a.dtype),
                  precision=precision).reshape(k * b, -1)[:i]              # G_P^T (...)
   a = a if dtype is None else a.astype(dtype)
+  inv_in, inv_out = (None, None) if inverses is None else inverses
   if permute_input:
-    a = unpermute_rows(a, perm_in)                                         # Phi_I (...)
+    a = unpermute_rows(a, perm_in, inv_in)                                 # Phi_I (...)
   if permute_output:
-    a = unpermute(a, perm_out)                                             # (...) Phi_O^T
+    a = unpermute(a, perm_out, inv_out)                                    # (...) Phi_O^T
   return a
 
 
-def _poet_weight_core(x, kernel_IxO, g_in, g_out, perm_in, perm_out, precision,
+def _poet_weight_core(x, kernel_IxO, g_in, g_out, perm_in, perm_out, inverses, precision,
                       rot_precision, sides):
   # The kernel is rotated in float32 and rounded to x's dtype once.
   kernel = rotate_weight(jax.lax.stop_gradient(kernel_IxO).astype(jnp.float32),
                          g_in, g_out, perm_in, perm_out, rot_precision,
-                         permute_input=sides[0], permute_output=sides[1], dtype=x.dtype)
+                         permute_input=sides[0], permute_output=sides[1], dtype=x.dtype,
+                         inverses=inverses)
   return jnp.matmul(x, kernel, precision=precision)
 
 
-def _poet_layer(x, kernel, scale, q_in, q_out, perm_in, perm_out, blocks, *, block_size, terms,
+def _poet_layer(x, kernel, scale, q_in, q_out, perm_in, perm_out, blocks, inverses, *,
+                block_size, terms,
                 form, precision, impl, sides, max_norm):
   """The body of :func:`poet_linear` (rematerialised whole under ``remat``)."""
   i, o = perm_in.shape[-1], perm_out.shape[-1]
@@ -312,8 +345,8 @@ def _poet_layer(x, kernel, scale, q_in, q_out, perm_in, perm_out, blocks, *, blo
     g_in, g_out = blocks
   if form == 'input':
     return _poet_core(x, kernel, g_in.astype(x.dtype), g_out.astype(x.dtype),
-                      perm_in, perm_out, precision, impl, sides)
-  return _poet_weight_core(x, kernel, g_in, g_out, perm_in, perm_out, precision,
+                      perm_in, perm_out, inverses, precision, impl, sides)
+  return _poet_weight_core(x, kernel, g_in, g_out, perm_in, perm_out, inverses, precision,
                            cn_precision, sides)
 
 
@@ -324,7 +357,8 @@ def poet_linear(x_TxI: Array, kernel_IxO: Array, q_in_KxP: Array, q_out_KxP: Arr
                 implementation: Implementation | None = None,
                 kernel_scale: Array | None = None, permute_input: bool = True,
                 permute_output: bool = True, max_norm: float | None = None,
-                blocks: tuple[Array, Array] | None = None) -> Array:
+                blocks: tuple[Array, Array] | None = None,
+                inverses: tuple[Array, Array] | None = None) -> Array:
   """The POET-X layer ``y = x @ effective_kernel``.
 
   Two orders of the same product (equal up to rounding): ``form='input'``
@@ -363,6 +397,9 @@ def poet_linear(x_TxI: Array, kernel_IxO: Array, q_in_KxP: Array, q_out_KxP: Arr
       :func:`series_precision` of x's dtype, ``terms`` and ``max_norm``): the
       layer then skips its own series (``q_in_KxP`` and ``q_out_KxP`` are
       unused). None: the layer computes them.
+    inverses: the inverses of ``perm_in_I`` and ``perm_out_O``, already
+      formed (e.g. for several layers by one scatter,
+      :func:`invert_permutations`); None: the layer forms those it needs.
 
   Returns:
     y of shape (..., O) in x's dtype (no bias), or ``y[..., perm_out_O]``.
@@ -384,7 +421,7 @@ def poet_linear(x_TxI: Array, kernel_IxO: Array, q_in_KxP: Array, q_out_KxP: Arr
   if remat:  # the series too: its saved powers are K x B x B float32 arrays per side
     layer = jax.checkpoint(layer, policy=jax.checkpoint_policies.nothing_saveable)
   return layer(x_TxI, kernel_IxO, kernel_scale, q_in_KxP, q_out_KxP, perm_in_I, perm_out_O,
-               blocks)
+               blocks, inverses)
 
 
 def poet_kernel(kernel_IxO: Array, q_in_KxP: Array, q_out_KxP: Array, perm_in_I: Array,

@@ -335,9 +335,9 @@ def _gathered(fn, *args) -> list[tuple[int, ...]]:
   shapes = []
 
   def counted(gather):
-    def run(a, perm):
+    def run(a, *perms):
       shapes.append(a.shape)
-      return gather(a, perm)
+      return gather(a, *perms)
     return run
 
   with contextlib.ExitStack() as stack:
@@ -449,6 +449,22 @@ def test_batched_series_gives_each_layers_own_values_and_gradients(keys, dtype):
                    static_argnums=2)(m, x, batched) for batched in (True, False)]
   chex.assert_trees_all_equal(*grads)
   assert float(jnp.abs(grads[0][1][0]['a']['q_in'][...]).max()) > 0
+
+
+def test_batched_series_inverts_the_blocks_permutations_at_once(keys):
+  """Under batched_series the eight permutations of the four 'fast' layers
+  are inverted by one scatter: of the forward's six inversions (the output
+  permutations of a, b, d; both of c, in the weight form; e's output) five
+  become one, and the backward's (a, b, d: their input permutations) none."""
+  m = _series_block()
+  x = jax.random.normal(keys(), (4, 8, 64))
+
+  def scatters(batched, grad):
+    f = lambda x: _series_forward(m, x, batched)
+    return str(jax.make_jaxpr(jax.grad(f) if grad else f)(x)).count(' scatter[')
+
+  assert (scatters(False, False), scatters(True, False)) == (6, 2)
+  assert (scatters(False, True), scatters(True, True)) == (10, 3)  # e: 2 of its own
 
 
 def test_batched_series_runs_one_series_per_block_size(keys):
