@@ -8,12 +8,13 @@ import contextlib
 import typing as tp
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 from flax.nnx.nn import dtypes
 from jax.ad_checkpoint import checkpoint_name
 
 from poetx_jax import ops
-from poetx_jax.linear import _BLOCKS, POETLinear, implementation_for
+from poetx_jax.linear import _BLOCKS, POETLinear, given_inverses, implementation_for
 
 Array = jax.Array
 
@@ -131,6 +132,13 @@ def swiglu(gate: nnx.Linear | POETLinear, up: nnx.Linear | POETLinear,
   if down.form_for((*x.shape[:-1], down.in_features)) == 'weight':
     return down(name(activation(gate(x)) * up(x)))
   perm = down.perm_in[...]
-  g = ops.permute(gate(x, permute_output=False), ops.gather_between(gate.perm_out[...], perm))
-  u = ops.permute(up(x, permute_output=False), ops.gather_between(up.perm_out[...], perm))
-  return down(name(activation(g) * u), permute_input=False)
+  inverse = given_inverses(down)
+
+  def joined(lin):  # lin's output in down's input order, one gather
+    h, inverses = lin(x, permute_output=False), given_inverses(lin)
+    if inverses is None or inverse is None:
+      return ops.permute(h, ops.gather_between(lin.perm_out[...], perm))
+    return ops.permute(h, ops.gather_between(lin.perm_out[...], perm, inverses[1]),
+                       jnp.take(inverse[0], lin.perm_out[...]))
+
+  return down(name(activation(joined(gate)) * joined(up)), permute_input=False)

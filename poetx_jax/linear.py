@@ -31,6 +31,13 @@ _BLOCKS: contextvars.ContextVar[dict | None] = contextvars.ContextVar('poetx_blo
                                                                       default=None)
 
 
+def given_inverses(layer: 'POETLinear') -> tuple[jax.Array, jax.Array] | None:
+  """The inverses of ``layer``'s (perm_in, perm_out) that batched_series
+  formed while its block runs, or None."""
+  given = (_BLOCKS.get() or {}).get(id(layer))
+  return None if given is None else given[3]
+
+
 class POETParam(nnx.Param):
   """Packed skew-symmetric generators of a POET rotation, (K, B(B-1)/2) float32."""
 
@@ -282,7 +289,7 @@ class POETLinear(nnx.Module):
     given = (_BLOCKS.get() or {}).get(id(self))
     blocks = (given[:2] if given is not None and given[2] == ops.series_precision(x.dtype)
               else None)
-    inverses = given[3] if given is not None else None
+    inverses = given_inverses(self)
     y = ops.poet_linear(x, kernel, self.q_in[...], self.q_out[...],
                         self.perm_in[...], self.perm_out[...],
                         block_size=self.block_size, terms=self.terms,

@@ -129,13 +129,20 @@ def invert_permutation(perm_N: Array) -> Array:
   return jnp.zeros_like(perm_N).at[perm_N].set(jnp.arange(n, dtype=perm_N.dtype))
 
 
-@jax.custom_vjp
-def permute(x_TxN: Array, perm_N: Array) -> Array:
-  """x[..., perm]: a column gather whose backward is the inverse gather.
+def permute(x_TxN: Array, perm_N: Array, inverse_N: Array | None = None) -> Array:
+  """x[..., perm]: a column gather whose backward is the inverse gather (by
+  ``inverse_N``, perm's inverse, when given; else formed in the backward).
 
   Left to autodiff, a gather's transpose is a scatter-add, ~25x slower on GPUs
   for activation-sized arrays; a permutation's transpose is just its inverse.
   """
+  if inverse_N is None:
+    return _permute(x_TxN, perm_N)
+  return _gather_pair(x_TxN, perm_N, inverse_N)
+
+
+@jax.custom_vjp
+def _permute(x_TxN: Array, perm_N: Array) -> Array:
   return _gather(x_TxN, perm_N)
 
 
@@ -172,14 +179,14 @@ permute_rows.defvjp(_permute_rows_fwd, _permute_rows_bwd)
 
 
 def _permute_fwd(x_TxN, perm_N):
-  return permute(x_TxN, perm_N), perm_N
+  return _permute(x_TxN, perm_N), perm_N
 
 
 def _permute_bwd(perm_N, g_TxN):
   return _gather(g_TxN, invert_permutation(perm_N)), None
 
 
-permute.defvjp(_permute_fwd, _permute_bwd)
+_permute.defvjp(_permute_fwd, _permute_bwd)
 
 
 def invert_permutations(perms: tp.Sequence[Array]) -> list[Array]:
@@ -257,10 +264,13 @@ def resolve_form(form: str, x_shape: tp.Sequence[int], in_features: int, out_fea
   return choose_form(math.prod(x_shape[:-1]), in_features, out_features, block_size)
 
 
-def gather_between(perm_out_N: Array, perm_in_N: Array) -> Array:
+def gather_between(perm_out_N: Array, perm_in_N: Array,
+                   inverse_out_N: Array | None = None) -> Array:
   """The one gather from a layer's unpermuted output to the next layer's
   permuted input: ``c`` with ``y[..., perm_in] == z[..., c]`` when
-  ``y = z[..., inverse(perm_out)]`` (``c = inverse(perm_out)[perm_in]``).
+  ``y = z[..., inverse(perm_out)]`` (``c = inverse(perm_out)[perm_in]``;
+  ``inverse_out_N``: perm_out's inverse, when already formed). Its inverse
+  is ``inverse(perm_in)[perm_out]``.
 
   Between layers joined by elementwise ops only (SwiGLU's gate and up
   projections and the down projection), the output permutation of one and
@@ -268,7 +278,8 @@ def gather_between(perm_out_N: Array, perm_in_N: Array) -> Array:
   ``poet_linear(..., permute_output=False)``, :func:`permute` by ``c``, the
   elementwise ops, ``poet_linear(..., permute_input=False)``.
   """
-  return jnp.take(invert_permutation(perm_out_N), perm_in_N)
+  inverse_out_N = invert_permutation(perm_out_N) if inverse_out_N is None else inverse_out_N
+  return jnp.take(inverse_out_N, perm_in_N)
 
 
 def _poet_core(x, kernel_IxO, g_in, g_out, perm_in, perm_out, inverses, precision, impl,
@@ -279,7 +290,7 @@ def _poet_core(x, kernel_IxO, g_in, g_out, perm_in, perm_out, inverses, precisio
   elif impl.permute is not None:
     u = impl.permute(x, perm_in)
   else:
-    u = permute(x, perm_in) if inverses is None else _gather_pair(x, perm_in, inverses[0])
+    u = permute(x, perm_in, None if inverses is None else inverses[0])
   v = rot(u, g_in)
   w = jnp.matmul(v, jax.lax.stop_gradient(kernel_IxO), precision=precision)
   z = rot(w, g_out)

@@ -330,6 +330,37 @@ def test_swiglu_joins_poet_gathers_exactly(keys, mode, dtype):
   assert (gathers(True), gathers(False)) == (5, 6)  # activation gathers in the forward
 
 
+def test_swiglu_join_under_batched_series_gathers_by_given_inverses(keys):
+  """Under batched_series the SwiGLU join of input-form layers takes its
+  index and that index's inverse from the block's inverses (gathers, no
+  scatter of its own): loss and gradients bit for bit those of the join
+  outside it, with one scatter in the whole program."""
+  hidden, inner = 64, 176
+  lin = lambda i, o, s: poetx_jax.POETLinear.from_linear(
+      nnx.Linear(i, o, use_bias=False, rngs=nnx.Rngs(s)), block_size=16, rngs=nnx.Rngs(s + 10))
+  mlp = nnx.Dict(gate_proj=lin(hidden, inner, 0), up_proj=lin(hidden, inner, 1),
+                 down_proj=lin(inner, hidden, 2))
+  for layer in mlp.values():
+    randomize_generators(layer, keys())
+  x = jax.random.normal(keys(), (2, 8, hidden))
+  ct = jax.random.normal(keys(), (2, 8, hidden))
+  graphdef, state, rest = nnx.split(mlp, nnx.Param, ...)
+
+  def loss(state, x, batched):
+    m = nnx.merge(graphdef, state, rest)
+    with poetx_jax.batched_series(m, x) if batched else contextlib.nullcontext():
+      y = poetx_jax.swiglu(m['gate_proj'], m['up_proj'], m['down_proj'], x)
+    return (y * ct).sum()
+
+  got, want = (jax.jit(jax.value_and_grad(loss, argnums=(0, 1)), static_argnums=2)(state, x, b)
+               for b in (True, False))
+  chex.assert_trees_all_equal(got, want)
+  scatters = lambda b: str(jax.make_jaxpr(jax.grad(loss), static_argnums=2)(
+      state, x, b)).count(' scatter[')
+  # outside: per join an inverse of perm_out and one of its index; down's output
+  assert (scatters(True), scatters(False)) == (1, 5)
+
+
 def _gathered(fn, *args) -> list[tuple[int, ...]]:
   """The shapes of the arrays ``fn(*args)`` permutes (ops' gathers), when traced."""
   shapes = []
