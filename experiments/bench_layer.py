@@ -110,7 +110,7 @@ def poet_variant(x, kernel, q_in, q_out, perm_in, perm_out, *, b, perm=True,
   u = ops.permute(x, perm_in) if perm else x
   w = jnp.matmul(rot(u, d_in), jax.lax.stop_gradient(kernel))
   z = rot(w, d_out)
-  return ops.permute(z, ops.invert_permutation(perm_out)) if perm else z
+  return ops.unpermute(z, perm_out) if perm else z
 
 
 def fwd_bwd(f, n_diff):

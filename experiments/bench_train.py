@@ -264,8 +264,9 @@ def export_check(cfg, mc, model, tokens, label: str) -> dict:
     y_ref = x.astype(jnp.float32) @ poetx_jax.effective_kernel(layer).astype(jnp.float32)
     checks['export_check'] = 'one layer'
   checks['poet_vs_dense'] = float(jnp.linalg.norm(y - y_ref) / jnp.linalg.norm(y_ref))
-  # bf16 rounding (of the compute or of the bases) compounds with depth: 0.04 for Llama-8B (32 layers) after
-  # three merges; a wrong rotation, permutation or layer order gives O(1).
+  # bf16 rounding (of the compute or of the bases) compounds with depth: 0.04
+  # for Llama-8B (32 layers) after three merges; a wrong rotation, permutation
+  # or layer order gives O(1).
   exact = (jnp.dtype(F.compute_dtype(cfg.dtype)) == jnp.float32
            and jnp.dtype(cfg.param_dtype) == jnp.float32)
   if not checks['poet_vs_dense'] < (1e-4 if exact else 0.1):

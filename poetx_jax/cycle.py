@@ -118,6 +118,16 @@ def _merge_compiled(layer: POETLinear, key: Array) -> Array:
   return error
 
 
+# The merge programs run once a cycle: on GPUs they are compiled without XLA's
+# autotuning, trading a possibly slower algorithm for a product, once a cycle,
+# for compile time (BENCHMARKS.md, "Step speed after batched_series").
+MERGE_GPU_COMPILER_OPTIONS = {'xla_gpu_autotune_level': 0}
+
+
+def _on_gpu() -> bool:
+  return jax.default_backend() == 'gpu'
+
+
 @functools.lru_cache(maxsize=64)
 def _merge_program(graphdef, treedef, sharding_leaves, donate):
   def run(state, key):
@@ -133,15 +143,10 @@ def _merge_program(graphdef, treedef, sharding_leaves, donate):
     out = (shardings, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
   # A stack of layers is donated and updated in place, one layer's scratch at
   # a time (not donated, it would need a second copy of its base weights).
-  options = MERGE_GPU_COMPILER_OPTIONS if jax.default_backend() == 'gpu' else None
+  options = MERGE_GPU_COMPILER_OPTIONS if _on_gpu() else None
   return jax.jit(run, out_shardings=out, donate_argnums=0 if donate else (),
                  compiler_options=options)
 
-
-# The merge programs run once a cycle: on GPUs they are compiled without XLA's
-# autotuning, trading a possibly slower algorithm for a product, once a cycle,
-# for compile time (BENCHMARKS.md, "Step speed after batched_series").
-MERGE_GPU_COMPILER_OPTIONS = {'xla_gpu_autotune_level': 0}
 
 
 def merge_due(old_state, new_state) -> Array:

@@ -50,7 +50,9 @@ import typing as tp
 import jax
 import jax.numpy as jnp
 
-from poetx_jax.layout import materialized, row_major
+from poetx_jax.perms import (  # noqa: F401
+    _gather_pair, gather_between, invert_permutation, invert_permutations, permute,
+    permute_rows, random_permutation, unpermute, unpermute_rows)
 from poetx_jax.quant import QUANT_BITS, dequantize_kernel, quantize_kernel  # noqa: F401
 from poetx_jax.series import (  # noqa: F401
     DEFAULT_TERMS, cayley_neumann, orthogonality_error, rotation_blocks, rotation_blocks_batched,
@@ -117,120 +119,6 @@ def rotate_features(x_TxN: Array, g_KxBxB: Array, *, precision=None,
   return y[..., :n]
 
 
-# ----------------------------------------------------------------- permutations
-def random_permutation(key: Array, n: int) -> Array:
-  """A uniformly random permutation of range(n), int32."""
-  return jax.random.permutation(key, n).astype(jnp.int32)
-
-
-def invert_permutation(perm_N: Array) -> Array:
-  """inv such that inv[perm[i]] = i (an O(N) scatter, no sort)."""
-  n = perm_N.shape[-1]
-  return jnp.zeros_like(perm_N).at[perm_N].set(jnp.arange(n, dtype=perm_N.dtype))
-
-
-def permute(x_TxN: Array, perm_N: Array, inverse_N: Array | None = None) -> Array:
-  """x[..., perm]: a column gather whose backward is the inverse gather (by
-  ``inverse_N``, perm's inverse, when given; else formed in the backward).
-
-  Left to autodiff, a gather's transpose is a scatter-add, ~25x slower on GPUs
-  for activation-sized arrays; a permutation's transpose is just its inverse.
-  """
-  if inverse_N is None:
-    return _permute(x_TxN, perm_N)
-  return _gather_pair(x_TxN, perm_N, inverse_N)
-
-
-@jax.custom_vjp
-def _permute(x_TxN: Array, perm_N: Array) -> Array:
-  return _gather(x_TxN, perm_N)
-
-
-def _gather(x_TxN, idx_N):
-  # On GPUs: row-major operands and results, each gather a kernel of its own
-  # (poetx_jax.layout says why), reading an index computed beforehand (a
-  # computed index fused into it, as gather_between's, costs each element a
-  # dependent load: twice the time).
-  x_TxN = materialized(row_major(jnp.asarray(x_TxN)))
-  idx_N = materialized(jnp.asarray(idx_N))
-  return materialized(row_major(x_TxN.at[..., idx_N].get(mode='promise_in_bounds',
-                                                         unique_indices=True)))
-
-
-@jax.custom_vjp
-def permute_rows(x_NxT: Array, perm_N: Array) -> Array:
-  """x[perm]: a row gather whose backward is the inverse gather (see :func:`permute`)."""
-  return _take_rows(x_NxT, perm_N)
-
-
-def _take_rows(x_NxT, idx_N):
-  return x_NxT.at[idx_N].get(mode='promise_in_bounds', unique_indices=True)
-
-
-def _permute_rows_fwd(x_NxT, perm_N):
-  return permute_rows(x_NxT, perm_N), perm_N
-
-
-def _permute_rows_bwd(perm_N, g_NxT):
-  return permute_rows(g_NxT, invert_permutation(perm_N)), None
-
-
-permute_rows.defvjp(_permute_rows_fwd, _permute_rows_bwd)
-
-
-def _permute_fwd(x_TxN, perm_N):
-  return _permute(x_TxN, perm_N), perm_N
-
-
-def _permute_bwd(perm_N, g_TxN):
-  return _gather(g_TxN, invert_permutation(perm_N)), None
-
-
-_permute.defvjp(_permute_fwd, _permute_bwd)
-
-
-def invert_permutations(perms: tp.Sequence[Array]) -> list[Array]:
-  """The inverses of several permutations (1-D), formed by one scatter."""
-  if len(perms) == 1:
-    return [invert_permutation(perms[0])]
-  sizes = [p.shape[-1] for p in perms]
-  offsets = [sum(sizes[:j]) for j in range(len(perms))]
-  inv = invert_permutation(jnp.concatenate([p + o for p, o in zip(perms, offsets)]))
-  return [inv[o:o + n] - o for o, n in zip(offsets, sizes)]
-
-
-@jax.custom_vjp
-def _gather_pair(x_TxN, idx_N, back_N):
-  """``x[..., idx]`` whose backward gathers by ``back``, idx's inverse."""
-  return _gather(x_TxN, idx_N)
-
-
-@jax.custom_vjp
-def _take_rows_pair(x_NxT, idx_N, back_N):
-  """``x[idx]`` whose backward gathers rows by ``back``, idx's inverse."""
-  return _take_rows(x_NxT, idx_N)
-
-
-_gather_pair.defvjp(lambda x, idx, back: (_gather(x, idx), back),
-                    lambda back, g: (_gather(g, back), None, None))
-_take_rows_pair.defvjp(lambda x, idx, back: (_take_rows(x, idx), back),
-                       lambda back, g: (_take_rows(g, back), None, None))
-
-
-def unpermute(x_TxN: Array, perm_N: Array, inverse_N: Array | None = None) -> Array:
-  """``x[..., inverse(perm)]``, undoing :func:`permute` by ``perm``: the
-  inverse formed once, in the forward (or given: ``inverse_N``); the backward
-  gathers by ``perm`` itself (``permute`` by the inverse would invert it again)."""
-  inverse_N = invert_permutation(perm_N) if inverse_N is None else inverse_N
-  return _gather_pair(x_TxN, inverse_N, perm_N)
-
-
-def unpermute_rows(x_NxT: Array, perm_N: Array, inverse_N: Array | None = None) -> Array:
-  """``x[inverse(perm)]``: :func:`unpermute` along the first axis."""
-  inverse_N = invert_permutation(perm_N) if inverse_N is None else inverse_N
-  return _take_rows_pair(x_NxT, inverse_N, perm_N)
-
-
 # ------------------------------------------------------------------ the layer
 FORMS = ('input', 'weight', 'auto')
 
@@ -264,24 +152,6 @@ def resolve_form(form: str, x_shape: tp.Sequence[int], in_features: int, out_fea
   return choose_form(math.prod(x_shape[:-1]), in_features, out_features, block_size)
 
 
-def gather_between(perm_out_N: Array, perm_in_N: Array,
-                   inverse_out_N: Array | None = None) -> Array:
-  """The one gather from a layer's unpermuted output to the next layer's
-  permuted input: ``c`` with ``y[..., perm_in] == z[..., c]`` when
-  ``y = z[..., inverse(perm_out)]`` (``c = inverse(perm_out)[perm_in]``;
-  ``inverse_out_N``: perm_out's inverse, when already formed). Its inverse
-  is ``inverse(perm_in)[perm_out]``.
-
-  Between layers joined by elementwise ops only (SwiGLU's gate and up
-  projections and the down projection), the output permutation of one and
-  the input permutation of the next then cost one gather instead of two:
-  ``poet_linear(..., permute_output=False)``, :func:`permute` by ``c``, the
-  elementwise ops, ``poet_linear(..., permute_input=False)``.
-  """
-  inverse_out_N = invert_permutation(perm_out_N) if inverse_out_N is None else inverse_out_N
-  return jnp.take(inverse_out_N, perm_in_N)
-
-
 def _poet_core(x, kernel_IxO, g_in, g_out, perm_in, perm_out, inverses, precision, impl,
                sides):
   rot = functools.partial(rotate_features, precision=precision, rotate=impl.rotate)
@@ -296,9 +166,10 @@ def _poet_core(x, kernel_IxO, g_in, g_out, perm_in, perm_out, inverses, precisio
   z = rot(w, g_out)
   if not sides[1]:
     return z
-  if impl.permute is not None:
-    return impl.permute(z, invert_permutation(perm_out))
-  return unpermute(z, perm_out, None if inverses is None else inverses[1])
+  inverse_out = None if inverses is None else inverses[1]
+  if impl.permute is not None:  # a gather kernel; it forms its own backward's inverse
+    return impl.permute(z, invert_permutation(perm_out) if inverse_out is None else inverse_out)
+  return unpermute(z, perm_out, inverse_out)
 
 
 def rotate_weight(kernel_IxO, g_in, g_out, perm_in, perm_out, precision=None, *,
@@ -335,8 +206,7 @@ def _poet_weight_core(x, kernel_IxO, g_in, g_out, perm_in, perm_out, inverses, p
 
 
 def _poet_layer(x, kernel, scale, q_in, q_out, perm_in, perm_out, blocks, inverses, *,
-                block_size, terms,
-                form, precision, impl, sides, max_norm):
+                block_size, terms, form, precision, impl, sides, max_norm):
   """The body of :func:`poet_linear` (rematerialised whole under ``remat``)."""
   i, o = perm_in.shape[-1], perm_out.shape[-1]
   cn_precision = series_precision(x.dtype)
@@ -411,6 +281,7 @@ def poet_linear(x_TxI: Array, kernel_IxO: Array, q_in_KxP: Array, q_out_KxP: Arr
     inverses: the inverses of ``perm_in_I`` and ``perm_out_O``, already
       formed (e.g. for several layers by one scatter,
       :func:`invert_permutations`); None: the layer forms those it needs.
+      (A gather kernel of ``implementation`` forms its backward's own.)
 
   Returns:
     y of shape (..., O) in x's dtype (no bias), or ``y[..., perm_out_O]``.

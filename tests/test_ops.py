@@ -194,8 +194,9 @@ def test_rotate_weight_rounds_before_its_gathers_with_the_same_values(keys):
 @pytest.mark.parametrize('rows', [False, True])
 def test_unpermute_undoes_permute_and_inverts_once(keys, rows):
   """unpermute(x, p) is x[..., inverse(p)] (rows: x[inverse(p)]), values and
-  gradients as autodiff of plain indexing gives them, with one inversion (a
-  scatter) in the forward and none in the backward."""
+  gradients (to second order) as autodiff of plain indexing gives them, with
+  one inversion (a scatter) in the forward and none in the backward; none at
+  all given the inverse."""
   perm = ops.random_permutation(keys(), 24)
   inv = jnp.argsort(perm)
   x = jax.random.normal(keys(), (24, 24))
@@ -208,6 +209,22 @@ def test_unpermute_undoes_permute_and_inverts_once(keys, rows):
                                 jax.vjp(ref, x)[1](ct)[0])
   jaxpr = str(jax.make_jaxpr(jax.grad(lambda x: (fn(x, perm) * ct).sum()))(x))
   assert jaxpr.count(' scatter[') == 1
+  check_grads(lambda x: fn(x, perm), (x,), order=2, modes=['rev'])
+  # the inverse given: no scatter at all, the same values and gradients
+  np.testing.assert_array_equal(fn(x, perm, inv), ref(x))
+  jaxpr = str(jax.make_jaxpr(jax.grad(lambda x: (fn(x, perm, inv) * ct).sum()))(x))
+  assert jaxpr.count(' scatter[') == 0
+  check_grads(lambda x: ops.permute(x, perm, inv), (x,), order=2, modes=['rev'])
+
+
+def test_invert_permutations_at_once(keys):
+  perms = [ops.random_permutation(keys(), n) for n in (5, 1, 12, 7)]
+  got = ops.invert_permutations(perms)
+  for p, inv in zip(perms, got):
+    np.testing.assert_array_equal(inv, ops.invert_permutation(p))
+  jaxpr = str(jax.make_jaxpr(ops.invert_permutations)(perms))
+  assert jaxpr.count(' scatter[') == 1
+  assert ops.invert_permutations([]) == []
 
 
 def test_forms_agree_and_bad_form(keys):

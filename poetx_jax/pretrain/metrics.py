@@ -74,7 +74,7 @@ class Metrics:
 
 
 def merge_reporter(metrics: Metrics, log: tp.Callable[[str], None], *, poet_lr: float,
-                   merge_every: int, max_generator_norm: float | None = None
+                   merge_every: int, max_generator_norm: float | None
                    ) -> tp.Callable[[int, tp.Any], None]:
   """``on_merge(step, error)`` for the train step: records each merge's
   orthogonality error and logs a warning naming the remedies past
