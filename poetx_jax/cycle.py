@@ -148,7 +148,6 @@ def _merge_program(graphdef, treedef, sharding_leaves, donate):
                  compiler_options=options)
 
 
-
 def merge_due(old_state, new_state) -> Array:
   """True iff the update from ``old_state`` to ``new_state`` completed a cycle.
 
