@@ -32,7 +32,8 @@ zero-padded to K*B and the last block's generator is masked to its top-left
 ``r x r`` corner (r = N - (K-1) B), so the padded rotation is ``diag(G_r, I)``:
 exactly block-orthogonal on the real coordinates, with padding that never mixes in.
 
-The series (:mod:`poetx_jax.series`, re-exported here) runs in float32. For
+The permutations and their gathers are in :mod:`poetx_jax.perms`, re-exported
+here. The series (:mod:`poetx_jax.series`, re-exported here) runs in float32. For
 float32 activations (and for merges and ``effective_kernel``) its products
 use full float32 precision (:func:`series_precision`); for bf16/fp16
 activations they use the backend's default float32 matmul precision (TF32 on
@@ -51,8 +52,8 @@ import jax
 import jax.numpy as jnp
 
 from poetx_jax.perms import (  # noqa: F401
-    _gather_pair, gather_between, invert_permutation, invert_permutations, permute,
-    permute_rows, random_permutation, unpermute, unpermute_rows)
+    gather_between, invert_permutation, invert_permutations, permute, permute_rows,
+    random_permutation, unpermute, unpermute_rows)
 from poetx_jax.quant import QUANT_BITS, dequantize_kernel, quantize_kernel  # noqa: F401
 from poetx_jax.series import (  # noqa: F401
     DEFAULT_TERMS, cayley_neumann, orthogonality_error, rotation_blocks, rotation_blocks_batched,
