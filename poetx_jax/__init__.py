@@ -51,6 +51,7 @@ from poetx_jax.skewadam import (
     state_bytes,
 )
 from poetx_jax.step import make_train_step
+from poetx_jax.ties import tie_permutations
 
 __version__ = '0.1.0'
 
@@ -63,6 +64,6 @@ __all__ = [
     'linear_operands', 'poet_layers', 'poetize', 'poetx', 'poetx_labels', 'poetx_partition',
     'scale_by_lean_adam', 'scale_by_poetx', 'swiglu', 'to_linear', 'unpoetize',
     'FactoredRMSState', 'poetx_skewadam', 'scale_by_factored_rms', 'scale_by_skewadam',
-    'skewadam', 'skewadam_labels', 'state_bytes', 'check_hyperparameters',
+    'skewadam', 'skewadam_labels', 'state_bytes', 'check_hyperparameters', 'tie_permutations',
     'factored_moments_like', 'is_factored', 'update_factored_moment',
 ]

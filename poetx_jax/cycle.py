@@ -39,26 +39,50 @@ from poetx_jax import ops
 from poetx_jax.convert import for_each_layer, poet_layers
 from poetx_jax.linear import POETLinear
 from poetx_jax.optim import the_poetx_state
+from poetx_jax.ties import tied_sides
 
 Array = jax.Array
 
 
-def merge_layer(layer: POETLinear, key: Array) -> Array:
+def draw_permutations(layer: POETLinear, key: Array) -> tuple[Array, Array]:
+  """The ``(perm_in, perm_out)`` that :func:`merge_layer` draws from ``key``
+  (for a stack, stacked: layer ``j`` from ``jax.random.split(key, stack)[j]``)."""
+  if layer.stack_shape:
+    keys = jax.random.split(key, layer.stack_shape)
+    draw = lambda k: _draw(k, layer.in_features, layer.out_features)  # noqa: E731
+    for _ in layer.stack_shape:
+      draw = jax.vmap(draw)
+    return draw(keys)
+  return _draw(key, layer.in_features, layer.out_features)
+
+
+def _draw(key, i, o):
+  k_in, k_out = jax.random.split(key)
+  return ops.random_permutation(k_in, i), ops.random_permutation(k_out, o)
+
+
+def merge_layer(layer: POETLinear, key: Array, perm_in: Array | None = None,
+                perm_out: Array | None = None) -> Array:
   """Merge-then-reinitialise one POET layer (or each layer of a stack, with
   its own key split from ``key``) in place.
+
+  ``perm_in`` / ``perm_out``: the new permutations of that side (stacked
+  for a stack), given in place of the ones drawn from ``key`` (for tied
+  permutations, :mod:`poetx_jax.ties`).
 
   Returns the merged factors' largest :meth:`POETLinear.orthogonality_error`:
   what the merge folds into W0 beyond a rotation.
   """
   if layer.stack_shape:
     keys = jax.random.split(key, layer.stack_shape)
-    return jnp.max(for_each_layer(layer, merge_layer, keys, update=True))
+    return jnp.max(for_each_layer(layer, merge_layer, keys, perm_in, perm_out, update=True))
   blocks = layer.rotation_blocks()  # one series for the error and the merged kernel
   error = layer.orthogonality_error(blocks)
   merged = layer.effective_kernel(blocks)
-  k_in, k_out = jax.random.split(key)
-  perm_in = ops.random_permutation(k_in, layer.in_features)
-  perm_out = ops.random_permutation(k_out, layer.out_features)
+  drawn_in, drawn_out = _draw(key, layer.in_features, layer.out_features)
+  # A given permutation is copied: each layer's state holds a buffer of its own.
+  perm_in = drawn_in if perm_in is None else jnp.copy(perm_in)
+  perm_out = drawn_out if perm_out is None else jnp.copy(perm_out)
   base, scale = layer.encode_base(ops.permute_kernel(merged, perm_in, perm_out))
   layer.kernel[...] = base
   if scale is not None:
@@ -101,19 +125,33 @@ def merge(model, *, rngs: nnx.Rngs | Array) -> Array:
   """
   key = rngs.params() if isinstance(rngs, nnx.Rngs) else rngs
   traced = isinstance(key, jax.core.Tracer)
+  layers = poet_layers(model)
+  index = {id(layer): i for i, (_, layer) in enumerate(layers)}
+  ties, drawn = tied_sides(model), {}
+
+  def given(layer, side):  # a tied side takes its group leader's new permutation
+    lead = ties.get((id(layer), side))
+    if lead is None:
+      return None
+    leader, lead_side = lead
+    if id(leader) not in drawn:
+      drawn[id(leader)] = draw_permutations(leader, jax.random.fold_in(key, index[id(leader)]))
+    return drawn[id(leader)][0 if lead_side == 'in' else 1]
+
   errors = []
-  for i, (_, layer) in enumerate(poet_layers(model)):
+  for i, (_, layer) in enumerate(layers):
     k = jax.random.fold_in(key, i)
-    errors.append(merge_layer(layer, k) if traced else _merge_compiled(layer, k))
+    perms = (given(layer, 'in'), given(layer, 'out'))
+    errors.append(merge_layer(layer, k, *perms) if traced else _merge_compiled(layer, k, perms))
   return jnp.max(jnp.stack(errors)) if errors else jnp.zeros((), jnp.float32)
 
 
-def _merge_compiled(layer: POETLinear, key: Array) -> Array:
+def _merge_compiled(layer: POETLinear, key: Array, perms) -> Array:
   graphdef, state = nnx.split(layer)
   shardings = jax.tree.map(lambda x: x.sharding, state)
   leaves, treedef = jax.tree.flatten(shardings)
   fn = _merge_program(graphdef, treedef, tuple(leaves), bool(layer.stack_shape))
-  state, error = fn(state, key)
+  state, error = fn(state, key, perms)
   nnx.update(layer, state)
   return error
 
@@ -130,9 +168,9 @@ def _on_gpu() -> bool:
 
 @functools.lru_cache(maxsize=64)
 def _merge_program(graphdef, treedef, sharding_leaves, donate):
-  def run(state, key):
+  def run(state, key, perms):
     layer = nnx.merge(graphdef, state)
-    error = merge_layer(layer, key)
+    error = merge_layer(layer, key, *perms)
     return nnx.state(layer), error
 
   if all(isinstance(s, jax.sharding.SingleDeviceSharding) for s in sharding_leaves):

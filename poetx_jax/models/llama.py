@@ -26,7 +26,7 @@ from flax import nnx
 from flax.nnx.nn import initializers
 from jax.ad_checkpoint import checkpoint_name
 
-from poetx_jax.groups import batched_series, swiglu
+from poetx_jax.groups import batched_series, project, swiglu
 from poetx_jax.models.stack import StackedLayers
 
 Array = jax.Array
@@ -215,7 +215,11 @@ def _linear(i, o, config, dtype, param_dtype, rngs):
 
 class Attention(nnx.Module):
   """Causal grouped-query self-attention with rotary embeddings;
-  ``attention`` picks the kernel (:func:`attention_implementation`)."""
+  ``attention`` picks the kernel (:func:`attention_implementation`).
+  POET projections may tie the q, k and v input permutations
+  (:func:`poetx_jax.tie_permutations`)."""
+
+  shares_permutations: bool = False  # set by poetx_jax.tie_permutations
 
   def __init__(self, config: LlamaConfig, *, dtype: tp.Any = jnp.float32,
                param_dtype: tp.Any = jnp.float32, attention: str = 'auto',
@@ -239,9 +243,11 @@ class Attention(nnx.Module):
     b, t, _ = x.shape
     if positions is None:
       positions = jnp.arange(t)[None]
-    q = self.q_proj(x).reshape(b, t, self.heads, self.head_dim)
-    k = self.k_proj(x).reshape(b, t, self.kv_heads, self.head_dim)
-    v = self.v_proj(x).reshape(b, t, self.kv_heads, self.head_dim)
+    q, k, v = project((self.q_proj, self.k_proj, self.v_proj), x,
+                      tied=self.shares_permutations)
+    q = q.reshape(b, t, self.heads, self.head_dim)
+    k = k.reshape(b, t, self.kv_heads, self.head_dim)
+    v = v.reshape(b, t, self.kv_heads, self.head_dim)
     cos, sin = rope_tables(positions, self.head_dim, self.rope_theta)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     impl = attention_implementation(self.attention, q.dtype, self.head_dim)
@@ -249,9 +255,17 @@ class Attention(nnx.Module):
     out = checkpoint_name(out.reshape(b, t, self.heads * self.head_dim), 'attn_out')
     return self.o_proj(out)
 
+  def permutation_ties(self) -> list[list]:
+    """The q, k and v projections share their input (:mod:`poetx_jax.ties`)."""
+    return [[(self.q_proj, 'in'), (self.k_proj, 'in'), (self.v_proj, 'in')]]
+
 
 class MLP(nnx.Module):
-  """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
+  """SwiGLU: ``down(silu(gate(x)) * up(x))``. POET projections may tie
+  permutations (:func:`poetx_jax.tie_permutations`): the gate and up
+  inputs', and the gate and up outputs' with the down input's."""
+
+  shares_permutations: bool = False  # set by poetx_jax.tie_permutations
 
   def __init__(self, config: LlamaConfig, *, dtype: tp.Any = jnp.float32,
                param_dtype: tp.Any = jnp.float32, rngs: nnx.Rngs):
@@ -262,7 +276,14 @@ class MLP(nnx.Module):
     self.down_proj = lin(config.mlp, config.hidden)
 
   def __call__(self, x: Array) -> Array:
-    return swiglu(self.gate_proj, self.up_proj, self.down_proj, x, hidden_name='mlp_hidden')
+    return swiglu(self.gate_proj, self.up_proj, self.down_proj, x, hidden_name='mlp_hidden',
+                  tied=self.shares_permutations)
+
+  def permutation_ties(self) -> list[list]:
+    """gate and up share their input; down's input is their elementwise
+    product (:mod:`poetx_jax.ties`)."""
+    return [[(self.gate_proj, 'in'), (self.up_proj, 'in')],
+            [(self.gate_proj, 'out'), (self.up_proj, 'out'), (self.down_proj, 'in')]]
 
 
 class DecoderLayer(nnx.Module):
