@@ -132,6 +132,10 @@ class TrainConfig:
       none=f'on for a fresh model of hidden size >= {WIDE_HIDDEN} (60m and '
            'up; it decided POET-X\'s quality in the 130m study, docs/quality.md), off for '
            'smaller ones and with --init-from-hf')
+  tie_permutations: bool = _option(
+      False, "POET-X: one permutation for a decoder layer's q/k/v inputs, one for its "
+      'gate/up inputs and one for the gate/up outputs and down input (fewer activation '
+      'gathers; the published POET-X draws each independently)')
   mode: str = _option('fast', 'POET-X fast (keeps activations) or mem (recomputes)',
                       choices=linear.MODES)
   form: str | None = _option(
@@ -200,6 +204,9 @@ class TrainConfig:
                        f'baseline trains its weights in full precision)')
     if self.max_generator_norm is not None and self.optimizer != 'poetx':
       raise ValueError(f'max_generator_norm needs optimizer poetx (got {self.optimizer!r})')
+    if self.tie_permutations and self.optimizer != 'poetx':
+      raise ValueError(f'tie_permutations needs optimizer poetx (it ties POET layers\' '
+                       f'permutations), got optimizer={self.optimizer!r}')
     if self.normalize_rows and self.optimizer != 'poetx':
       raise ValueError(f'normalize_rows needs optimizer poetx (it sets the spectrum POET-X '
                        f'keeps; got {self.optimizer!r})')

@@ -137,16 +137,18 @@ def layer_form(cfg: TrainConfig, mc: LlamaConfig) -> str:
 
 def _layer_converter(cfg: TrainConfig, mc: LlamaConfig):
   """``convert(layer)``: a decoder layer poetized as the run configures, its
-  dense kernels consumed; permutations drawn from ``seed + 1``, layer after layer."""
+  dense kernels consumed; permutations drawn from ``seed + 1``, layer after
+  layer (and tied, with ``cfg.tie_permutations``)."""
   poet_rngs = nnx.Rngs(jax.random.key(cfg.seed + 1))
 
   def convert(layer):
-    return poetx_jax.poetize(layer, rngs=poet_rngs, consume=True,
-                             normalize_rows=normalize_rows(cfg, mc),
-                             max_generator_norm=cfg.max_generator_norm,
-                             block_size=cfg.block_size or mc.block_size, mode=cfg.mode,
-                             form=layer_form(cfg, mc), implementation=cfg.implementation,
-                             quantize=cfg.quantize, group_size=cfg.group_size)
+    layer = poetx_jax.poetize(layer, rngs=poet_rngs, consume=True,
+                              normalize_rows=normalize_rows(cfg, mc),
+                              max_generator_norm=cfg.max_generator_norm,
+                              block_size=cfg.block_size or mc.block_size, mode=cfg.mode,
+                              form=layer_form(cfg, mc), implementation=cfg.implementation,
+                              quantize=cfg.quantize, group_size=cfg.group_size)
+    return poetx_jax.tie_permutations(layer) if cfg.tie_permutations else layer
 
   return convert
 
