@@ -404,7 +404,7 @@ def test_stacked_merge_updates_in_place_one_layer_at_a_time():
   graphdef, state = nnx.split(layer)
   leaves, treedef = jax.tree.flatten(jax.tree.map(lambda x: x.sharding, state))
   program = cycle._merge_program(graphdef, treedef, tuple(leaves), True)
-  mem = program.lower(state, jax.random.key(0)).compile().memory_analysis()
+  mem = program.lower(state, jax.random.key(0), (None, None)).compile().memory_analysis()
   stack = sum(x.nbytes for x in jax.tree.leaves(state))
   assert mem.alias_size_in_bytes >= stack - 64
   assert mem.temp_size_in_bytes < 0.5 * stack
