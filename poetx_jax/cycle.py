@@ -39,7 +39,7 @@ from poetx_jax import ops
 from poetx_jax.convert import for_each_layer, poet_layers
 from poetx_jax.linear import POETLinear
 from poetx_jax.optim import the_poetx_state
-from poetx_jax.ties import tied_sides
+from poetx_jax.ties import tie_of, tied_sides
 
 Array = jax.Array
 
@@ -67,12 +67,20 @@ def merge_layer(layer: POETLinear, key: Array, perm_in: Array | None = None,
   its own key split from ``key``) in place.
 
   ``perm_in`` / ``perm_out``: the new permutations of that side (stacked
-  for a stack), given in place of the ones drawn from ``key`` (for tied
-  permutations, :mod:`poetx_jax.ties`).
+  for a stack), given in place of the ones drawn from ``key``. A tied side
+  (:mod:`poetx_jax.ties`) must be given its group's: :func:`merge` gives them.
 
   Returns the merged factors' largest :meth:`POETLinear.orthogonality_error`:
   what the merge folds into W0 beyond a rotation.
+
+  Raises:
+    ValueError: a tied side is not given its permutation.
   """
+  for side, given in (('in', perm_in), ('out', perm_out)):
+    if given is None and tie_of(layer, side) is not None:
+      raise ValueError(f"this layer's {side!r} permutation is tied to other layers' "
+                       f'({tie_of(layer, side)}): merge the module that holds the whole '
+                       f'group with poetx_jax.merge, which draws one permutation for it')
   if layer.stack_shape:
     keys = jax.random.split(key, layer.stack_shape)
     return jnp.max(for_each_layer(layer, merge_layer, keys, perm_in, perm_out, update=True))
@@ -127,7 +135,11 @@ def merge(model, *, rngs: nnx.Rngs | Array) -> Array:
   traced = isinstance(key, jax.core.Tracer)
   layers = poet_layers(model)
   index = {id(layer): i for i, (_, layer) in enumerate(layers)}
-  ties, drawn = tied_sides(model), {}
+  (ties, partial), drawn = tied_sides(model), {}
+  if partial:
+    raise ValueError(f'{len(partial)} tied permutation(s) of this model belong to groups '
+                     f'whose other layers are outside it (poetx_jax.ties): merge the module '
+                     f'that holds every layer of each group')
 
   def given(layer, side):  # a tied side takes its group leader's new permutation
     lead = ties.get((id(layer), side))

@@ -15,6 +15,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from poetx_jax import ops
 from poetx_jax.linear import _BLOCKS, POETLinear, given_inverses, implementation_for
+from poetx_jax.ties import tied
 
 Array = jax.Array
 
@@ -90,14 +91,15 @@ def linear_operands(layer: nnx.Linear | POETLinear, x: Array) -> tuple[Array, Ar
   return x.astype(dtype), layer.compute_kernel(dtype)
 
 
-def project(layers: tp.Sequence[nnx.Linear | POETLinear], x: Array, *, tied: bool = False,
+def project(layers: tp.Sequence[nnx.Linear | POETLinear], x: Array, *,
             permute_output: bool = True) -> list[Array]:
-  """``[layer(x) for layer in layers]``; with ``tied`` (POET layers whose
-  input permutations are one, :mod:`poetx_jax.ties`) that all run the input
-  form, ``x`` is gathered once for all of them. ``permute_output=False``
-  (POET layers only): each output in its layer's output order."""
+  """``[layer(x) for layer in layers]``. When they are POET layers whose
+  input permutations are tied (:func:`poetx_jax.tie_permutations`) and all
+  run the input form, ``x`` is gathered once for all of them.
+  ``permute_output=False`` (POET layers only): each output in its layer's
+  output order."""
   kw = {} if permute_output else {'permute_output': False}
-  if not (tied and all(isinstance(m, POETLinear) for m in layers) and all(
+  if not (tied([(m, 'in') for m in layers]) and all(
       m.form_for((*x.shape[:-1], m.in_features)) == 'input' for m in layers)):
     return [m(x, **kw) for m in layers]
   inverses = given_inverses(layers[0])
@@ -108,7 +110,7 @@ def project(layers: tp.Sequence[nnx.Linear | POETLinear], x: Array, *, tied: boo
 def swiglu(gate: nnx.Linear | POETLinear, up: nnx.Linear | POETLinear,
            down: nnx.Linear | POETLinear, x: Array, *,
            activation: tp.Callable[[Array], Array] = jax.nn.silu,
-           hidden_name: str | None = None, tied: bool = False) -> Array:
+           hidden_name: str | None = None) -> Array:
   """``down(activation(gate(x)) * up(x))``, the gated MLP of Llama, for plain
   or POET layers.
 
@@ -119,6 +121,9 @@ def swiglu(gate: nnx.Linear | POETLinear, up: nnx.Linear | POETLinear,
   those of the plain formula. When it runs the weight form, its input
   permutation is folded into its weight and the plain formula runs (weight
   forms of gate and up then gather no activations at all).
+  When the gate and up output permutations and down's input permutation
+  are tied (:func:`poetx_jax.tie_permutations`), the hidden activation stays
+  in that one order: no gather between the layers at all.
 
   Args:
     gate, up, down: the three projections (``nnx.Linear`` or POETLinear).
@@ -126,11 +131,6 @@ def swiglu(gate: nnx.Linear | POETLinear, up: nnx.Linear | POETLinear,
     activation: applied to the gate's output.
     hidden_name: a ``jax.ad_checkpoint.checkpoint_name`` for the hidden
       activation (for rematerialisation policies), or None.
-    tied: the three are POET layers whose permutations are tied
-      (:mod:`poetx_jax.ties`): gate and up share their input permutation, and
-      their output permutation is down's input permutation. Then the hidden
-      activation stays in that order: no gather between the layers, and one
-      gather of ``x`` for both when they run the input form.
 
   Example::
 
@@ -149,8 +149,8 @@ def swiglu(gate: nnx.Linear | POETLinear, up: nnx.Linear | POETLinear,
   name = (lambda h: checkpoint_name(h, hidden_name)) if hidden_name else (lambda h: h)
   if not all(isinstance(lin, POETLinear) for lin in (gate, up, down)):
     return down(name(activation(gate(x)) * up(x)))
-  if tied:
-    g, u = project((gate, up), x, tied=True, permute_output=False)
+  if tied([(gate, 'out'), (up, 'out'), (down, 'in')]):  # one permutation: no gather
+    g, u = project((gate, up), x, permute_output=False)
     return down(name(activation(g) * u), permute_input=False)
   if down.form_for((*x.shape[:-1], down.in_features)) == 'weight':
     return down(name(activation(gate(x)) * up(x)))

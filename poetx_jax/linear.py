@@ -202,6 +202,9 @@ class POETLinear(nnx.Module):
 
     self.in_features = in_features
     self.out_features = out_features
+    # The tied group each side's permutation belongs to (poetx_jax.ties), or None.
+    self.tie_in: str | None = None
+    self.tie_out: str | None = None
     self.block_size = block_size
     self.terms = terms
     self.max_generator_norm = max_generator_norm

@@ -5,17 +5,19 @@ module may instead declare groups of (layer, side) pairs whose features are
 the same activations, e.g. the inputs of a block's q, k and v projections,
 and :func:`tie_permutations` gives each group one permutation: each layer
 still has its own rotation blocks, but the groups' blocks cover the same
-features. The module can then gather once where the independent draws
-gather once per layer (in the input form: one gather of the q/k/v input
-instead of three), and between layers joined by elementwise ops not at all
-(SwiGLU's gate and up outputs are already in the down projection's input
-order). :func:`poetx_jax.merge` keeps the ties: a group's members take the
-permutations its first member draws.
+features. Each tied side records its group (``POETLinear.tie_in`` /
+``tie_out``), and code that sees a group tied (:func:`tied`) can gather
+once where the independent draws gather once per layer (in the input form:
+one gather of the q/k/v input instead of three; :func:`poetx_jax.groups.project`),
+and between layers joined by elementwise ops not at all (SwiGLU's gate and
+up outputs are already in the down projection's input order;
+:func:`poetx_jax.swiglu`). :func:`poetx_jax.merge` keeps the ties: a group's
+members take the permutation its first member draws, and a merge that holds
+only part of a group is refused.
 
 A module declares its groups with a method ``permutation_ties()`` returning
-a list of groups, each a list of ``(POETLinear, 'in' | 'out')``, and reads
-its attribute ``shares_permutations`` (set by :func:`tie_permutations`) to
-use them. ``poetx_jax.models``' Llama attention and SwiGLU MLP do.
+a list of groups, each a list of ``(POETLinear, 'in' | 'out')``.
+``poetx_jax.models``' Llama attention and SwiGLU MLP do.
 """
 
 from __future__ import annotations
@@ -33,17 +35,32 @@ SIDES = ('in', 'out')
 Group = tp.Sequence[tuple[POETLinear, str]]
 
 
-def _declared(module) -> list[tuple[nnx.Module, list[Group]]]:
-  """``(module, its groups of POET layers)`` for every sub-module that declares ties."""
+def _declared(module) -> list[tuple[str, Group]]:
+  """``(name, group)`` for every group of POET layers that a sub-module of
+  ``module`` declares; ``name`` (the module's class and the group's index)
+  is what a tied side records."""
   out = []
   for _, m in nnx.iter_graph(module):
     ties = getattr(m, 'permutation_ties', None)
     if isinstance(m, nnx.Module) and callable(ties):
-      groups = [list(g) for g in ties()
-                if len(g) > 1 and all(isinstance(layer, POETLinear) for layer, _ in g)]
-      if groups:
-        out.append((m, groups))
+      for j, g in enumerate(ties()):
+        if len(g) > 1 and all(isinstance(layer, POETLinear) for layer, _ in g):
+          out.append((f'{type(m).__name__}.{j}', list(g)))
   return out
+
+
+def tie_of(layer, side: str) -> str | None:
+  """The tied group ``layer``'s ``side`` belongs to, or None (not tied, or not a POET layer)."""
+  if not isinstance(layer, POETLinear):
+    return None
+  return layer.tie_in if side == 'in' else layer.tie_out
+
+
+def tied(pairs: tp.Sequence[tuple[tp.Any, str]]) -> bool:
+  """Whether the ``(layer, side)`` pairs are POET layer sides of one tied
+  group, so that they hold one permutation."""
+  names = {tie_of(layer, side) for layer, side in pairs}
+  return len(names) == 1 and None not in names
 
 
 def _perm(layer: POETLinear, side: str) -> nnx.Variable:
@@ -53,7 +70,7 @@ def _perm(layer: POETLinear, side: str) -> nnx.Variable:
 
 
 def _check_groups(groups: tp.Sequence[Group]) -> None:
-  seen = set()
+  seen = set()  # over every module's groups: a side in two groups would chain them
   for group in groups:
     sizes = {_perm(layer, side).shape for layer, side in group}
     if len(sizes) > 1:
@@ -87,10 +104,11 @@ def tie_permutations(module):
   In every group the first member keeps its permutation and the others take
   it, their frozen bases re-folded so that every layer computes the same
   function as before (a POET-XQ base is re-quantised, which rounds it
-  again). Then each declaring module's ``shares_permutations``
-  is set, so that it runs with fewer gathers. Call it on layers just
-  converted (or just merged): their generators must be zero. Stacks of
-  layers (a scanned model) are tied layer by layer.
+  again); every side records its group. Call it on layers just converted
+  (or just merged): their generators must be zero (checked on concrete
+  values only: under a transformation such as ``jax.jit`` it is the
+  caller's to ensure). A stack of layers (a scanned model) is tied layer by
+  layer; tie a stack of POET-XQ layers before stacking it.
 
   Not the published POET-X (its permutations are independent draws): the
   groups' rotation blocks cover the same features in every merge cycle.
@@ -100,38 +118,41 @@ def tie_permutations(module):
 
   Raises:
     ValueError: a layer's generators are not zero, the sides of a group
-      differ in size, or one side is in two groups.
+      differ in size, one side is in two groups, or a stack of POET-XQ
+      layers would need re-folding. Nothing is changed then.
   """
   declared = _declared(module)
-  for _, groups in declared:  # all checked before anything changes
-    _check_groups(groups)
-    for layer in {id(layer): layer for group in groups for layer, _ in group}.values():
-      for q in (layer.q_in[...], layer.q_out[...]):
-        if not isinstance(q, jax.core.Tracer) and bool(jnp.any(q != 0)):
-          raise ValueError('tie_permutations needs POET layers whose generators are zero '
-                           '(just converted or just merged): re-folding a base under a '
-                           'rotation would change the function')
-      if layer.stack_shape and layer.quantize is not None:
-        raise ValueError('tie_permutations cannot re-fold a stack of quantised bases; tie '
-                         'the layers before stacking them')
-  for m, groups in declared:
-    for (lead, lead_side), *rest in groups:
-      perm = _perm(lead, lead_side)[...]
-      for layer, side in rest:
-        _refold(layer, side, perm)
-    m.shares_permutations = True
+  _check_groups([group for _, group in declared])  # all checked before anything changes
+  for layer in {id(layer): layer for _, group in declared for layer, _ in group}.values():
+    for q in (layer.q_in[...], layer.q_out[...]):
+      if not isinstance(q, jax.core.Tracer) and bool(jnp.any(q != 0)):
+        raise ValueError('tie_permutations needs POET layers whose generators are zero '
+                         '(just converted or just merged): re-folding a base under a '
+                         'rotation would change the function')
+    if layer.stack_shape and layer.quantize is not None:
+      raise ValueError('tie_permutations cannot re-fold a stack of quantised bases; tie '
+                       'the layers before stacking them')
+  for name, ((lead, lead_side), *rest) in declared:
+    perm = _perm(lead, lead_side)[...]
+    for layer, side in rest:
+      _refold(layer, side, perm)
+    for layer, side in ((lead, lead_side), *rest):
+      setattr(layer, 'tie_in' if side == 'in' else 'tie_out', name)
   return module
 
 
-def tied_sides(model) -> dict[tuple[int, str], tuple[POETLinear, str]]:
-  """``{(id(layer), side): (leader, leader_side)}`` for every tied side of
-  ``model`` but the first of its group: the side whose permutation it takes.
-  Only modules whose ``shares_permutations`` is set count."""
+def tied_sides(model) -> tuple[dict[tuple[int, str], tuple[POETLinear, str]], set]:
+  """The tied groups of ``model`` (declared by its modules, every side
+  recording the group): ``({(id(layer), side): (leader, leader_side)}, ...)``
+  for every tied side, the group's first member its own leader, and the set
+  of ``(id(layer), side)`` of sides whose group's declaring module is not in
+  ``model`` (a merge of only part of a group)."""
   out = {}
-  for m, groups in _declared(model):
-    if not getattr(m, 'shares_permutations', False):
-      continue
-    for (lead, lead_side), *rest in groups:
-      for layer, side in rest:
-        out[(id(layer), side)] = (lead, lead_side)
-  return out
+  for _, group in _declared(model):
+    if tied(group):
+      for layer, side in group:
+        out[(id(layer), side)] = group[0]
+  partial = {(id(layer), side) for _, layer in nnx.iter_graph(model)
+             if isinstance(layer, POETLinear) for side in SIDES
+             if tie_of(layer, side) is not None and (id(layer), side) not in out}
+  return out, partial

@@ -51,10 +51,10 @@ def _assert_tied(model):
       chex.assert_trees_all_equal(p[...], group[0][...])
 
 
-def _set_shared(model, value):
-  for _, m in nnx.iter_graph(model):
-    if hasattr(type(m), 'shares_permutations'):
-      m.shares_permutations = value
+def _forget_ties(model):
+  """Clears every side's tie record: the layers then gather on their own."""
+  for _, layer in poetx_jax.poet_layers(model):
+    layer.tie_in = layer.tie_out = None
 
 
 def _assert_own_buffers(model):
@@ -81,8 +81,10 @@ def test_tie_permutations_ties_each_group_and_keeps_the_function(keys):
   chex.assert_trees_all_equal(a_tied.k_proj.perm_out[...], a_untied.k_proj.perm_out[...])
   assert not bool(jnp.all(a_untied.k_proj.perm_in[...] == a_untied.q_proj.perm_in[...]))
   _assert_own_buffers(tied)
-  assert a_tied.shares_permutations and _decoder(tied).mlp.shares_permutations
-  assert not a_untied.shares_permutations
+  m_tied = _decoder(tied).mlp
+  assert a_tied.q_proj.tie_in == a_tied.v_proj.tie_in == 'Attention.0'
+  assert m_tied.gate_proj.tie_out == m_tied.down_proj.tie_in == 'MLP.1'
+  assert a_tied.q_proj.tie_out is None and a_untied.q_proj.tie_in is None
 
 
 @pytest.mark.parametrize('form', ['input', 'weight'])
@@ -99,7 +101,7 @@ def test_tied_path_gives_the_untied_paths_loss_and_gradients(keys, form, dtype):
     return m(tokens).astype(jnp.float32).std()
 
   got = nnx.value_and_grad(loss)(model)
-  _set_shared(model, False)
+  _forget_ties(model)
   want = nnx.value_and_grad(loss)(model)
   tol = 1e-5 if dtype == jnp.float32 else 2e-2
   assert rel_err(got[0], want[0]) <= tol
@@ -180,9 +182,56 @@ def test_tie_permutations_refuses_nonzero_generators_and_changes_nothing(keys):
   with pytest.raises(ValueError, match='generators are zero'):
     poetx_jax.tie_permutations(model)
   chex.assert_trees_all_equal(nnx.to_pure_dict(nnx.state(model)), before)
-  assert not _decoder(model).self_attn.shares_permutations
+  assert all(layer.tie_in is None for _, layer in poetx_jax.poet_layers(model))
 
 
 def test_the_option_needs_poetx():
   with pytest.raises(ValueError, match='tie_permutations needs optimizer poetx'):
     config.TrainConfig(optimizer='adamw', tie_permutations=True).validate()
+
+
+def test_a_merge_of_part_of_a_group_is_refused_and_changes_nothing(keys):
+  """Redrawing one member's permutation would break its group's tie: merging
+  a tied layer alone (or merge_layer without the group's permutation) is
+  refused, with nothing changed."""
+  model = _model(True)
+  _randomize(model, keys())
+  before = nnx.to_pure_dict(nnx.state(model))
+  k_proj = _decoder(model).self_attn.k_proj
+  with pytest.raises(ValueError, match='outside it'):
+    poetx_jax.merge(k_proj, rngs=keys())
+  with pytest.raises(ValueError, match='tied to other layers'):
+    poetx_jax.merge_layer(k_proj, keys())
+  chex.assert_trees_all_equal(nnx.to_pure_dict(nnx.state(model)), before)
+
+
+def test_reconverted_layers_forget_their_ties(keys):
+  """unpoetize then poetize draws new, independent permutations: the layers
+  hold no tie record, so the model gathers for each (the same function as
+  the dense model)."""
+  model = _model(True)
+  dense = poetx_jax.unpoetize(model)
+  again = poetx_jax.poetize(dense, block_size=16, rngs=nnx.Rngs(7), form='input')
+  tokens = _tokens(keys())
+  assert rel_err(again(tokens), dense(tokens)) < 1e-6
+  assert all(l.tie_in is None and l.tie_out is None for _, l in poetx_jax.poet_layers(again))
+  assert _gathers(again, tokens) == 13 * TINY.layers
+
+
+def test_a_side_in_two_groups_is_refused():
+  """Groups that share a side would chain: refused before anything changes."""
+  lin = lambda s: poetx_jax.POETLinear(32, 32, block_size=16, use_bias=False,
+                                       rngs=nnx.Rngs(s))
+
+  class Chained(nnx.Module):
+    def __init__(self):
+      self.a, self.b, self.c = lin(0), lin(1), lin(2)
+
+    def permutation_ties(self):
+      return [[(self.a, 'in'), (self.b, 'in')], [(self.b, 'in'), (self.c, 'in')]]
+
+  m = Chained()
+  before = nnx.to_pure_dict(nnx.state(m))
+  with pytest.raises(ValueError, match='more than one tied group'):
+    poetx_jax.tie_permutations(m)
+  chex.assert_trees_all_equal(nnx.to_pure_dict(nnx.state(m)), before)

@@ -219,8 +219,6 @@ class Attention(nnx.Module):
   POET projections may tie the q, k and v input permutations
   (:func:`poetx_jax.tie_permutations`)."""
 
-  shares_permutations: bool = False  # set by poetx_jax.tie_permutations
-
   def __init__(self, config: LlamaConfig, *, dtype: tp.Any = jnp.float32,
                param_dtype: tp.Any = jnp.float32, attention: str = 'auto',
                rngs: nnx.Rngs):
@@ -243,8 +241,7 @@ class Attention(nnx.Module):
     b, t, _ = x.shape
     if positions is None:
       positions = jnp.arange(t)[None]
-    q, k, v = project((self.q_proj, self.k_proj, self.v_proj), x,
-                      tied=self.shares_permutations)
+    q, k, v = project((self.q_proj, self.k_proj, self.v_proj), x)
     q = q.reshape(b, t, self.heads, self.head_dim)
     k = k.reshape(b, t, self.kv_heads, self.head_dim)
     v = v.reshape(b, t, self.kv_heads, self.head_dim)
@@ -265,8 +262,6 @@ class MLP(nnx.Module):
   permutations (:func:`poetx_jax.tie_permutations`): the gate and up
   inputs', and the gate and up outputs' with the down input's."""
 
-  shares_permutations: bool = False  # set by poetx_jax.tie_permutations
-
   def __init__(self, config: LlamaConfig, *, dtype: tp.Any = jnp.float32,
                param_dtype: tp.Any = jnp.float32, rngs: nnx.Rngs):
     lin = functools.partial(_linear, config=config, dtype=dtype,
@@ -276,8 +271,7 @@ class MLP(nnx.Module):
     self.down_proj = lin(config.mlp, config.hidden)
 
   def __call__(self, x: Array) -> Array:
-    return swiglu(self.gate_proj, self.up_proj, self.down_proj, x, hidden_name='mlp_hidden',
-                  tied=self.shares_permutations)
+    return swiglu(self.gate_proj, self.up_proj, self.down_proj, x, hidden_name='mlp_hidden')
 
   def permutation_ties(self) -> list[list]:
     """gate and up share their input; down's input is their elementwise

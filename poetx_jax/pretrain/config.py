@@ -134,8 +134,9 @@ class TrainConfig:
            'smaller ones and with --init-from-hf')
   tie_permutations: bool = _option(
       False, "POET-X: one permutation for a decoder layer's q/k/v inputs, one for its "
-      'gate/up inputs and one for the gate/up outputs and down input (fewer activation '
-      'gathers; the published POET-X draws each independently)')
+      'gate/up inputs and one for the gate/up outputs and down input (a mixture-of-experts '
+      'layer: the q/k/v inputs only); fewer activation gathers, and not the published '
+      'POET-X, which draws each independently')
   mode: str = _option('fast', 'POET-X fast (keeps activations) or mem (recomputes)',
                       choices=linear.MODES)
   form: str | None = _option(
