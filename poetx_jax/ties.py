@@ -57,8 +57,10 @@ def tie_of(layer, side: str) -> str | None:
 
 
 def tied(pairs: tp.Sequence[tuple[tp.Any, str]]) -> bool:
-  """Whether the ``(layer, side)`` pairs are POET layer sides of one tied
-  group, so that they hold one permutation."""
+  """Whether the ``(layer, side)`` pairs, sides of one declaring module's
+  layers, are POET layer sides of one tied group, so that they hold one
+  permutation (the record names the group within its module: its class and
+  index, alike in every layer of a stack)."""
   names = {tie_of(layer, side) for layer, side in pairs}
   return len(names) == 1 and None not in names
 
