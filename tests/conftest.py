@@ -1,7 +1,9 @@
 """Shared helpers: fresh random inputs and relative errors."""
 
+import contextlib
 import os
 import zlib
+from unittest import mock
 
 import chex
 import jax
@@ -69,6 +71,24 @@ def randomize_generators(layer, key, scale=0.1):
 WORDS = ('the orthogonal factors rotate every weight while its singular values stay '
          'fixed and a merge folds them into the frozen base then new permutations '
          'are drawn').split()
+
+
+def gathered(fn, *args) -> list[tuple[int, ...]]:
+  """The shapes of the arrays ``fn(*args)`` permutes (ops' gathers), when traced."""
+  from poetx_jax import ops
+  shapes = []
+
+  def counted(gather):
+    def run(a, *perms):
+      shapes.append(a.shape)
+      return gather(a, *perms)
+    return run
+
+  with contextlib.ExitStack() as stack:
+    for name in ('permute', 'unpermute', 'permute_rows', 'unpermute_rows'):
+      stack.enter_context(mock.patch.object(ops, name, counted(getattr(ops, name))))
+    jax.make_jaxpr(fn)(*args)
+  return shapes
 
 
 def write_corpus(directory, *, docs=40, words=120):

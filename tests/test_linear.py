@@ -2,7 +2,6 @@
 
 import contextlib
 import io
-from unittest import mock
 
 import chex
 import jax
@@ -12,7 +11,7 @@ import pytest
 from flax import nnx
 from jax.ad_checkpoint import print_saved_residuals
 
-from conftest import dense_rotation, randomize_generators, rel_err
+from conftest import dense_rotation, gathered, randomize_generators, rel_err
 import poetx_jax
 from poetx_jax import POETLinear, POETParam, ops
 
@@ -326,7 +325,7 @@ def test_swiglu_joins_poet_gathers_exactly(keys, mode, dtype):
   chex.assert_trees_all_equal(got, want)
   assert float(jnp.abs(want[1][1]).max()) > 0
 
-  gathers = lambda joined: len(_gathered(lambda s, x: loss(s, x, joined), state, x))
+  gathers = lambda joined: len(gathered(lambda s, x: loss(s, x, joined), state, x))
   assert (gathers(True), gathers(False)) == (5, 6)  # activation gathers in the forward
 
 
@@ -359,23 +358,6 @@ def test_swiglu_join_under_batched_series_gathers_by_given_inverses(keys):
       state, x, b)).count(' scatter[')
   # outside: per join an inverse of perm_out and one of its index; down's output
   assert (scatters(True), scatters(False)) == (1, 5)
-
-
-def _gathered(fn, *args) -> list[tuple[int, ...]]:
-  """The shapes of the arrays ``fn(*args)`` permutes (ops' gathers), when traced."""
-  shapes = []
-
-  def counted(gather):
-    def run(a, *perms):
-      shapes.append(a.shape)
-      return gather(a, *perms)
-    return run
-
-  with contextlib.ExitStack() as stack:
-    for name in ('permute', 'unpermute', 'permute_rows', 'unpermute_rows'):
-      stack.enter_context(mock.patch.object(ops, name, counted(getattr(ops, name))))
-    jax.make_jaxpr(fn)(*args)
-  return shapes
 
 
 def test_a_capped_layer_merges_the_rotation_it_applied(keys):
@@ -439,8 +421,8 @@ def test_swiglu_of_weight_form_layers_gathers_no_activations(keys, form):
 
   value_and_grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)), static_argnums=2)
   chex.assert_trees_all_equal(value_and_grad(state, x, True), value_and_grad(state, x, False))
-  gathered = _gathered(lambda s, x: loss(s, x, True), state, x)
-  assert gathered and all(tokens not in shape for shape in gathered)  # weights only
+  shapes = gathered(lambda s, x: loss(s, x, True), state, x)
+  assert shapes and all(tokens not in shape for shape in shapes)  # weights only
 
 
 def _series_block(dtype=jnp.float32):

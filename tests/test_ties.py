@@ -1,8 +1,6 @@
 """Tied permutations (poetx_jax.ties): one permutation per declared group of a
 Llama decoder layer, fewer gathers, the same function, kept by merges."""
 
-import contextlib
-from unittest import mock
 
 import chex
 import jax
@@ -10,9 +8,8 @@ import jax.numpy as jnp
 import pytest
 from flax import nnx
 
-from conftest import assert_trees_rel_close, rel_err
+from conftest import assert_trees_rel_close, gathered, rel_err
 import poetx_jax
-from poetx_jax import ops
 from poetx_jax.models import get_config
 from poetx_jax.pretrain import config
 
@@ -110,20 +107,8 @@ def test_tied_path_gives_the_untied_paths_loss_and_gradients(keys, form, dtype):
 
 
 def _gathers(model, tokens) -> int:
-  count = []
-
-  def counted(gather):
-    def run(*a):
-      count.append(1)
-      return gather(*a)
-    return run
-
-  with contextlib.ExitStack() as stack:
-    for name in ('permute', 'unpermute'):
-      stack.enter_context(mock.patch.object(ops, name, counted(getattr(ops, name))))
-    graphdef, state = nnx.split(model)
-    jax.make_jaxpr(lambda s: nnx.merge(graphdef, s)(tokens))(state)
-  return len(count)
+  graphdef, state = nnx.split(model)
+  return len(gathered(lambda s: nnx.merge(graphdef, s)(tokens), state))
 
 
 def test_tied_llama_gathers_fewer_activations(keys):
