@@ -33,7 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 def build_corpus(directory: pathlib.Path, size: int, file_bytes: int = 64 << 20) -> int:
   """Writes ``size`` bytes (at least) of jsonl documents into ``directory``."""
-  from poetx_jax.pretrain import corpus
+  from poetx_jax.pretrain.data import corpus
   lines = [(json.dumps({'text': d}) + '\n').encode() for d in corpus.stdlib_sources()]
   directory.mkdir(parents=True, exist_ok=True)
   written = i = k = 0

@@ -112,7 +112,7 @@ def write_windows(cfg, seeds: list[int], out: pathlib.Path) -> dict:
   """Writes OUT/train-s{seed}.npy (the windows of each update, in order) and
   OUT/val.npy; returns the vocabulary and the corpus line."""
   import numpy as np
-  from poetx_jax.pretrain import data as data_lib
+  from poetx_jax.pretrain.data import windows as data_lib
   from poetx_jax.pretrain import loading
   data = loading.load_data(cfg)
   out.mkdir(parents=True, exist_ok=True)

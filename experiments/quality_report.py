@@ -57,7 +57,7 @@ def summarise(spec: dict, out_dir: pathlib.Path, tokens_per_step: int) -> dict:
   """One run's results from its metrics.jsonl, after the fields of ``spec``. A
   run whose spec has ``diverged`` (the message of its non-finite loss) has an
   infinite final and best perplexity: it is never a family's best."""
-  from poetx_jax.pretrain.plot import read_metrics
+  from poetx_jax.pretrain.metrics import read_metrics
   recs = read_metrics(out_dir)
   logs = {r['step']: r for r in recs if 'loss' in r}
   steady = {s: r['train_s'] - r['compile_s'] for s, r in logs.items()}

@@ -13,8 +13,8 @@ import numpy as np
 import optax
 import pytest
 
-from poetx_jax.pretrain import corpus as corpus_lib
-from poetx_jax.pretrain import data, tokenizer
+from poetx_jax.pretrain.data import corpus as corpus_lib
+from poetx_jax.pretrain.data import windows as data, tokenizer
 
 DOCS = [
     'The quick brown fox jumps over the lazy dog.\n',

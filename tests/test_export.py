@@ -19,8 +19,9 @@ import tokenizers
 from poetx_jax.models import hf
 from poetx_jax.pretrain import cli, export, factories, rundir
 from poetx_jax.pretrain.config import TrainConfig
-from poetx_jax.pretrain.plot import read_metrics
-from poetx_jax.pretrain.tokenizer import EOS, file_hash
+from poetx_jax.pretrain.metrics import read_metrics
+from poetx_jax.pretrain.data import tokenizer_files
+from poetx_jax.pretrain.data.tokenizer import EOS, file_hash
 from poetx_jax.pretrain.train import train
 from conftest import write_corpus
 
@@ -290,15 +291,15 @@ def test_a_sentencepiece_run_exports_its_model_and_no_stale_tokenizer(run, tmp_p
   # Trainer-spec defaults: unk 0, bos 1, eos 2 and no pad (padding with eos).
   path = tmp_path / 'default.model'
   path.write_bytes(_sp_model(['<unk>', '<s>', '</s>', 'a']))
-  special, size, _ = export.tokenizer_files(path, model_max_length=8)
-  assert special == export.SpecialTokens(bos=('<s>', 1), eos=('</s>', 2), pad=('</s>', 2),
+  special, size, _ = tokenizer_files.tokenizer_files(path, model_max_length=8)
+  assert special == tokenizer_files.SpecialTokens(bos=('<s>', 1), eos=('</s>', 2), pad=('</s>', 2),
                                          unk=('<unk>', 0)) and size == 4
   path.write_bytes(_sp_model(['<unk>', 'a'], eos_id=-1))
   with pytest.raises(ValueError, match='no end-of-sentence id'):
-    export.tokenizer_files(path, model_max_length=8)
+    tokenizer_files.tokenizer_files(path, model_max_length=8)
   path.write_bytes(b'\xff\xff')
   with pytest.raises(ValueError, match='is not a sentencepiece model'):
-    export.tokenizer_files(path, model_max_length=8)
+    tokenizer_files.tokenizer_files(path, model_max_length=8)
 
 
 def test_plot_prints_the_path_written_and_refuses_runs_without_losses(run, tmp_path, capsys):

@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 
 from conftest import WORDS, write_corpus
-from poetx_jax.pretrain import cli, data, loading, prepare, shards
+from poetx_jax.pretrain import cli, loading
+from poetx_jax.pretrain.data import windows as data, prepare, shards
 from poetx_jax.pretrain.config import TrainConfig
 
 TINY_ARGS = ['--model-overrides', 'layers=1,hidden=32,mlp=64,heads=2,kv_heads=1',

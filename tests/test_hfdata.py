@@ -6,8 +6,9 @@ import os
 
 import pytest
 
-from poetx_jax.pretrain import cli, data, prepare, shards
-from poetx_jax.pretrain.tokenizer import corpus_hash
+from poetx_jax.pretrain import cli
+from poetx_jax.pretrain.data import windows as data, prepare, shards
+from poetx_jax.pretrain.data.tokenizer import corpus_hash
 
 os.environ.setdefault('HF_HUB_OFFLINE', '1')  # read by datasets when imported
 datasets = pytest.importorskip('datasets')

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from conftest import write_corpus
-from poetx_jax.pretrain import cli, loading, mixture, prepare
+from poetx_jax.pretrain import cli, loading
+from poetx_jax.pretrain.data import mixture, prepare
 from poetx_jax.pretrain.checkpoint import CheckpointError
 from poetx_jax.pretrain.config import TrainConfig
 from poetx_jax.pretrain.train import train

@@ -14,7 +14,7 @@ import time
 import numpy as np
 import pytest
 
-from poetx_jax.pretrain import data as data_lib
+from poetx_jax.pretrain.data import windows as data_lib
 from poetx_jax.pretrain.checkpoint import Checkpointer
 
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from conftest import write_corpus
-from poetx_jax.pretrain import data as data_lib
+from poetx_jax.pretrain.data import windows as data_lib
 from poetx_jax.pretrain import loading
 from poetx_jax.pretrain.config import TrainConfig
 

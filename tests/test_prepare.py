@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 
 from conftest import write_corpus
-from poetx_jax.pretrain import cli, data, prepare, shards
+from poetx_jax.pretrain import cli
+from poetx_jax.pretrain.data import windows as data, prepare, shards
 from poetx_jax.pretrain.config import TrainConfig
-from poetx_jax.pretrain.tokenizer import Tokenizer, file_hash, tokenize_corpus
+from poetx_jax.pretrain.data.tokenizer import Tokenizer, file_hash, tokenize_corpus
 from poetx_jax.pretrain.train import train
 
 

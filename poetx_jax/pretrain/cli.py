@@ -154,7 +154,7 @@ def _report(summary: dict, plot: str | None) -> None:
         f"({summary['steady_tokens_per_s']:,.0f} tokens/s less compilation, evaluation "
         f"and checkpoints)" + (f"; peak device memory {summary['peak_gib']:.2f} GiB"
                                if 'peak_gib' in summary else ''))
-  from poetx_jax.pretrain.plot import plot_runs
+  from poetx_jax.pretrain.metrics import plot_runs
   png = plot or str(pathlib.Path(summary['out_dir']) / 'loss.png')
   try:
     print(f"loss curves: {plot_runs([summary['out_dir']], png)}")
@@ -165,7 +165,7 @@ def _report(summary: dict, plot: str | None) -> None:
 
 
 def cmd_prepare(a) -> int:
-  from poetx_jax.pretrain import prepare
+  from poetx_jax.pretrain.data import prepare
   extra = {k: v for k, v in (('shard_tokens', a.shard_tokens),
                              ('sample_chars', a.sample_chars)) if v is not None}
   hf = {k: v for k, v in (('hf_config', a.hf_config), ('hf_data_files', a.hf_data_files),
@@ -197,7 +197,7 @@ def _eval_batches(text: str) -> int | str | None:
 
 
 def cmd_eval(a) -> int:
-  from poetx_jax.pretrain import data as data_lib
+  from poetx_jax.pretrain.data import windows as data_lib
   from poetx_jax.pretrain.evaluation import evaluate
   from poetx_jax.pretrain.loading import load_run
   count = _eval_batches(a.eval_batches)
@@ -226,7 +226,7 @@ def cmd_export(a) -> int:
 
 
 def cmd_plot(a) -> int:
-  from poetx_jax.pretrain.plot import plot_runs
+  from poetx_jax.pretrain.metrics import plot_runs
   print(f'wrote {plot_runs(a.runs, a.out)}')
   return 0
 

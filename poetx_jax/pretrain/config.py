@@ -31,7 +31,7 @@ import typing as tp
 from poetx_jax import linear, models, ops, sharding
 from poetx_jax.models import llama
 from poetx_jax.pretrain.kv import parse_overrides, split_assignments, split_top
-from poetx_jax.pretrain.tokenizer import MIN_BPE_VOCAB
+from poetx_jax.pretrain.data.tokenizer import MIN_BPE_VOCAB
 
 OPTIMIZERS = ('poetx', 'adamw', 'skewadam')
 DTYPES = ('float32', 'bfloat16')

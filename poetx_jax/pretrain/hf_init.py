@@ -32,7 +32,7 @@ from poetx_jax.pretrain import processes
 from poetx_jax.pretrain.checkpoint import CheckpointError
 from poetx_jax.pretrain.config import TrainConfig
 from poetx_jax.pretrain.files import atomic_write
-from poetx_jax.pretrain.tokenizer import file_hash
+from poetx_jax.pretrain.data.tokenizer import file_hash
 
 RECORD = 'init_from_hf'  # the key of data.json
 TOKENIZERS = ('tokenizer.json', 'tokenizer.model')

@@ -20,10 +20,11 @@ import jax
 from flax import nnx
 
 from poetx_jax.models import llama
-from poetx_jax.pretrain import corpus
-from poetx_jax.pretrain import data as data_lib
-from poetx_jax.pretrain import hf_init, mixture, processes, shards
-from poetx_jax.pretrain import tokenizer as tokenizer_lib
+from poetx_jax.pretrain.data import corpus
+from poetx_jax.pretrain.data import windows as data_lib
+from poetx_jax.pretrain import hf_init, processes
+from poetx_jax.pretrain.data import mixture, shards
+from poetx_jax.pretrain.data import tokenizer as tokenizer_lib
 from poetx_jax.pretrain.checkpoint import Checkpointer
 from poetx_jax.pretrain.config import TrainConfig
 from poetx_jax.pretrain.factories import build_model, model_config
@@ -66,7 +67,7 @@ def load_data(cfg: TrainConfig, tokenizer: str | pathlib.Path | None = None
   """The corpus of ``cfg`` tokenized (with ``tokenizer``, else ``cfg.tokenizer``,
   else a BPE trained on it), split and packed; a prepared dataset directory
   (``poetx prepare``) is read from its shards. Weighted ``--data`` entries
-  (``PATH:W``) or ``--val-data`` give a :class:`~poetx_jax.pretrain.mixture.MixtureData`.
+  (``PATH:W``) or ``--val-data`` give a :class:`~poetx_jax.pretrain.data.mixture.MixtureData`.
 
   Raises:
     ValueError: unreadable data, a directory ``poetx prepare`` has not
@@ -122,7 +123,7 @@ def _check_apart(paths: list[str], val_paths: list[str]) -> None:
 
 def _load_mixture(cfg: TrainConfig, groups: list[tuple[list[str], float]],
                   val_paths: list[str], tokenizer) -> mixture.MixtureData:
-  """The :class:`~poetx_jax.pretrain.mixture.MixtureData` of the sources
+  """The :class:`~poetx_jax.pretrain.data.mixture.MixtureData` of the sources
   ``groups`` (paths and weight each; no paths: the built-in corpus) and the
   validation set ``val_paths``, tokenized alike: with ``tokenizer``, else
   that of the first prepared directory, else a BPE trained on the sources'

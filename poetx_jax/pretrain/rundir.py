@@ -33,12 +33,12 @@ import socket
 import time
 import typing as tp
 
-from poetx_jax.pretrain import data as data_lib
+from poetx_jax.pretrain.data import windows as data_lib
 from poetx_jax.pretrain import processes
 from poetx_jax.pretrain.checkpoint import CheckpointError, Checkpointer
 from poetx_jax.pretrain.config import TrainConfig
 from poetx_jax.pretrain.files import atomic_write
-from poetx_jax.pretrain.tokenizer import file_hash
+from poetx_jax.pretrain.data.tokenizer import file_hash
 
 RUN_FILE, DATA_FILE = 'run.json', 'data.json'
 # Options that say where things are, not what the run is: --resume may change

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from poetx_jax.pretrain import data as data_lib
+from poetx_jax.pretrain.data import windows as data_lib
 from poetx_jax.pretrain import hf_init, loading, processes, rundir
 from poetx_jax.pretrain.checkpoint import Checkpointer
 from poetx_jax.pretrain.config import TrainConfig
@@ -33,7 +33,7 @@ from poetx_jax.pretrain.factories import (build_state, compute_dtype, make_step,
 from poetx_jax.pretrain.hooks import Hook
 from poetx_jax.pretrain.metrics import (Metrics, Progress, StopFlag, TrainClock,
                                         merge_reporter)
-from poetx_jax.pretrain.plot import read_metrics
+from poetx_jax.pretrain.metrics import read_metrics
 from poetx_jax.pretrain.tracking import Tracking
 
 

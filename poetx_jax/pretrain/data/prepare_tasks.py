@@ -1,11 +1,11 @@
-"""The work of ``poetx prepare`` (:mod:`poetx_jax.pretrain.prepare`): a task
+"""The work of ``poetx prepare`` (:mod:`poetx_jax.pretrain.data.prepare`): a task
 is a run of consecutive sources tokenized into shards of their own
 (:func:`tokenize_task`), in worker processes (:func:`run_tasks`).
 
 A source is a record: a corpus file (``path``, ``bytes``, ``mtime_ns``, and
 ``lenient`` where found in a folder, see
-:func:`~poetx_jax.pretrain.documents.iter_file_documents`) or a Hugging Face
-dataset (``hf_dataset``, ..., :mod:`poetx_jax.pretrain.hfdata`).
+:func:`~poetx_jax.pretrain.data.documents.iter_file_documents`) or a Hugging Face
+dataset (``hf_dataset``, ..., :mod:`poetx_jax.pretrain.data.hfdata`).
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ from pathlib import Path
 
 import numpy as np
 
-from poetx_jax.pretrain import documents
+from poetx_jax.pretrain.data import documents
 from poetx_jax.pretrain.files import atomic_write
-from poetx_jax.pretrain.tokenizer import Tokenizer, file_hash
+from poetx_jax.pretrain.data.tokenizer import Tokenizer, file_hash
 
 _TOKENIZERS: dict[str, Tokenizer] = {}
 
@@ -34,7 +34,7 @@ def source_documents(source: dict, text_field: str,
                      on_skip: tp.Callable[[str], None] | None = None) -> tp.Iterator[str]:
   """The non-empty documents of a source record, streamed."""
   if 'hf_dataset' in source:
-    from poetx_jax.pretrain import hfdata  # pylint: disable=g-import-not-at-top
+    from poetx_jax.pretrain.data import hfdata  # pylint: disable=g-import-not-at-top
     return hfdata.hf_documents(source, text_field)
   return documents.iter_file_documents(source['path'], text_field,
                                        lenient=source.get('lenient', False), on_skip=on_skip)
@@ -74,7 +74,7 @@ def tokenize_task(task: dict) -> dict:
   """Worker: the sources of ``task`` -> their shards in ``task['out']``;
   returns the task's part record: its sources (each with its ``documents``
   and ``sha256``, of the file, or of a dataset's documents as
-  :func:`~poetx_jax.pretrain.tokenizer.corpus_hash`; a file read leniently
+  :func:`~poetx_jax.pretrain.data.tokenizer.corpus_hash`; a file read leniently
   and skipped has ``skipped``, why), shards and documents."""
   tok = _TOKENIZERS.get(task['tokenizer'])
   if tok is None:

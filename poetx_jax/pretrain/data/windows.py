@@ -1,5 +1,5 @@
 """Text data for LLM pretraining: packed windows and grain batches of documents
-(read by :mod:`poetx_jax.pretrain.documents`, re-exported here).
+(read by :mod:`poetx_jax.pretrain.data.documents`, re-exported here).
 
 Everything is local (no network). The path from text to batches (the
 tokenizer in tokenizer.py)::
@@ -12,8 +12,8 @@ tokenizer in tokenizer.py)::
   batches = eval_batches(pack(val, 512), batch_size=32)
 
 or all at once with :class:`TextData`; a directory written by ``poetx prepare``
-(:mod:`poetx_jax.pretrain.prepare`) is read by
-:class:`poetx_jax.pretrain.shards.PreparedData`, window by window. A window holds ``seq_len + 1`` tokens;
+(:mod:`poetx_jax.pretrain.data.prepare`) is read by
+:class:`poetx_jax.pretrain.data.shards.PreparedData`, window by window. A window holds ``seq_len + 1`` tokens;
 a batch is ``{'inputs': window[:-1], 'targets': window[1:]}`` with ``-1`` marking
 masked targets (padding).
 """
@@ -27,11 +27,11 @@ import typing as tp
 
 import numpy as np
 
-from poetx_jax.pretrain import corpus
-from poetx_jax.pretrain.documents import (SUPPORTED_EXTENSIONS, TEXT_EXTENSIONS,  # noqa: F401
+from poetx_jax.pretrain.data import corpus
+from poetx_jax.pretrain.data.documents import (SUPPORTED_EXTENSIONS, TEXT_EXTENSIONS,  # noqa: F401
                                           corpus_files, corpus_sources, iter_file_documents,
                                           read_documents)
-from poetx_jax.pretrain.tokenizer import load_or_train_tokenizer, tokenize_corpus
+from poetx_jax.pretrain.data.tokenizer import load_or_train_tokenizer, tokenize_corpus
 
 if tp.TYPE_CHECKING:
   import grain
@@ -169,7 +169,7 @@ def train_dataset(windows: np.ndarray, *, batch_size: int, seed: int,
   single process gets, so a run sees the same windows whatever its number of
   processes.
 
-  Windows of a mixture (:class:`poetx_jax.pretrain.mixture.MixedWindows`)
+  Windows of a mixture (:class:`poetx_jax.pretrain.data.mixture.MixedWindows`)
   give its batches, drawn from its sources in the proportion of their weights.
 
   ``iter()`` of the result is a ``grain.DatasetIterator``; its ``get_state()``
@@ -231,14 +231,14 @@ def eval_batches(windows: np.ndarray, *, batch_size: int) -> list[dict[str, np.n
 class TextData:
   """A corpus tokenized, split and packed into windows.
 
-  ``docs`` (None: :func:`~poetx_jax.pretrain.corpus.default_corpus`) are tokenized with ``tokenizer_path``
+  ``docs`` (None: :func:`~poetx_jax.pretrain.data.corpus.default_corpus`) are tokenized with ``tokenizer_path``
   if given, else with a byte-level BPE of ``vocab_size`` trained on the whole
   corpus; both the tokenizer and the token stream are cached in ``cache_dir``.
   The last ``val_fraction`` of the tokens is the validation split (None:
   there is none, every token trains).
 
   Attributes:
-    tokenizer: the :class:`~poetx_jax.pretrain.tokenizer.Tokenizer`.
+    tokenizer: the :class:`~poetx_jax.pretrain.data.tokenizer.Tokenizer`.
     train_windows, val_windows: (N, seq_len + 1) int32, from :func:`pack`.
     num_tokens: tokens in the whole corpus, eos included.
     seq_len: as given.

@@ -132,7 +132,7 @@ class _PairsToBatch:
     self.parts, self.rows = parts, rows
 
   def __call__(self, pairs: np.ndarray) -> dict[str, np.ndarray]:
-    from poetx_jax.pretrain import data  # pylint: disable=g-import-not-at-top
+    from poetx_jax.pretrain.data import windows as data  # pylint: disable=g-import-not-at-top
     return data.to_batch(_read(self.parts, np.asarray(pairs)[self.rows]))
 
 
@@ -150,7 +150,7 @@ def _read(parts: tp.Sequence, pairs: np.ndarray) -> np.ndarray:
 class PairWindows:
   """The windows ``pairs`` (``(source, index)`` rows) of the sources'
   windows ``parts``, read on demand and indexed like an ``(N, L + 1)`` array
-  (an int, a slice, an int array), as :class:`~poetx_jax.pretrain.shards.TokenWindows`."""
+  (an int, a slice, an int array), as :class:`~poetx_jax.pretrain.data.shards.TokenWindows`."""
 
   ndim = 2
   dtype = np.dtype(np.int32)
@@ -185,7 +185,7 @@ class PairWindows:
 
 class MixedWindows:
   """The training windows of a mixture: the sources' windows ``parts`` and
-  their ``weights``. ``len`` is all their windows; :func:`~poetx_jax.pretrain.data.train_dataset`
+  their ``weights``. ``len`` is all their windows; :func:`~poetx_jax.pretrain.data.windows.train_dataset`
   builds its batches with :meth:`grain_dataset`."""
 
   ndim = 2
@@ -228,7 +228,7 @@ def combined_hash(entries: tp.Sequence[tuple]) -> str:
 
 class MixtureData:
   """The data of a run of weighted sources, or of sources with a validation
-  set of their own: what :class:`~poetx_jax.pretrain.data.TextData` is for one
+  set of their own: what :class:`~poetx_jax.pretrain.data.windows.TextData` is for one
   corpus (same attributes).
 
   Args:

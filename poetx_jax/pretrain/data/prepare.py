@@ -3,7 +3,7 @@ a tokenized dataset directory.
 
 The directory holds the token stream of the corpus (every document's tokens
 followed by the tokenizer's eos, documents in the order of
-:func:`poetx_jax.pretrain.documents.read_documents`, then those of the
+:func:`poetx_jax.pretrain.data.documents.read_documents`, then those of the
 dataset) cut into shards of at most ``shard_tokens`` tokens, each a raw
 little-endian ``uint16`` array (``uint32`` when the vocabulary does not fit),
 read back with positioned reads; the tokenizer (``tokenizer.json``); and
@@ -22,11 +22,11 @@ read back with positioned reads; the tokenizer (``tokenizer.json``); and
 
 A text file found in a folder (not named itself) that cannot be read, is not
 UTF-8 or holds a NUL byte is skipped: its source has ``"skipped": WHY`` and
-no documents (:func:`poetx_jax.pretrain.documents.iter_file_documents`).
+no documents (:func:`poetx_jax.pretrain.data.documents.iter_file_documents`).
 
 The sources are tokenized in tasks, each by a worker process of its own:
 runs of consecutive files of up to ``shard_tokens`` bytes in all, and the
-dataset alone (streamed, :mod:`poetx_jax.pretrain.hfdata`); each streams its
+dataset alone (streamed, :mod:`poetx_jax.pretrain.data.hfdata`); each streams its
 documents (jsonl line by line, parquet and datasets by record batch), so
 memory is bounded by the shard size, not by the corpus. A task whose shards
 are written is recorded in ``parts/``; an interrupted prepare resumes from
@@ -35,7 +35,7 @@ modification times, the same dataset version, same tokenizer) does nothing;
 other inputs, another tokenizer, or (without ``tokenizer``) another
 ``vocab_size`` or ``sample_chars`` for the trained BPE are refused, finished
 or not. Training reads the directory with
-:class:`poetx_jax.pretrain.shards.PreparedData` (``poetx train --data DIR``).
+:class:`poetx_jax.pretrain.data.shards.PreparedData` (``poetx train --data DIR``).
 
 Without ``tokenizer`` a byte-level BPE of ``vocab_size`` is trained on a
 sample: from each source its first documents, up to ``sample_chars /
@@ -54,10 +54,10 @@ from pathlib import Path
 
 import numpy as np
 
-from poetx_jax.pretrain import documents, shards
-from poetx_jax.pretrain.prepare_tasks import run_tasks, source_documents
+from poetx_jax.pretrain.data import documents, shards
+from poetx_jax.pretrain.data.prepare_tasks import run_tasks, source_documents
 from poetx_jax.pretrain.files import atomic_write
-from poetx_jax.pretrain.tokenizer import Tokenizer, file_hash
+from poetx_jax.pretrain.data.tokenizer import Tokenizer, file_hash
 
 FORMAT = shards.FORMAT
 MANIFEST = shards.MANIFEST
@@ -94,7 +94,7 @@ def _same_sources(a: tp.Sequence[dict], b: tp.Sequence[dict]) -> bool:
 
 def _source_name(source: dict) -> str:
   if 'hf_dataset' in source:
-    from poetx_jax.pretrain import hfdata  # pylint: disable=g-import-not-at-top
+    from poetx_jax.pretrain.data import hfdata  # pylint: disable=g-import-not-at-top
     return hfdata.describe(source)
   return source['path']
 
@@ -124,7 +124,7 @@ def prepare(inputs: PathLike | tp.Sequence[PathLike], out: PathLike, *,
 
   Args:
     inputs: files and directories, as
-      :func:`~poetx_jax.pretrain.documents.read_documents`; may be empty with
+      :func:`~poetx_jax.pretrain.data.documents.read_documents`; may be empty with
       ``hf_dataset``.
     out: the dataset directory (created).
     tokenizer: a tokenizer file to use; None trains a BPE on a sample.
@@ -134,7 +134,7 @@ def prepare(inputs: PathLike | tp.Sequence[PathLike], out: PathLike, *,
     shard_tokens: tokens per shard at most.
     sample_chars: characters of the BPE's training sample at most.
     hf_dataset, hf_config, split, hf_data_files: a ``datasets`` source, its
-      config, split and data files (:func:`~poetx_jax.pretrain.hfdata.hf_source`;
+      config, split and data files (:func:`~poetx_jax.pretrain.data.hfdata.hf_source`;
       its ``text_field`` column is read).
     progress: show a progress bar over the source files' bytes.
 
@@ -150,7 +150,7 @@ def prepare(inputs: PathLike | tp.Sequence[PathLike], out: PathLike, *,
                    sample_chars=sample_chars, workers=workers)
   hf = None
   if hf_dataset is not None:
-    from poetx_jax.pretrain import hfdata  # pylint: disable=g-import-not-at-top
+    from poetx_jax.pretrain.data import hfdata  # pylint: disable=g-import-not-at-top
     hf = hfdata.hf_source(hf_dataset, config=hf_config, split=split,
                           data_files=hf_data_files)
   plan = _plan(inputs, out, text_field, hf)
@@ -286,7 +286,7 @@ def _tokenize_sources(plan: _Plan, tok_path: Path, tok_hash: str, dtype: np.dtyp
   """The part record of every task (:func:`_tasks`), in order: the one in
   ``out/parts`` where it is of the same sources, tokenizer and text field,
   else that of the task run now
-  (:func:`~poetx_jax.pretrain.prepare_tasks.tokenize_task`), recorded there."""
+  (:func:`~poetx_jax.pretrain.data.prepare_tasks.tokenize_task`), recorded there."""
   parts_dir = plan.out / 'parts'
   parts_dir.mkdir(exist_ok=True)
   tasks = _tasks(plan.sources, shard_tokens)

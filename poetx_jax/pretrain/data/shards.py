@@ -1,5 +1,5 @@
 """Reading a dataset directory written by ``poetx prepare``
-(:mod:`poetx_jax.pretrain.prepare`): its token stream, the windows of each
+(:mod:`poetx_jax.pretrain.data.prepare`): its token stream, the windows of each
 split read on demand, and :class:`PreparedData`, what ``poetx train --data
 DIR`` trains on.
 
@@ -22,8 +22,8 @@ from pathlib import Path
 
 import numpy as np
 
-from poetx_jax.pretrain import data
-from poetx_jax.pretrain.tokenizer import Tokenizer, file_hash
+from poetx_jax.pretrain.data import windows as data
+from poetx_jax.pretrain.data.tokenizer import Tokenizer, file_hash
 
 PathLike = tp.Union[str, os.PathLike]
 
@@ -61,7 +61,7 @@ def _shard_digest(path: Path, dtype: np.dtype) -> tuple[str, int]:
 
 
 class TokenShards:
-  """The token stream of a prepared dataset directory (:mod:`poetx_jax.pretrain.prepare`):
+  """The token stream of a prepared dataset directory (:mod:`poetx_jax.pretrain.data.prepare`):
   ``read(start, stop)`` reads int32 ids from the shard files with positioned
   reads (no memory map: mapped pages of randomly read windows would stay in
   the process's resident memory and grow with the corpus over a run).
@@ -212,7 +212,7 @@ class TokenShards:
 
 
 class TokenWindows:
-  """The windows :func:`~poetx_jax.pretrain.data.pack` would cut from tokens ``[begin, end)`` of a
+  """The windows :func:`~poetx_jax.pretrain.data.windows.pack` would cut from tokens ``[begin, end)`` of a
   :class:`TokenShards`, read on demand: indexing by an int, a slice or an int
   array gives what indexing ``pack(tokens[begin:end], seq_len)`` gives, without
   holding the stream in memory."""
@@ -264,11 +264,11 @@ class TokenWindows:
 
 class PreparedData:
   """A prepared dataset directory split and cut into windows, as
-  :class:`~poetx_jax.pretrain.data.TextData`
+  :class:`~poetx_jax.pretrain.data.windows.TextData`
   (same attributes), read from its shards on demand: start-up time and host
   memory do not grow with the corpus.
 
-  The split is :func:`~poetx_jax.pretrain.data.split`'s (the last
+  The split is :func:`~poetx_jax.pretrain.data.windows.split`'s (the last
   ``val_fraction`` of the stream; None: no split, all of it trains); the
   windows are :class:`TokenWindows`. ``fingerprint`` holds each split's token
   count and, for its sha256, the digest of the manifest's shard hashes and the
