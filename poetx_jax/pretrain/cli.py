@@ -13,7 +13,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import math
 import pathlib
@@ -96,7 +95,7 @@ def cmd_train(a) -> int:
     from poetx_jax.pretrain import processes
     processes.initialize(**cluster, timeout=a.peer_timeout, prefix='poetx train: error: ')
   from poetx_jax.pretrain.config import TrainConfig, config_from_args
-  from poetx_jax.pretrain.rundir import resumed_config
+  from poetx_jax.pretrain.plan import command_options
   from poetx_jax.pretrain.train import train
   cfg = config_from_args(a)
   if getattr(a, 'argv', None) is not None:  # the options on the command line
@@ -104,18 +103,8 @@ def cmd_train(a) -> int:
                                defaults=False).parse_args(a.argv[1:]))
   else:
     given = {k for k, v in vars(cfg).items() if v != getattr(TrainConfig(), k)}
-  if a.config is not None:  # the file's options, those given over them
-    if a.resume:
-      raise ValueError('--config does not go with --resume: a resumed run reads its own '
-                       'run.json (options given with --resume must agree with it)')
-    from poetx_jax.pretrain.config_file import config_with_file, read_config_file
-    fields = {f.name for f in dataclasses.fields(TrainConfig)} & set(given)
-    cfg = config_with_file(a.config, {k: getattr(cfg, k) for k in fields})
-    given = set(given) | set(read_config_file(a.config))
-  if a.resume:  # the options given again; the rest are the run's (run.json)
-    cfg = resumed_config(cfg, given, device_count=jax.device_count())
-  elif 'vocab_size' in given:
-    _check_vocab_size(cfg)
+  cfg = command_options(cfg, given, config_file=a.config, resume=a.resume,
+                        device_count=jax.device_count())
   summary = train(cfg, resume=a.resume, step=a.step)
   if jax.process_index() == 0:  # of several processes, the first reports
     _report(summary, a.plot)
@@ -123,17 +112,6 @@ def cmd_train(a) -> int:
     import signal
     return 128 + signal.Signals[summary['stopped']].value
   return 0
-
-
-def _check_vocab_size(cfg) -> None:
-  """ValueError if ``--vocab-size`` disagrees with the prepared dataset's tokenizer."""
-  from poetx_jax.pretrain.loading import prepared_vocab_size
-  vocab = prepared_vocab_size(cfg)
-  if vocab is not None and vocab != cfg.vocab_size:
-    raise ValueError(f'--vocab-size {cfg.vocab_size} disagrees with the prepared dataset '
-                     f'{cfg.data[0]}, whose tokenizer has a vocabulary of {vocab}: leave '
-                     f'--vocab-size out (the run records {vocab}), or prepare the corpus '
-                     f'again with --vocab-size {cfg.vocab_size}')
 
 
 def _check_address(address: str) -> None:
@@ -201,7 +179,8 @@ def cmd_eval(a) -> int:
   from poetx_jax.pretrain.evaluation import evaluate
   from poetx_jax.pretrain.loading import load_run
   count = _eval_batches(a.eval_batches)
-  cfg, data, model, step = load_run(a.run, step=a.step)
+  plan, data, model, step = load_run(a.run, step=a.step)
+  cfg = plan.options
   count = cfg.eval_batches if count == 'run' else count
   windows = data.val_windows[:None if count is None else count * cfg.batch_size]
   result = evaluate(model, data_lib.eval_batches(windows, batch_size=cfg.batch_size))

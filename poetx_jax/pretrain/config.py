@@ -13,9 +13,11 @@ and :func:`add_options` generates the ``poetx train`` flags from it::
     cfg = config_from_args(parser.parse_args(['--steps', '10']))
     cfg.validate()
 
-An experiment builds its parser the same way, with defaults of its own
-(``add_options(parser, overrides={'model': '60m'})``), and describes each run
-by ``K=V`` overrides of the same fields (:func:`apply_overrides`)::
+The options marked ``poet`` mean something only to an optimizer whose recipe
+poetizes the model (:mod:`~poetx_jax.pretrain.recipes`): set with another,
+they are refused. An experiment builds its parser the same way, with defaults
+of its own (``add_options(parser, overrides={'model': '60m'})``), and
+describes each run by ``K=V`` overrides of the same fields (:func:`apply_overrides`)::
 
     apply_overrides(cfg, 'optimizer=adamw,lr=1e-3,model_overrides={layers=4,hidden=128}')
 """
@@ -32,24 +34,16 @@ from poetx_jax import linear, models, ops, sharding
 from poetx_jax.models import llama
 from poetx_jax.pretrain.kv import parse_overrides, split_assignments, split_top
 from poetx_jax.pretrain.data.tokenizer import MIN_BPE_VOCAB
+from poetx_jax.pretrain.recipes import (ADAMW_WIDE_LR, DEFAULT_LR, DEFAULT_MERGE_EVERY, RECIPES,
+                                        WIDE_HIDDEN, WIDE_MERGE_EVERY)
 
-OPTIMIZERS = ('poetx', 'adamw', 'skewadam')
+OPTIMIZERS = tuple(RECIPES)
 DTYPES = ('float32', 'bfloat16')
 TRACKERS = ('tensorboard', 'wandb')
-# Per-size defaults (docs/quality.md: measured at 130m, where AdamW's best rate
-# of 3e-4..2e-3 was 6e-4, normalize_rows helped POET-X, and merges every 200
-# updates beat merges every 50; the tiny default trains better with the first
-# two off and keeps its merges every 50): from this hidden size, lr=None is
-# ADAMW_WIDE_LR for AdamW, normalize_rows=None is on and merge_every=None is
-# WIDE_MERGE_EVERY; form=None is 'auto' there (at 130m the weight form's step
-# measured 44.1 ms against the input form's 53.5), 'input' below.
-WIDE_HIDDEN = 512
-DEFAULT_LR = 3e-3
-ADAMW_WIDE_LR = 6e-4
-DEFAULT_MERGE_EVERY = 50
-WIDE_MERGE_EVERY = 200
 # clip_ramp applies during these first updates, as the published POET-X's does.
 CLIP_RAMP_UNTIL = 2000
+# The key of run.json that records the run's resolved plan beside its options.
+PLAN_KEY = 'plan'
 
 
 def _option(default: tp.Any, help: str, **metadata) -> tp.Any:  # pylint: disable=redefined-builtin
@@ -64,6 +58,12 @@ def _option(default: tp.Any, help: str, **metadata) -> tp.Any:  # pylint: disabl
 def _count(default: int, help: str, **metadata) -> tp.Any:  # pylint: disable=redefined-builtin
   """An int option that must be >= 1."""
   return _option(default, help, min=1, **metadata)
+
+
+def _poet(default: tp.Any, help: str, **metadata) -> tp.Any:  # pylint: disable=redefined-builtin
+  """An option of the POET layers or their optimizer: refused, when set to
+  anything but its default, with an optimizer whose recipe does not poetize."""
+  return _option(default, help, poet=True, **metadata)
 
 
 @dataclasses.dataclass
@@ -98,13 +98,13 @@ class TrainConfig:
   batch_size: int = _count(16, 'sequences per micro-batch')
   grad_accum: int = _count(1, 'micro-batches per optimizer update')
   steps: int = _count(600, 'optimizer updates')
-  optimizer: str = _option('poetx', 'POET-X, or a dense-weight baseline: AdamW, or '
-                           "SkewAdam (per-population state for MoE models)", choices=OPTIMIZERS)
+  optimizer: str = _option('poetx', '; '.join(f'{r.name}: {r.help}' for r in RECIPES.values()),
+                           choices=OPTIMIZERS)
   lr: float | None = _option(
       None, 'peak learning rate of AdamW (and of the non-POET parameters)', min=0,
       none=f'{DEFAULT_LR:g}; AdamW on a model of hidden size >= {WIDE_HIDDEN}: '
            f'{ADAMW_WIDE_LR:g}, the best of the 130m sweep in docs/quality.md')
-  poet_lr: float | None = _option(None, 'peak POET-X step size', gt=0,
+  poet_lr: float | None = _poet(None, 'peak POET-X step size', gt=0,
                                   none='min(5e-3, 0.25 / block size); in the 130m sweep '
                                        '(docs/quality.md) twice it trained better short-term '
                                        'but broke the series (merge errors up to 3.9)')
@@ -112,40 +112,40 @@ class TrainConfig:
   min_lr_ratio: float = _option(0.1, 'final/peak learning rate', min=0, max=1)
   weight_decay: float = _option(0.0, 'AdamW weight decay', min=0)
   clip: float = _option(1.0, 'global-norm clip (0: off)', min=0)
-  clip_ramp: int = _option(
+  clip_ramp: int = _poet(
       0, 'POET-X: after each merge, clip to 0.1 x --clip and ramp the bound back over N '
       f'updates, during the first {CLIP_RAMP_UNTIL} updates (the published POET-X\'s '
       'merge-aware clip; 0: plain clipping)', min=0)
-  merge_every: int | None = _option(
+  merge_every: int | None = _poet(
       None, 'POET-X merge interval in updates', min=1,
       none=f'{DEFAULT_MERGE_EVERY}; {WIDE_MERGE_EVERY} on a model of hidden size >= '
            f'{WIDE_HIDDEN}, better than {DEFAULT_MERGE_EVERY} in the 130m sweep in '
            'docs/quality.md')
-  block_size: int | None = _option(None, 'POET block size', min=2, none="the model config's")
-  max_generator_norm: float | None = _option(
+  block_size: int | None = _poet(None, 'POET block size', min=2, none="the model config's")
+  max_generator_norm: float | None = _poet(
       None, "POET-X: cap each block generator's spectral norm (an upper bound of it) so "
       'the Cayley–Neumann series stays in its region of convergence whatever the step',
       gt=0, lt=1, none='no cap')
-  normalize_rows: bool | None = _option(
+  normalize_rows: bool | None = _poet(
       None, 'POET-X: scale each output row of every converted weight to unit norm at '
       'conversion (the published POET-X does; the spectrum POET-X then keeps)',
       none=f'on for a fresh model of hidden size >= {WIDE_HIDDEN} (60m and '
            'up; it decided POET-X\'s quality in the 130m study, docs/quality.md), off for '
            'smaller ones and with --init-from-hf')
-  tie_permutations: bool = _option(
+  tie_permutations: bool = _poet(
       False, "POET-X: one permutation for a decoder layer's q/k/v inputs, one for its "
       'gate/up inputs and one for the gate/up outputs and down input (a mixture-of-experts '
       'layer: the q/k/v inputs only); fewer activation gathers, and not the published '
       'POET-X, which draws each independently')
-  mode: str = _option('fast', 'POET-X fast (keeps activations) or mem (recomputes)',
+  mode: str = _poet('fast', 'POET-X fast (keeps activations) or mem (recomputes)',
                       choices=linear.MODES)
-  form: str | None = _option(
+  form: str | None = _poet(
       None, 'POET layer product order: rotate the activations (input) or the frozen weight '
       '(weight), or per layer the one of fewer FLOPs (auto: weight for narrow layers); '
       'same function', choices=ops.FORMS,
       none=f'auto on a model of hidden size >= {WIDE_HIDDEN} (at 130m the weight form\'s '
            'step is 18% shorter, BENCHMARKS.md), input below')
-  implementation: str = _option(
+  implementation: str = _poet(
       'xla', "POET layers' block products: XLA, or the Pallas Mosaic GPU kernels (Hopper, "
       '16-bit activations; block size a multiple of 64, <= 512)',
       choices=linear.IMPLEMENTATIONS)
@@ -156,14 +156,14 @@ class TrainConfig:
                            'auto: cuDNN on GPUs for 16-bit compute', choices=llama.ATTENTION)
   scan_layers: bool = _option(False, 'store the decoder layers stacked and run them with '
                               'lax.scan: compile time independent of depth (for large models)')
-  quantize: str | None = _option(None, 'POET-XQ: store the frozen base weights in int8 or '
+  quantize: str | None = _poet(None, 'POET-XQ: store the frozen base weights in int8 or '
                                  'int4', choices=tuple(ops.QUANT_BITS),
                                  none='full-precision bases')
-  group_size: int = _count(128, 'POET-XQ rows per quantisation group')
+  group_size: int = _poet(128, 'POET-XQ rows per quantisation group', min=1)
   lean_state: bool = _option(False, 'bf16 momenta; factored second moments for the non-POET '
                              'parameters (embeddings, head, norms; all of them for AdamW) and '
                              'one second moment per block for the POET generators')
-  skew_tiers: bool = _option(False, 'POET-X: SkewAdam tiers for the parameters it does '
+  skew_tiers: bool = _poet(False, 'POET-X: SkewAdam tiers for the parameters it does '
                              'not rotate (routers Adam; norms a float32 momentum; '
                              'embeddings and head factored second moments only)')
   strategy: str = _option('dp', 'on several devices: replicate the state (dp) or shard it '
@@ -200,23 +200,19 @@ class TrainConfig:
     hints = tp.get_type_hints(TrainConfig)
     for f in dataclasses.fields(self):
       _check(f.name, getattr(self, f.name), hints[f.name], f.metadata)
-    if self.quantize is not None and self.optimizer != 'poetx':
-      raise ValueError(f'quantize={self.quantize!r} needs optimizer poetx (the AdamW '
-                       f'baseline trains its weights in full precision)')
-    if self.max_generator_norm is not None and self.optimizer != 'poetx':
-      raise ValueError(f'max_generator_norm needs optimizer poetx (got {self.optimizer!r})')
-    if self.tie_permutations and self.optimizer != 'poetx':
-      raise ValueError(f'tie_permutations needs optimizer poetx (it ties POET layers\' '
-                       f'permutations), got optimizer={self.optimizer!r}')
-    if self.normalize_rows and self.optimizer != 'poetx':
-      raise ValueError(f'normalize_rows needs optimizer poetx (it sets the spectrum POET-X '
-                       f'keeps; got {self.optimizer!r})')
-    if self.clip_ramp and (self.optimizer != 'poetx' or not self.clip):
-      raise ValueError(f'clip_ramp={self.clip_ramp} needs optimizer poetx and clip > 0 '
-                       f'(got {self.optimizer!r}, clip={self.clip})')
-    if self.skew_tiers and self.optimizer != 'poetx':
-      raise ValueError(f'skew_tiers needs optimizer poetx (got {self.optimizer!r}; '
-                       f"optimizer 'skewadam' is SkewAdam for every parameter)")
+    if 'block_size' in self.model_overrides:
+      raise ValueError(f"model_overrides sets block_size={self.model_overrides['block_size']!r}: "
+                       f'the POET block size is its own option, block_size (--block-size N)')
+    poet = [f'{f.name}={getattr(self, f.name)!r}' for f in dataclasses.fields(self)
+            if f.metadata.get('poet') and getattr(self, f.name) != f.default]
+    if poet and not RECIPES[self.optimizer].poetizes:
+      which = ' or '.join(r.name for r in RECIPES.values() if r.poetizes)
+      raise ValueError(f'{", ".join(poet)}: option{"s" if len(poet) > 1 else ""} of the POET '
+                       f'layers, and optimizer {self.optimizer!r} does not poetize the model '
+                       f'(it trains the dense weights): leave {"them" if len(poet) > 1 else "it"}'
+                       f' out, or use optimizer {which}')
+    if self.clip_ramp and not self.clip:
+      raise ValueError(f'clip_ramp={self.clip_ramp} needs clip > 0 (got clip={self.clip})')
     if self.lean_state and (self.skew_tiers or self.optimizer == 'skewadam'):
       raise ValueError('lean_state and SkewAdam (optimizer skewadam, skew_tiers) both choose '
                        'the optimizer state of the same parameters: pick one')

@@ -3,7 +3,7 @@
 The file is a mapping of :class:`~poetx_jax.pretrain.config.TrainConfig`
 fields by name, the same schema as the flags, checked by the same
 :meth:`~poetx_jax.pretrain.config.TrainConfig.validate`. A run's own
-``run.json`` is such a file, so ``poetx train --config RUN/run.json --out-dir
+``run.json`` is such a file (its ``plan``, what the run resolved, is not read), so ``poetx train --config RUN/run.json --out-dir
 NEW`` trains that run again; options given on the command line override the
 file's::
 
@@ -23,7 +23,7 @@ import json
 import pathlib
 import typing as tp
 
-from poetx_jax.pretrain.config import TrainConfig, field_value
+from poetx_jax.pretrain.config import PLAN_KEY, TrainConfig, field_value
 
 SUFFIXES = ('.json', '.yaml', '.yml')
 
@@ -59,6 +59,7 @@ def read_config_file(path: str | pathlib.Path) -> dict[str, tp.Any]:
     raise ValueError(f'--config {path}: must hold a mapping of options to values, got '
                      f'{type(values).__name__}')
   fields = [f.name for f in dataclasses.fields(TrainConfig)]
+  values.pop(PLAN_KEY, None)  # a run.json's record of what it resolved, not an option
   unknown = [k for k in values if k not in fields]
   if unknown:
     raise ValueError(f'--config {path}: {", ".join(map(repr, unknown))} '

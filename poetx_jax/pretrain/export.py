@@ -178,6 +178,6 @@ def export_run(run: str | pathlib.Path, out_dir: str | pathlib.Path,
   except ValueError as e:
     raise ValueError(f'{run} trained model {cfg.model!r}: {e}') from None
   tokenizer = rundir.stored_tokenizer(run)
-  _, mc, model, _ = loading.load_model(run, step=step)
-  return export_model(model, mc, out_dir, tokenizer, force=force, dtype=dtype,
+  plan, model, _ = loading.load_model(run, step=step)
+  return export_model(model, plan.model, out_dir, tokenizer, force=force, dtype=dtype,
                       max_shard_size=max_shard_size)

@@ -7,11 +7,13 @@ The run's model is the one config.json describes, its step-0 weights DIR's
 
 * the model config comes from config.json (:func:`poetx_jax.models.hf.llama_config`);
   ``--model``, unless left at its default, and ``--model-overrides`` must
-  agree with it, field by field, but for ``block_size`` (POET's, which
-  config.json does not hold);
+  agree with it, field by field (POET's block size, which config.json does
+  not hold, is ``--block-size``; by default the one config.json's shape
+  suggests);
 * the vocabulary must be the run's tokenizer's; without ``--tokenizer`` (and
   no prepared dataset) the run uses DIR's own ``tokenizer.json`` (or
-  ``tokenizer.model``);
+  ``tokenizer.model``, :data:`TOKENIZERS`; the run's plan,
+  :func:`poetx_jax.pretrain.plan.finish_options`, chooses it);
 * the source is recorded in the run's ``data.json`` under ``init_from_hf``:
   its path, the sha256 of config.json and of each weight file, and the model
   config read, so that ``--resume``, ``poetx eval`` and ``poetx export`` know
@@ -45,23 +47,10 @@ class Source(tp.NamedTuple):
   weights: tp.Mapping | None
 
 
-def with_checkpoint_tokenizer(cfg: TrainConfig, prepared: bool) -> TrainConfig:
-  """``cfg`` with ``tokenizer`` the checkpoint's own (DIR/tokenizer.json or
-  tokenizer.model) where it starts from one, names no tokenizer and does not
-  train on a ``prepared`` dataset (which brings its own); else ``cfg``."""
-  if cfg.init_from_hf is None or cfg.tokenizer is not None or prepared:
-    return cfg
-  for name in TOKENIZERS:
-    path = pathlib.Path(cfg.init_from_hf) / name
-    if path.is_file():
-      return dataclasses.replace(cfg, tokenizer=str(path))
-  return cfg
-
-
 def model_config(cfg: TrainConfig, source: LlamaConfig | None, vocab_size: int
                  ) -> LlamaConfig:
   """The model of a run that starts from a checkpoint: its config.json's
-  ``source``, with ``block_size`` from ``--model-overrides``.
+  ``source`` (the run's plan sets the POET block size, ``--block-size``).
 
   Raises:
     ValueError: no ``source``; ``--model`` (other than the default) or
@@ -73,7 +62,6 @@ def model_config(cfg: TrainConfig, source: LlamaConfig | None, vocab_size: int
     raise ValueError(f'the run starts from {where}: its model config is needed (read '
                      f'from {where}/config.json, or the run\'s data.json)')
   given = dict(cfg.model_overrides)
-  block_size = given.pop('block_size', source.block_size)
   if cfg.model != TrainConfig.model:
     named = models.get_config(cfg.model)
     if type(named) is not LlamaConfig:
@@ -90,14 +78,14 @@ def model_config(cfg: TrainConfig, source: LlamaConfig | None, vocab_size: int
       origin = ('--model-overrides' if k in cfg.model_overrides else f'--model {cfg.model}')
       raise ValueError(f'{origin} sets {k}={v!r}, {have}: with --init-from-hf the model '
                        f'is the checkpoint\'s; leave --model and --model-overrides out '
-                       f'(--model-overrides block_size=N may set the POET block size)')
+                       f'(--block-size N sets the POET block size)')
   if source.vocab_size != vocab_size:
     raise ValueError(f'{where} has a vocabulary of {source.vocab_size} (config.json '
                      f'vocab_size), the run\'s tokenizer {vocab_size} tokens: they must '
                      f'be equal; train with the checkpoint\'s tokenizer (--tokenizer '
                      f'{where}/tokenizer.json, the default where it has one) or data '
                      f'prepared with it')
-  return dataclasses.replace(source, block_size=block_size)
+  return source
 
 
 def recorded_config(record: tp.Mapping) -> LlamaConfig | None:

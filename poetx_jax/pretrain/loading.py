@@ -3,8 +3,8 @@ the run, or the stored one used and the splits checked) and the model
 restored from the run's checkpoints.
 
     data = run_data(out, cfg, resume=False)               # train: tokenizer stored
-    cfg, mc, model, step = load_model('runs/tiny-poetx')  # export: no corpus read
-    cfg, data, model, step = load_run('runs/tiny-poetx')  # eval: corpus checked
+    plan, model, step = load_model('runs/tiny-poetx')     # export: no corpus read
+    plan, data, model, step = load_run('runs/tiny-poetx')  # eval: corpus checked
 
 The run directory's own files (``run.json``, ``data.json``, the stored
 tokenizer) are read and written by :mod:`poetx_jax.pretrain.rundir`.
@@ -12,14 +12,11 @@ tokenizer) are read and written by :mod:`poetx_jax.pretrain.rundir`.
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import pathlib
 
 import jax
 from flax import nnx
 
-from poetx_jax.models import llama
 from poetx_jax.pretrain.data import corpus
 from poetx_jax.pretrain.data import windows as data_lib
 from poetx_jax.pretrain import hf_init, processes
@@ -27,7 +24,6 @@ from poetx_jax.pretrain.data import mixture, shards
 from poetx_jax.pretrain.data import tokenizer as tokenizer_lib
 from poetx_jax.pretrain.checkpoint import Checkpointer
 from poetx_jax.pretrain.config import TrainConfig
-from poetx_jax.pretrain.factories import build_model, model_config
 from poetx_jax.pretrain.rundir import (check_data, read_config, read_data_record, store_data,
                                        stored_tokenizer)
 
@@ -35,31 +31,6 @@ from poetx_jax.pretrain.rundir import (check_data, read_config, read_data_record
 def _data_paths(cfg: TrainConfig) -> list[str]:
   """The paths of ``cfg.data``, weights (``PATH:W``) left out."""
   return [p for p, _ in mixture.parse_data(cfg.data or ())]
-
-
-def prepared_vocab_size(cfg: TrainConfig) -> int | None:
-  """The vocabulary of the first prepared dataset directory ``cfg.data``
-  names (its manifest's), or None where it names none (or its manifest is
-  unreadable: :func:`load_data` says why)."""
-  try:
-    prepared = [p for p in _data_paths(cfg) if shards.is_prepared(p)]
-  except ValueError:
-    return None  # bad weights: load_data says why
-  if not prepared:
-    return None
-  try:
-    return int(json.loads((pathlib.Path(prepared[0]) / shards.MANIFEST).read_text())
-               ['vocab_size'])
-  except (OSError, ValueError, KeyError, TypeError):
-    return None
-
-
-def with_prepared_vocab(cfg: TrainConfig) -> TrainConfig:
-  """``cfg`` with ``vocab_size`` that of the prepared dataset it trains on (a
-  prepared dataset brings its tokenizer: no BPE is trained, so run.json
-  records the vocabulary used); ``cfg`` itself for any other data."""
-  vocab = prepared_vocab_size(cfg)
-  return cfg if vocab is None else dataclasses.replace(cfg, vocab_size=vocab)
 
 
 def load_data(cfg: TrainConfig, tokenizer: str | pathlib.Path | None = None
@@ -188,23 +159,25 @@ def _run_data(out: pathlib.Path, cfg: TrainConfig, *, resume: bool) -> data_lib.
   return data
 
 
-def load_model(out_dir: str | pathlib.Path, *, step: int | None = None
-               ) -> tuple[TrainConfig, llama.LlamaConfig, object, int]:
-  """(cfg, model config, model, step) of a run at its newest (or given)
-  checkpoint, without the corpus: the vocabulary is the stored tokenizer's.
-  Only the model is restored, into its shapes: no random weights are drawn
-  first, and no optimizer state is built or read."""
+def load_model(out_dir: str | pathlib.Path, *, step: int | None = None):
+  """(plan, model, step) of a run at its newest (or given) checkpoint, without
+  the corpus: the plan of its ``run.json`` (with the values it recorded) for
+  the stored tokenizer's vocabulary. Only the model is restored, into its
+  shapes: no random weights are drawn first, and no optimizer state is built
+  or read."""
+  from poetx_jax.pretrain.factories import build_model
+  from poetx_jax.pretrain.plan import make_plan, recorded_plan
   out = pathlib.Path(out_dir)
-  cfg = read_config(out)
   record = read_data_record(out)
-  mc = model_config(cfg, record['vocab_size'], hf_init.recorded_config(record))
-  shapes = nnx.eval_shape(lambda: build_model(cfg, mc))
+  plan = make_plan(read_config(out), record['vocab_size'], hf_init.recorded_config(record),
+                   recorded=recorded_plan(out))
+  shapes = nnx.eval_shape(lambda: build_model(plan))
   model, step = Checkpointer(out / 'checkpoints').restore_model(shapes, step=step)
-  return cfg, mc, model, step
+  return plan, model, step
 
 
 def load_run(out_dir: str | pathlib.Path, *, step: int | None = None):
-  """(cfg, data, model, step) of a run directory, at its newest (or given) checkpoint.
+  """(plan, data, model, step) of a run directory, at its newest (or given) checkpoint.
 
   The corpus is read again with the run's stored tokenizer; its validation
   split must be the one the run was validated on (CheckpointError if not).
@@ -212,5 +185,5 @@ def load_run(out_dir: str | pathlib.Path, *, step: int | None = None):
   cfg = read_config(out_dir)
   data = load_data(cfg, stored_tokenizer(out_dir))
   check_data(pathlib.Path(out_dir), data, ('val',))
-  cfg, _, model, step = load_model(out_dir, step=step)
-  return cfg, data, model, step
+  plan, model, step = load_model(out_dir, step=step)
+  return plan, data, model, step

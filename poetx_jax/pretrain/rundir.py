@@ -1,6 +1,7 @@
 """The run directory: what a run is, beside its checkpoints.
 
-    RUN/run.json          the TrainConfig (compared on --resume)
+    RUN/run.json          the TrainConfig (compared on --resume) and, under
+                          'plan', its defaults resolved (plan.py)
     RUN/tokenizer.json    the run's tokenizer (tokenizer.model for sentencepiece)
     RUN/data.json         the tokenizer's sha256 and vocabulary, and the identity of
                           the splits: tokens and sha256 of each token stream
@@ -36,7 +37,7 @@ import typing as tp
 from poetx_jax.pretrain.data import windows as data_lib
 from poetx_jax.pretrain import processes
 from poetx_jax.pretrain.checkpoint import CheckpointError, Checkpointer
-from poetx_jax.pretrain.config import TrainConfig
+from poetx_jax.pretrain.config import PLAN_KEY, TrainConfig
 from poetx_jax.pretrain.files import atomic_write
 from poetx_jax.pretrain.data.tokenizer import file_hash
 
@@ -46,7 +47,7 @@ RUN_FILE, DATA_FILE = 'run.json', 'data.json'
 LOCATIONS = ('out_dir', 'cache_dir', 'data', 'val_data')
 # Options that say how the state is laid out on the devices, not what is
 # trained: --resume may change them (checkpoints restore onto any mesh), and
-# resumed_config fits a saved fsdp to the devices present.
+# plan.resumed_options fits a saved fsdp to the devices present.
 LAYOUT = ('strategy', 'fsdp')
 # Options that say where the metrics also go and what is profiled: --resume
 # may change them.
@@ -164,47 +165,25 @@ class RunLock:
         self.path.unlink()
 
 
-def default_out_dir(cfg: TrainConfig) -> str:
-  """``cfg.out_dir``, or ``runs/MODEL-OPTIMIZER`` when it is None (MODEL: the
-  name of the ``init_from_hf`` directory where the run starts from one)."""
-  model = ((pathlib.Path(cfg.init_from_hf).resolve().name or 'hf') if cfg.init_from_hf
-           else cfg.model)
-  return cfg.out_dir or f'runs/{model}-{cfg.optimizer}'
-
-
-def _saved_run(out: pathlib.Path) -> dict:
-  """The ``run.json`` of the run ``--resume`` continues in ``out``."""
+def saved_run(out: pathlib.Path) -> dict:
+  """The options of the run ``--resume`` continues in ``out`` (its ``run.json``)."""
   if not (out / RUN_FILE).is_file():
     raise CheckpointError(f'--resume: {out} holds no run ({out / RUN_FILE} does not exist); '
                           f'nothing to resume')
-  return json.loads((out / RUN_FILE).read_text())
+  return _options(json.loads((out / RUN_FILE).read_text()))
 
 
-def resumed_config(cfg: TrainConfig, given: tp.Iterable[str], *,
-                   device_count: int | None = None, log=print) -> TrainConfig:
-  """What ``poetx train --resume`` continues: the run's ``run.json`` with the
-  options ``given`` on the command line taken from ``cfg`` (:func:`open_run`
-  then checks they agree with it) and the run directory where it is now.
-
-  With ``device_count``, a saved ``fsdp`` (not given again) that does not
-  divide it becomes the largest that does and is not above it, with a log
-  line saying so (a run sharded over 2 devices resumes on 1, on 3 ...);
-  ``--fsdp`` given chooses instead."""
-  out = pathlib.Path(default_out_dir(cfg))
-  _saved_run(out)
-  fields = {f.name for f in dataclasses.fields(TrainConfig)}
-  given = set(given) & fields
-  resumed = dataclasses.replace(read_config(out), out_dir=str(out),
-                                **{k: getattr(cfg, k) for k in given - {'out_dir'}})
-  n, saved = device_count, resumed.fsdp
-  if n is None or 'fsdp' in given or n % saved == 0:
-    return resumed
-  fsdp = max(d for d in range(1, min(saved, n) + 1) if n % d == 0)
-  if processes.is_primary():
-    log(f'--resume: the run\'s fsdp={saved} does not divide the {n} device(s) present: '
-        f'continuing with fsdp={fsdp} (the layout may change on resume; --fsdp N '
-        f'chooses another)')
-  return dataclasses.replace(resumed, fsdp=fsdp)
+def _options(saved: dict) -> dict:
+  """The options of a ``run.json`` (its ``plan`` left out). A run.json of an
+  older version that set the POET block size in ``model_overrides`` gives it
+  as ``block_size``, where the option is now."""
+  saved = {k: v for k, v in saved.items() if k != PLAN_KEY}
+  overrides = dict(saved.get('model_overrides') or {})
+  if 'block_size' in overrides:
+    block = overrides.pop('block_size')
+    saved = {**saved, 'model_overrides': overrides,
+             'block_size': saved.get('block_size') or block}
+  return saved
 
 
 def _check_resumable(run_file: pathlib.Path, cfg: TrainConfig) -> None:
@@ -212,7 +191,7 @@ def _check_resumable(run_file: pathlib.Path, cfg: TrainConfig) -> None:
   equal but for LOCATIONS, LAYOUT and REPORTING, with ``steps`` at least the
   saved ones."""
   # A field newer than the run (absent from its run.json) holds its default.
-  saved = {**dataclasses.asdict(TrainConfig()), **_saved_run(run_file.parent)}
+  saved = {**dataclasses.asdict(TrainConfig()), **saved_run(run_file.parent)}
   now = dataclasses.asdict(cfg)
   diff = {k: (saved.get(k), v) for k, v in now.items()
           if k not in LOCATIONS + LAYOUT + REPORTING + ('steps',) and saved.get(k) != v}
@@ -278,10 +257,15 @@ def open_run(cfg: TrainConfig, *, resume: bool, log=print) -> tp.Iterator[pathli
     yield out
 
 
-def write_config(out: pathlib.Path, cfg: TrainConfig) -> None:
+def write_config(out: pathlib.Path, cfg: TrainConfig, plan=None) -> None:
   """Writes the run's ``run.json`` (whole, for whoever reads it meanwhile): the
-  configuration the run in ``out`` trains with."""
-  text = json.dumps(dataclasses.asdict(cfg), indent=1)
+  options the run in ``out`` trains with and, once made, its plan with every
+  default resolved (:meth:`~poetx_jax.pretrain.plan.Plan.record`, under
+  ``plan``)."""
+  record = dataclasses.asdict(cfg)
+  if plan is not None:
+    record[PLAN_KEY] = plan.record()
+  text = json.dumps(record, indent=1)
   processes.on_primary('writing run.json', lambda: atomic_write(
       out / RUN_FILE, lambda tmp: pathlib.Path(tmp).write_text(text)))
 
@@ -356,7 +340,7 @@ def read_config(out: str | pathlib.Path) -> TrainConfig:
   if not run_file.is_file():
     raise CheckpointError(f'{out} is not a run directory (no run.json)')
   fields = {f.name for f in dataclasses.fields(TrainConfig)}
-  saved = json.loads(run_file.read_text())
+  saved = _options(json.loads(run_file.read_text()))
   unknown = sorted(set(saved) - fields)
   if unknown:
     raise CheckpointError(f'{run_file} has fields this version does not know: {unknown}')

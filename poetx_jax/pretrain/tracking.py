@@ -14,7 +14,7 @@ validations, each merge's orthogonality error, a probe's records.
 Every ``log_every`` steps :class:`Tracking.step_stats` adds to ``metrics.jsonl``:
 
 * ``lr`` (and ``poet_lr`` for POET-X): the learning rates of the last update,
-  read from the run's schedules (:func:`~poetx_jax.pretrain.factories.schedule`);
+  read from the run's schedules (:meth:`~poetx_jax.pretrain.plan.Plan.schedule`);
 * ``grad_norm``: the global norm of the step's gradients before clipping (of
   its micro-batch under gradient accumulation), computed inside the update
   program (``make_train_step(grad_norm=True)``) and read only here;
@@ -43,7 +43,6 @@ import time
 import jax
 
 from poetx_jax.pretrain.config import TrainConfig, profile_window
-from poetx_jax.pretrain.factories import peak_lr, schedule
 
 # Dense bf16 peak FLOP/s of one device, from the vendors' datasheets (no
 # sparsity), by a substring of ``device.device_kind``; the first match counts.
@@ -169,22 +168,21 @@ class Tracking:
   every step (both hooks, ``train.loop_hooks``).
 
   Args:
-    cfg: the run's configuration.
+    plan: the run's plan (its options, schedules and model's FLOPs per token).
     out: the run directory.
-    mc: the model config (its FLOPs per token).
-    poet_lr: the peak POET-X learning rate, None without POET-X.
     resume_step: the step the run continues from (0: a fresh run).
     write: open the trackers (False: another process of the run reports).
   """
 
-  def __init__(self, cfg: TrainConfig, out: pathlib.Path, mc, *, poet_lr: float | None,
+  def __init__(self, plan, out: pathlib.Path, *,
                resume_step: int = 0, write: bool = True):
+    cfg = plan.options
     self.trackers = [open_tracker(name, out, cfg, resume_step=resume_step)
                      for name in (cfg.tracking if write else ())]
-    self.schedules = {'lr': schedule(peak_lr(cfg, mc), cfg)}
-    if poet_lr is not None:
-      self.schedules['poet_lr'] = schedule(poet_lr, cfg)
-    self.flops = flops_per_token(mc, cfg.seq_len)
+    self.schedules = {'lr': plan.lr_schedule}
+    if plan.poet_lr is not None:
+      self.schedules['poet_lr'] = plan.poet_lr_schedule
+    self.flops = flops_per_token(plan.model, cfg.seq_len)
     peak = peak_flops(jax.devices()[0])
     self.peak = None if peak is None else peak * jax.device_count()
     self._last = None  # (step, training seconds) at the last step_stats

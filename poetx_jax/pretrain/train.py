@@ -3,8 +3,9 @@
 ``train(TrainConfig(...))`` sets up the run (its directory, data, model,
 optimizer and train step), runs the loop with validation, metrics, progress
 and checkpoints, and returns a summary. ``poetx train`` (cli.py) is a thin
-shell over it. The pieces live beside it: the options in config.py, what they
-build in factories.py, the loss and validation in evaluation.py, the metrics,
+shell over it. The pieces live beside it: the options in config.py, their
+defaults resolved into the run's plan in plan.py, what the plan builds in
+factories.py (the optimizer families in recipes.py), the loss and validation in evaluation.py, the metrics,
 progress bar and clock in metrics.py, the hooks in hooks.py, the run
 directory in rundir.py.
 """
@@ -24,16 +25,14 @@ from flax import nnx
 
 from poetx_jax.pretrain.data import windows as data_lib
 from poetx_jax.pretrain import hf_init, loading, processes, rundir
+from poetx_jax.pretrain.plan import Plan, finish_options, make_plan, recorded_plan
 from poetx_jax.pretrain.checkpoint import Checkpointer
 from poetx_jax.pretrain.config import TrainConfig
 from poetx_jax.pretrain.evaluation import evaluate, place_batch
-from poetx_jax.pretrain.factories import (build_state, compute_dtype, make_step,
-                                          make_training_mesh, merge_interval, model_config,
-                                          model_poet_lr, size_text)
+from poetx_jax.pretrain.factories import build_state, make_step, make_training_mesh, size_text
 from poetx_jax.pretrain.hooks import Hook
 from poetx_jax.pretrain.metrics import (Metrics, Progress, StopFlag, TrainClock,
-                                        merge_reporter)
-from poetx_jax.pretrain.metrics import read_metrics
+                                        merge_reporter, read_metrics)
 from poetx_jax.pretrain.tracking import Tracking
 
 
@@ -70,9 +69,9 @@ class Validation(tp.NamedTuple):
 
 @dataclasses.dataclass
 class Run:
-  """A run being trained: its configuration, directory, state, data, writers
-  and hooks, the step it is at, and its validations so far."""
-  cfg: TrainConfig
+  """A run being trained: its plan (and options, ``cfg``), directory, state,
+  data, writers and hooks, the step it is at, and its validations so far."""
+  plan: Plan
   out: pathlib.Path
   mesh: tp.Any
   model: tp.Any
@@ -102,6 +101,11 @@ class Run:
   t0: float = 0.0
   start: int = 0
   saved_at: int | None = None
+
+  @property
+  def cfg(self) -> TrainConfig:
+    """The run's options."""
+    return self.plan.options
 
   def save(self, reason: str) -> None:
     """Starts an asynchronous checkpoint of the state and the data position,
@@ -190,20 +194,15 @@ def train(cfg: TrainConfig, *, resume: bool = False, step: int | None = None, lo
   Raises NonFiniteLoss (nothing saved from a diverged state) and
   rundir.RunLocked (another training holds ``cfg.out_dir``).
   """
-  _checked(cfg, resume, step, hooks)
-  cfg = dataclasses.replace(cfg, out_dir=rundir.default_out_dir(cfg))
-  if not resume:  # run.json records the tokenizer and vocabulary used: a checkpoint's,
-    # a prepared dataset's (not vocab_size's)
-    cfg = hf_init.with_checkpoint_tokenizer(
-        cfg, prepared=loading.prepared_vocab_size(cfg) is not None)
-    cfg = loading.with_prepared_vocab(cfg)
+  _checked(resume, step, hooks)
+  cfg = finish_options(cfg, resume=resume, device_count=jax.device_count())
   primary = processes.is_primary()  # of several processes, the first reports
   log = log if primary else (lambda *_: None)
   with rundir.open_run(cfg, resume=resume, log=log) as out:
     try:
       run = set_up(cfg, out, resume=resume, step=step, log=log)
-      if resume:  # only now: a refused --resume leaves run.json as it was
-        rundir.write_config(out, cfg)
+      # With the plan; resumed, only now: a refused --resume leaves run.json as it was.
+      rundir.write_config(out, cfg, run.plan)
       run.hooks = loop_hooks(run, hooks, log)
       if run.step == 0:
         _start(run, log)
@@ -214,7 +213,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, step: int | None = None, lo
             'before any checkpoint: nothing to resume; run the command again (without '
             '--resume) to start afresh'))
       raise
-    total = cfg.steps * cfg.grad_accum  # one iteration = one micro-batch
+    total = run.plan.micro_steps  # one iteration = one micro-batch
     run.progress = Progress(total, initial=run.step, disable=not primary)
     run.t0, run.start = time.perf_counter(), run.step
     with StopFlag() as stop, TrainClock() as run.clock:
@@ -242,10 +241,10 @@ def loop_hooks(run: Run, hooks: tp.Sequence[Hook], log) -> list[Hook]:
   profile's start and stop; the validation (every ``eval_every``); the given ones that
   wait; the checkpoint (every ``checkpoint_every``)."""
   cfg, hooks = run.cfg, list(hooks)
-  report = (merge_reporter(run.metrics, log, poet_lr=model_poet_lr(cfg, run.model),
-                           merge_every=merge_interval(cfg, run.model.config),
+  report = (merge_reporter(run.metrics, log, poet_lr=run.plan.poet_lr,
+                           merge_every=run.plan.merge_every,
                            max_generator_norm=cfg.max_generator_norm)
-            if cfg.optimizer == 'poetx' else None)
+            if run.plan.poetize else None)
 
   def report_merges(run):
     while run.merges:
@@ -255,7 +254,7 @@ def loop_hooks(run: Run, hooks: tp.Sequence[Hook], log) -> list[Hook]:
     run.last_val = run.validate()
 
   def save(run):
-    run.save('final' if run.step == cfg.steps * cfg.grad_accum else 'periodic')
+    run.save('final' if run.step == run.plan.micro_steps else 'periodic')
 
   return (([Hook(report_merges, wait=False)] if report else [])
           + [h for h in hooks if not h.wait]
@@ -295,10 +294,9 @@ def _agreed(signal: str | None, *, at_log: bool) -> str | None:
   return _SIGNALS[processes.agree_max(_SIGNALS.index(signal))] if at_log else None
 
 
-def _checked(cfg: TrainConfig, resume: bool, step: int | None, hooks) -> None:
-  """Raises ValueError unless ``cfg`` can run on this machine's devices,
-  ``step`` names a checkpoint to resume from and ``hooks`` are Hooks."""
-  cfg.validate(device_count=jax.device_count())
+def _checked(resume: bool, step: int | None, hooks) -> None:
+  """Raises ValueError unless ``step`` names a checkpoint to resume from and
+  ``hooks`` are Hooks."""
   for h in hooks:
     if not isinstance(h, Hook):
       raise ValueError(f'hooks must be train.Hook instances, got {h!r}')
@@ -310,19 +308,21 @@ def _checked(cfg: TrainConfig, resume: bool, step: int | None, hooks) -> None:
 
 def set_up(cfg: TrainConfig, out: pathlib.Path, *, resume: bool, step: int | None = None,
            log=print) -> Run:
-  """The run of ``cfg`` ready for its first (or, resuming, next) step in its
-  (open) run directory ``out``: the data read, the model, optimizer and train
-  step built and placed on the devices, the state restored when resuming
-  (from ``step``, else the newest intact checkpoint)."""
+  """The run of the finished options ``cfg`` ready for its first (or, resuming,
+  next) step in its (open) run directory ``out``: the data read, the plan
+  made (resuming, with the values the run recorded), the model, optimizer and
+  train step built and placed on the devices, the state restored when
+  resuming (from ``step``, else the newest intact checkpoint)."""
   data = loading.run_data(out, cfg, resume=resume)
   log(f'data: {data.description}')
   source = hf_init.run_source(cfg, out, resume=resume, log=log)  # --init-from-hf
-  mc = model_config(cfg, data.tokenizer.vocab_size, source and source.config)
-  mesh = make_training_mesh(cfg)
-  model, optimizer = build_state(cfg, mc, mesh, source and source.weights)
+  plan = make_plan(cfg, data.tokenizer.vocab_size, source and source.config,
+                   recorded=recorded_plan(out) if resume else None)
+  mesh = make_training_mesh(plan)
+  model, optimizer = build_state(plan, mesh, source and source.weights)
   if mesh is not None:
     log(f'mesh: {dict(mesh.shape)}, strategy {cfg.strategy}')
-  _log_sizes(cfg, mc, model, optimizer, log)
+  _log_sizes(plan, model, optimizer, log)
   # Each process reads and feeds only its own rows of every global batch.
   pc, pi = jax.process_count(), jax.process_index()
   if cfg.batch_size % pc:
@@ -338,31 +338,31 @@ def set_up(cfg: TrainConfig, out: pathlib.Path, *, resume: bool, step: int | Non
         read_metrics(out, warn=log) if (out / 'metrics.jsonl').exists() else ()))
     step, data_state = ckpt.resume(model, optimizer, step=step, run=out, log=log)
     batches.set_state(data_state)
-    total = cfg.steps * cfg.grad_accum
+    total = plan.micro_steps
     log(f'resumed from step {step}' + (f': the run is complete ({total} steps); raise '
                                        f'--steps to extend it' if step >= total else ''))
-  tracking = Tracking(cfg, out, mc, resume_step=step or 0, write=processes.is_primary(),
-                      poet_lr=model_poet_lr(cfg, model) if cfg.optimizer == 'poetx' else None)
+  tracking = Tracking(plan, out, resume_step=step or 0, write=processes.is_primary())
   metrics = Metrics(out, step or 0, write=processes.is_primary(), records=records or (),
                     sinks=[tracking])
   merges = []  # the step function's merges, reported by a hook (loop_hooks)
-  step_fn = make_step(cfg, mc, on_merge=lambda *merge: merges.append(merge), mesh=mesh,
+  step_fn = make_step(plan, on_merge=lambda *merge: merges.append(merge), mesh=mesh,
                       grad_norm=True)
-  return Run(cfg, out, mesh, model, optimizer, step_fn, batches, val, ckpt, metrics,
+  return Run(plan, out, mesh, model, optimizer, step_fn, batches, val, ckpt, metrics,
              step or 0, tracking, merges=merges,
              val_windows=(len(windows), len(data.val_windows)),
              drawn=getattr(data, 'drawn', None))
 
 
-def _log_sizes(cfg: TrainConfig, mc, model, optimizer, log) -> None:
+def _log_sizes(plan: Plan, model, optimizer, log) -> None:
   """Logs the model's parameters and the sizes of the state."""
+  cfg, mc = plan.options, plan.model
   n_params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
   active = (f', {mc.active_params():,} active per token'
             if mc.active_params() != mc.num_params() else '')
   log(f'model: {cfg.model} ({n_params:,} trainable parameters, '
       f'{mc.num_params():,} in the dense model{active}), optimizer {cfg.optimizer}'
       f'{" with SkewAdam tiers" if cfg.skew_tiers else ""}, '
-      f'dtype {jnp.dtype(compute_dtype(cfg.dtype)).name}')
+      f'dtype {plan.dtype}')
   log(f'state: model {size_text(nnx.state(model))}, optimizer '
       f'{size_text(nnx.state(optimizer))}; gradients '
       f'{size_text(nnx.state(model, nnx.Param))} during a step')

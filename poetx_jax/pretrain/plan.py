@@ -1,0 +1,290 @@
+"""A run's plan: its options finished and every default resolved, in one place.
+
+The options (:class:`~poetx_jax.pretrain.config.TrainConfig`) come from the
+command line, a config file, a resumed run's ``run.json``, a checkpoint to
+start from (``--init-from-hf``: its tokenizer) and a prepared dataset (its
+vocabulary); :func:`command_options` and :func:`finish_options` finish them.
+:func:`make_plan` then resolves what an option left open (None) for the model
+the run trains, into a frozen :class:`Plan`: the model config, whether it is
+poetized, the learning rates and their schedules, the POET block size, step,
+merge interval (in updates and micro-steps), layer form and row
+normalisation, the compute dtype. Everything downstream (the model and
+optimizer factories, the loop and its hooks, tracking, evaluation, export,
+the experiments) reads the plan and resolves nothing again; ``run.json``
+records it beside the options (:meth:`Plan.record`), and a resumed run (or
+``poetx eval``, ``poetx export``) keeps the values it recorded::
+
+    cfg = finish_options(TrainConfig(model='130m'), resume=False)
+    plan = make_plan(cfg, vocab_size=32000)
+    plan.lr, plan.poet_lr, plan.merge_every, plan.block_size, plan.form
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+import typing as tp
+
+import jax
+import optax
+
+import poetx_jax
+from poetx_jax import models, ops
+from poetx_jax.models.llama import LlamaConfig
+from poetx_jax.pretrain import hf_init, processes, rundir
+from poetx_jax.pretrain.config import TrainConfig
+from poetx_jax.pretrain.data import mixture, shards
+from poetx_jax.pretrain.recipes import (DEFAULT_LR, DEFAULT_MERGE_EVERY, RECIPES, WIDE_HIDDEN,
+                                        WIDE_MERGE_EVERY, Recipe)
+
+# What a plan resolves that a resumed run keeps as recorded (Plan.record):
+# the training defaults, not the compute dtype, which follows the machine.
+PINNED = ('lr', 'poet_lr', 'merge_every', 'block_size', 'form', 'normalize_rows')
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """A run with every default resolved (see the module docstring).
+
+  Attributes:
+    options: the finished options.
+    model: the model config: the named one (or the checkpoint's) with its
+      overrides, the run's vocabulary and, when poetized, its block size.
+    recipe: the optimizer family (:mod:`~poetx_jax.pretrain.recipes`).
+    poetize: whether the model's linear layers train as POET layers.
+    lr: peak learning rate of AdamW (SkewAdam), or of POET-X's non-POET
+      parameters.
+    poet_lr: peak POET-X step size (None without POET).
+    block_size, merge_every, form, normalize_rows: the POET layers' block
+      size, the merge interval in updates, their product order and whether
+      conversion scales W0's rows to unit norm (None / False without POET).
+    merge_period: the merge interval in micro-steps (``merge_every *
+      grad_accum``; None without POET).
+    dtype: the compute dtype's name (``'auto'`` resolved for this backend).
+    updates, micro_steps: the optimizer updates and micro-batches of the run.
+  """
+  options: TrainConfig
+  model: LlamaConfig
+  recipe: Recipe
+  poetize: bool
+  lr: float
+  poet_lr: float | None
+  block_size: int | None
+  merge_every: int | None
+  merge_period: int | None
+  form: str | None
+  normalize_rows: bool
+  dtype: str
+  updates: int
+  micro_steps: int
+
+  def schedule(self, peak: float) -> optax.Schedule:
+    """Linear warmup to ``peak``, cosine decay to ``min_lr_ratio * peak`` by the last update."""
+    o = self.options
+    total = max(o.steps, o.warmup + 1)
+    return optax.warmup_cosine_decay_schedule(0.0, peak, warmup_steps=o.warmup,
+                                              decay_steps=total,
+                                              end_value=peak * o.min_lr_ratio)
+
+  @property
+  def lr_schedule(self) -> optax.Schedule:
+    return self.schedule(self.lr)
+
+  @property
+  def poet_lr_schedule(self) -> optax.Schedule | None:
+    return None if self.poet_lr is None else self.schedule(self.poet_lr)
+
+  def record(self) -> dict:
+    """The resolved values as JSON (``run.json``'s ``plan``)."""
+    return {'poetize': self.poetize, 'lr': self.lr, 'poet_lr': self.poet_lr,
+            'block_size': self.block_size, 'merge_every': self.merge_every,
+            'merge_period': self.merge_period, 'form': self.form,
+            'normalize_rows': self.normalize_rows, 'dtype': self.dtype,
+            'updates': self.updates, 'micro_steps': self.micro_steps,
+            'model': dataclasses.asdict(self.model)}
+
+
+def compute_dtype(name: str) -> str:
+  """The compute dtype of ``TrainConfig.dtype``: 'auto' is bfloat16 on GPU, float32 elsewhere."""
+  if name == 'auto':
+    return 'bfloat16' if jax.default_backend() == 'gpu' else 'float32'
+  return name
+
+
+def model_config(cfg: TrainConfig, vocab_size: int,
+                 source: LlamaConfig | None = None) -> LlamaConfig:
+  """The named config (dense or mixture-of-experts) with overrides, its
+  vocabulary the tokenizer's; with ``cfg.init_from_hf``, ``source``, the
+  checkpoint's config, which they must agree with (:func:`hf_init.model_config`)."""
+  if cfg.init_from_hf is not None:
+    mc = hf_init.model_config(cfg, source, vocab_size)
+  else:
+    mc = dataclasses.replace(models.get_config(cfg.model, **cfg.model_overrides),
+                             vocab_size=vocab_size)
+  if cfg.seq_len > mc.max_seq_len:
+    raise ValueError(f'seq_len={cfg.seq_len} is longer than model {cfg.model!r} '
+                     f'supports (max_seq_len={mc.max_seq_len})')
+  return mc
+
+
+def make_plan(cfg: TrainConfig, vocab_size: int | None = None,
+              source: LlamaConfig | None = None, *,
+              recorded: tp.Mapping | None = None) -> Plan:
+  """The :class:`Plan` of the finished options ``cfg`` for a tokenizer of
+  ``vocab_size`` (None: ``cfg.vocab_size``, for runs with no data) and, with
+  ``--init-from-hf``, the checkpoint's model config ``source``.
+
+  ``recorded``: the plan the run recorded when it started (``run.json``'s
+  ``plan``); its values of :data:`PINNED` are kept where the options leave
+  them open, so a run continues as it started whatever the defaults are now.
+
+  Raises ValueError naming the option that does not fit the model (a block
+  size larger than a projection, a sequence longer than the model takes, a
+  checkpoint that disagrees with ``--model``).
+  """
+  recipe = RECIPES[cfg.optimizer]
+  mc = model_config(cfg, cfg.vocab_size if vocab_size is None else vocab_size, source)
+  wide = mc.hidden >= WIDE_HIDDEN
+  lr = cfg.lr if cfg.lr is not None else (
+      recipe.wide_lr if wide and recipe.wide_lr is not None else DEFAULT_LR)
+  poet = dict(poet_lr=None, block_size=None, merge_every=None, form=None,
+              normalize_rows=False)
+  if recipe.poetizes:
+    block = cfg.block_size if cfg.block_size is not None else mc.block_size
+    poet = dict(
+        block_size=block,
+        poet_lr=cfg.poet_lr if cfg.poet_lr is not None else poetx_jax.default_poet_lr(block),
+        merge_every=(cfg.merge_every if cfg.merge_every is not None else
+                     WIDE_MERGE_EVERY if wide else DEFAULT_MERGE_EVERY),
+        form=cfg.form if cfg.form is not None else 'auto' if wide else 'input',
+        # Never for a run started from a checkpoint, whose function it would change.
+        normalize_rows=(cfg.normalize_rows if cfg.normalize_rows is not None else
+                        cfg.init_from_hf is None and wide))
+  values = {'lr': lr, **poet}
+  for k in PINNED if recorded else ():
+    if getattr(cfg, k) is None and k in recorded:
+      values[k] = recorded[k]
+  if recipe.poetizes:
+    block = values['block_size']
+    ops.check_block_size(block, mc.hidden, getattr(mc, 'expert_inner', mc.mlp),
+                         mc.kv_heads * mc.head_dim, what='block_size')
+    mc = dataclasses.replace(mc, block_size=block)
+  every = values['merge_every']
+  return Plan(options=cfg, model=mc, recipe=recipe, poetize=recipe.poetizes,
+              merge_period=None if every is None else every * cfg.grad_accum,
+              dtype=compute_dtype(cfg.dtype), updates=cfg.steps,
+              micro_steps=cfg.steps * cfg.grad_accum, **values)
+
+
+# ----------------------------------------------------------------- finishing the options
+
+
+def default_out_dir(cfg: TrainConfig) -> str:
+  """``cfg.out_dir``, or ``runs/MODEL-OPTIMIZER`` when it is None (MODEL: the
+  name of the ``init_from_hf`` directory where the run starts from one)."""
+  model = ((pathlib.Path(cfg.init_from_hf).resolve().name or 'hf') if cfg.init_from_hf
+           else cfg.model)
+  return cfg.out_dir or f'runs/{model}-{cfg.optimizer}'
+
+
+def prepared_vocab_size(cfg: TrainConfig) -> int | None:
+  """The vocabulary of the first prepared dataset directory ``cfg.data``
+  names (its manifest's), or None where it names none (or its manifest is
+  unreadable, or the weights are bad: reading the data says why)."""
+  try:
+    prepared = [p for p, _ in mixture.parse_data(cfg.data or ()) if shards.is_prepared(p)]
+  except ValueError:
+    return None
+  if not prepared:
+    return None
+  try:
+    return int(json.loads((pathlib.Path(prepared[0]) / shards.MANIFEST).read_text())
+               ['vocab_size'])
+  except (OSError, ValueError, KeyError, TypeError):
+    return None
+
+
+def finish_options(cfg: TrainConfig, *, resume: bool,
+                   device_count: int | None = None) -> TrainConfig:
+  """``cfg`` checked (``validate``, with ``device_count``) and finished: its run
+  directory named; for a fresh run the tokenizer of the checkpoint it starts
+  from (where it names none and trains on no prepared dataset) and the
+  vocabulary of the prepared dataset it trains on, so that ``run.json``
+  records the tokenizer and vocabulary used."""
+  cfg.validate(device_count=device_count)
+  cfg = dataclasses.replace(cfg, out_dir=default_out_dir(cfg))
+  if resume:
+    return cfg
+  vocab = prepared_vocab_size(cfg)
+  if vocab is not None:
+    return dataclasses.replace(cfg, vocab_size=vocab)
+  if cfg.init_from_hf is not None and cfg.tokenizer is None:
+    for name in hf_init.TOKENIZERS:
+      path = pathlib.Path(cfg.init_from_hf) / name
+      if path.is_file():
+        return dataclasses.replace(cfg, tokenizer=str(path))
+  return cfg
+
+
+def command_options(cfg: TrainConfig, given: tp.Iterable[str], *,
+                    config_file: str | None = None, resume: bool = False,
+                    device_count: int | None = None, log=print) -> TrainConfig:
+  """The options of a ``poetx train`` command: ``cfg`` (its flags with
+  TrainConfig's defaults), of which ``given`` were on the command line, set
+  over a ``config_file``'s options, or with ``resume`` over the run's
+  ``run.json`` (:func:`resumed_options`). Raises ValueError for a config file
+  with ``resume``, and for a ``--vocab-size`` a prepared dataset contradicts."""
+  given = set(given)
+  if config_file is not None:
+    if resume:
+      raise ValueError('--config does not go with --resume: a resumed run reads its own '
+                       'run.json (options given with --resume must agree with it)')
+    from poetx_jax.pretrain.config_file import config_with_file, read_config_file
+    fields = {f.name for f in dataclasses.fields(TrainConfig)} & given
+    cfg = config_with_file(config_file, {k: getattr(cfg, k) for k in fields})
+    given |= set(read_config_file(config_file))
+  if resume:
+    return resumed_options(cfg, given, device_count=device_count, log=log)
+  vocab = prepared_vocab_size(cfg) if 'vocab_size' in given else None
+  if vocab is not None and vocab != cfg.vocab_size:
+    raise ValueError(f'--vocab-size {cfg.vocab_size} disagrees with the prepared dataset '
+                     f'{cfg.data[0]}, whose tokenizer has a vocabulary of {vocab}: leave '
+                     f'--vocab-size out (the run records {vocab}), or prepare the corpus '
+                     f'again with --vocab-size {cfg.vocab_size}')
+  return cfg
+
+
+def resumed_options(cfg: TrainConfig, given: tp.Iterable[str], *,
+                    device_count: int | None = None, log=print) -> TrainConfig:
+  """What ``poetx train --resume`` continues: the run's ``run.json`` with the
+  options ``given`` on the command line taken from ``cfg`` (the run
+  directory then checks they agree with it) and the run directory where it
+  is now.
+
+  With ``device_count``, a saved ``fsdp`` (not given again) that does not
+  divide it becomes the largest that does and is not above it, with a log
+  line saying so (a run sharded over 2 devices resumes on 1, on 3 ...);
+  ``--fsdp`` given chooses instead."""
+  out = pathlib.Path(default_out_dir(cfg))
+  rundir.saved_run(out)  # refuses a directory that holds no run
+  fields = {f.name for f in dataclasses.fields(TrainConfig)}
+  given = set(given) & fields
+  resumed = dataclasses.replace(rundir.read_config(out), out_dir=str(out),
+                                **{k: getattr(cfg, k) for k in given - {'out_dir'}})
+  n, saved = device_count, resumed.fsdp
+  if n is None or 'fsdp' in given or n % saved == 0:
+    return resumed
+  fsdp = max(d for d in range(1, min(saved, n) + 1) if n % d == 0)
+  if processes.is_primary():
+    log(f'--resume: the run\'s fsdp={saved} does not divide the {n} device(s) present: '
+        f'continuing with fsdp={fsdp} (the layout may change on resume; --fsdp N '
+        f'chooses another)')
+  return dataclasses.replace(resumed, fsdp=fsdp)
+
+
+def recorded_plan(out: str | pathlib.Path) -> dict | None:
+  """The plan a run directory's ``run.json`` recorded, or None (a run from
+  before plans were recorded, or one that stopped while starting)."""
+  path = pathlib.Path(out) / rundir.RUN_FILE
+  return json.loads(path.read_text()).get('plan') if path.is_file() else None

@@ -1,0 +1,105 @@
+"""The optimizer families of ``poetx train --optimizer``: what each trains, how,
+and its defaults per model size.
+
+A :class:`Recipe` says whether its runs poetize the model (the linear weights
+train as ``R W0 P``: POET-X) and builds its optax transformation from the
+run's :class:`~poetx_jax.pretrain.plan.Plan`; the options it reads
+(``lean_state``, ``skew_tiers``, ``weight_decay``) are read here and nowhere
+else. Clipping and gradient accumulation are the same for every family
+(:func:`poetx_jax.pretrain.factories.build_optimizer` adds them). Options
+marked ``poet`` in the schema (:mod:`~poetx_jax.pretrain.config`) mean
+something only to a recipe that poetizes, and are refused with the others.
+
+    tx = RECIPES[plan.options.optimizer].build(plan, model)
+
+Adding a family is its library transformation and one entry of ``RECIPES``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing as tp
+
+import jax.numpy as jnp
+import optax
+
+import poetx_jax
+from poetx_jax.lean import lean_adamw
+
+if tp.TYPE_CHECKING:
+  from poetx_jax.pretrain.plan import Plan
+
+# Per-size defaults (docs/quality.md: measured at 130m, where AdamW's best rate
+# of 3e-4..2e-3 was 6e-4, normalize_rows helped POET-X, and merges every 200
+# updates beat merges every 50; the tiny default trains better with the first
+# two off and keeps its merges every 50): from this hidden size, a recipe's
+# ``wide_lr`` replaces DEFAULT_LR, normalize_rows is on and merges come every
+# WIDE_MERGE_EVERY updates; the POET layers' form is 'auto' there (at 130m the
+# weight form's step measured 44.1 ms against the input form's 53.5), 'input'
+# below. :func:`poetx_jax.pretrain.plan.make_plan` resolves them.
+WIDE_HIDDEN = 512
+DEFAULT_LR = 3e-3
+ADAMW_WIDE_LR = 6e-4
+DEFAULT_MERGE_EVERY = 50
+WIDE_MERGE_EVERY = 200
+
+
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+  """An optimizer family.
+
+  Attributes:
+    name: the ``--optimizer`` value.
+    poetizes: its runs convert the model's linear layers to POET layers.
+    build: ``build(plan, model) -> optax.GradientTransformation`` over the
+      model's ``nnx.Param`` s, before clipping and accumulation.
+    help: one line for ``--help``.
+    wide_lr: the default peak learning rate on models of hidden size >=
+      WIDE_HIDDEN (None: DEFAULT_LR at every size).
+  """
+  name: str
+  poetizes: bool
+  build: tp.Callable[['Plan', tp.Any], optax.GradientTransformation]
+  help: str
+  wide_lr: float | None = None
+
+
+def _dense_adamw(plan: 'Plan') -> optax.GradientTransformation:
+  """AdamW at the run's learning rate, lean (bf16 first moment, factored
+  second moments) with ``lean_state``."""
+  o = plan.options
+  if o.lean_state:
+    return lean_adamw(plan.lr_schedule, weight_decay=o.weight_decay)
+  return optax.adamw(plan.lr_schedule, b1=0.9, b2=0.999, weight_decay=o.weight_decay)
+
+
+def _poetx(plan: 'Plan', model) -> optax.GradientTransformation:
+  """POET-X for the generators (a bf16 first moment and one second moment
+  per block with ``lean_state``); AdamW, or SkewAdam's tiers with
+  ``skew_tiers``, for the other parameters."""
+  o = plan.options
+  lean = dict(mu_dtype=jnp.bfloat16, second_moment='block') if o.lean_state else {}
+  poet = poetx_jax.poetx(plan.poet_lr_schedule, merge_every=plan.merge_every, **lean)
+  if o.skew_tiers:
+    return poetx_jax.poetx_skewadam(model, poet, plan.lr_schedule,
+                                    weight_decay=o.weight_decay)
+  return poetx_jax.poetx_partition(model, poet, _dense_adamw(plan))
+
+
+def _adamw(plan: 'Plan', model) -> optax.GradientTransformation:
+  del model
+  return _dense_adamw(plan)
+
+
+def _skewadam(plan: 'Plan', model) -> optax.GradientTransformation:
+  return poetx_jax.skewadam(plan.lr_schedule, poetx_jax.skewadam_labels(model, poet=False),
+                            weight_decay=plan.options.weight_decay)
+
+
+RECIPES: dict[str, Recipe] = {r.name: r for r in (
+    Recipe('poetx', True, _poetx, 'POET-X: the linear weights train as R W0 P'),
+    Recipe('adamw', False, _adamw, 'AdamW, the dense-weight baseline',
+           wide_lr=ADAMW_WIDE_LR),
+    Recipe('skewadam', False, _skewadam,
+           'SkewAdam: per-population state for mixture-of-experts models'),
+)}
