@@ -114,8 +114,10 @@ def resident_state(cfg, label: str) -> dict:
   from flax import nnx
   import poetx_jax
   from poetx_jax.pretrain import factories as F
-  mc = F.model_config(cfg, cfg.vocab_size)
-  model, opt = F.abstract_state(cfg, mc)
+  from poetx_jax.pretrain.plan import make_plan
+  plan = make_plan(cfg)
+  mc = plan.model
+  model, opt = F.abstract_state(plan)
   gib = lambda tree: poetx_jax.state_bytes(tree) / 2 ** 30
   r = {'run': label, 'model': cfg.model, 'dense_params': mc.num_params(),
        'model_gib': gib(nnx.state(model)), 'trainable_gib': gib(nnx.state(model, nnx.Param)),
@@ -136,10 +138,11 @@ def compiled_memory(cfg, label: str) -> dict:
   import jax
   import jax.numpy as jnp
   from poetx_jax.pretrain import factories as F
-  mc = F.model_config(cfg, cfg.vocab_size)
-  model, opt = F.abstract_state(cfg, mc)
+  from poetx_jax.pretrain.plan import make_plan
+  plan = make_plan(cfg)
+  model, opt = F.abstract_state(plan)
   tokens = jax.ShapeDtypeStruct((cfg.batch_size, cfg.seq_len), jnp.int32)
-  step = F.make_step(cfg, mc)
+  step = F.make_step(plan)
   t0 = time.perf_counter()
   compiled = step.lower(
       model, opt, {'inputs': tokens, 'targets': tokens}).compile()
@@ -162,11 +165,13 @@ def setup_run(cfg, label: str) -> dict:
   from poetx_jax import sharding
   from poetx_jax.pretrain import factories as F
 
-  mc = F.model_config(cfg, cfg.vocab_size)
+  from poetx_jax.pretrain.plan import make_plan
+  plan = make_plan(cfg)
+  mc = plan.model
   t_setup = time.perf_counter()
   progress(f'{label}: building {cfg.model} ({mc.num_params() / 1e6:,.0f}M dense parameters)')
-  mesh = F.make_training_mesh(cfg)
-  model, opt = F.build_state(cfg, mc, mesh)  # fsdp + scan: built into its shards
+  mesh = F.make_training_mesh(plan)
+  model, opt = F.build_state(plan, mesh)  # fsdp + scan: built into its shards
   rng = np.random.default_rng(0)
   shape, vocab = (cfg.batch_size, cfg.seq_len), cfg.vocab_size
   batches = [{'inputs': jnp.asarray(rng.integers(0, vocab, shape), jnp.int32),
@@ -174,7 +179,7 @@ def setup_run(cfg, label: str) -> dict:
              for _ in range(2)]
   if mesh is not None:
     batches = [sharding.shard_batch(b, mesh) for b in batches]
-  step = F.make_step(cfg, mc, mesh=mesh)
+  step = F.make_step(plan, mesh=mesh)
   progress(f'{label}: set up in {time.perf_counter() - t_setup:.0f} s; compiling the step')
   t0 = time.perf_counter()
   loss0 = float(step(model, opt, batches[0]))
@@ -185,7 +190,7 @@ def setup_run(cfg, label: str) -> dict:
   # above log V (70B-class shapes at init_std 0.02: +1.6), a broken setup far off.
   if not abs(loss0 - math.log(vocab)) < 0.25 * math.log(vocab):
     raise SystemExit(f'{label}: setup check failed: {checks}')
-  return dict(cfg=cfg, mc=mc, model=model, opt=opt, step=step, batches=batches, mesh=mesh,
+  return dict(cfg=cfg, plan=plan, mc=mc, model=model, opt=opt, step=step, batches=batches, mesh=mesh,
               checks=checks, compile_s=compile_s)
 
 
@@ -199,7 +204,7 @@ def one_run(cfg, label: str, *, warmup_steps: int = 3, timed_steps: int = 10) ->
   from poetx_jax import sharding
 
   s = setup_run(cfg, label)
-  mc, model, opt, step = s['mc'], s['model'], s['opt'], s['step']
+  plan, mc, model, opt, step = s['plan'], s['mc'], s['model'], s['opt'], s['step']
   batches, mesh, checks = s['batches'], s['mesh'], s['checks']
   collectives = (sharding.collective_bytes(step.lower(
       model, opt, batches[1]).compile().as_text())
@@ -214,8 +219,8 @@ def one_run(cfg, label: str, *, warmup_steps: int = 3, timed_steps: int = 10) ->
   med = statistics.median(times)
   progress(f'{label}: {timed_steps} timed steps, median {1e3 * med:.1f} ms')
   stats = jax.local_devices()[0].memory_stats() or {}
-  if cfg.optimizer == 'poetx':  # after the peak is read (the dense copy would count)
-    checks.update(export_check(cfg, mc, model, batches[0]['inputs'], label))
+  if plan.poetize:  # after the peak is read (the dense copy would count)
+    checks.update(export_check(plan, model, batches[0]['inputs'], label))
   n_train = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
   opt_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(opt)))
   tokens = cfg.batch_size * cfg.seq_len
@@ -232,7 +237,7 @@ def one_run(cfg, label: str, *, warmup_steps: int = 3, timed_steps: int = 10) ->
 EXPORT_CHECK_MAX_PARAMS = 20e9  # larger models check one exported layer
 
 
-def export_check(cfg, mc, model, tokens, label: str) -> dict:
+def export_check(plan, model, tokens, label: str) -> dict:
   """The POET model, its generators trained and merged a few times, against
   the model it exports (``poet_vs_dense``: relative output error). Past
   EXPORT_CHECK_MAX_PARAMS a dense copy may not fit beside the model, and a
@@ -244,7 +249,7 @@ def export_check(cfg, mc, model, tokens, label: str) -> dict:
   import jax.numpy as jnp
   import poetx_jax
   from poetx_jax.models import hf
-  from poetx_jax.pretrain import factories as F
+  cfg, mc = plan.options, plan.model
   checks = {}
   try:
     hf.check_exportable(mc)
@@ -267,8 +272,8 @@ def export_check(cfg, mc, model, tokens, label: str) -> dict:
   # bf16 rounding (of the compute or of the bases) compounds with depth: 0.04
   # for Llama-8B (32 layers) after three merges; a wrong rotation, permutation
   # or layer order gives O(1).
-  exact = (jnp.dtype(F.compute_dtype(cfg.dtype)) == jnp.float32
-           and jnp.dtype(cfg.param_dtype) == jnp.float32)
+  exact = (jnp.dtype(plan.dtype) == jnp.float32
+           and jnp.dtype(plan.options.param_dtype) == jnp.float32)
   if not checks['poet_vs_dense'] < (1e-4 if exact else 0.1):
     raise SystemExit(f'{label}: POET model and its export disagree: {checks}')
   return checks

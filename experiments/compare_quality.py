@@ -199,18 +199,14 @@ def run_config(base, run: dict, out: pathlib.Path, best_lr: float | None = None)
 def check(cfg) -> None:
   """Raises ValueError unless ``cfg`` can run here: ``poetx train``'s own rules,
   the block size against the model's dimensions, evaluations at logged steps."""
-  from poetx_jax import ops
-  from poetx_jax.pretrain import factories
+  from poetx_jax.pretrain.plan import make_plan
   cfg.validate()
   if cfg.eval_every % cfg.log_every:
     raise ValueError(f'log_every={cfg.log_every} must divide eval_every={cfg.eval_every} (the '
                      f'wall-clock time of an evaluation is read from the log record at its step)')
   if cfg.warmup >= cfg.steps:
     raise ValueError(f'warmup={cfg.warmup} must be less than steps={cfg.steps}')
-  mc = factories.model_config(cfg, cfg.vocab_size)
-  if cfg.optimizer == 'poetx':
-    ops.check_block_size(cfg.block_size or mc.block_size, mc.hidden, mc.mlp,
-                         mc.kv_heads * mc.head_dim, what='block_size')
+  make_plan(cfg)  # the block size against the model's dimensions
 
 
 def parse_args(argv=None):
@@ -331,18 +327,16 @@ def train_run(a, run: dict, done: list[dict], out: pathlib.Path,
   ``lr=best`` is ``best_lr`` if given, else the best AdamW rate among ``done``.
   A run whose loss turns non-finite is summarised as diverged (up to its last
   logged step), not raised: a sweep goes on past its unstable corners."""
-  from poetx_jax.pretrain import factories
   from poetx_jax.pretrain import train as train_lib
+  from poetx_jax.pretrain.plan import make_plan
   if run['best_lr'] and best_lr is None:
     best_lr = R.best_adamw_lr(done)
   cfg = run_config(a.base, run, out, best_lr if run['best_lr'] else None)
-  mc = factories.model_config(cfg, cfg.vocab_size)
-  block = cfg.block_size or mc.block_size
-  lr = factories.peak_lr(cfg, mc)
+  plan = make_plan(cfg)
+  lr = plan.lr
   spec = {'name': run['name'], 'config': run['config'], 'optimizer': cfg.optimizer,
-          'lr': lr, 'poet_lr': cfg.poet_lr, 'seed': cfg.seed,
-          'block_size': block if cfg.optimizer == 'poetx' else None,
-          'tiers': cfg.skew_tiers, 'merge_every': factories.merge_interval(cfg, mc)}
+          'lr': lr, 'poet_lr': cfg.poet_lr, 'seed': cfg.seed, 'block_size': plan.block_size,
+          'tiers': cfg.skew_tiers, 'merge_every': plan.merge_every}
   progress(f'run {len(done) + 1}/{len(a.plan)}: {run["name"]} (lr {lr:g})')
   hook = spectrum_hook(a.probe_every)
   try:
@@ -407,9 +401,10 @@ def header(a, data, runs: list[dict]) -> dict:
   """What the report says about the study: the base options, the data, the
   device, the probes."""
   import jax
-  from poetx_jax.pretrain import factories
+  from poetx_jax.pretrain.plan import make_plan
   cfg = a.base
-  mc = factories.model_config(cfg, data.tokenizer.vocab_size)
+  plan = make_plan(cfg, data.tokenizer.vocab_size)
+  mc = plan.model
   tokens_per_step = cfg.batch_size * cfg.seq_len
   train_tokens = int(data.train_windows.shape[0]) * cfg.seq_len
   val_windows = min(len(data.val_windows), cfg.eval_batches * cfg.batch_size)
@@ -417,14 +412,14 @@ def header(a, data, runs: list[dict]) -> dict:
       **{k: getattr(cfg, k) for k in ('model', 'model_overrides', 'seq_len', 'batch_size',
                                       'steps', 'warmup', 'min_lr_ratio', 'clip', 'seed',
                                       'eval_every')},
-      'merge_every': factories.merge_interval(cfg, mc),
+      'merge_every': plan.merge_every,
       'runs': a.runs, 'dense_params': mc.num_params(),
       'vocab_size': data.tokenizer.vocab_size, 'tokens_per_step': tokens_per_step,
       'tokens_per_run': cfg.steps * tokens_per_step, 'train_tokens': train_tokens,
       'epochs': cfg.steps * tokens_per_step / train_tokens,
       'val_tokens': val_windows * cfg.seq_len, 'data': data.description,
       'device': f'{jax.device_count()} x {jax.devices()[0].device_kind}',
-      'dtype': jax.numpy.dtype(factories.compute_dtype(cfg.dtype)).name,
+      'dtype': plan.dtype,
       'date': time.strftime('%Y-%m-%d'), 'probed_layers': runs[0]['probed_layers'],
       'probe_steps': [p['step'] for p in runs[0]['probes']],
       'spike_rule': f'loss > {R.SPIKE_FACTOR} x median of the previous {R.SPIKE_WINDOW} logged',

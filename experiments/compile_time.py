@@ -44,11 +44,12 @@ def time_run(cfg, label: str, repeats: int) -> dict:
   import jax.numpy as jnp
   import poetx_jax
   from poetx_jax.pretrain import factories as F
-  mc = F.model_config(cfg, cfg.vocab_size)
-  model, opt = F.build_state(cfg, mc, None)
+  from poetx_jax.pretrain.plan import make_plan
+  plan = make_plan(cfg)
+  model, opt = F.build_state(plan)
   shape = (cfg.batch_size, cfg.seq_len)
   batch = {'inputs': jnp.zeros(shape, jnp.int32), 'targets': jnp.zeros(shape, jnp.int32)}
-  step = F.make_step(cfg, mc)
+  step = F.make_step(plan)
   lower_s, compile_s = [], []
   for _ in range(max(repeats, 1)):
     jax.clear_caches()
@@ -63,7 +64,7 @@ def time_run(cfg, label: str, repeats: int) -> dict:
        'stablehlo_lines': lowered.as_text().count('\n'),
        'entry_instructions': entry_instructions(compiled.as_text()),
        'device': jax.devices()[0].device_kind}
-  if cfg.optimizer == 'poetx':
+  if plan.poetize:
     times = []
     for i in range(2):
       t0 = time.perf_counter()

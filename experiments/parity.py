@@ -133,17 +133,17 @@ def write_windows(cfg, seeds: list[int], out: pathlib.Path) -> dict:
 # -------------------------------------------------------------------------- runs
 def anchor_command(cfg, seed: int, windows: pathlib.Path, vocab: int, metrics: pathlib.Path,
                    anchor_dir: pathlib.Path) -> list[str]:
-  """poet_torch_train.py's command for ``cfg`` (block size: the config's or the model's)."""
-  from poetx_jax.pretrain import factories
-  mc = factories.model_config(cfg, vocab)
+  """poet_torch_train.py's command for ``cfg``: the values of its plan (an
+  AdamW run passes no POET options)."""
+  from poetx_jax.pretrain.plan import make_plan
+  plan = make_plan(cfg, vocab)
+  poet = (['--poet-lr', str(plan.poet_lr), '--poet-scale', '1.0', '--merge-every',
+           str(plan.merge_every), '--block-size', str(plan.block_size)] if plan.poetize else [])
   return [sys.executable, str(anchor_dir / 'poet_torch_train.py'), '--size', cfg.model,
           '--train', str(windows / f'train-s{seed}.npy'), '--val', str(windows / 'val.npy'),
           '--optimizer', cfg.optimizer, '--out', str(metrics), '--vocab', str(vocab),
           '--steps', str(cfg.steps), '--batch', str(cfg.batch_size),
-          '--lr', str(factories.peak_lr(cfg, mc)),
-          '--poet-lr', str(factories.poet_lr(cfg, cfg.block_size or mc.block_size)),
-          '--poet-scale', '1.0', '--merge-every', str(factories.merge_interval(cfg, mc)),
-          '--block-size', str(cfg.block_size or mc.block_size), '--warmup', str(cfg.warmup),
+          '--lr', str(plan.lr), *poet, '--warmup', str(cfg.warmup),
           '--min-lr-ratio', str(cfg.min_lr_ratio), '--clip', str(cfg.clip),
           '--eval-every', str(cfg.eval_every), '--eval-batches', str(cfg.eval_batches),
           '--seed', str(seed), '--dtype', 'bfloat16']
@@ -294,12 +294,13 @@ def main(argv=None):
   a = parse_args(argv)
   if a.child:  # one of our runs, in a process of its own
     from poetx_jax.pretrain.config import TrainConfig
+    from poetx_jax.pretrain.recipes import RECIPES
     from poetx_jax.pretrain.train import Hook, train
     cfg = TrainConfig(**json.loads(pathlib.Path(a.child).read_text()))
     n = a.probe_every
     # At the step before each multiple of N: with N = merge_every, just before a merge.
     probe = lambda run: generator_norms(run.model) if (run.step + 1) % n == 0 else None
-    hooks = [Hook(probe, wait=False)] if n and cfg.optimizer == 'poetx' else []
+    hooks = [Hook(probe, wait=False)] if n and RECIPES[cfg.optimizer].poetizes else []
     train(cfg, log=lambda m: print(m, flush=True), hooks=hooks)
     return None
   import jax

@@ -14,6 +14,7 @@ from poetx_jax import sharding
 from poetx_jax.pretrain import evaluation, factories
 from poetx_jax.pretrain.checkpoint import Checkpointer
 from poetx_jax.pretrain.config import TrainConfig
+from poetx_jax.pretrain.plan import make_plan
 
 SHAPE = dict(layers=1, hidden=64, mlp=128, heads=4, kv_heads=2)
 VOCAB = 128
@@ -35,14 +36,14 @@ def build(scan=False, mesh=None, strategy='dp'):
   """The POET Llama and its optimizer as ``poetx train`` builds them
   (``factories.build_state``), placed on ``mesh`` by ``strategy``."""
   cfg = train_config(scan, strategy)
-  return factories.build_state(cfg, factories.model_config(cfg, VOCAB), mesh)
+  return factories.build_state(make_plan(cfg, VOCAB), mesh)
 
 
 def built_shards(mesh) -> int:
   """Shards of the stacked MLP kernel as ``factories.build_model`` allocates
   it under FSDP on ``mesh`` (each layer written into them as it is built)."""
   cfg = train_config(scan=True, strategy='fsdp')
-  model = factories.build_model(cfg, factories.model_config(cfg, VOCAB), mesh)
+  model = factories.build_model(make_plan(cfg, VOCAB), mesh)
   return len({s.index for s in model.layers.layer.mlp.up_proj.kernel[...].addressable_shards})
 
 
@@ -175,11 +176,11 @@ def meshes():
 
   def train(fsdp):
     c = dataclasses.replace(cfg, fsdp=fsdp)
-    mc = factories.model_config(c, VOCAB)
+    plan = make_plan(c, VOCAB)
     mesh = sharding.make_mesh(fsdp=fsdp) if fsdp else None
-    model, opt = factories.build_state(c, mc, mesh)
+    model, opt = factories.build_state(plan, mesh)
     merges = []
-    step = factories.make_step(c, mc, on_merge=lambda *m: merges.append(m[0]), mesh=mesh)
+    step = factories.make_step(plan, on_merge=lambda *m: merges.append(m[0]), mesh=mesh)
     losses = [float(step(model, opt, evaluation.place_batch(b, mesh))) for b in batches]
     assert merges == [2, 4], merges  # optimizer steps count micro-steps
     return losses, [x for x in flat(model) if x.dtype == np.int32]

@@ -11,7 +11,7 @@ from poetx_jax.pretrain.config import TrainConfig, apply_overrides
 
 
 @pytest.mark.parametrize('options, match', [
-    (dict(optimizer='adamw', skew_tiers=True), "skew_tiers needs optimizer poetx \\(got 'adamw'"),
+    (dict(optimizer='adamw', skew_tiers=True), "skew_tiers=True: option of the POET layers"),
     (dict(optimizer='skewadam', lean_state=True), 'lean_state and SkewAdam'),
     (dict(optimizer='poetx', skew_tiers=True, lean_state=True), 'lean_state and SkewAdam'),
 ])
@@ -118,10 +118,10 @@ def test_an_experiment_parser_has_its_own_defaults_and_runs_are_k_v_overrides(ca
   # Each value read by its field's type, then the whole config validated.
   got = apply_overrides(cfg, 'optimizer=adamw,lr=1e-3,poet_lr=none,scan-layers=true,'
                              'model_overrides={layers=4,hidden=128},data=[a.txt,dir],'
-                             'quantize=None,seed=3,mode=mem')
+                             'quantize=None,seed=3,remat=block')
   assert got == dataclasses.replace(cfg, optimizer='adamw', lr=1e-3, scan_layers=True,
                                     model_overrides={'layers': 4, 'hidden': 128},
-                                    data=['a.txt', 'dir'], seed=3, mode='mem')
+                                    data=['a.txt', 'dir'], seed=3, remat='block')
   assert parse_fields('model_overrides={"layers": 1},data=d,lean_state=no') == {
       'model_overrides': {'layers': 1}, 'data': ['d'], 'lean_state': False}
   assert parse_fields('model_overrides=layers=1') == {'model_overrides': {'layers': 1}}
@@ -137,74 +137,6 @@ def test_an_experiment_parser_has_its_own_defaults_and_runs_are_k_v_overrides(ca
       ('optimizer', "'optimizer' in 'optimizer' is not K=V"),
       ('mode=slow', r"mode must be one of \('fast', 'mem'\), got 'slow'"),
       ('steps=0', 'steps must be an int >= 1, got 0'),
-      ('optimizer=adamw,quantize=int8', 'quantize=.int8. needs optimizer poetx')):
+      ('optimizer=adamw,quantize=int8', "quantize='int8': option of the POET layers")):
     with pytest.raises(ValueError, match=message):
       apply_overrides(cfg, text)
-
-
-def test_adamw_learning_rate_default_is_per_size():
-  """lr None: 3e-3, but 6e-4 for AdamW on a model of hidden >= 512 (the best of
-  the 130m sweep); POET-X's other parameters keep 3e-3; a given lr is kept."""
-  from poetx_jax.pretrain.factories import model_config, peak_lr
-  def lr(**kw):
-    cfg = TrainConfig(**kw)
-    return peak_lr(cfg, model_config(cfg, 4096))
-  assert lr(model='tiny', optimizer='adamw') == 3e-3 and lr(model='130m', optimizer='adamw') == 6e-4
-  assert lr(model='130m') == 3e-3 and lr(model='130m', optimizer='skewadam') == 3e-3
-  assert lr(model='130m', optimizer='adamw', lr=1e-3) == 1e-3
-
-
-def test_merge_interval_default_is_per_size():
-  """merge_every None: every 50 updates, but every 200 on a model of hidden >=
-  512 (the 130m sweep's better interval); a given interval is kept; the
-  optimizer and the step the app builds merge on the resolved interval."""
-  from poetx_jax.pretrain.factories import merge_interval, model_config
-  def every(**kw):
-    cfg = TrainConfig(**kw)
-    return merge_interval(cfg, model_config(cfg, 4096))
-  assert every(model='tiny') == 50 and every(model='60m') == 200 and every(model='130m') == 200
-  assert every(model='tiny', model_overrides={'hidden': 512, 'mlp': 1024}) == 200
-  assert every(model='130m', merge_every=50) == 50 and every(model='tiny', merge_every=7) == 7
-  with pytest.raises(ValueError, match='merge_every'):
-    TrainConfig(merge_every=0).validate()
-  assert apply_overrides(TrainConfig(), 'merge_every=none').merge_every is None
-
-
-def test_layer_form_default_is_per_size():
-  """form None: 'auto' (per layer, the form of fewer FLOPs) on a model of
-  hidden >= 512, 'input' on smaller ones (the default CPU run's); a given
-  form is kept, and the model the app builds carries it."""
-  from poetx_jax.pretrain.factories import build_state, layer_form, model_config
-  def form(**kw):
-    cfg = TrainConfig(**kw)
-    return layer_form(cfg, model_config(cfg, 4096))
-  assert form(model='tiny') == 'input' and form(model='60m') == 'auto'
-  assert form(model='130m') == 'auto' and form(model='130m', form='input') == 'input'
-  assert form(model='tiny', form='weight') == 'weight'
-  cfg = apply_overrides(TrainConfig(), 'form=auto,vocab_size=512')
-  model, _ = build_state(cfg, model_config(cfg, 512), None)
-  q = model.layers[0].self_attn.q_proj
-  assert q.form == 'auto' and q.form_for((2048, q.in_features)) == 'weight'
-
-
-def test_normalize_rows_default_is_per_size():
-  """None: on for a fresh POET-X model of hidden >= 512 (as poet_torch), off for
-  the tiny default and for a run started from a checkpoint; set, it is honoured;
-  --normalize-rows / --no-normalize-rows set it either way."""
-  from poetx_jax.pretrain.factories import model_config, normalize_rows
-  def resolved(**kw):
-    cfg = TrainConfig(**kw)
-    return normalize_rows(cfg, model_config(cfg, 4096))
-  assert not resolved(model='tiny') and resolved(model='60m') and resolved(model='130m')
-  assert not resolved(model='tiny', model_overrides={'hidden': 256, 'mlp': 512})
-  assert resolved(model='tiny', model_overrides={'hidden': 512, 'mlp': 1024})
-  assert resolved(model='tiny', normalize_rows=True) and not resolved(model='130m',
-                                                                      normalize_rows=False)
-  assert not resolved(model='130m', optimizer='adamw')
-  assert not normalize_rows(TrainConfig(model='130m', init_from_hf='d'),
-                            models.get_config('130m'))
-  parser = cli.build_parser()
-  from poetx_jax.pretrain.config import config_from_args
-  got = [config_from_args(parser.parse_args(['train', *a])).normalize_rows
-         for a in ([], ['--normalize-rows'], ['--no-normalize-rows'])]
-  assert got == [None, True, False]

@@ -136,7 +136,8 @@ def test_bench_memory_state_only(tmp_path):
   cfg = TrainConfig(model='tiny', seq_len=32, batch_size=1, vocab_size=512, merge_every=2,
                     dtype='bfloat16', param_dtype='bfloat16', lean_state=True, mode='mem',
                     remat='block', quantize='int8', steps=1000)
-  model, opt = F.build_state(cfg, F.model_config(cfg, 512))
+  from poetx_jax.pretrain.plan import make_plan
+  model, opt = F.build_state(make_plan(cfg, 512))
   real = lambda t: sum(x.nbytes for x in jax.tree.leaves(t)) / 2 ** 30
   assert abs(r['model_gib'] - real(nnx.state(model))) < 1e-9
   assert abs(r['optimizer_gib'] - real(nnx.state(opt))) < 1e-9

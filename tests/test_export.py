@@ -23,6 +23,7 @@ from poetx_jax.pretrain.metrics import read_metrics
 from poetx_jax.pretrain.data import tokenizer_files
 from poetx_jax.pretrain.data.tokenizer import EOS, file_hash
 from poetx_jax.pretrain.train import train
+from poetx_jax.pretrain.plan import make_plan
 from conftest import write_corpus
 
 HF_FILES = {'model.safetensors', 'config.json', 'generation_config.json', 'tokenizer.json',
@@ -201,8 +202,7 @@ def test_an_exported_poet_run_starts_a_new_run_with_the_same_function(run, tmp_p
   assert cli.main(['export', str(run), '--out', str(exp)]) == 0
   config, weights = hf.from_hf(exp)
   adamw = dataclasses.replace(new, optimizer='adamw')
-  model = factories.build_model(adamw, factories.model_config(adamw, 300, config), None,
-                                weights)
+  model = factories.build_model(make_plan(adamw, 300, config), None, weights)
   for name, x in hf.hf_state_dict(model).items():
     np.testing.assert_array_equal(x, weights[name])
 

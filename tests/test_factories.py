@@ -1,4 +1,4 @@
-"""What a TrainConfig builds: the model (converted layer by layer) and the
+"""What a run's plan builds: the model (converted layer by layer) and the
 optimizer's POET-X step size."""
 
 import dataclasses
@@ -10,6 +10,7 @@ from flax import nnx
 
 from poetx_jax.pretrain import evaluation, factories
 from poetx_jax.pretrain.config import TrainConfig
+from poetx_jax.pretrain.plan import make_plan
 
 
 def test_default_poet_lr_shrinks_with_the_block_size():
@@ -21,14 +22,13 @@ def test_default_poet_lr_shrinks_with_the_block_size():
   cfg = TrainConfig(model='tiny', model_overrides={'layers': 1, 'kv_heads': 4}, block_size=64,
                     warmup=1,
                     dtype='float32')
-  mc = factories.model_config(cfg, 300)
   tokens = jnp.asarray(np.random.default_rng(0).integers(0, 300, (2, 16)), jnp.int32)
   batch = {'inputs': tokens, 'targets': tokens}
 
   def q_after_two_updates(poet_lr):
-    c = dataclasses.replace(cfg, poet_lr=poet_lr)
-    model = factories.build_model(c, mc)
-    opt = factories.build_optimizer(c, model)
+    plan = make_plan(dataclasses.replace(cfg, poet_lr=poet_lr), 300)
+    model = factories.build_model(plan)
+    opt = factories.build_optimizer(plan, model)
     for _ in range(2):  # the first update is at learning rate 0 (warmup)
       opt.update(model, nnx.grad(evaluation.training_loss)(model, batch))
     return np.asarray(model.layers[0].mlp.up_proj.q_in[...])
@@ -48,10 +48,11 @@ def test_poet_model_is_built_layer_by_layer_with_the_whole_model_result(quantize
   from poetx_jax.models import init_model
   cfg = TrainConfig(model='tiny', optimizer='poetx', quantize=quantize, seed=3,
                     model_overrides={'layers': 2})
-  mc = factories.model_config(cfg, 512)
-  built = nnx.to_flat_state(nnx.state(factories.build_model(cfg, mc)))
+  plan = make_plan(cfg, 512)
+  mc = plan.model
+  built = nnx.to_flat_state(nnx.state(factories.build_model(plan)))
   eager = poetx_jax.poetize(
-      init_model(mc, seed=3, dtype=factories.compute_dtype(cfg.dtype), param_dtype=jnp.float32),
+      init_model(mc, seed=3, dtype=jnp.dtype(plan.dtype), param_dtype=jnp.float32),
       block_size=mc.block_size, rngs=nnx.Rngs(4), quantize=quantize)
   eager = nnx.to_flat_state(nnx.state(eager))
   assert [p for p, _ in built] == [p for p, _ in eager]

@@ -23,7 +23,8 @@ from poetx_jax.pretrain import cli, loading, rundir
 from poetx_jax.pretrain import train as train_lib
 from poetx_jax.pretrain.checkpoint import Checkpointer, DamagedCheckpoint
 from poetx_jax.pretrain.config import TrainConfig
-from poetx_jax.pretrain.factories import build_model, build_optimizer, model_config
+from poetx_jax.pretrain.factories import build_model, build_optimizer
+from poetx_jax.pretrain.plan import make_plan
 from conftest import write_corpus
 
 # Merges after updates 3, 6, 9, 12; checkpoints at 4, 8, 12.
@@ -98,9 +99,9 @@ def _losses(run):
 
 def _params(cfg):
   """(step, every model and optimizer array) of the newest checkpoint."""
-  mc = model_config(cfg, rundir.read_data_record(cfg.out_dir)['vocab_size'])
-  model = build_model(cfg, mc)
-  opt = build_optimizer(cfg, model)
+  plan = make_plan(cfg, rundir.read_data_record(cfg.out_dir)['vocab_size'])
+  model = build_model(plan)
+  opt = build_optimizer(plan, model)
   step, _, _ = Checkpointer(pathlib.Path(cfg.out_dir) / 'checkpoints').restore(model, opt)
   return step, nnx.to_pure_dict(nnx.state(model)), nnx.to_pure_dict(nnx.state(opt))
 
@@ -165,13 +166,13 @@ def test_damage_is_told_apart_from_a_configuration_mismatch(tmp_path, reference,
     (step_dir / 'data' / 'metadata').write_text('')
   else:
     shutil.rmtree(step_dir / 'model')
-  mc = model_config(cfg, 300)
-  model = build_model(cfg, mc)
+  plan = make_plan(cfg, 300)
+  model = build_model(plan)
   with pytest.raises(DamagedCheckpoint, match=r'step 12 .* is damaged: .*steps \[4, 8\]') as e:
-    Checkpointer(step_dir.parent).restore(model, build_optimizer(cfg, model))
+    Checkpointer(step_dir.parent).restore(model, build_optimizer(plan, model))
   assert e.value.step == 12 and len(str(e.value)) < 700  # no TensorStore dump
   wider = dataclasses.replace(cfg, model_overrides={**cfg.model_overrides, 'hidden': 48})
-  model = build_model(wider, model_config(wider, 300))
+  model = build_model(make_plan(wider, 300))
   with pytest.raises(Exception, match=r'step 8 .* does not fit this model: its model item '
                                       r'differs \(embed_tokens/embedding saved \(300, 32\), '
                                       r'model \(300, 48\)') as e:
@@ -183,11 +184,11 @@ def test_load_model_builds_from_the_checkpoint_what_restore_fills_in(reference):
   """load_model restores into the model's shapes (nnx.eval_shape, nothing drawn):
   the model build_model would give, restored in place."""
   cfg, _, (step, model, _) = reference
-  _, _, loaded, got = loading.load_model(cfg.out_dir)
+  _, loaded, got = loading.load_model(cfg.out_dir)
   assert got == step
   assert all(isinstance(x, jax.Array) for x in jax.tree.leaves(nnx.state(loaded)))
   chex.assert_trees_all_equal(nnx.to_pure_dict(nnx.state(loaded)), model)
-  assert loading.load_model(cfg.out_dir, step=8)[3] == 8
+  assert loading.load_model(cfg.out_dir, step=8)[2] == 8
 
 
 def test_a_damaged_newest_checkpoint_resumes_from_the_previous_one(tmp_path, reference,

@@ -63,17 +63,18 @@ def test_int8_bases_add_no_dequantised_copies_under_remat():
   within 10% of the bf16 ones (before the fix they were 48% above)."""
   from poetx_jax.pretrain import factories as F
   from poetx_jax.pretrain.config import TrainConfig
+  from poetx_jax.pretrain.plan import make_plan
 
   def temporaries(quantize):
     cfg = TrainConfig(
         model='tiny', optimizer='poetx', mode='mem', remat='block', quantize=quantize,
         param_dtype='bfloat16', dtype='bfloat16', seq_len=256, batch_size=1,
         model_overrides={'layers': 4, 'hidden': 256, 'mlp': 512, 'heads': 4,
-                         'kv_heads': 4, 'max_seq_len': 256, 'block_size': 64})
-    mc = F.model_config(cfg, 512)
-    model, opt = F.abstract_state(cfg, mc)
+                         'kv_heads': 4, 'max_seq_len': 256}, block_size=64)
+    plan = make_plan(cfg, 512)
+    model, opt = F.abstract_state(plan)
     tokens = jax.ShapeDtypeStruct((1, 256), jnp.int32)
-    compiled = F.make_step(cfg, mc).lower(
+    compiled = F.make_step(plan).lower(
         model, opt, {'inputs': tokens, 'targets': tokens}).compile()
     return compiled.memory_analysis().temp_size_in_bytes
 

@@ -16,6 +16,7 @@ from poetx_jax import models
 from poetx_jax.pretrain import tracking
 from poetx_jax.pretrain.config import TrainConfig
 from poetx_jax.pretrain.train import train
+from poetx_jax.pretrain.plan import make_plan
 from conftest import write_corpus
 
 TINY = dict(model='tiny', model_overrides={'layers': 1, 'hidden': 32, 'mlp': 64, 'heads': 2,
@@ -105,7 +106,7 @@ def test_the_learning_rates_are_the_schedules_of_the_last_update(tmp_path):
   """``lr`` at a log step is the schedule's value for the update just made
   (optax counts from 0): warmup 0 -> peak over 2 updates, then cosine."""
   cfg = TrainConfig(lr=1e-3, poet_lr=2e-3, steps=10, warmup=2)
-  t = tracking.Tracking(cfg, tmp_path, models.get_config('tiny'), poet_lr=2e-3)
+  t = tracking.Tracking(make_plan(cfg), tmp_path)
   run = types.SimpleNamespace(cfg=cfg, step=3, grad_norm=None, start=0, t0=0.0,
                               clock=types.SimpleNamespace(paused_s=0.0, compile_s=lambda: 0.0))
   stats = t.step_stats(run)

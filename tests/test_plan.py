@@ -1,0 +1,183 @@
+"""A run's plan: every default resolved once (plan.py), the optimizer recipes
+(recipes.py) and the one rule for POET-only options."""
+
+import dataclasses
+import json
+import pathlib
+import re
+
+import pytest
+
+from poetx_jax.pretrain import cli, recipes
+from poetx_jax.pretrain.config import TrainConfig, apply_overrides
+from poetx_jax.pretrain.plan import make_plan
+
+PACKAGE = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _plan(**kw):
+  return make_plan(TrainConfig(**kw), 4096)
+
+
+def test_adamw_learning_rate_default_is_per_size():
+  """lr None: 3e-3, but 6e-4 for AdamW on a model of hidden >= 512 (the best of
+  the 130m sweep); POET-X's other parameters keep 3e-3; a given lr is kept."""
+  assert _plan(model='tiny', optimizer='adamw').lr == 3e-3
+  assert _plan(model='130m', optimizer='adamw').lr == 6e-4
+  assert _plan(model='130m').lr == 3e-3 and _plan(model='130m', optimizer='skewadam').lr == 3e-3
+  assert _plan(model='130m', optimizer='adamw', lr=1e-3).lr == 1e-3
+
+
+def test_merge_interval_default_is_per_size():
+  """merge_every None: every 50 updates, but every 200 on a model of hidden >=
+  512 (the 130m sweep's better interval); a given interval is kept; the
+  merge period counts micro-steps; an optimizer that does not poetize has none."""
+  assert _plan(model='tiny').merge_every == 50 and _plan(model='60m').merge_every == 200
+  assert _plan(model='tiny', model_overrides={'hidden': 512, 'mlp': 1024}).merge_every == 200
+  assert _plan(model='130m', merge_every=50).merge_every == 50
+  assert _plan(model='tiny', merge_every=7, grad_accum=3).merge_period == 21
+  assert _plan(optimizer='adamw').merge_every is None
+  assert _plan(optimizer='adamw').merge_period is None
+  with pytest.raises(ValueError, match='merge_every'):
+    TrainConfig(merge_every=0).validate()
+  assert apply_overrides(TrainConfig(), 'merge_every=none').merge_every is None
+
+
+def test_layer_form_default_is_per_size():
+  """form None: 'auto' (per layer, the form of fewer FLOPs) on a model of
+  hidden >= 512, 'input' on smaller ones (the default CPU run's); a given
+  form is kept, and the model the app builds carries it."""
+  from poetx_jax.pretrain.factories import build_state
+  assert _plan(model='tiny').form == 'input' and _plan(model='60m').form == 'auto'
+  assert _plan(model='130m', form='input').form == 'input'
+  assert _plan(model='tiny', form='weight').form == 'weight'
+  model, _ = build_state(make_plan(apply_overrides(TrainConfig(), 'form=auto,vocab_size=512')))
+  q = model.layers[0].self_attn.q_proj
+  assert q.form == 'auto' and q.form_for((2048, q.in_features)) == 'weight'
+
+
+def test_normalize_rows_default_is_per_size():
+  """None: on for a fresh POET-X model of hidden >= 512 (as poet_torch), off for
+  the tiny default, for AdamW and for a run started from a checkpoint; set, it
+  is honoured; --normalize-rows / --no-normalize-rows set it either way."""
+  from poetx_jax import models
+  assert not _plan(model='tiny').normalize_rows and _plan(model='60m').normalize_rows
+  assert not _plan(model='tiny', model_overrides={'hidden': 256, 'mlp': 512}).normalize_rows
+  assert _plan(model='tiny', model_overrides={'hidden': 512, 'mlp': 1024}).normalize_rows
+  assert _plan(model='tiny', normalize_rows=True).normalize_rows
+  assert not _plan(model='130m', normalize_rows=False).normalize_rows
+  assert not _plan(model='130m', optimizer='adamw').normalize_rows
+  source = dataclasses.replace(models.get_config('130m'), vocab_size=4096)
+  assert not make_plan(TrainConfig(init_from_hf='d'), 4096, source).normalize_rows
+  parser = cli.build_parser()
+  from poetx_jax.pretrain.config import config_from_args
+  got = [config_from_args(parser.parse_args(['train', *a])).normalize_rows
+         for a in ([], ['--normalize-rows'], ['--no-normalize-rows'])]
+  assert got == [None, True, False]
+
+
+def test_block_size_and_poet_lr_are_resolved_once_into_the_model():
+  """--block-size, else the model config's; the POET step size follows it;
+  the plan's model carries the block size; one too large for a projection is
+  refused when the plan is made, naming it; block_size in --model-overrides
+  is refused in favour of the one option."""
+  import poetx_jax
+  p = _plan(model='tiny')
+  assert (p.block_size, p.model.block_size) == (16, 16)
+  assert p.poet_lr == poetx_jax.default_poet_lr(16)
+  p = _plan(model='tiny', block_size=32)
+  assert (p.block_size, p.model.block_size, p.poet_lr) == (32, 32, poetx_jax.default_poet_lr(32))
+  assert _plan(model='tiny', optimizer='adamw').block_size is None
+  with pytest.raises(ValueError, match='block_size=128 is larger than the dimension 64'):
+    _plan(model='tiny', block_size=128)
+  with pytest.raises(ValueError, match='the POET block size is its own option'):
+    TrainConfig(model_overrides={'block_size': 32}).validate()
+
+
+def test_each_poet_only_option_with_adamw_is_refused_naming_it(capsys):
+  """All 13 options marked POET-only, each set with --optimizer adamw (and
+  skewadam): exit 2, one line naming the option; none is silently ignored."""
+  flags = {'poet_lr': ['1e-3'], 'clip_ramp': ['10'], 'merge_every': ['7'],
+           'block_size': ['32'], 'max_generator_norm': ['0.5'],
+           'normalize_rows': [], 'tie_permutations': [], 'mode': ['mem'],
+           'form': ['weight'], 'implementation': ['pallas'], 'quantize': ['int8'],
+           'group_size': ['64'], 'skew_tiers': []}
+  marked = [f.name for f in dataclasses.fields(TrainConfig) if f.metadata.get('poet')]
+  assert sorted(marked) == sorted(flags) and len(marked) == 13
+  for optimizer in ('adamw', 'skewadam'):
+    for name, values in flags.items():
+      flag = '--' + name.replace('_', '-')
+      assert cli.main(['train', '--optimizer', optimizer, flag, *values,
+                       '--out-dir', '/nonexistent/never-written']) == 2
+      err = capsys.readouterr().err
+      assert re.search(rf'error: {name}=\S+: option of the POET layers', err), err
+      assert f"optimizer {optimizer!r} does not poetize" in err
+  assert not pathlib.Path('/nonexistent/never-written').exists()
+
+
+def test_recipes_say_whether_they_poetize():
+  """The optimizer choices are the recipes; only POET-X poetizes; a plan
+  carries its recipe."""
+  assert TrainConfig.__dataclass_fields__['optimizer'].metadata['choices'] == tuple(
+      recipes.RECIPES)
+  assert [r.name for r in recipes.RECIPES.values() if r.poetizes] == ['poetx']
+  assert _plan(optimizer='adamw').recipe is recipes.RECIPES['adamw']
+  assert _plan().poetize and not _plan(optimizer='skewadam').poetize
+
+
+def test_no_other_module_resolves_a_default_the_plan_owns():
+  """The fallbacks plan.py replaced appear nowhere else in the package or the
+  experiments: the per-size constants are used only by plan.py (recipes.py
+  defines them, config.py shows them in --help), nothing asks
+  ``optimizer == 'poetx'``, nothing falls back to a model's block size or
+  the default POET step."""
+  patterns = [r'\bblock_size or\b', r"optimizer [!=]= 'poetx'", r'default_poet_lr\(',
+              r'\b(DEFAULT_LR|ADAMW_WIDE_LR|WIDE_HIDDEN|DEFAULT_MERGE_EVERY|WIDE_MERGE_EVERY)\b',
+              r'\.(lr|poet_lr|merge_every|form|normalize_rows|block_size) is None',
+              r"\bdtype == 'auto'"]
+  allowed = {'poetx_jax/pretrain/plan.py', 'poetx_jax/pretrain/recipes.py',
+             'poetx_jax/pretrain/config.py',
+             'experiments/train_tiny.py'}  # the library alone, with two optimizers of its own
+  found = []
+  for path in [*(PACKAGE / 'poetx_jax' / 'pretrain').rglob('*.py'),
+               *(PACKAGE / 'experiments').glob('*.py')]:
+    rel = path.relative_to(PACKAGE).as_posix()
+    if rel in allowed:
+      continue
+    for i, line in enumerate(path.read_text().splitlines(), 1):
+      found += [f'{rel}:{i}: {line.strip()}' for p in patterns if re.search(p, line)]
+  assert not found, '\n'.join(found)
+
+
+def test_run_json_records_the_plan_and_a_resume_keeps_it(tmp_path):
+  """run.json holds the resolved plan beside the options; a run.json used as
+  --config reads the options only; resuming (and eval, export) keeps the
+  values the run recorded where the options leave them open, so a default
+  changed since does not change the run."""
+  from poetx_jax.pretrain import config_file, rundir
+  from poetx_jax.pretrain.plan import recorded_plan
+  cfg = TrainConfig(out_dir=str(tmp_path / 'run'))
+  plan = make_plan(cfg)
+  (tmp_path / 'run').mkdir()
+  rundir.write_config(tmp_path / 'run', cfg, plan)
+  saved = json.loads((tmp_path / 'run' / 'run.json').read_text())
+  assert saved['plan']['lr'] == 3e-3 and saved['plan']['merge_every'] == 50
+  assert saved['plan']['model']['block_size'] == 16
+  assert rundir.read_config(tmp_path / 'run') == cfg
+  assert config_file.config_with_file(tmp_path / 'run' / 'run.json') == cfg
+  recorded = {**recorded_plan(tmp_path / 'run'), 'lr': 1e-3, 'merge_every': 10}
+  kept = make_plan(cfg, recorded=recorded)
+  assert (kept.lr, kept.merge_every, kept.merge_period) == (1e-3, 10, 10)
+  explicit = make_plan(dataclasses.replace(cfg, lr=2e-3), recorded=recorded)
+  assert explicit.lr == 2e-3  # an option given is the run's own (resume checks it agrees)
+
+
+def test_an_old_run_json_with_block_size_in_model_overrides_reads_as_the_option(tmp_path):
+  """A run.json of an earlier version that set the POET block size through
+  model_overrides reads with block_size set instead (so it resumes)."""
+  from poetx_jax.pretrain import rundir
+  old = {**dataclasses.asdict(TrainConfig()), 'model_overrides': {'layers': 1, 'block_size': 8}}
+  (tmp_path / 'run.json').write_text(json.dumps(old))
+  cfg = rundir.read_config(tmp_path)
+  assert cfg.model_overrides == {'layers': 1} and cfg.block_size == 8
+  cfg.validate()
