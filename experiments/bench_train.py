@@ -89,12 +89,14 @@ def parse_run(text: str) -> tuple[str, str]:
 
 def run_config(a, *overrides: str):
   """The TrainConfig of a run: the options of ``a`` with each ``K=V``
-  overrides text applied in turn. Strategy fsdp with ``fsdp=1`` shards over
-  every device."""
-  from poetx_jax.pretrain import config
-  cfg = config.config_from_args(a)
+  overrides text applied in turn (a run whose optimizer does not poetize
+  leaves out the POET options it shares with them). Strategy fsdp with
+  ``fsdp=1`` shards over every device."""
+  from poetx_jax.pretrain import config, config_text
+  base = cfg = config.config_from_args(a)
   for text in overrides:
-    cfg = config.apply_overrides(cfg, text, validate=False)
+    cfg = config_text.apply_overrides(cfg, text, validate=False)
+  cfg = config.drop_shared_poet_options(cfg, base)
   if cfg.strategy == 'fsdp' and cfg.fsdp == 1:
     import jax
     cfg = dataclasses.replace(cfg, fsdp=jax.device_count())

@@ -149,9 +149,9 @@ TOP_K = 4            # singular values kept at each end of the spectrum
 def expand(spec: str) -> list[list[tuple[str, str]]]:
   """The runs of a spec, each its ``(key, value)`` pairs: one per
   combination of the ``|`` alternatives of its values."""
-  from poetx_jax.pretrain import config
-  pairs = config.split_assignments(spec)
-  choices = [[(k, v.strip()) for v in config.split_top(value, '|')] for k, value in pairs]
+  from poetx_jax.pretrain.kv import split_assignments, split_top
+  pairs = split_assignments(spec)
+  choices = [[(k, v.strip()) for v in split_top(value, '|')] for k, value in pairs]
   return [list(combo) for combo in itertools.product(*choices)]
 
 
@@ -187,10 +187,13 @@ def plan_runs(base, specs: list[str]) -> list[dict]:
 
 
 def run_config(base, run: dict, out: pathlib.Path, best_lr: float | None = None):
-  """The ``TrainConfig`` of a run (``lr=best`` as ``best_lr``), in OUT/runs/NAME."""
-  from poetx_jax.pretrain import config
-  cfg = config.apply_overrides(base, _text(p for p in run['pairs'] if p != ('lr', 'best')),
+  """The ``TrainConfig`` of a run (``lr=best`` as ``best_lr``), in OUT/runs/NAME;
+  a run whose optimizer does not poetize leaves out the POET options it shares
+  with ``base``."""
+  from poetx_jax.pretrain import config, config_text
+  cfg = config_text.apply_overrides(base, _text(p for p in run['pairs'] if p != ('lr', 'best')),
                                validate=False)
+  cfg = config.drop_shared_poet_options(cfg, base)
   if run['best_lr'] and best_lr is not None:
     cfg = dataclasses.replace(cfg, lr=best_lr)
   return dataclasses.replace(cfg, out_dir=str(out / 'runs' / run['name']))

@@ -84,7 +84,7 @@ def parse_args(argv=None):
     if side not in SIDES:
       p.error(f'variant {text!r}: side must be one of {SIDES}')
     try:
-      cfg = apply(base, overrides)
+      cfg = config.drop_shared_poet_options(apply(base, overrides), base)
       cfg.validate()
     except ValueError as e:
       p.error(f'variant {text!r}: {e}')

@@ -5,9 +5,9 @@ import dataclasses
 
 import pytest
 
-from poetx_jax import models
 from poetx_jax.pretrain import cli
-from poetx_jax.pretrain.config import TrainConfig, apply_overrides
+from poetx_jax.pretrain.config import TrainConfig
+from poetx_jax.pretrain.config_text import apply_overrides, parse_fields
 
 
 @pytest.mark.parametrize('options, match', [
@@ -97,8 +97,7 @@ def test_an_experiment_parser_has_its_own_defaults_and_runs_are_k_v_overrides(ca
   """add_options(overrides=, exclude=) and apply_overrides: the schema as
   experiments use it."""
   import argparse
-  from poetx_jax.pretrain.config import (add_options, apply_overrides, config_from_args,
-                                         parse_fields)
+  from poetx_jax.pretrain.config import add_options, config_from_args
   p = argparse.ArgumentParser()
   add_options(p, overrides={'model': '60m', 'steps': 400, 'lean_state': True,
                             'model_overrides': {'layers': 2}}, exclude=['out_dir'])

@@ -48,7 +48,7 @@ def test_bench_train_runs_are_overrides_of_the_train_options():
   assert bench_train.run_config(a, 'strategy=fsdp').fsdp == jax.device_count()
   with pytest.raises(ValueError, match="'remat_policy' .* is not an option; valid: model, "):
     bench_train.run_config(a, 'remat_policy=block')
-  with pytest.raises(ValueError, match='quantize=.int8. needs optimizer poetx'):
+  with pytest.raises(ValueError, match="quantize='int8': option of the POET layers"):
     bench_train.run_config(a, 'optimizer=adamw,quantize=int8')
 
 
@@ -148,7 +148,7 @@ def test_bench_memory_state_only(tmp_path):
   assert bench_memory.point('20b', 1024, ladder=True) == (
       'model=13b,model_overrides={hidden=6144,mlp=16384,layers=44,heads=48,kv_heads=8},'
       'seq_len=1024')
-  from poetx_jax.pretrain.config import apply_overrides
+  from poetx_jax.pretrain.config_text import apply_overrides
   big = apply_overrides(TrainConfig(), bench_memory.point('20b', 1024, ladder=True))
   assert big.model_overrides['layers'] == 44 and big.seq_len == 1024
 

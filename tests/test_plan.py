@@ -9,7 +9,8 @@ import re
 import pytest
 
 from poetx_jax.pretrain import cli, recipes
-from poetx_jax.pretrain.config import TrainConfig, apply_overrides
+from poetx_jax.pretrain.config import TrainConfig
+from poetx_jax.pretrain.config_text import apply_overrides
 from poetx_jax.pretrain.plan import make_plan
 
 PACKAGE = pathlib.Path(__file__).resolve().parents[1]
@@ -154,7 +155,7 @@ def test_run_json_records_the_plan_and_a_resume_keeps_it(tmp_path):
   --config reads the options only; resuming (and eval, export) keeps the
   values the run recorded where the options leave them open, so a default
   changed since does not change the run."""
-  from poetx_jax.pretrain import config_file, rundir
+  from poetx_jax.pretrain import config_text, rundir
   from poetx_jax.pretrain.plan import recorded_plan
   cfg = TrainConfig(out_dir=str(tmp_path / 'run'))
   plan = make_plan(cfg)
@@ -164,7 +165,7 @@ def test_run_json_records_the_plan_and_a_resume_keeps_it(tmp_path):
   assert saved['plan']['lr'] == 3e-3 and saved['plan']['merge_every'] == 50
   assert saved['plan']['model']['block_size'] == 16
   assert rundir.read_config(tmp_path / 'run') == cfg
-  assert config_file.config_with_file(tmp_path / 'run' / 'run.json') == cfg
+  assert config_text.config_with_file(tmp_path / 'run' / 'run.json') == cfg
   recorded = {**recorded_plan(tmp_path / 'run'), 'lr': 1e-3, 'merge_every': 10}
   kept = make_plan(cfg, recorded=recorded)
   assert (kept.lr, kept.merge_every, kept.merge_period) == (1e-3, 10, 10)

@@ -171,7 +171,7 @@ def test_tie_permutations_refuses_nonzero_generators_and_changes_nothing(keys):
 
 
 def test_the_option_needs_poetx():
-  with pytest.raises(ValueError, match='tie_permutations needs optimizer poetx'):
+  with pytest.raises(ValueError, match='tie_permutations=True: option of the POET layers'):
     config.TrainConfig(optimizer='adamw', tie_permutations=True).validate()
 
 

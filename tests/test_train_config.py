@@ -9,7 +9,7 @@ import pytest
 
 from poetx_jax.pretrain import cli, rundir
 from poetx_jax.pretrain.config import TrainConfig
-from poetx_jax.pretrain.config_file import config_with_file, read_config_file
+from poetx_jax.pretrain.config_text import config_with_file, read_config_file
 from conftest import write_corpus
 
 # test_train.py's tiny run (the same programs: compiled once in the suite),

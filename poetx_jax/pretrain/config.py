@@ -17,9 +17,8 @@ The options marked ``poet`` mean something only to an optimizer whose recipe
 poetizes the model (:mod:`~poetx_jax.pretrain.recipes`): set with another,
 they are refused. An experiment builds its parser the same way, with defaults
 of its own (``add_options(parser, overrides={'model': '60m'})``), and
-describes each run by ``K=V`` overrides of the same fields (:func:`apply_overrides`)::
-
-    apply_overrides(cfg, 'optimizer=adamw,lr=1e-3,model_overrides={layers=4,hidden=128}')
+describes each run by ``K=V`` overrides of the same fields
+(:func:`poetx_jax.pretrain.config_text.apply_overrides`).
 """
 
 from __future__ import annotations
@@ -32,7 +31,7 @@ import typing as tp
 
 from poetx_jax import linear, models, ops, sharding
 from poetx_jax.models import llama
-from poetx_jax.pretrain.kv import parse_overrides, split_assignments, split_top
+from poetx_jax.pretrain.kv import parse_overrides
 from poetx_jax.pretrain.data.tokenizer import MIN_BPE_VOCAB
 from poetx_jax.pretrain.recipes import (ADAMW_WIDE_LR, DEFAULT_LR, DEFAULT_MERGE_EVERY, RECIPES,
                                         WIDE_HIDDEN, WIDE_MERGE_EVERY)
@@ -227,6 +226,18 @@ class TrainConfig:
                        f'valid: {valid}')
 
 
+def drop_shared_poet_options(cfg: TrainConfig, base: TrainConfig) -> TrainConfig:
+  """``cfg``, a run of a study whose other options come from ``base``, with the
+  POET-only options it shares with ``base`` back at their defaults when its
+  optimizer does not poetize (a study's POET options are for its POET runs;
+  its baselines keep the ones they set themselves, which ``validate`` refuses)."""
+  if cfg.optimizer not in RECIPES or RECIPES[cfg.optimizer].poetizes:
+    return cfg  # (an unknown optimizer: validate names it)
+  shared = {f.name: f.default for f in dataclasses.fields(TrainConfig)
+            if f.metadata.get('poet') and getattr(cfg, f.name) == getattr(base, f.name)}
+  return dataclasses.replace(cfg, **shared)
+
+
 def profile_window(text: str) -> tuple[int, int]:
   """``--profile-steps`` ``'A:B'`` as ``(A, B)``, ``1 <= A <= B``; ValueError else.
 
@@ -380,74 +391,3 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     v = getattr(args, f.name)
     values[f.name] = f.metadata['parse'](v) if 'parse' in f.metadata and isinstance(v, str) else v
   return TrainConfig(**values)
-
-
-# ------------------------------------------------------------------- K=V overrides
-
-_TRUE, _FALSE = ('true', 'yes', 'on', '1'), ('false', 'no', 'off', '0')
-
-
-def field_value(name: str, text: str) -> tp.Any:
-  """The value of field ``name`` written as ``text`` (type and form only;
-  :meth:`TrainConfig.validate` checks choices and bounds): ``none`` for an
-  optional field's None; ``true``/``false`` for a bool; a list as ``[A,B]``
-  (or one item); a dict as ``{K=V,...}``, JSON or ``K=V``
-  (:func:`parse_overrides`)."""
-  _field_names([name], 'field_value')
-  typ, optional = _base_type(tp.get_type_hints(TrainConfig)[name])
-  if optional and text.lower() in ('none', 'null'):
-    return None
-  try:
-    if typ is bool:
-      if text.lower() not in _TRUE + _FALSE:
-        raise ValueError
-      return text.lower() in _TRUE
-    if typ in (int, float):
-      return typ(text)
-    if typ is list:
-      inner = text[1:-1] if text[:1] + text[-1:] == '[]' else None
-      return [text] if inner is None else [x.strip() for x in split_top(inner, ',') if x.strip()]
-    if typ is dict:
-      if text[:1] + text[-1:] == '{}':
-        try:
-          value = json.loads(text)
-        except json.JSONDecodeError:
-          value = parse_overrides(text[1:-1])
-        if not isinstance(value, dict):
-          raise ValueError
-        return value
-      return parse_overrides(text)
-  except ValueError as e:
-    kind = {bool: 'true or false', int: 'an int', float: 'a number', list: '[A,B,...]',
-            dict: '{K=V,...}'}[typ]
-    detail = f' ({e})' if typ is dict and str(e) else ''
-    raise ValueError(f'{name} must be {kind}{" or none" if optional else ""}, '
-                     f'got {text!r}{detail}') from None
-  return text
-
-
-def parse_fields(text: str) -> dict[str, tp.Any]:
-  """``K=V,K=V`` text as a dict of TrainConfig fields and their values
-  (:func:`field_value`); raises ValueError naming a key that is no field."""
-  pairs = split_assignments(text)
-  fields = [f.name for f in dataclasses.fields(TrainConfig)]
-  for k, _ in pairs:
-    if k not in fields:
-      raise ValueError(f'{k!r} in {text!r} is not an option; valid: {", ".join(fields)}')
-  return {k: field_value(k, v) for k, v in pairs}
-
-
-def apply_overrides(cfg: TrainConfig, text: str, *, validate: bool = True) -> TrainConfig:
-  """``cfg`` with the fields that ``K=V,K=V`` ``text`` names set, checked by
-  :meth:`TrainConfig.validate` (unless ``validate=False``).
-
-    >>> apply_overrides(TrainConfig(), 'optimizer=adamw,lr=1e-3,poet_lr=none').lr
-    0.001
-
-  Raises ValueError naming the key that is no field (and the valid ones), or
-  the field whose value cannot be honoured.
-  """
-  cfg = dataclasses.replace(cfg, **parse_fields(text))
-  if validate:
-    cfg.validate()
-  return cfg

@@ -1,5 +1,5 @@
 """``K=V,K=V`` text: the form of ``--model-overrides``, of an experiment's run
-specs and of :func:`poetx_jax.pretrain.config.apply_overrides`.
+specs and of :func:`poetx_jax.pretrain.config_text.apply_overrides`.
 
 Plain text parsing, with no knowledge of the options: config.py gives the
 values their fields' types.

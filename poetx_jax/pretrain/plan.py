@@ -240,7 +240,7 @@ def command_options(cfg: TrainConfig, given: tp.Iterable[str], *,
     if resume:
       raise ValueError('--config does not go with --resume: a resumed run reads its own '
                        'run.json (options given with --resume must agree with it)')
-    from poetx_jax.pretrain.config_file import config_with_file, read_config_file
+    from poetx_jax.pretrain.config_text import config_with_file, read_config_file
     fields = {f.name for f in dataclasses.fields(TrainConfig)} & given
     cfg = config_with_file(config_file, {k: getattr(cfg, k) for k in fields})
     given |= set(read_config_file(config_file))
