@@ -36,10 +36,7 @@ float32) before it is timed. Times are medians of device-synchronised runs.
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -47,37 +44,7 @@ import numpy as np
 
 from poetx_jax import ops
 import pallas_kernels
-
-
-def timeit(fn, *args, warmup=3, iters=20):
-  """Median wall time (ms) of fn(*args), synchronised on every call."""
-  for _ in range(warmup):
-    jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(iters):
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append((time.perf_counter() - t0) * 1e3)
-  return statistics.median(times), statistics.pstdev(times)
-
-
-def print_rows(rows, base, baseline, width=38):
-  """One line per timed row: median, spread and the ratio to ``base`` ms."""
-  for name, (ms, sd) in rows.items():
-    print(f'  {name:{width}s} {ms:8.3f} ms  ±{sd:6.3f}  {ms / base:5.2f}x {baseline}')
-
-
-def dump_json(path, results):
-  """Writes the results where --json asked (nothing when it is None)."""
-  if path:
-    with open(path, 'w') as f:
-      json.dump(results, f, indent=1)
-
-
-def rel_err(a, b):
-  a = jnp.asarray(a, jnp.float32)
-  b = jnp.asarray(b, jnp.float32)
-  return float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
+from common import dump_json, print_rows, rel_err, timeit  # noqa: F401 (bench_kernels, bench_cayley)
 
 
 def _f32_rotate(x, g):

@@ -33,6 +33,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_train  # noqa: E402
+from common import Column, print_table as table, run_child  # noqa: E402
 
 # Larger shapes than the named configs, for the size record (vocab 32000).
 LADDER = {
@@ -65,7 +66,7 @@ def run_one(a, argv, name: str, seq: int, run: str, ladder: bool = False) -> dic
   label = bench_train.parse_run(run)[0]
   cmd = ([sys.executable, os.path.abspath(__file__)] + list(argv or sys.argv[1:])
          + ['--point', point(name, seq, ladder), '--single', run])
-  r, error = bench_train.run_child(cmd, f'{name} seq {seq} {label}', env=env)
+  r, error = run_child(cmd, f'{name} seq {seq} {label}', env=env)
   if error is not None:
     return {'run': label, 'model': name, 'seq_len': seq, 'cap_gib': a.cap_gib,
             'error': error}
@@ -182,13 +183,12 @@ def main(argv=None):
 def print_table(results: list[dict]) -> None:
   """The results as a table on stdout."""
   width = max([26] + [len(r['run']) for r in results])
-  print(f'\n{"model":6s} {"seq":>5s} {"run":{width}s} {"peak GiB":>9s} {"tokens/s":>9s}')
-  for r in results:
-    if 'error' in r:
-      print(f'{r["model"]:6s} {r["seq_len"]:5d} {r["run"]:{width}s} failed: {r["error"][-60:]}')
-    else:
-      print(f'{r["model"]:6s} {r["seq_len"]:5d} {r["run"]:{width}s} {r["peak_gib"]:9.2f} '
-            f'{r["tokens_per_s"]:9,.0f}')
+  table(results, [Column('model', 6, lambda r: r['model'], key=True),
+                  Column('seq', 5, lambda r: str(r['seq_len']), key=True),
+                  Column('run', width, lambda r: r['run'], key=True),
+                  Column('peak GiB', 9, lambda r: f"{r['peak_gib']:.2f}"),
+                  Column('tokens/s', 9, lambda r: f"{r['tokens_per_s']:,.0f}")],
+        title='', error_chars=60)
 
 
 if __name__ == '__main__':

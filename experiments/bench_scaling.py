@@ -37,6 +37,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_train  # noqa: E402
+from common import Column, print_table as table, run_child  # noqa: E402
 
 
 def child(a) -> dict:
@@ -90,31 +91,30 @@ def run_on(a, argv, run: str, n: int) -> dict:
     env['CUDA_VISIBLE_DEVICES'] = ','.join(ids[:n])
   label = bench_train.parse_run(run)[0]
   cmd = [sys.executable, __file__] + list(argv or sys.argv[1:]) + ['--single', run]
-  r, error = bench_train.run_child(cmd, f'{label} x{n}', env=env)
+  r, error = run_child(cmd, f'{label} x{n}', env=env)
   if error is not None:
     return {'run': label, 'devices': n, 'error': error}
   return r
 
 
 def print_table(a, results: list[dict]) -> None:
-  """The results as a table on stdout."""
-  print(f'\n{a.model}, seq {a.seq_len}, {a.per_device_batch} sequences per device')
-  width = max([14] + [len(r['run']) for r in results])
-  print(f'{"run":{width}s} {"devices":>7s} {"tokens/s":>10s} {"efficiency":>10s} '
-        f'{"peak GiB":>9s} {"collective MiB/step":>20s}')
-  base = {}
+  """The results as a table on stdout, each run's efficiency against its
+  one-device throughput."""
+  base = {r['run']: r['tokens_per_s'] for r in results
+          if 'error' not in r and r['devices'] == 1}
   for r in results:
-    if 'error' in r:
-      print(f'{r["run"]:{width}s} {r["devices"]:7d} failed: {r["error"][-80:]}')
-      continue
-    if r['devices'] == 1:
-      base[r['run']] = r['tokens_per_s']
-    eff = (r['tokens_per_s'] / (r['devices'] * base[r['run']])
-           if r['run'] in base else float('nan'))
-    r['efficiency'] = eff
-    mib = sum(r['collective_bytes'].values()) / 2 ** 20
-    print(f'{r["run"]:{width}s} {r["devices"]:7d} {r["tokens_per_s"]:10,.0f} {eff:10.3f} '
-          f'{r["peak_gib"]:9.2f} {mib:20.2f}')
+    if 'error' not in r:
+      r['efficiency'] = (r['tokens_per_s'] / (r['devices'] * base[r['run']])
+                         if r['run'] in base else float('nan'))
+  width = max([14] + [len(r['run']) for r in results])
+  table(results, [Column('run', width, lambda r: r['run'], key=True),
+                  Column('devices', 7, lambda r: str(r['devices']), key=True),
+                  Column('tokens/s', 10, lambda r: f"{r['tokens_per_s']:,.0f}"),
+                  Column('efficiency', 10, lambda r: f"{r['efficiency']:.3f}"),
+                  Column('peak GiB', 9, lambda r: f"{r['peak_gib']:.2f}"),
+                  Column('collective MiB/step', 20,
+                         lambda r: f"{sum(r['collective_bytes'].values()) / 2 ** 20:.2f}")],
+        title=f'{a.model}, seq {a.seq_len}, {a.per_device_batch} sequences per device')
 
 
 if __name__ == '__main__':

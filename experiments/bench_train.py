@@ -32,44 +32,13 @@ import argparse
 import dataclasses
 import json
 import math
-import statistics
 import os
-import subprocess
+import statistics
 import sys
-import tempfile
 import time
 import typing as tp
 
-
-def progress(msg: str) -> None:
-  """A progress line on stderr (the parent shows it live, prefixed)."""
-  print(f'[{time.strftime("%H:%M:%S")}] {msg}', file=sys.stderr, flush=True)
-
-
-def run_child(cmd: list[str], label: str, env=None) -> tuple[dict | None, str | None]:
-  """Runs one benchmark process whose last stdout line is its JSON result.
-
-  Its progress lines (stderr) are echoed as they come, prefixed with
-  ``label`` (library warnings are not). Returns ``(result, None)``, or
-  ``(None, error)`` with the last lines of its output when it failed.
-  """
-  with tempfile.TemporaryFile(mode='w+') as stdout:
-    proc = subprocess.Popen(cmd, stdout=stdout, stderr=subprocess.PIPE, text=True,
-                            env=env)
-    tail = []
-    for line in proc.stderr:
-      line = line.rstrip('\n')
-      tail = (tail + [line])[-20:]
-      if line.startswith('['):
-        print(f'  {label}: {line}', file=sys.stderr, flush=True)
-    rc = proc.wait()
-    stdout.seek(0)
-    out = stdout.read().strip()
-  if rc:
-    lines = ('\n'.join(tail) or out).strip().splitlines()
-    return None, ' | '.join(lines[-3:])[-300:]
-  return json.loads(out.splitlines()[-1]), None
-
+from common import Column, print_table as table, progress, run_child
 
 BENCH_DEFAULTS = dict(model='1b', seq_len=1024, vocab_size=32000, batch_size=8,
                       merge_every=200, steps=1000)
@@ -346,16 +315,14 @@ def main(argv=None):
 def print_table(a, results: list[dict]) -> None:
   """The results as a table on stdout."""
   width = max([28] + [len(r['run']) for r in results])
-  print(f'\n{a.model}, seq {a.seq_len}, batch {a.batch_size}'
-        f'{", lean state" if a.lean_state else ""}')
-  print(f'{"run":{width}s} {"tokens/s":>10s} {"step ms":>9s} {"peak GiB":>9s} '
-        f'{"opt state GiB":>14s}')
-  for r in results:
-    if 'error' in r:
-      print(f'{r["run"]:{width}s} failed: {r["error"][-90:]}')
-    else:
-      print(f'{r["run"]:{width}s} {r["tokens_per_s"]:10,.0f} {1e3 * r["step_s"]:9.1f} '
-            f'{r["peak_gib"]:9.2f} {r["optimizer_state_gib"]:14.3f}')
+  table(results, [
+      Column('run', width, lambda r: r['run'], key=True),
+      Column('tokens/s', 10, lambda r: f"{r['tokens_per_s']:,.0f}"),
+      Column('step ms', 9, lambda r: f"{1e3 * r['step_s']:.1f}"),
+      Column('peak GiB', 9, lambda r: f"{r['peak_gib']:.2f}"),
+      Column('opt state GiB', 14, lambda r: f"{r['optimizer_state_gib']:.3f}")],
+      title=f'{a.model}, seq {a.seq_len}, batch {a.batch_size}'
+            f'{", lean state" if a.lean_state else ""}', error_chars=90)
 
 
 if __name__ == '__main__':

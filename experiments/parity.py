@@ -48,11 +48,10 @@ import subprocess
 import sys
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import progress  # noqa: E402
+
 SIDES = ('ours', 'anchor')
-
-
-def progress(msg: str) -> None:
-  print(f'[{time.strftime("%H:%M:%S")}] {msg}', file=sys.stderr, flush=True)
 
 
 def parse_args(argv=None):

@@ -416,3 +416,24 @@ def test_a_dense_llama_refuses_an_moe_config():
   with pytest.raises(ValueError, match='a Llama needs a LlamaConfig; a MoEConfig describes '
                                        'a MoELlama: build it with config.build'):
     Llama(get_config('moe-tiny'), rngs=nnx.Rngs(0))
+
+
+def test_the_moe_decoder_layer_batches_its_attention_series(keys, monkeypatch):
+  """The MoE decoder layer is the dense one's call: its four POET attention
+  projections take their rotation blocks from one batched series, so only
+  the three expert stacks form their own (rotation_blocks_pair), and the
+  layer's output is that of each projection computing its own series."""
+  model = poetx_jax.poetize(get_config('moe-tiny').build(rngs=nnx.Rngs(0)), block_size=16,
+                            rngs=nnx.Rngs(1))
+  layer = model.layers[0]
+  _randomize(layer, keys())
+  x = jax.random.normal(keys(), (2, 8, 64))
+  calls = []
+  pair = ops.rotation_blocks_pair
+  monkeypatch.setattr(ops, 'rotation_blocks_pair', lambda *a, **k: calls.append(1) or pair(*a, **k))
+  y, _ = layer(x)
+  assert len(calls) == 3
+  attn = layer.self_attn
+  h = x + attn(layer.input_layernorm(x))  # outside the layer: each projection its own series
+  want = h + layer.mlp(layer.post_attention_layernorm(h))[0]
+  np.testing.assert_allclose(np.asarray(y), np.asarray(want), rtol=1e-6, atol=1e-6)

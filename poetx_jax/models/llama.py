@@ -123,13 +123,18 @@ class LlamaConfig:
     """D = hidden / heads."""
     return self.hidden // self.heads
 
-  def num_params(self) -> int:
-    """Number of parameters (embedding counted once when tied)."""
+  def count_params(self, mlp_params: int) -> int:
+    """Parameters of the model whose MLP holds ``mlp_params`` per layer:
+    embedding (once when tied), attention, two norms a layer, the final
+    norm and the head."""
     h, kv = self.hidden, self.kv_heads * self.head_dim
-    attn = 2 * h * h + 2 * h * kv
-    per_layer = attn + 3 * h * self.mlp + 2 * h
+    per_layer = 2 * h * h + 2 * h * kv + 2 * h + mlp_params
     head = 0 if self.tie_embeddings else h * self.vocab_size
     return self.vocab_size * h + self.layers * per_layer + h + head
+
+  def num_params(self) -> int:
+    """Number of parameters (embedding counted once when tied)."""
+    return self.count_params(3 * self.hidden * self.mlp)
 
   def active_params(self) -> int:
     """Parameters one token passes through: all of them in a dense model."""
@@ -273,6 +278,10 @@ class MLP(nnx.Module):
   def __call__(self, x: Array) -> Array:
     return swiglu(self.gate_proj, self.up_proj, self.down_proj, x, hidden_name='mlp_hidden')
 
+  def forward(self, x: Array) -> tuple[Array, dict]:
+    """``(self(x), stats)``: what a decoder layer calls (a dense MLP has no stats: ``{}``)."""
+    return self(x), {}
+
   def permutation_ties(self) -> list[list]:
     """gate and up share their input; down's input is their elementwise
     product (:mod:`poetx_jax.ties`)."""
@@ -281,9 +290,11 @@ class MLP(nnx.Module):
 
 
 class DecoderLayer(nnx.Module):
-  """Pre-norm residual block: attention, then MLP (an ``mlp_class``);
-  ``layer(x, positions) -> (x, stats)``, stats the layer's contribution to
-  the model's auxiliary outputs (none here: ``{}``)."""
+  """Pre-norm residual block: attention, then MLP (an ``mlp_class``, whose
+  ``forward(x)`` gives ``(y, stats)``); ``layer(x, positions) -> (x, stats)``,
+  stats the layer's contribution to the model's auxiliary outputs (a dense
+  MLP's: ``{}``). The POET projections of the whole layer share one batched
+  Cayley–Neumann series (:func:`poetx_jax.batched_series`)."""
 
   mlp_class: tp.ClassVar[type] = MLP
 
@@ -301,7 +312,8 @@ class DecoderLayer(nnx.Module):
   def __call__(self, x: Array, positions: Array | None = None) -> tuple[Array, dict]:
     with batched_series(self, x):  # the POET projections' series in one batch
       x = x + self.self_attn(self.input_layernorm(x), positions)
-      return x + self.mlp(self.post_attention_layernorm(x)), {}
+      y, stats = self.mlp.forward(self.post_attention_layernorm(x))
+      return x + y, stats
 
 
 class Llama(nnx.Module):

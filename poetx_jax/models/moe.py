@@ -95,11 +95,8 @@ class MoEConfig(LlamaConfig):
     return self.mlp if self.expert_mlp is None else self.expert_mlp
 
   def _params(self, experts: int) -> int:
-    h, kv = self.hidden, self.kv_heads * self.head_dim
-    per_layer = (2 * h * h + 2 * h * kv + 2 * h + h * self.experts
-                 + experts * 3 * h * self.expert_inner)
-    head = 0 if self.tie_embeddings else h * self.vocab_size
-    return self.vocab_size * h + self.layers * per_layer + h + head
+    h = self.hidden  # the router, and ``experts`` SwiGLU experts
+    return self.count_params(h * self.experts + experts * 3 * h * self.expert_inner)
 
   def num_params(self) -> int:
     """Number of parameters, every expert counted (embedding once when tied)."""
@@ -253,6 +250,10 @@ class MoEMLP(nnx.Module):
     self.top_k = config.top_k
     self.capacity_factor = config.capacity_factor
 
+  def forward(self, x: Array) -> tuple[Array, dict]:
+    """``self(x)``: what a decoder layer calls."""
+    return self(x)
+
   def __call__(self, x: Array) -> tuple[Array, dict]:
     """x (..., H) -> (y (..., H) in x's dtype, :class:`Routing` ``stats``)."""
     shape, k = x.shape, self.top_k
@@ -268,15 +269,10 @@ class MoEMLP(nnx.Module):
 
 # --------------------------------------------------------------------- model
 class MoEDecoderLayer(DecoderLayer):
-  """Pre-norm residual block: Llama's attention, then the routed MLP;
-  ``layer(x, positions) -> (x, stats)``, stats the routing's (:class:`Routing`)."""
+  """Llama's decoder layer with the routed MLP; its stats are the routing's
+  (:class:`Routing`)."""
 
   mlp_class = MoEMLP
-
-  def __call__(self, x: Array, positions: Array | None = None) -> tuple[Array, dict]:
-    x = x + self.self_attn(self.input_layernorm(x), positions)
-    y, stats = self.mlp(self.post_attention_layernorm(x))
-    return x + y, stats
 
 
 class MoELlama(Llama):
