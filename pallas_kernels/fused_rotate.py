@@ -22,8 +22,9 @@ global load on Hopper, :mod:`pallas_kernels.permute` says why):
   column ``dst[c]`` (a scattered store).
 * :func:`block_gram` ``dG_k = A_k^T B_k`` (float32), the generators' gradient,
   either operand optionally read through an index: program (split s, block k,
-  row tile i, column tile j) sums its split's token tiles; XLA sums the S
-  partials, as in :func:`pallas_kernels.block_rotate.block_gram`.
+  row tile i, column tile j) sums a (C, Q) tile over its split's token
+  tiles; XLA sums the S partials, as in
+  :func:`pallas_kernels.block_rotate.block_gram`.
 
 Every tail is masked: rows >= T are neither read (loads give 0) nor written,
 and columns >= N of the ragged last block read as 0 (the zero padding of
@@ -72,19 +73,23 @@ class Config:
   """Tiles of the fused kernels (all powers of two, at least 16: ``tl.dot``'s
   smallest operand dimension).
 
-  The defaults keep one (M, C) = (64, 128) float32 accumulator (32 KiB, 64
-  registers a thread at 4 warps) per program with room for a double-buffered
-  (M, Q) operand tile and a (C, Q) slice of G_k; at B = 256 each token tile's
-  gathered rows are read by two programs. They are first guesses, not yet
-  measured on the H200 (experiments/bench_fused.py sweeps variants).
+  The defaults keep one float32 accumulator of 32 KiB per program, 64
+  registers a thread at 4 warps: (M, C) = (64, 128) in the products, (C, Q)
+  = (128, 64) in block_gram; at B = 256 each token tile's gathered rows are
+  read by two programs. A gathered operand costs a 64-bit address per
+  element in registers: compiled for sm_90 by Triton 3.6 at B = 256 the
+  defaults take 165 (products) and 217 (block_gram) registers a thread
+  without spills, where a (128, 128) gram tile at 4 warps spilled. M >= 64
+  lets Triton use Hopper's wgmma (M = 32 fell back to mma). Not yet timed on
+  the H200 (experiments/bench_fused.py sweeps variants).
 
   Attrs:
     tile_m: M, token rows per program (gather_rotate, rotate_scatter) and
       tokens per reduction step (block_gram).
     tile_c: C, output columns of a block per program, dividing B; None:
-      min(B, 128). block_gram's programs compute (C, C) tiles of dG_k.
+      min(B, 128).
     tile_k: Q, the block's input columns per step of the inner dot loop,
-      capped at B.
+      capped at B. block_gram's programs compute (C, Q) tiles of dG_k.
     num_warps, num_stages: Triton's launch and software-pipelining depth.
   """
   tile_m: int = 64
@@ -278,9 +283,9 @@ def block_gram(a_TxN: Array, b_TxN: Array, *, block_size: int, a_src: Array | No
   """``dG[k,i,j] = sum_t A[t,kB+i] B[t,kB+j]`` in float32, (K, B, B).
 
   ``A = a[:, a_src]`` when ``a_src`` is given, else a (likewise B); columns
-  past N count as zero. Program (s, k, i, j) accumulates a (C, C) tile over
-  its split's token tiles (M tokens a step); the S float32 partials are
-  summed by XLA.
+  past N count as zero. Program (s, k, i, j) accumulates a (C, Q) tile of
+  dG_k over its split's token tiles (M tokens a step); the S float32
+  partials are summed by XLA.
   """
   t, n = _check_x(a_TxN, 'a')
   if getattr(b_TxN, 'shape', None) != (t, n) or b_TxN.dtype != a_TxN.dtype:
@@ -289,9 +294,9 @@ def block_gram(a_TxN: Array, b_TxN: Array, *, block_size: int, a_src: Array | No
   k, b = _check_blocks(jax.ShapeDtypeStruct((-(-n // block_size), block_size, block_size),
                                             jnp.float32), n)
   config = config or Config()
-  tm, tc, _ = config.resolve(b)
-  nc = b // tc
-  s, per = _splits(-(-t // tm), k * nc * nc)
+  tm, tc, tk = config.resolve(b)
+  nc, nk = b // tc, b // tk
+  s, per = _splits(-(-t // tm), k * nc * nk)
   prec = _precision(a_TxN.dtype)
   srcs = [_check_index(i, n, name) for i, name in ((a_src, 'a_src'), (b_src, 'b_src'))
           if i is not None]
@@ -301,22 +306,22 @@ def block_gram(a_TxN: Array, b_TxN: Array, *, block_size: int, a_src: Array | No
     rest = iter(refs[2:-1])
     a_src_ref = next(rest) if a_src is not None else None
     b_src_ref = next(rest) if b_src is not None else None
-    ss, kk, ii, jj = _split(pl.program_id(0), s, k, nc, nc)
+    ss, kk, ii, jj = _split(pl.program_id(0), s, k, nc, nk)
 
     def step(step_j, acc):
       row0 = (ss * per + step_j) * tm
       at = _load_tile(a_ref, a_src_ref, row0, kk * b + ii * tc, tm, tc, t, n)
-      bt = _load_tile(b_ref, b_src_ref, row0, kk * b + jj * tc, tm, tc, t, n)
-      return acc + pltriton.dot(at, bt, trans_a=True, precision=prec)  # (C, M) @ (M, C)
+      bt = _load_tile(b_ref, b_src_ref, row0, kk * b + jj * tk, tm, tk, t, n)
+      return acc + pltriton.dot(at, bt, trans_a=True, precision=prec)  # (C, M) @ (M, Q)
 
-    acc = jax.lax.fori_loop(0, per, step, jnp.zeros((tc, tc), jnp.float32))
-    out_ref[ss, kk, pl.ds(ii * tc, tc), pl.ds(jj * tc, tc)] = acc
+    acc = jax.lax.fori_loop(0, per, step, jnp.zeros((tc, tk), jnp.float32))
+    out_ref[ss, kk, pl.ds(ii * tc, tc), pl.ds(jj * tk, tk)] = acc
 
   any_spec = pl.BlockSpec(memory_space=pl.ANY)
   partials = pl.pallas_call(
       body,
       out_shape=jax.ShapeDtypeStruct((s, k, b, b), jnp.float32),
-      grid=(s * k * nc * nc,),
+      grid=(s * k * nc * nk,),
       in_specs=[any_spec] * (2 + len(srcs)),
       out_specs=any_spec,
       compiler_params=config.params(),
