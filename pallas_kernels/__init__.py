@@ -6,6 +6,9 @@ against its ``poetx_jax.ops`` counterpart by the tests:
 * ``cayley_neumann`` — the truncated Cayley–Neumann series (Mosaic GPU);
 * ``permute`` — a column gather (Pallas Triton: Mosaic GPU has no per-lane
   indexed load on Hopper).
+* ``fused_rotate`` — the layer's gathers fused into its block products
+  (``permute_rotate``, ``rotate_unpermute`` and their gradients; Pallas
+  Triton, through pointer-tensor loads and stores).
 
 Off GPUs every kernel runs in its interpreter. :func:`layer_kernels` is the
 choice of kernels that ``POETLinear(implementation='pallas')`` runs.

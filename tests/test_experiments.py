@@ -118,6 +118,23 @@ def test_bench_kernels_checks_every_kernel(tmp_path):
   assert {name for name in r['ms'] if 'kernel' in name} == want
 
 
+def test_bench_fused_checks_and_times(tmp_path):
+  """--smoke: every fused kernel runs interpreted, matches its XLA composition
+  and is timed beside it, with the bytes it moves."""
+  pytest.importorskip('pallas_kernels.fused_rotate')
+  import bench_fused
+  out = tmp_path / 'fused.json'
+  bench_fused.main(['--smoke', '--json', str(out)])
+  (r,) = json.loads(out.read_text())
+  fused = ({f'gather_rotate {n}' for n, c in bench_fused.GATHER_ROTATE_CONFIGS.items()
+            if c.tile_c in (None, 64)}
+           | {'rotate_scatter', 'block_gram', 'permute_rotate fwd+bwd fused',
+              'rotate_unpermute fwd+bwd fused'})
+  assert set(r['errors']) == fused and max(r['errors'].values()) < bench_fused.TOL
+  assert fused < set(r['ms']) and {'copy', 'gather+rotate xla', 'gram xla'} < set(r['ms'])
+  assert set(r['bytes']) == set(r['ms']) and r['bytes']['copy'] == 2 * 40 * 96 * 2
+
+
 def test_bench_memory_state_only(tmp_path):
   """Resident state from abstract shapes matches the real arrays' bytes; the
   compiled program's arguments hold exactly that state plus the batch."""
