@@ -48,9 +48,10 @@ from poetx_jax import ops
 WIDTHS = '768,2048,5632,4096,14336'   # the 130M, 1B and 8B layer sides
 GATHER_ROTATE_CONFIGS = {
     'default': fr.Config(),
+    'C 256 warps 8': fr.Config(tile_c=256, num_warps=8),
     'M 128 warps 8': fr.Config(tile_m=128, num_warps=8),
     'M 32 C 256': fr.Config(tile_m=32, tile_c=256),
-    'C 64': fr.Config(tile_c=64),
+    'K 128 stages 3': fr.Config(tile_k=128, num_stages=3),
 }
 TOL = 2e-2  # bf16 results (one rounding each) against XLA's bf16 composition
 

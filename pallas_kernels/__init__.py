@@ -21,7 +21,7 @@ import typing as tp
 import jax
 
 # The pieces of poetx_jax.ops.poet_linear a kernel can replace.
-PIECES = ('series', 'rotate', 'permute')
+PIECES = ('series', 'rotate', 'permute', 'permute_rotate', 'rotate_unpermute')
 
 
 def supports_block_size(block_size: int) -> bool:
@@ -69,3 +69,41 @@ def layer_kernels(block_size: int, *, every_kernel: bool = False,
         q, terms=terms, interpret=interpret)
     kernels['permute'] = lambda x, perm: permute.permute(x, perm, interpret=interpret)
   return kernels
+
+
+def fused_kernels(block_size: int, *, always: bool = False,
+                  interpret: bool | None = None) -> dict[str, tp.Callable]:
+  """The fused gather + block-product kernels of a POET layer
+  (:mod:`pallas_kernels.fused_rotate`) as ``poetx_jax.ops.Implementation``
+  fields: ``permute_rotate``, ``rotate_unpermute`` and ``fuse(x, g)``, which
+  says whether they take a call: 16-bit activations and, unless ``always``,
+  a side whose (width, block size) is in ``fused_rotate.FASTER`` (measured
+  faster than XLA's gather and block products on the H200,
+  experiments/bench_fused.py). ``{}`` where the block size is not one the
+  kernels take (a power of two from 16 to 512) or, unless ``always``, no
+  side of this block size was measured faster: XLA then runs every piece.
+  What ``POETLinear(implementation='auto')`` runs on GPUs.
+
+  Args:
+    block_size: B.
+    always: every 16-bit call on the kernels (tests and benchmarks).
+    interpret: run in the interpreters (default: off GPUs).
+  """
+  from pallas_kernels import fused_rotate
+  b = block_size
+  if not fused_rotate.MIN_B <= b <= fused_rotate.MAX_B or b & (b - 1):
+    return {}
+  if not always and not any(fb == b for _, fb in fused_rotate.FASTER):
+    return {}
+  interpret = default_interpret() if interpret is None else interpret
+
+  def fuse(x, g) -> bool:
+    width, blocks = x.shape[-1], g.shape[-1]
+    return (x.dtype.itemsize == 2 and blocks == b
+            and (always or (width, blocks) in fused_rotate.FASTER))
+
+  return {'fuse': fuse,
+          'permute_rotate': lambda x, perm, g: fused_rotate.permute_rotate(
+              x, perm, g, interpret=interpret),
+          'rotate_unpermute': lambda w, g, dst: fused_rotate.rotate_unpermute(
+              w, g, dst, interpret=interpret)}

@@ -62,6 +62,11 @@ Array = jax.Array
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 MIN_B, MAX_B = 16, 512
 TARGET_PROGRAMS = 264  # block_gram's splits: about two waves of an H200's 132 SMs
+# (N, B) of the layer sides where experiments/bench_fused.py measured the
+# fused kernels faster than XLA's gather and block products on the H200,
+# forward and backward together: where implementation='auto' runs them
+# (pallas_kernels.fused_kernels). Empty until measured.
+FASTER: frozenset[tuple[int, int]] = frozenset()
 
 
 def _pow2(v) -> bool:

@@ -14,7 +14,8 @@ from flax.nnx.nn import dtypes
 from jax.ad_checkpoint import checkpoint_name
 
 from poetx_jax import ops
-from poetx_jax.linear import _BLOCKS, POETLinear, given_inverses, implementation_for
+from poetx_jax.linear import (_BLOCKS, POETLinear, fuses_gather, given_inverses,
+                              implementation_for)
 from poetx_jax.ties import tied
 
 Array = jax.Array
@@ -116,7 +117,8 @@ def swiglu(gate: nnx.Linear | POETLinear, up: nnx.Linear | POETLinear,
 
   When all three are POET layers and the down projection runs the input form
   (:meth:`POETLinear.form_for`), the gate and up outputs are gathered
-  straight into its input order (:func:`poetx_jax.ops.gather_between`): two
+  straight into its input order (:func:`poetx_jax.ops.gather_between`; by
+  their output kernels where those fuse their gathers, ``output_dst``): two
   activation gathers instead of three. Gathers are exact, so the values are
   those of the plain formula. When it runs the weight form, its input
   permutation is folded into its weight and the plain formula runs (weight
@@ -158,6 +160,10 @@ def swiglu(gate: nnx.Linear | POETLinear, up: nnx.Linear | POETLinear,
   inverse = given_inverses(down)
 
   def joined(lin):  # lin's output in down's input order, one gather
+    if fuses_gather(lin, lin.out_features, lin.compute_dtype(x.dtype)):
+      # the gather in lin's output kernel: placed straight in down's order
+      inverse_in = ops.invert_permutation(perm) if inverse is None else inverse[0]
+      return lin(x, output_dst=jnp.take(inverse_in, lin.perm_out[...]))
     h, inverses = lin(x, permute_output=False), given_inverses(lin)
     if inverses is None or inverse is None:
       return ops.permute(h, ops.gather_between(lin.perm_out[...], perm))

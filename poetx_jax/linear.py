@@ -20,7 +20,7 @@ from poetx_jax import ops
 
 Array = jax.Array
 MODES = ('fast', 'mem')
-IMPLEMENTATIONS = ('xla', 'pallas')
+IMPLEMENTATIONS = ('auto', 'xla', 'pallas', 'fused')
 
 
 # id(POETLinear) -> (G_P, G_R, series precision, (inverse of perm_in, of
@@ -36,6 +36,18 @@ def given_inverses(layer: 'POETLinear') -> tuple[jax.Array, jax.Array] | None:
   formed while its block runs, or None."""
   given = (_BLOCKS.get() or {}).get(id(layer))
   return None if given is None else given[3]
+
+
+def fuses_gather(layer: 'POETLinear', width: int, dtype) -> bool:
+  """Whether ``layer``'s implementation runs a side of ``width`` features
+  in ``dtype`` with its gather fused into the block products (then a gather
+  joining it to another layer is best fused too: ``output_dst``)."""
+  impl = implementation_for(layer.implementation, layer.block_size)
+  if impl is None or impl.fuse is None:
+    return False
+  b = layer.block_size
+  return bool(impl.fuse(jax.ShapeDtypeStruct((1, width), jnp.dtype(dtype)),
+                        jax.ShapeDtypeStruct((1, b, b), jnp.dtype(dtype))))
 
 
 class POETParam(nnx.Param):
@@ -55,15 +67,28 @@ def implementation_for(name: str, block_size: int) -> ops.Implementation | None:
   """The ``implementation`` argument of :func:`poetx_jax.ops.poet_linear` for
   an implementation name: None for ``'xla'``; for ``'pallas'``, the kernels
   ``pallas_kernels.layer_kernels`` chooses (the block products on the Mosaic
-  GPU kernels)."""
+  GPU kernels); for ``'auto'``, on GPUs the gathers fused into the block
+  products where ``pallas_kernels.fused_kernels`` measured them faster (per
+  side's width and block size, 16-bit activations), XLA elsewhere and on
+  every other backend (None: CPU runs are XLA's, bit for bit); for
+  ``'fused'``, the fused kernels on every side of 16-bit activations
+  (interpreted off GPUs)."""
   if name not in IMPLEMENTATIONS:
     raise ValueError(f'implementation must be one of {IMPLEMENTATIONS}, got {name!r}')
-  if name == 'xla':
+  if name == 'xla' or (name == 'auto' and jax.default_backend() != 'gpu'):
     return None
   try:
     import pallas_kernels
   except ImportError as e:
-    raise ValueError(f"implementation='pallas' is unavailable here: {e}") from e
+    if name == 'auto':
+      return None
+    raise ValueError(f'implementation={name!r} is unavailable here: {e}') from e
+  if name in ('auto', 'fused'):
+    kernels = pallas_kernels.fused_kernels(block_size, always=name == 'fused')
+    if not kernels and name == 'fused':
+      raise ValueError(f"implementation='fused' takes a block size that is a power of two "
+                       f'from 16 to 512, got {block_size}')
+    return ops.Implementation(**kernels) if kernels else None
   return ops.Implementation(**pallas_kernels.layer_kernels(block_size))
 
 
@@ -114,10 +139,14 @@ class POETLinear(nnx.Module):
       gathers); ``'auto'`` the one of fewer FLOPs for each call's token count
       (:func:`poetx_jax.ops.choose_form`: the weight form for narrow layers).
       See :func:`poetx_jax.ops.poet_linear`.
-    implementation: ``'xla'`` (every piece in XLA) or ``'pallas'`` (the block
-      products on the Mosaic GPU kernels of ``pallas_kernels``, Hopper GPUs;
-      interpreted on other backends, for tests; B a multiple of 64, at most
-      512). Results agree with ``poetx_jax.ops`` either way.
+    implementation: ``'auto'`` (on GPUs, each side's gather fused into its
+      block products by the Pallas kernels where they measured faster, XLA
+      elsewhere; XLA on other backends), ``'xla'`` (every piece in XLA) or
+      ``'pallas'`` (the block products on the Mosaic GPU kernels of
+      ``pallas_kernels``, Hopper GPUs; interpreted on other backends, for
+      tests; B a multiple of 64, at most 512) or ``'fused'`` (the fused
+      kernels on every 16-bit side; B a power of two, 16 to 512). Results agree with
+      ``poetx_jax.ops`` either way (:func:`implementation_for`).
     quantize: POET-XQ: store W0 as ``'int8'`` or ``'int4'`` with one float32
       scale per ``group_size`` input rows of each output column (symmetric),
       dequantised on the fly and re-quantised at every merge. None keeps W0
@@ -142,7 +171,7 @@ class POETLinear(nnx.Module):
       max_generator_norm: float | None = None,
       mode: str = 'fast',
       form: str = 'input',
-      implementation: str = 'xla',
+      implementation: str = 'auto',
       quantize: str | None = None,
       group_size: int = 128,
       use_bias: bool = True,
@@ -270,18 +299,21 @@ class POETLinear(nnx.Module):
                        f'{what} works on one layer ({remedy})')
 
   def __call__(self, inputs: Array, *, permute_input: bool = True,
-               permute_output: bool = True) -> Array:
+               permute_output: bool = True, output_dst: Array | None = None) -> Array:
     """y = inputs @ effective_kernel (+ bias); inputs (..., I).
 
     ``permute_input=False``: ``inputs`` are given permuted,
-    ``x[..., perm_in]``; ``permute_output=False``: returns ``y[..., perm_out]``
-    (see :func:`poetx_jax.ops.poet_linear`; :func:`poetx_jax.ops.gather_between`
+    ``x[..., perm_in]``; ``permute_output=False``: returns ``y[..., perm_out]``;
+    ``output_dst``: returns y placed by that permutation instead (see
+    :func:`poetx_jax.ops.poet_linear`; :func:`poetx_jax.ops.gather_between`
     joins two layers with one gather).
     """
     self._one_layer('calling it', 'the stack runs them one at a time')
     bias = self.bias[...] if self.bias is not None else None
     if bias is not None and not permute_output:
       bias = jnp.take(bias, self.perm_out[...], axis=-1)
+    if bias is not None and output_dst is not None:
+      bias = ops.unpermute(jnp.take(bias, self.perm_out[...], axis=-1), output_dst)
     if self.quantize is None:
       x, kernel, bias = dtypes.promote_dtype((inputs, self.kernel[...], bias),
                                              dtype=self.dtype)
@@ -302,7 +334,8 @@ class POETLinear(nnx.Module):
                         implementation=implementation_for(self.implementation,
                                                           self.block_size),
                         kernel_scale=scale, permute_input=permute_input,
-                        permute_output=permute_output, blocks=blocks, inverses=inverses)
+                        permute_output=permute_output, blocks=blocks, inverses=inverses,
+                        output_dst=output_dst)
     if bias is not None:
       y = y + bias
     return y

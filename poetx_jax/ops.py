@@ -73,12 +73,22 @@ class Implementation(tp.NamedTuple):
   ``series`` stands for :func:`cayley_neumann` (``series(q_KxBxB, terms)``),
   ``rotate`` for :func:`block_rotate` (``rotate(x, g_KxBxB, precision)``),
   ``permute`` for :func:`permute` (``permute(x, perm_N)``).
+  ``permute_rotate(x, perm_N, g_KxBxB)`` stands for ``rotate_features(permute(x,
+  perm), g)`` and ``rotate_unpermute(w, g_KxBxB, dst_N)`` for
+  ``unpermute(rotate_features(w, g), dst)``, a layer side's gather fused into
+  its block products, used where ``fuse(x, g_KxBxB)`` says they take the
+  call (a per-shape choice; elsewhere the jnp pieces run).
   ``Implementation(**pallas_kernels.layer_kernels(B))`` is what
-  ``POETLinear(implementation='pallas')`` uses.
+  ``POETLinear(implementation='pallas')`` uses, and
+  ``Implementation(**pallas_kernels.fused_kernels())`` what ``'auto'`` uses
+  on GPUs.
   """
   series: tp.Callable | None = None
   rotate: tp.Callable | None = None
   permute: tp.Callable | None = None
+  permute_rotate: tp.Callable | None = None
+  rotate_unpermute: tp.Callable | None = None
+  fuse: tp.Callable | None = None
 
 
 # ------------------------------------------------------- block-diagonal apply
@@ -153,24 +163,38 @@ def resolve_form(form: str, x_shape: tp.Sequence[int], in_features: int, out_fea
   return choose_form(math.prod(x_shape[:-1]), in_features, out_features, block_size)
 
 
+def _fuses(impl, x, g) -> bool:
+  return impl.fuse is not None and bool(impl.fuse(x, g))
+
+
 def _poet_core(x, kernel_IxO, g_in, g_out, perm_in, perm_out, inverses, precision, impl,
-               sides):
+               sides, output_dst=None):
   rot = functools.partial(rotate_features, precision=precision, rotate=impl.rotate)
-  if not sides[0]:
-    u = x
-  elif impl.permute is not None:
-    u = impl.permute(x, perm_in)
+  if sides[0] and _fuses(impl, x, g_in):
+    v = impl.permute_rotate(x, perm_in, g_in)
   else:
-    u = permute(x, perm_in, None if inverses is None else inverses[0])
-  v = rot(u, g_in)
+    v = rot(_poet_input(x, perm_in, inverses, impl, sides), g_in)
   w = jnp.matmul(v, jax.lax.stop_gradient(kernel_IxO), precision=precision)
+  if sides[1] and _fuses(impl, w, g_out):
+    return impl.rotate_unpermute(w, g_out, perm_out if output_dst is None else output_dst)
   z = rot(w, g_out)
   if not sides[1]:
     return z
+  if output_dst is not None:
+    return unpermute(z, output_dst)
   inverse_out = None if inverses is None else inverses[1]
   if impl.permute is not None:  # a gather kernel; it forms its own backward's inverse
     return impl.permute(z, invert_permutation(perm_out) if inverse_out is None else inverse_out)
   return unpermute(z, perm_out, inverse_out)
+
+
+def _poet_input(x, perm_in, inverses, impl, sides):
+  """The input side's gather (u = x[..., perm_in]) where it runs apart."""
+  if not sides[0]:
+    return x
+  if impl.permute is not None:
+    return impl.permute(x, perm_in)
+  return permute(x, perm_in, None if inverses is None else inverses[0])
 
 
 def rotate_weight(kernel_IxO, g_in, g_out, perm_in, perm_out, precision=None, *,
@@ -206,8 +230,8 @@ def _poet_weight_core(x, kernel_IxO, g_in, g_out, perm_in, perm_out, inverses, p
   return jnp.matmul(x, kernel, precision=precision)
 
 
-def _poet_layer(x, kernel, scale, q_in, q_out, perm_in, perm_out, blocks, inverses, *,
-                block_size, terms, form, precision, impl, sides, max_norm):
+def _poet_layer(x, kernel, scale, q_in, q_out, perm_in, perm_out, blocks, inverses, output_dst,
+                *, block_size, terms, form, precision, impl, sides, max_norm):
   """The body of :func:`poet_linear` (rematerialised whole under ``remat``)."""
   i, o = perm_in.shape[-1], perm_out.shape[-1]
   cn_precision = series_precision(x.dtype)
@@ -227,7 +251,9 @@ def _poet_layer(x, kernel, scale, q_in, q_out, perm_in, perm_out, blocks, invers
     g_in, g_out = blocks
   if form == 'input':
     return _poet_core(x, kernel, g_in.astype(x.dtype), g_out.astype(x.dtype),
-                      perm_in, perm_out, inverses, precision, impl, sides)
+                      perm_in, perm_out, inverses, precision, impl, sides, output_dst)
+  if output_dst is not None:  # the weight's output columns go where dst says
+    perm_out, inverses = output_dst, None if inverses is None else (inverses[0], None)
   return _poet_weight_core(x, kernel, g_in, g_out, perm_in, perm_out, inverses, precision,
                            cn_precision, sides)
 
@@ -240,7 +266,8 @@ def poet_linear(x_TxI: Array, kernel_IxO: Array, q_in_KxP: Array, q_out_KxP: Arr
                 kernel_scale: Array | None = None, permute_input: bool = True,
                 permute_output: bool = True, max_norm: float | None = None,
                 blocks: tuple[Array, Array] | None = None,
-                inverses: tuple[Array, Array] | None = None) -> Array:
+                inverses: tuple[Array, Array] | None = None,
+                output_dst: Array | None = None) -> Array:
   """The POET-X layer ``y = x @ effective_kernel``.
 
   Two orders of the same product (equal up to rounding): ``form='input'``
@@ -283,9 +310,15 @@ def poet_linear(x_TxI: Array, kernel_IxO: Array, q_in_KxP: Array, q_out_KxP: Arr
       formed (e.g. for several layers by one scatter,
       :func:`invert_permutations`); None: the layer forms those it needs.
       (A gather kernel of ``implementation`` forms its backward's own.)
+    output_dst: a permutation that places the output instead of
+      ``perm_out_O``: ``out[..., output_dst[c]] = y[..., perm_out_O][..., c]``
+      (``output_dst = perm_out_O`` gives y itself; a SwiGLU join passes the
+      one that puts y in the next layer's input order,
+      ``inverse(perm_in_next)[perm_out_O]``). Needs ``permute_output``.
 
   Returns:
-    y of shape (..., O) in x's dtype (no bias), or ``y[..., perm_out_O]``.
+    y of shape (..., O) in x's dtype (no bias), ``y[..., perm_out_O]``, or
+    ``y`` placed by ``output_dst``.
 
   Raises:
     ValueError: ``x_TxI``'s last axis is not I (the length of ``perm_in_I``),
@@ -296,6 +329,8 @@ def poet_linear(x_TxI: Array, kernel_IxO: Array, q_in_KxP: Array, q_out_KxP: Arr
     raise ValueError(f'the inputs have shape {tuple(x_TxI.shape)}: their last axis must '
                      f'hold the layer\'s {i} input features, it holds '
                      f'{x_TxI.shape[-1] if x_TxI.ndim else "none"}')
+  if output_dst is not None and not permute_output:
+    raise ValueError('output_dst places the permuted output: it needs permute_output=True')
   form = resolve_form(form, x_TxI.shape, i, perm_out_O.shape[-1], block_size)
   layer = functools.partial(
       _poet_layer, block_size=block_size, terms=terms, form=form, precision=precision,
@@ -304,7 +339,7 @@ def poet_linear(x_TxI: Array, kernel_IxO: Array, q_in_KxP: Array, q_out_KxP: Arr
   if remat:  # the series too: its saved powers are K x B x B float32 arrays per side
     layer = jax.checkpoint(layer, policy=jax.checkpoint_policies.nothing_saveable)
   return layer(x_TxI, kernel_IxO, kernel_scale, q_in_KxP, q_out_KxP, perm_in_I, perm_out_O,
-               blocks, inverses)
+               blocks, inverses, output_dst)
 
 
 def poet_kernel(kernel_IxO: Array, q_in_KxP: Array, q_out_KxP: Array, perm_in_I: Array,

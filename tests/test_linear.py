@@ -213,15 +213,25 @@ def test_bad_input_errors():
 def test_implementation_choice():
   """'xla' computes every piece in jnp; 'pallas' replaces the block products
   only (the kernel path itself is compared with XLA in
-  test_pallas_block_rotate)."""
+  test_pallas_block_rotate); 'auto', the default, is XLA off GPUs (the fused
+  kernels' layers: test_fused_layers)."""
   from poetx_jax.linear import implementation_for
-  assert implementation_for('xla', 64) is None
+  assert implementation_for('xla', 64) is None and implementation_for('auto', 64) is None
+  assert POETLinear(64, 64, block_size=32, rngs=nnx.Rngs(0)).implementation == 'auto'
   impl = implementation_for('pallas', 64)
   assert impl.rotate is not None and impl.series is None and impl.permute is None
+  assert impl.permute_rotate is None and impl.fuse is None
   with pytest.raises(ValueError, match='multiple of 64, at most 512, got 32'):
     POETLinear(64, 64, block_size=32, implementation='pallas', rngs=nnx.Rngs(0))
-  with pytest.raises(ValueError, match="implementation must be one of .*got 'auto'"):
-    POETLinear(64, 64, block_size=32, implementation='auto', rngs=nnx.Rngs(0))
+  fused = implementation_for('fused', 64)  # the fused kernels on every 16-bit side
+  assert fused.permute_rotate is not None and fused.rotate is None and fused.permute is None
+  assert fused.fuse(jnp.zeros((2, 128), jnp.bfloat16), jnp.zeros((2, 64, 64), jnp.bfloat16))
+  assert not fused.fuse(jnp.zeros((2, 128), jnp.float32), jnp.zeros((2, 64, 64), jnp.float32))
+  with pytest.raises(ValueError, match="'fused' takes a block size that is a power of two "
+                     'from 16 to 512, got 24'):
+    POETLinear(48, 48, block_size=24, implementation='fused', rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match="implementation must be one of .*got 'triton'"):
+    POETLinear(64, 64, block_size=32, implementation='triton', rngs=nnx.Rngs(0))
 
 
 @pytest.mark.parametrize('implementation', ['xla', 'pallas'])

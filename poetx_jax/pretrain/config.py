@@ -145,8 +145,11 @@ class TrainConfig:
       none=f'auto on a model of hidden size >= {WIDE_HIDDEN} (at 130m the weight form\'s '
            'step is 18% shorter, BENCHMARKS.md), input below')
   implementation: str = _poet(
-      'xla', "POET layers' block products: XLA, or the Pallas Mosaic GPU kernels (Hopper, "
-      '16-bit activations; block size a multiple of 64, <= 512)',
+      'auto', "POET layers' gathers and block products: auto (on GPUs each side's gather "
+      'fused into its block products by the Pallas kernels where they measured faster, '
+      'XLA elsewhere; XLA off GPUs), xla, or pallas (the block products on the Mosaic GPU '
+      'kernels: Hopper, 16-bit activations, block size a multiple of 64, <= 512), or fused '
+      '(the fused kernels on every 16-bit side; block size a power of two, 16 to 512)',
       choices=linear.IMPLEMENTATIONS)
   remat: str = _option('none', 'rematerialise each decoder layer: keep only its input '
                        '(block), or its input and attention output (attn)',
