@@ -42,6 +42,7 @@ import numpy as np
 
 from bench_kernels import chained
 from bench_layer import dump_json, rel_err, timeit
+from pallas_kernels import fused_reference as fref
 from pallas_kernels import fused_rotate as fr
 from poetx_jax import ops
 
@@ -118,7 +119,7 @@ def bench(t, n, b, iters, chain, key, interpret):
   run('rotate_scatter', lambda w, g, p: fr.rotate_scatter(w, g, p, **kw), (x, g, p),
       2 * act + blocks + idx, ref)
   gram_bytes = 2 * act + idx + 2 * blocks
-  ref = run('gram xla', lambda dy, x, p: fr.block_gram_reference(dy, x, b, b_src=p),
+  ref = run('gram xla', lambda dy, x, p: fref.block_gram_reference(dy, x, b, b_src=p),
             (dy, x, p), gram_bytes, reduce=True)
   run('block_gram', lambda dy, x, p: fr.block_gram(dy, x, block_size=b, b_src=p, **kw),
       (dy, x, p), gram_bytes, ref, reduce=True)

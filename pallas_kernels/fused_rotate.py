@@ -23,8 +23,7 @@ global load on Hopper, :mod:`pallas_kernels.permute` says why):
 * :func:`block_gram` ``dG_k = A_k^T B_k`` (float32), the generators' gradient,
   either operand optionally read through an index: program (split s, block k,
   row tile i, column tile j) sums a (C, Q) tile over its split's token
-  tiles; XLA sums the S partials, as in
-  :func:`pallas_kernels.block_rotate.block_gram`.
+  tiles; XLA sums the S partials (as :mod:`pallas_kernels.block_rotate`).
 
 Every tail is masked: rows >= T are neither read (loads give 0) nor written,
 and columns >= N of the ragged last block read as 0 (the zero padding of
@@ -33,8 +32,17 @@ a block are tiled in the grid (B / C programs per block and token tile; the
 x tile is then re-read, from L2: the programs of one token tile are adjacent
 in the one-dimensional launch grid, so they run together). G is cast to x's
 dtype and the products accumulate in float32 (``pltriton.dot``); results are
-rounded to x's dtype once. float32 inputs multiply at HIGHEST precision (the
-kernels are meant for 16-bit activations; XLA stays the float32 path).
+rounded to x's dtype once. float32 inputs multiply at HIGHEST precision
+(XLA stays the float32 path).
+
+Measured on the H200 (BENCHMARKS.md) they are 2.4-5x slower than XLA's
+gather and block product at every layer width of the 130M-8B models: each
+gathered bf16 element costs its own 32-byte sector from L2 (a sector's 16
+columns fall in different blocks, whose programs run on different SMs, so
+L1 cannot reuse it), while XLA's gather reads a row within one thread block
+and reuses its sectors from L1. A gather at the copy rate needs the row
+panel in shared memory, gathered per lane, which neither Pallas lowering
+expresses. So ``FASTER`` is empty: ``'auto'`` runs XLA, ``'fused'`` these.
 
 The differentiable entry points mirror ``poetx_jax.ops`` exactly:
 :func:`permute_rotate` is ``rotate_features(permute(x, perm), g)`` (a layer's
@@ -55,17 +63,15 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from poetx_jax import ops
 
 Array = jax.Array
-
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 MIN_B, MAX_B = 16, 512
 TARGET_PROGRAMS = 264  # block_gram's splits: about two waves of an H200's 132 SMs
 # (N, B) of the layer sides where experiments/bench_fused.py measured the
 # fused kernels faster than XLA's gather and block products on the H200,
 # forward and backward together: where implementation='auto' runs them
-# (pallas_kernels.fused_kernels). Empty until measured.
+# (pallas_kernels.fused_kernels). Measured: none (BENCHMARKS.md).
 FASTER: frozenset[tuple[int, int]] = frozenset()
 
 
@@ -85,8 +91,8 @@ class Config:
   element in registers: compiled for sm_90 by Triton 3.6 at B = 256 the
   defaults take 165 (products) and 217 (block_gram) registers a thread
   without spills, where a (128, 128) gram tile at 4 warps spilled. M >= 64
-  lets Triton use Hopper's wgmma (M = 32 fell back to mma). Not yet timed on
-  the H200 (experiments/bench_fused.py sweeps variants).
+  lets Triton use Hopper's wgmma (M = 32 fell back to mma). On the H200
+  C = 256 at 8 warps is the fastest product variant swept (1.5x these).
 
   Attrs:
     tile_m: M, token rows per program (gather_rotate, rotate_scatter) and
@@ -441,24 +447,3 @@ def rotate_unpermute(w_TxN: Array, g_KxBxB: Array, dst_N: Array, *,
 
 
 # -------------------------------------------------------------- references
-def permute_rotate_reference(x_TxN, perm_N, g_KxBxB, precision=None):
-  """:func:`permute_rotate` in plain jnp (ops' gather and block products)."""
-  return ops.rotate_features(ops.permute(x_TxN, perm_N), g_KxBxB, precision=precision)
-
-
-def rotate_unpermute_reference(w_TxN, g_KxBxB, dst_N, precision=None):
-  """:func:`rotate_unpermute` in plain jnp."""
-  return ops.unpermute(ops.rotate_features(w_TxN, g_KxBxB, precision=precision), dst_N)
-
-
-def block_gram_reference(a_TxN, b_TxN, block_size, a_src=None, b_src=None):
-  """:func:`block_gram` as an einsum on the gathered, zero-padded operands."""
-  n = a_TxN.shape[-1]
-  k = -(-n // block_size)
-
-  def blocks(v, src):
-    v = v if src is None else v[:, src]
-    return ops.pad_features(v, k * block_size).reshape(-1, k, block_size)
-  return jnp.einsum('tki,tkj->kij', blocks(a_TxN, a_src), blocks(b_TxN, b_src),
-                    preferred_element_type=jnp.float32,
-                    precision=jax.lax.Precision.HIGHEST)

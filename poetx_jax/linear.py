@@ -92,6 +92,37 @@ def implementation_for(name: str, block_size: int) -> ops.Implementation | None:
   return ops.Implementation(**pallas_kernels.layer_kernels(block_size))
 
 
+def _check_arguments(in_features, out_features, block_size, mode, form, implementation, dtype,
+                     terms, max_generator_norm, quantize):
+  """POETLinear's argument checks: each error names the value and what is valid."""
+  for name, d in (('in_features', in_features), ('out_features', out_features)):
+    if not isinstance(d, int) or d < 1:
+      raise ValueError(f'{name} must be a positive int, got {d!r}')
+  ops.check_block_size(block_size, in_features, out_features)
+  if mode not in MODES:
+    raise ValueError(f'mode must be one of {MODES}, got {mode!r}')
+  if form not in ops.FORMS:
+    raise ValueError(f'form must be one of {ops.FORMS}, got {form!r}')
+  implementation_for(implementation, block_size)  # validates
+  if (implementation == 'pallas' and mode == 'mem' and jax.default_backend() != 'gpu'
+      and dtype is not None and jnp.dtype(dtype).itemsize == 2):
+    raise ValueError(  # 16-bit: the kernels run (float32 falls back to XLA)
+        f"implementation='pallas' with mode='mem' needs a GPU: on the "
+        f"{jax.default_backend()!r} backend the kernels run in an interpreter whose "
+        f"callbacks jax.checkpoint cannot recompute; use mode='fast' or "
+        f"implementation='xla' here")
+  if not isinstance(terms, int) or terms < 1:
+    raise ValueError(f'terms must be an int >= 1, got {terms!r}')
+  if max_generator_norm is not None and not (
+      isinstance(max_generator_norm, (int, float)) and not isinstance(max_generator_norm, bool)
+      and 0 < max_generator_norm < 1):
+    raise ValueError(f'max_generator_norm must be None or a number in (0, 1) (the series '
+                     f'converges for norms below 1), got {max_generator_norm!r}')
+  if quantize is not None and quantize not in ops.QUANT_BITS:
+    raise ValueError(f'quantize must be None or one of {tuple(ops.QUANT_BITS)}, '
+                     f'got {quantize!r}')
+
+
 class POETLinear(nnx.Module):
   """A linear layer whose weight is ``W = R W0 P`` with W0 frozen.
 
@@ -182,33 +213,8 @@ class POETLinear(nnx.Module):
       bias_init: tp.Callable = initializers.zeros_init(),
       rngs: nnx.Rngs,
   ):
-    for name, d in (('in_features', in_features), ('out_features', out_features)):
-      if not isinstance(d, int) or d < 1:
-        raise ValueError(f'{name} must be a positive int, got {d!r}')
-    ops.check_block_size(block_size, in_features, out_features)
-    if mode not in MODES:
-      raise ValueError(f'mode must be one of {MODES}, got {mode!r}')
-    if form not in ops.FORMS:
-      raise ValueError(f'form must be one of {ops.FORMS}, got {form!r}')
-    implementation_for(implementation, block_size)  # validates
-    if (implementation == 'pallas' and mode == 'mem' and jax.default_backend() != 'gpu'
-        and dtype is not None and jnp.dtype(dtype).itemsize == 2):
-      raise ValueError(  # 16-bit: the kernels run (float32 falls back to XLA)
-          f"implementation='pallas' with mode='mem' needs a GPU: on the "
-          f"{jax.default_backend()!r} backend the kernels run in an interpreter whose "
-          f"callbacks jax.checkpoint cannot recompute; use mode='fast' or "
-          f"implementation='xla' here")
-    if not isinstance(terms, int) or terms < 1:
-      raise ValueError(f'terms must be an int >= 1, got {terms!r}')
-    if max_generator_norm is not None and not (
-        isinstance(max_generator_norm, (int, float)) and not isinstance(max_generator_norm, bool)
-        and 0 < max_generator_norm < 1):
-      raise ValueError(f'max_generator_norm must be None or a number in (0, 1) (the series '
-                       f'converges for norms below 1), got {max_generator_norm!r}')
-    if quantize is not None and quantize not in ops.QUANT_BITS:
-      raise ValueError(f'quantize must be None or one of {tuple(ops.QUANT_BITS)}, '
-                       f'got {quantize!r}')
-
+    _check_arguments(in_features, out_features, block_size, mode, form, implementation,
+                     dtype, terms, max_generator_norm, quantize)
     kernel = kernel_init(rngs.params(), (in_features, out_features), param_dtype)
     if kernel.shape != (in_features, out_features):
       raise ValueError(f'kernel_init gave shape {kernel.shape}, expected '

@@ -258,6 +258,15 @@ def _poet_layer(x, kernel, scale, q_in, q_out, perm_in, perm_out, blocks, invers
                            cn_precision, sides)
 
 
+def _check_poet_inputs(x_TxI, i, output_dst, permute_output):
+  if x_TxI.ndim < 1 or x_TxI.shape[-1] != i:
+    raise ValueError(f'the inputs have shape {tuple(x_TxI.shape)}: their last axis must '
+                     f'hold the layer\'s {i} input features, it holds '
+                     f'{x_TxI.shape[-1] if x_TxI.ndim else "none"}')
+  if output_dst is not None and not permute_output:
+    raise ValueError('output_dst places the permuted output: it needs permute_output=True')
+
+
 def poet_linear(x_TxI: Array, kernel_IxO: Array, q_in_KxP: Array, q_out_KxP: Array,
                 perm_in_I: Array, perm_out_O: Array, *, block_size: int,
                 terms: int = DEFAULT_TERMS, remat: bool = False,
@@ -322,15 +331,10 @@ def poet_linear(x_TxI: Array, kernel_IxO: Array, q_in_KxP: Array, q_out_KxP: Arr
 
   Raises:
     ValueError: ``x_TxI``'s last axis is not I (the length of ``perm_in_I``),
-      or ``form`` is unknown.
+      ``form`` is unknown, or ``output_dst`` is given without ``permute_output``.
   """
   i = perm_in_I.shape[-1]
-  if x_TxI.ndim < 1 or x_TxI.shape[-1] != i:
-    raise ValueError(f'the inputs have shape {tuple(x_TxI.shape)}: their last axis must '
-                     f'hold the layer\'s {i} input features, it holds '
-                     f'{x_TxI.shape[-1] if x_TxI.ndim else "none"}')
-  if output_dst is not None and not permute_output:
-    raise ValueError('output_dst places the permuted output: it needs permute_output=True')
+  _check_poet_inputs(x_TxI, i, output_dst, permute_output)
   form = resolve_form(form, x_TxI.shape, i, perm_out_O.shape[-1], block_size)
   layer = functools.partial(
       _poet_layer, block_size=block_size, terms=terms, form=form, precision=precision,

@@ -41,6 +41,9 @@ def test_skewadam_option_conflicts_are_named(options, match):
     ('mode', 'slow', r"mode must be one of \('fast', 'mem'\), got 'slow'"),
     ('quantize', 'fp8', r"quantize must be None or one of \('int8', 'int4'\), got 'fp8'"),
     ('steps', True, 'steps must be an int >= 1, got True'),
+    # jax.random.key takes an int64 and the permutations use seed + 1
+    ('seed', 2 ** 63, r'seed must be an int in \[0, 9223372036854775806\], got 9223372036854775808'),
+    ('seed', -1, r'seed must be an int in \[0, 9223372036854775806\], got -1'),
     ('tracking', ['mlflow'], r"tracking must be a list of \('tensorboard', 'wandb'\)"),
     ('tracking', 'wandb', r"tracking must be a list of .*, got 'wandb'"),
     ('profile_steps', '5', "profile_steps must be A:B, .* got '5'"),

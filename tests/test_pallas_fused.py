@@ -20,6 +20,7 @@ from conftest import rel_err
 from poetx_jax import ops
 
 fr = pytest.importorskip('pallas_kernels.fused_rotate')
+fref = pytest.importorskip('pallas_kernels.fused_reference')
 
 INTERPRET = jax.default_backend() != 'gpu'
 HIGHEST = jax.lax.Precision.HIGHEST
@@ -86,7 +87,7 @@ def test_block_gram_matches_reference(keys, t, n, b, dtype, config, which):
   b_src = q if which in ('b', 'both') else None
   dg = fr.block_gram(a, bb, block_size=b, a_src=a_src, b_src=b_src, config=config,
                      interpret=INTERPRET)
-  want = fr.block_gram_reference(_f32(a), _f32(bb), b, a_src, b_src)
+  want = fref.block_gram_reference(_f32(a), _f32(bb), b, a_src, b_src)
   assert dg.shape == (-(-n // b), b, b) and dg.dtype == jnp.float32
   _close(dg, want, jnp.float32)  # 16-bit products are exact in float32
   r = n - (n // b) * b
@@ -148,9 +149,9 @@ def test_entry_points_jit_and_match_the_references(keys):
   module's jnp references run in bf16 (the same roundings)."""
   x, g, p = _inputs(keys, 40, 48, 32, jnp.bfloat16)
   f = jax.jit(functools.partial(fr.permute_rotate, interpret=INTERPRET))
-  _close(f(x, p, g), fr.permute_rotate_reference(x, p, g), jnp.bfloat16)
+  _close(f(x, p, g), fref.permute_rotate_reference(x, p, g), jnp.bfloat16)
   f = jax.jit(functools.partial(fr.rotate_unpermute, interpret=INTERPRET))
-  _close(f(x, g, p), fr.rotate_unpermute_reference(x, g, p), jnp.bfloat16)
+  _close(f(x, g, p), fref.rotate_unpermute_reference(x, g, p), jnp.bfloat16)
 
 
 @pytest.mark.parametrize('kwargs, match', [

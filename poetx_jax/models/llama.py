@@ -124,9 +124,8 @@ class LlamaConfig:
     return self.hidden // self.heads
 
   def count_params(self, mlp_params: int) -> int:
-    """Parameters of the model whose MLP holds ``mlp_params`` per layer:
-    embedding (once when tied), attention, two norms a layer, the final
-    norm and the head."""
+    """Parameters with ``mlp_params`` of MLP a layer: embedding (once when
+    tied), attention, two norms a layer, the final norm, the head."""
     h, kv = self.hidden, self.kv_heads * self.head_dim
     per_layer = 2 * h * h + 2 * h * kv + 2 * h + mlp_params
     head = 0 if self.tie_embeddings else h * self.vocab_size
@@ -147,9 +146,8 @@ class LlamaConfig:
 
   @property
   def rows_independent(self) -> bool:
-    """Whether each row of a batch is computed on its own, so that a batch
-    may be split across devices and the per-device results combined (a
-    routed model couples its rows: capacity and auxiliary losses are per batch)."""
+    """Whether each row of a batch is computed on its own, so that a batch may
+    be split across devices (a routed model's capacity and losses couple them)."""
     return True
 
   def build(self, **kwargs) -> Llama:
@@ -283,8 +281,7 @@ class MLP(nnx.Module):
     return self(x), {}
 
   def permutation_ties(self) -> list[list]:
-    """gate and up share their input; down's input is their elementwise
-    product (:mod:`poetx_jax.ties`)."""
+    """gate and up share their input; down's input is their product (:mod:`poetx_jax.ties`)."""
     return [[(self.gate_proj, 'in'), (self.up_proj, 'in')],
             [(self.gate_proj, 'out'), (self.up_proj, 'out'), (self.down_proj, 'in')]]
 
@@ -292,9 +289,8 @@ class MLP(nnx.Module):
 class DecoderLayer(nnx.Module):
   """Pre-norm residual block: attention, then MLP (an ``mlp_class``, whose
   ``forward(x)`` gives ``(y, stats)``); ``layer(x, positions) -> (x, stats)``,
-  stats the layer's contribution to the model's auxiliary outputs (a dense
-  MLP's: ``{}``). The POET projections of the whole layer share one batched
-  Cayley–Neumann series (:func:`poetx_jax.batched_series`)."""
+  stats its part of the model's auxiliary outputs. Its POET projections share
+  one batched Cayley–Neumann series (:func:`poetx_jax.batched_series`)."""
 
   mlp_class: tp.ClassVar[type] = MLP
 

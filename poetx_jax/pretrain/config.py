@@ -176,7 +176,9 @@ class TrainConfig:
                        choices=('auto',) + DTYPES)
   param_dtype: str = _option('float32', 'dtype of the weights (POET generators are always '
                              'float32)', choices=DTYPES)
-  seed: int = _option(0, 'seed of model, permutations and data order', min=0)
+  # jax.random.key takes an int64; the permutations use seed + 1.
+  seed: int = _option(0, 'seed of model, permutations and data order', min=0,
+                      max=2 ** 63 - 2)
   val_fraction: float = _option(0.05, 'share of tokens held out for validation', gt=0, lt=1)
   eval_every: int = _count(100, 'validate every N micro-steps')
   eval_batches: int = _count(20, 'validation batches per evaluation')
