@@ -229,12 +229,15 @@ def test_train_on_a_prepared_dataset_records_its_vocabulary(prepared, tmp_path, 
   line = _one_line_error(capsys, 'train')
   assert '--vocab-size 4096' in line and '300' in line
 
-  def stop(*a, **k):  # run.json is written by now
+  seen = {}
+
+  def stop(*a, **k):  # run.json is written by now (and removed with the refusal)
+    seen.update(json.loads((tmp_path / 'run' / 'run.json').read_text()))
     raise ValueError('stopped before reading the data')
 
   monkeypatch.setattr(loading, 'run_data', stop)
   assert _train(tmp_path, [str(prepared)]) == 2  # vocab_size left at its default, 4096
-  assert json.loads((tmp_path / 'run' / 'run.json').read_text())['vocab_size'] == 300
+  assert seen['vocab_size'] == 300 and not (tmp_path / 'run').exists()
 
 
 def test_an_unfinished_prepare_is_named_with_how_to_finish_it(prepared, tmp_path, capsys):
@@ -326,3 +329,19 @@ def test_a_stopped_prepare_leaves_no_process_behind(prepared, big_sources, tmp_p
       proc.kill()
     proc.wait()
     proc.stderr.close()
+
+
+@pytest.mark.parametrize('existing', [False, True])
+def test_a_refused_fresh_run_writes_nothing(tmp_path, capsys, existing):
+  """A fresh run refused after its directory is opened (a missing --data)
+  leaves the file system as it found it: no run directory, or the given
+  one as it was."""
+  out = tmp_path / 'runs' / 'r'
+  if existing:
+    out.mkdir(parents=True)
+    (out / 'notes.txt').write_text('mine')
+  before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob('*'))
+  assert cli.main(['train', '--data', str(tmp_path / 'missing.txt'), '--out-dir', str(out),
+                   '--steps', '2']) == 2
+  assert 'missing.txt' in capsys.readouterr().err
+  assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob('*')) == before

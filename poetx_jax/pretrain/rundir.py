@@ -215,13 +215,42 @@ def _make_dir(out: pathlib.Path) -> None:
                      f'{e.strerror or e}') from e
 
 
+def _first_missing(path: pathlib.Path) -> pathlib.Path | None:
+  """The outermost of ``path`` and its parents that does not exist, or None."""
+  missing = None
+  for p in (path, *path.parents):
+    if p.exists():
+      break
+    missing = p
+  return missing
+
+
+def _discard(out: pathlib.Path, created: pathlib.Path | None, before: set[str]) -> None:
+  """Removes what a refused fresh run wrote: the directories it created, or
+  the entries of ``out`` that were not there before."""
+  if created is not None:
+    shutil.rmtree(created, ignore_errors=True)
+    return
+  for entry in out.iterdir() if out.is_dir() else ():
+    if entry.name not in before:
+      if entry.is_dir() and not entry.is_symlink():
+        shutil.rmtree(entry, ignore_errors=True)
+      else:
+        entry.unlink(missing_ok=True)
+
+
 @contextlib.contextmanager
-def open_run(cfg: TrainConfig, *, resume: bool, log=print) -> tp.Iterator[pathlib.Path]:
+def open_run(cfg: TrainConfig, *, resume: bool,
+             log=print) -> tp.Iterator[tuple[pathlib.Path, tp.Callable[[], None]]]:
   """The run directory ``cfg.out_dir``, created (or, resuming, checked) and
   locked for this process (``train.lock``); unlocked on leaving, however that
-  happens. A new run's ``run.json`` is written here; a resumed run's is
-  rewritten by :func:`write_config` only once it is set up (its corpus and
-  checkpoint accepted), so that a refused ``--resume`` leaves the run as it was.
+  happens. Gives ``(out, set_up)``: a new run's ``run.json`` is written
+  here, and until the caller calls ``set_up()`` (the run's data, model and
+  state accepted) a failure removes everything the run wrote, so that a
+  refused run leaves the file system as it found it. A resumed run's
+  ``run.json`` is rewritten by :func:`write_config` only once it is set up
+  (its corpus and checkpoint accepted), so that a refused ``--resume``
+  leaves the run as it was.
 
   Raises:
     CheckpointError: resuming without a ``run.json`` (nothing is created) or
@@ -234,6 +263,21 @@ def open_run(cfg: TrainConfig, *, resume: bool, log=print) -> tp.Iterator[pathli
   run_file = out / RUN_FILE
   if resume:
     _check_resumable(run_file, cfg)
+  created = _first_missing(out)
+  before = {e.name for e in out.iterdir()} if out.is_dir() else set()
+  state = {'set_up': resume}
+  try:
+    with _locked_run(out, cfg, resume, log) as opened:
+      yield opened, lambda: state.update(set_up=True)
+  except BaseException:
+    if not state['set_up'] and processes.is_primary():
+      _discard(out, created, before)
+    raise
+
+
+@contextlib.contextmanager
+def _locked_run(out: pathlib.Path, cfg: TrainConfig, resume: bool,
+                log) -> tp.Iterator[pathlib.Path]:
   # One lock per run: the first process takes it and writes for all (the
   # processes of a multi-process run share the directory).
   with contextlib.ExitStack() as held:

@@ -198,12 +198,13 @@ def train(cfg: TrainConfig, *, resume: bool = False, step: int | None = None, lo
   cfg = finish_options(cfg, resume=resume, device_count=jax.device_count())
   primary = processes.is_primary()  # of several processes, the first reports
   log = log if primary else (lambda *_: None)
-  with rundir.open_run(cfg, resume=resume, log=log) as out:
+  with rundir.open_run(cfg, resume=resume, log=log) as (out, accepted):
     try:
       run = set_up(cfg, out, resume=resume, step=step, log=log)
       # With the plan; resumed, only now: a refused --resume leaves run.json as it was.
       rundir.write_config(out, cfg, run.plan)
       run.hooks = loop_hooks(run, hooks, log)
+      accepted()  # from here a failure keeps what the run wrote
       if run.step == 0:
         _start(run, log)
     except SystemExit as e:  # SIGTERM before the loop (rundir.RunLock): no save
