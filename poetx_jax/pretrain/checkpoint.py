@@ -6,7 +6,7 @@ state and step), ``data`` (the data iterator's state, JSON) and ``meta`` (JSON:
 the run's configuration and anything else the caller wants back).
 
 Each step also holds ``digests.json``, the sha256 of every file of its items
-(digests.py), written as the save commits and checked before the step is
+(files.py), written as the save commits and checked before the step is
 read. A restore that fails is diagnosed: a step with an item missing or
 unreadable (a missing manifest, an empty JSON item, a truncated array file)
 or a file whose bytes changed since it was saved raises
@@ -29,7 +29,8 @@ import orbax.checkpoint as ocp
 from etils import epath
 from flax import nnx
 
-from poetx_jax.pretrain import digests, processes
+from poetx_jax.pretrain import processes
+from poetx_jax.pretrain.files import check_digests, write_digests
 
 JSON_ITEMS = ('meta', 'data')
 ITEMS = ('model', 'opt', *JSON_ITEMS)
@@ -169,7 +170,7 @@ class Checkpointer:
         meta=ocp.args.JsonSave(meta)), force=True)
     if not self._async:  # committed already: digests beside it
       processes.on_primary('writing the checkpoint digests',
-                           lambda: digests.write(self.directory / str(step), ITEMS))
+                           lambda: write_digests(self.directory / str(step), ITEMS))
 
   def _write_digests(self) -> None:
     """Hashes the step being saved, once written and before orbax commits it
@@ -181,7 +182,7 @@ class Checkpointer:
     if not where.is_dir():
       raise CheckpointError(f'cannot find the folder of checkpoint step {step} being saved '
                             f'in {self.directory} to hash it (found {pending})')
-    digests.write(where, ITEMS)
+    write_digests(where, ITEMS)
 
   def read_meta(self, step: int | None = None) -> tuple[int, dict]:
     """(step, meta) of a checkpoint without touching any array."""
@@ -290,7 +291,7 @@ class Checkpointer:
   def _check_digests(self, step: int, items: tuple[str, ...]) -> None:
     """Raises DamagedCheckpoint unless the files of ``items`` of ``step`` are
     those saved (the first process reads and hashes them, for all)."""
-    why = digests.check(self.directory / str(step), items) if processes.is_primary() else None
+    why = check_digests(self.directory / str(step), items) if processes.is_primary() else None
     if processes.agree_max(why is not None):
       raise self._damaged(step, why or 'its files differ from those saved (the first '
                                        'process says which)')
