@@ -11,6 +11,23 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+# The suite compiles thousands of tiny programs and runs each a few times: on
+# CPUs, LLVM's optimisations cost more than they save (about a third of a
+# compile). Set before jax starts a backend; subprocesses inherit it (with
+# host_devices for those that need a device count).
+if not os.path.exists('/dev/nvidiactl') and (
+    'xla_backend_optimization_level' not in os.environ.get('XLA_FLAGS', '')):
+  os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '')
+                             + ' --xla_backend_optimization_level=0').strip()
+
+
+def host_devices(n: int) -> str:
+  """XLA_FLAGS for a subprocess with ``n`` CPU devices (and the suite's own)."""
+  kept = [f for f in os.environ.get('XLA_FLAGS', '').split()
+          if not f.startswith('--xla_force_host_platform_device_count')]
+  return ' '.join([*kept, f'--xla_force_host_platform_device_count={n}'])
+
+
 # The tests compare float32 results to the last few digits. On GPUs XLA's
 # default float32 matmul precision is TF32 (~1e-3 relative); ask for full
 # float32 there, as the CPU always gives. (Kernels choose their own precision;
@@ -114,7 +131,12 @@ def _compilation_cache(tmp_path_factory):
   in the subprocesses tests start: every run builds its own jitted step, so
   without it the same programs compile again in each test (same programs,
   same numbers)."""
-  options = {'jax_compilation_cache_dir': str(tmp_path_factory.mktemp('jit-cache')),
+  # Under pytest-xdist the workers' base directories share a parent: one
+  # cache for all of them (entries are written whole; same key, same program).
+  shared = tmp_path_factory.getbasetemp()
+  shared = shared.parent if os.environ.get('PYTEST_XDIST_WORKER') else shared
+  (shared / 'jit-cache').mkdir(exist_ok=True)
+  options = {'jax_compilation_cache_dir': str(shared / 'jit-cache'),
              'jax_persistent_cache_min_compile_time_secs': 0,
              'jax_persistent_cache_min_entry_size_bytes': 0}
   saved = {k: getattr(jax.config, k) for k in options}

@@ -212,6 +212,7 @@ def test_an_exported_poet_run_starts_a_new_run_with_the_same_function(run, tmp_p
 
   def refused(*options):
     assert cli.main([*base, *options, '--out-dir', str(tmp_path / 'refused')]) == 2
+    assert not (tmp_path / 'refused').exists()  # a refused run writes nothing
     return _one_line_error(capsys, 'train')
 
   assert (f'--model-overrides sets hidden=64, {exp}/config.json gives 32'
@@ -225,6 +226,12 @@ def test_an_exported_poet_run_starts_a_new_run_with_the_same_function(run, tmp_p
   hf_config = _json(exp / 'config.json')
   (exp / 'config.json').write_text(json.dumps({**hf_config, 'intermediate_size': 96}))
   assert 'model.layers.0.mlp.gate_proj.weight has shape (64, 32)' in refused()
+  (exp / 'config.json').write_text(json.dumps(hf_config))
+  weights = exp / 'model.safetensors'
+  raw = weights.read_bytes()
+  for damaged in (raw[:20] + bytes([raw[20] ^ 0xFF]) + raw[21:], raw[:len(raw) // 2]):
+    weights.write_bytes(damaged)  # a flipped header byte; a file cut short
+    assert f'{weights} is not a readable safetensors file' in refused()
 
 
 def _proto(*fields):
@@ -322,6 +329,19 @@ def test_plot_prints_the_path_written_and_refuses_runs_without_losses(run, tmp_p
     err = _one_line_error(capsys, 'plot')
     assert f'nothing to plot for run {bad}' in err
   assert not (tmp_path / 'bad.png').exists()
+
+
+def test_plot_tells_runs_of_the_same_folder_name_apart(run, tmp_path, monkeypatch):
+  import matplotlib.axes  # pylint: disable=g-import-not-at-top
+  labels = []
+  monkeypatch.setattr(matplotlib.axes.Axes, 'plot',
+                      lambda self, *a, label=None, **k: labels.append(label))
+  for where in ('sweep-a', 'sweep-b'):
+    (tmp_path / where / 'poetx').mkdir(parents=True)
+    shutil.copyfile(run / 'metrics.jsonl', tmp_path / where / 'poetx' / 'metrics.jsonl')
+  assert cli.main(['plot', str(tmp_path / 'sweep-a' / 'poetx'), str(tmp_path / 'sweep-b' / 'poetx'),
+                   str(run), '--out', str(tmp_path / 'p.png')]) == 0
+  assert labels[::2] == ['sweep-a/poetx', 'sweep-b/poetx', run.name]  # loss, then val_ppl
 
 
 @pytest.mark.parametrize('command', ['eval', 'export', 'plot'])

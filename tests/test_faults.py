@@ -145,9 +145,14 @@ def test_kill_9_anywhere_then_resume_equals_the_uninterrupted_run(tmp_path, corp
     assert (pathlib.Path(cfg.out_dir) / 'train.lock').exists()  # nobody removed it
     if resume:
       assert 'taking over the stale lock' in proc.stdout
+    if event == 'merged':  # resumed after the kill that struck the save of step 8
+      assert ('resumed from step 4, its newest whole checkpoint: the run had reached step 8, '
+              'so steps 5-8 are trained again; the save of step 8 had not finished'
+              in proc.stdout), proc.stdout
   messages = []
   train_lib.train(cfg, resume=True, log=messages.append)
   assert any('taking over the stale lock' in m and 'is not running' in m for m in messages)
+  assert 'resumed from step 8' in messages  # step 9 was killed before its loss was logged
   assert not (pathlib.Path(cfg.out_dir) / 'train.lock').exists()
   _assert_same_run(cfg, reference)
 

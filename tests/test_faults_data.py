@@ -235,8 +235,18 @@ def test_train_on_a_prepared_dataset_records_its_vocabulary(prepared, tmp_path, 
     seen.update(json.loads((tmp_path / 'run' / 'run.json').read_text()))
     raise ValueError('stopped before reading the data')
 
+  # The prepared dataset as --val-data: its tokenizer reads the text --data too.
+  text = str(prepared.parent / 'src')
+  assert _train(tmp_path, [text], '--val-data', str(prepared), '--vocab-size', '512') == 2
+  line = _one_line_error(capsys, 'train')
+  assert f'--vocab-size 512 disagrees with the prepared dataset {prepared}' in line
+  assert not (tmp_path / 'run').exists()
+
   monkeypatch.setattr(loading, 'run_data', stop)
   assert _train(tmp_path, [str(prepared)]) == 2  # vocab_size left at its default, 4096
+  assert seen['vocab_size'] == 300 and not (tmp_path / 'run').exists()
+  seen.clear()
+  assert _train(tmp_path, [text], '--val-data', str(prepared)) == 2
   assert seen['vocab_size'] == 300 and not (tmp_path / 'run').exists()
 
 
@@ -313,7 +323,13 @@ def test_a_stopped_prepare_leaves_no_process_behind(prepared, big_sources, tmp_p
       pytest.fail(f'prepare started {len(children)} processes: {children}')
     os.kill(proc.pid, sig)
     proc.wait(timeout=10)
-    assert proc.returncode in (-sig, 128 + sig), proc.stderr.read().decode()
+    err = proc.stderr.read().decode()
+    assert proc.returncode == (128 + sig if sig == signal.SIGTERM else -sig), err
+    if sig == signal.SIGTERM:  # says what stopped and what was kept, and nothing else
+      line = err.strip().splitlines()[-1]
+      assert line.startswith('poetx prepare: stopped by SIGTERM; ') and (
+          'the same command resumes from there' in line), err
+      assert 'leaked' not in err and 'Traceback' not in err, err
     deadline = time.monotonic() + 5
     while (alive := [p for p in children if _running(psutil, p)]) and (
         time.monotonic() < deadline):
@@ -331,17 +347,45 @@ def test_a_stopped_prepare_leaves_no_process_behind(prepared, big_sources, tmp_p
     proc.stderr.close()
 
 
+# Refusals of a fresh run, each found after the run directory is opened (the
+# data read, the model built, tracking started): the arguments and a piece of
+# the one-line error. SRC is a small corpus, TOK its prepared tokenizer.
+REFUSALS = {
+    'missing data': (['--data', '{tmp}/missing.txt'], 'missing.txt'),
+    'val-data trained on': (['--data', '{src}', '--val-data', '{src}/doc01.txt'],
+                            'is also trained on'),
+    'val-data a copy': (['--data', '{src}', '--val-data', '{tmp}/copy.txt'],
+                        'holds the same bytes as the training file'),
+    'a path twice': (['--data', '{src}/doc01.txt:1', '{src}/doc02.txt:1', '{src}/doc01.txt:2'],
+                     'names {src}/doc01.txt twice'),
+    'bad mixture weight': (['--data', '{src}:0', '{src}/doc01.txt:1'], 'weight'),
+    'seq-len too long': (['--data', '{src}', '--seq-len', '60000'], 'a window of 60001'),
+    'corpus too small': (['--data', '{tmp}/small.txt'], 'corpus too small'),
+    'unknown model field': (['--data', '{src}', '--model-overrides', 'colour=3'], 'colour'),
+    'wandb missing': (['--data', '{src}', '--tracking', 'wandb'], 'wandb'),
+}
+
+
 @pytest.mark.parametrize('existing', [False, True])
-def test_a_refused_fresh_run_writes_nothing(tmp_path, capsys, existing):
-  """A fresh run refused after its directory is opened (a missing --data)
-  leaves the file system as it found it: no run directory, or the given
-  one as it was."""
+@pytest.mark.parametrize('kind', sorted(REFUSALS))
+def test_a_refused_fresh_run_writes_nothing(prepared, tmp_path, capsys, monkeypatch, kind,
+                                           existing):
+  """A fresh run refused leaves the file system as it found it: no run
+  directory, or the given one as it was (the content-keyed token cache,
+  outside the tree compared, may keep what it gained)."""
+  monkeypatch.setitem(sys.modules, 'wandb', None)  # import wandb fails
+  args, says = REFUSALS[kind]
+  src = prepared.parent / 'src'
+  args = [a.format(tmp=tmp_path, src=src) for a in args]
+  (tmp_path / 'small.txt').write_text('a corpus of nine words, too few to split.')
+  shutil.copyfile(src / 'doc03.txt', tmp_path / 'copy.txt')
   out = tmp_path / 'runs' / 'r'
   if existing:
     out.mkdir(parents=True)
     (out / 'notes.txt').write_text('mine')
-  before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob('*'))
-  assert cli.main(['train', '--data', str(tmp_path / 'missing.txt'), '--out-dir', str(out),
-                   '--steps', '2']) == 2
-  assert 'missing.txt' in capsys.readouterr().err
-  assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob('*')) == before
+  tree = lambda: sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob('*'))
+  before = tree()
+  assert cli.main(['train', *TINY_ARGS, *args, '--tokenizer', str(prepared / 'tokenizer.json'),
+                   '--out-dir', str(out), '--cache-dir', str(tmp_path.parent / 'cache')]) == 2
+  assert says.format(src=src) in _one_line_error(capsys, 'train')
+  assert tree() == before

@@ -210,7 +210,17 @@ def test_step_errors_and_sigterm_during_start_up(tmp_path, corpus, capsys, monke
   with pytest.raises(SystemExit) as e:
     cli.main(['train', *args])
   assert e.value.code == 143
-  assert 'stopped by SIGTERM while starting, before any checkpoint' in capsys.readouterr().out
+  said = capsys.readouterr()
+  assert 'stopped by SIGTERM while starting, before any checkpoint' in said.out
+  assert said.err.strip() == 'poetx train: stopped by SIGTERM'
+  monkeypatch.undo()
+  monkeypatch.setattr(train_lib, 'finish_options', terminated)  # while the devices start
+  with pytest.raises(SystemExit) as e:
+    cli.main(['train', *args])
+  assert e.value.code == 143 and not run.exists()
+  said = capsys.readouterr()
+  assert 'before the run directory was opened: nothing was written' in said.out
+  assert said.err.strip() == 'poetx train: stopped by SIGTERM'
   monkeypatch.undo()
   assert cli.main(['train', '--resume', *args]) == 2
   err = _one_line_error(capsys)

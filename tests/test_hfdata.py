@@ -105,3 +105,34 @@ def test_jsonl_zst_files_read_as_jsonl(tmp_path):
   (tmp_path / 'b.json.zst').write_bytes(lines)  # not compressed
   with pytest.raises(ValueError, match=r'b\.json\.zst is not a zstd file'):
     data.read_documents([tmp_path / 'b.json.zst'])
+
+
+def test_a_cut_short_zst_file_is_refused_by_name(tmp_path, capsys):
+  zstandard = pytest.importorskip('zstandard')
+  lines = [(json.dumps({'text': d}) + '\n').encode() for d in DOCS]
+  buf = __import__('io').BytesIO()
+  writer = zstandard.ZstdCompressor().stream_writer(buf, closefd=False)
+  writer.write(b''.join(lines[:60]))
+  writer.flush(zstandard.FLUSH_BLOCK)
+  boundary = len(buf.getvalue())  # the first blocks, whole: 60 documents
+  writer.write(b''.join(lines[60:]))
+  writer.close()
+  whole = buf.getvalue()
+  (tmp_path / 'whole.jsonl.zst').write_bytes(whole)
+  (tmp_path / 'two.jsonl.zst').write_bytes(whole + whole)  # two frames read in turn
+  assert data.read_documents([tmp_path / 'whole.jsonl.zst']) == DOCS
+  assert data.read_documents([tmp_path / 'two.jsonl.zst']) == DOCS + DOCS
+  one_block = zstandard.ZstdCompressor().compress(b''.join(lines))
+  for name, content in [('at_block.jsonl.zst', whole[:boundary]),
+                        ('in_block.jsonl.zst', one_block[:len(one_block) // 2]),
+                        ('second.jsonl.zst', whole + whole[:boundary]),
+                        ('empty.jsonl.zst', b'')]:
+    (tmp_path / name).write_bytes(content)
+    with pytest.raises(ValueError, match=rf'{name.replace(".", r"\.")} is cut short'):
+      data.read_documents([tmp_path / name])
+    out = tmp_path / f'o_{name}'
+    assert cli.main(['prepare', str(tmp_path / name), '--out', str(out), '--vocab-size', '300',
+                     '--workers', '1']) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and 'is cut short' in err and name in err, err
+    assert not out.exists()

@@ -14,6 +14,7 @@ import time
 import numpy as np
 import pytest
 
+from conftest import host_devices
 from poetx_jax.pretrain.data import windows as data_lib
 from poetx_jax.pretrain.checkpoint import Checkpointer
 
@@ -99,7 +100,7 @@ def _free_port() -> int:
 
 def _poetx(args, devices, extra=()):
   env = {**os.environ, 'JAX_PLATFORMS': 'cpu', 'PYTHONUNBUFFERED': '1',
-         'XLA_FLAGS': f'--xla_force_host_platform_device_count={devices}'}
+         'XLA_FLAGS': host_devices(devices)}
   return subprocess.Popen([sys.executable, '-m', 'poetx_jax.pretrain.cli', 'train', *args,
                            *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                           text=True, env=env)

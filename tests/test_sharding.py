@@ -13,6 +13,7 @@ import sys
 import numpy as np
 import pytest
 
+from conftest import host_devices
 from poetx_jax import sharding
 
 HERE = pathlib.Path(__file__).resolve().parent
@@ -20,7 +21,7 @@ HERE = pathlib.Path(__file__).resolve().parent
 
 def _run(devices, *args):
   # PYTHONPATH: the check imports the poetx_jax of this checkout, installed or not.
-  env = dict(os.environ, XLA_FLAGS=f'--xla_force_host_platform_device_count={devices}',
+  env = dict(os.environ, XLA_FLAGS=host_devices(devices),
              JAX_PLATFORMS='cpu', PYTHONPATH=str(HERE.parent))
   proc = subprocess.run([sys.executable, str(HERE / 'sharded_check.py'), *map(str, args)],
                         capture_output=True, text=True, env=env, timeout=900)
@@ -116,7 +117,7 @@ def test_mesh_and_spec_rules():
 def test_poetx_train_on_8_devices(tmp_path, strategy, fsdp):
   corpus = tmp_path / 'c.txt'
   corpus.write_text(' '.join(f'word{i % 37} and more text' for i in range(3000)))
-  env = dict(os.environ, XLA_FLAGS='--xla_force_host_platform_device_count=8',
+  env = dict(os.environ, XLA_FLAGS=host_devices(8),
              JAX_PLATFORMS='cpu')
   cmd = [sys.executable, '-m', 'poetx_jax.pretrain.cli', 'train', '--model', 'tiny',
          '--model-overrides', 'layers=1,hidden=32,mlp=64,heads=2,kv_heads=1',
@@ -132,7 +133,7 @@ def test_poetx_train_on_8_devices(tmp_path, strategy, fsdp):
 
 def _train(devices, args):
   """``poetx train ARGS`` in a process with ``devices`` CPU devices (not waited for)."""
-  env = dict(os.environ, XLA_FLAGS=f'--xla_force_host_platform_device_count={devices}',
+  env = dict(os.environ, XLA_FLAGS=host_devices(devices),
              JAX_PLATFORMS='cpu')
   return subprocess.Popen([sys.executable, '-m', 'poetx_jax.pretrain.cli', 'train', *args],
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)

@@ -142,3 +142,21 @@ def test_a_missing_tracker_package_is_named(tmp_path, monkeypatch):
   monkeypatch.setitem(sys.modules, 'wandb', None)  # import wandb raises ImportError
   with pytest.raises(ImportError, match='--tracking wandb needs the wandb package'):
     tracking.open_tracker('wandb', tmp_path, TrainConfig())
+
+
+def test_a_resume_past_the_profile_windows_start_says_what_it_traces(tmp_path):
+  cfg = TrainConfig(steps=10, profile_steps='3:5')
+  said = []
+  t = tracking.Tracking(make_plan(cfg), tmp_path / 'past', resume_step=6, log=said.append)
+  assert not t.tracing and len(said) == 1
+  assert 'resumes after micro-step 6, past the window: no trace is written' in said[0]
+  t.close()
+  said.clear()
+  t = tracking.Tracking(make_plan(cfg), tmp_path / 'inside', resume_step=4, log=said.append)
+  assert t.tracing and 'the trace holds steps 5 to 5 only' in said[0]
+  t.close()
+  assert list((tmp_path / 'inside' / 'profile').rglob('*.xplane.pb'))
+  said.clear()
+  t = tracking.Tracking(make_plan(cfg), tmp_path / 'before', resume_step=2, log=said.append)
+  assert t.tracing and not said  # the whole window ahead: traced, nothing to say
+  t.close()

@@ -86,11 +86,9 @@ class Weights(collections.abc.Mapping):
   """
 
   def __init__(self, files: dict[str, pathlib.Path]):
-    from safetensors import safe_open  # pylint: disable=g-import-not-at-top
-    self._open = lambda path: safe_open(os.fspath(path), framework='numpy')
     self.files, self.shapes, self.dtypes = files, {}, {}
     for path in sorted(set(files.values())):
-      with self._open(path) as f:
+      with _open(path) as f:
         for name in f.keys():
           if files.get(name) == path:
             view = f.get_slice(name)
@@ -102,8 +100,8 @@ class Weights(collections.abc.Mapping):
                        f'them ({files[missing[0]].name})')
 
   def __getitem__(self, name: str) -> np.ndarray:
-    with self._open(self.files[name]) as f:
-      return f.get_tensor(name)
+    with _open(self.files[name]) as f:
+      return _read(self.files[name], lambda: f.get_tensor(name))
 
   def __iter__(self):
     return iter(self.files)
@@ -117,8 +115,9 @@ def read_weights(directory: str | os.PathLike) -> Weights:
   the shards its ``model.safetensors.index.json`` names.
 
   Raises:
-    ValueError: the directory holds neither, or an index names a missing
-      shard or a tensor its shard lacks.
+    ValueError: the directory holds neither, an index names a missing shard
+      or a tensor its shard lacks, or a file's header is damaged or the file
+      is cut short (named).
     ImportError: safetensors is not installed.
   """
   root = pathlib.Path(directory)
@@ -139,6 +138,22 @@ def read_weights(directory: str | os.PathLike) -> Weights:
 
 
 def _names(path: pathlib.Path) -> dict[str, pathlib.Path]:
-  from safetensors import safe_open  # pylint: disable=g-import-not-at-top
-  with safe_open(os.fspath(path), framework='numpy') as f:
+  with _open(path) as f:
     return {name: path for name in f.keys()}
+
+
+def _read(path: pathlib.Path, read: tp.Callable[[], tp.Any]) -> tp.Any:
+  """``read()``, a damaged file's error (a bad header, a file cut short) a
+  ValueError naming ``path``."""
+  from safetensors import SafetensorError  # pylint: disable=g-import-not-at-top
+  try:
+    return read()
+  except (SafetensorError, OSError) as e:
+    raise ValueError(f'{path} is not a readable safetensors file ({e}); it must be whole, '
+                     f'as save_pretrained or poetx export writes it') from None
+
+
+def _open(path: pathlib.Path):
+  """The safetensors file ``path`` opened for numpy (a context manager)."""
+  from safetensors import safe_open  # pylint: disable=g-import-not-at-top
+  return _read(path, lambda: safe_open(os.fspath(path), framework='numpy'))

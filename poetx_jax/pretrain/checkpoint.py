@@ -158,6 +158,12 @@ class Checkpointer:
   def all_steps(self) -> list[int]:
     return list(self._mgr.all_steps())
 
+  def unfinished_steps(self) -> list[int]:
+    """The steps whose save began and never committed (orbax's temporary
+    folders: a kill or crash struck while they were written)."""
+    found = {p.name.split('.', 1)[0] for p in self.directory.glob('*.orbax-checkpoint-tmp*')}
+    return sorted(int(s) for s in found if s.isdigit())
+
   def save(self, step: int, model, optimizer, *, data_state: dict,
            meta: dict) -> None:
     """Starts saving; returns once the arrays are copied off the devices."""
@@ -382,3 +388,28 @@ class Checkpointer:
 
   def __exit__(self, *exc: tp.Any) -> None:
     self.close()
+
+
+def resumed_message(step: int, total: int, reached: int, unfinished: list[int]) -> str:
+  """What a resume from checkpoint ``step`` of a ``total``-step run continues
+  from, and what it trains again: the steps up to ``reached`` (the last the
+  run logged) and why they were not saved (a save ``unfinished``, or none
+  begun).
+
+    >>> resumed_message(8, 20, 14, [12])[:60]
+    'resumed from step 8, its newest whole checkpoint: the run ha'
+  """
+  if step >= total:
+    return f'resumed from step {step}: the run is complete ({total} steps); raise --steps ' \
+           f'to extend it'
+  if reached <= step:
+    return f'resumed from step {step}'
+  struck = [s for s in unfinished if step < s <= reached]
+  why = (f'the save of step {struck[-1]} had not finished when the run stopped (a kill or '
+         f'crash struck while it was written)' if struck else
+         'the run stopped before its next checkpoint (a kill or crash: a SIGTERM or Ctrl-C '
+         'saves first)')
+  again = (f'step {reached} is' if reached == step + 1 else
+           f'steps {step + 1}-{reached} are')
+  return (f'resumed from step {step}, its newest whole checkpoint: the run had reached step '
+          f'{reached}, so {again} trained again; {why}')

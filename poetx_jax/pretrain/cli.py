@@ -13,10 +13,13 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import pathlib
+import signal
 import sys
+import threading
 
 from poetx_jax.pretrain.checkpoint import CheckpointError
 
@@ -152,6 +155,7 @@ def cmd_prepare(a) -> int:
     raise ValueError(f'--{"/--".join(k.replace("_", "-") for k in hf)} need --hf-dataset')
   if not a.inputs and a.hf_dataset is None:
     raise ValueError('prepare needs corpus files or directories, or --hf-dataset NAME')
+  a.kept = lambda: _prepare_kept(pathlib.Path(a.out))
   m = prepare.prepare(a.inputs, a.out, tokenizer=a.tokenizer, vocab_size=a.vocab_size,
                       text_field=a.text_field, workers=a.workers, hf_dataset=a.hf_dataset,
                       **hf, **extra)
@@ -163,6 +167,17 @@ def cmd_prepare(a) -> int:
            f'({", ".join(skipped[:3])}{", ..." if len(skipped) > 3 else ""}; the manifest '
            f'names them all)' if skipped else ''))
   return 0
+
+
+def _prepare_kept(out: pathlib.Path) -> str:
+  """What a stopped ``poetx prepare`` kept in ``out``, for its message."""
+  parts = len(list((out / 'parts').glob('0*.json'))) if (out / 'parts').is_dir() else 0
+  if (out / 'manifest.json').is_file():
+    return f': {out} was prepared already'
+  if not out.exists():
+    return ': nothing was written'
+  return (f'; {out} keeps {parts} tokenized part(s)' if parts else f'; {out} keeps no '
+          f'tokenized part yet') + ': the same command resumes from there'
 
 
 def _eval_batches(text: str) -> int | str | None:
@@ -327,6 +342,30 @@ def build_parser() -> argparse.ArgumentParser:
   return parser
 
 
+_SIGTERM_EXIT = 143  # 128 + SIGTERM, the shells' convention
+
+
+@contextlib.contextmanager
+def _sigterm_exits():
+  """SIGTERM, while a command runs in the main thread, raises
+  ``SystemExit(143)``: the command unwinds (a fresh run's directory removed,
+  locks released) instead of dying where it stands; the training loop and
+  ``prepare``'s worker pool put handlers of their own over it."""
+  if threading.current_thread() is not threading.main_thread():
+    yield
+    return
+
+  def exit_143(signum, frame):
+    del signum, frame
+    raise SystemExit(_SIGTERM_EXIT)
+
+  old = signal.signal(signal.SIGTERM, exit_143)
+  try:
+    yield
+  finally:
+    signal.signal(signal.SIGTERM, old)
+
+
 def main(argv=None) -> int:
   """Runs a ``poetx`` command; its exit status. A failure the user can act on
   is one line on stderr: exit 2 (bad option, data, run directory or
@@ -334,11 +373,17 @@ def main(argv=None) -> int:
   run directory is in use); 130 when interrupted."""
   a = build_parser().parse_args(argv)
   a.argv = sys.argv[1:] if argv is None else list(argv)
+  a.kept = lambda: ''  # what a command stopped by SIGTERM kept, for its message
   try:
-    return a.func(a)
+    with _sigterm_exits():
+      return a.func(a)
   except KeyboardInterrupt:
     print(f'poetx {a.command}: interrupted', file=sys.stderr)
     return 130
+  except SystemExit as e:
+    if e.code == _SIGTERM_EXIT:
+      print(f'poetx {a.command}: stopped by SIGTERM{a.kept()}', file=sys.stderr)
+    raise
   except Exception as e:  # pylint: disable=broad-except
     known = (ValueError, FileNotFoundError, CheckpointError, ImportError)
     code = getattr(e, 'exit_code', 2 if isinstance(e, known) else None)

@@ -22,6 +22,7 @@ import concurrent.futures
 import hashlib
 import json
 import os
+import shutil
 import tempfile
 import typing as tp
 from pathlib import Path
@@ -75,6 +76,48 @@ def atomic_write(path: str | os.PathLike, write: tp.Callable[[str], object]) -> 
     if os.path.exists(tmp):
       os.remove(tmp)
   return path
+
+
+def first_missing(path: str | os.PathLike) -> Path | None:
+  """The outermost of ``path`` and its parents that does not exist, or None."""
+  missing = None
+  for p in (Path(path).absolute(), *Path(path).absolute().parents):
+    if p.exists():
+      break
+    missing = p
+  return missing
+
+
+class Footprint:
+  """What a command may add to the directories ``paths``, noted before it
+  starts so that :meth:`undo` can take it back: the directories it creates,
+  or the entries it adds to one that exists.
+
+    footprint = Footprint([out, cache])
+    ...                      # the command fails before it is accepted
+    footprint.undo()         # out and cache as they were
+  """
+
+  def __init__(self, paths: tp.Iterable[str | os.PathLike]):
+    self._marks = []
+    for path in dict.fromkeys(Path(p).absolute() for p in paths):
+      created = first_missing(path)
+      before = {e.name for e in path.iterdir()} if created is None and path.is_dir() else set()
+      self._marks.append((path, created, before))
+
+  def undo(self) -> None:
+    """Removes the directories created since, and the entries added to those
+    that existed (a file replaced in place is not restored)."""
+    for path, created, before in self._marks:
+      if created is not None:
+        shutil.rmtree(created, ignore_errors=True)
+        continue
+      for entry in path.iterdir() if path.is_dir() else ():
+        if entry.name not in before:
+          if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry, ignore_errors=True)
+          else:
+            entry.unlink(missing_ok=True)
 
 
 def read_jsonl(path: str | os.PathLike, *, warn: tp.Callable[[str], object],

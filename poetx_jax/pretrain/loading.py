@@ -12,6 +12,7 @@ tokenizer) are read and written by :mod:`poetx_jax.pretrain.rundir`.
 
 from __future__ import annotations
 
+import functools
 import pathlib
 
 import jax
@@ -82,7 +83,16 @@ def load_data(cfg: TrainConfig, tokenizer: str | pathlib.Path | None = None
 
 
 def _check_apart(paths: list[str], val_paths: list[str]) -> None:
-  """ValueError if a ``--val-data`` path is (or is inside) a ``--data`` one."""
+  """ValueError if a path is named twice in ``--data`` (or in ``--val-data``),
+  or a ``--val-data`` path is (or is inside) a ``--data`` one, or one of its
+  corpus files has the content of a training file (a copy)."""
+  for group, flag in ((paths, '--data'), (val_paths, '--val-data')):
+    seen = {}
+    for p in group:
+      first = seen.setdefault(pathlib.Path(p).resolve(), p)
+      if first is not p:
+        raise ValueError(f'{flag} names {p} twice ({first}): name each path once (a '
+                         f'weight PATH:W sets how much of it a mixture draws)')
   train = [pathlib.Path(p).resolve() for p in paths]
   for v in val_paths:
     rv = pathlib.Path(v).resolve()
@@ -90,6 +100,25 @@ def _check_apart(paths: list[str], val_paths: list[str]) -> None:
       if rv == rp or rp in rv.parents:
         raise ValueError(f'--val-data {v} is also trained on (--data {p}): validate on '
                          f'text the run does not train on')
+  _check_no_copies(paths, val_paths)
+
+
+def _check_no_copies(paths: list[str], val_paths: list[str]) -> None:
+  """ValueError if a corpus file of ``val_paths`` has the bytes of one of
+  ``paths`` (files of equal size hashed, so a large corpus is not read)."""
+  text = lambda group: [p for p in group if p and not shards.is_prepared(p)]
+  val_files = data_lib.corpus_files(text(val_paths)) if text(val_paths) else []
+  sizes = {}
+  for f in val_files:
+    sizes.setdefault(f.stat().st_size, []).append(f)
+  if not sizes:
+    return
+  digest = functools.cache(tokenizer_lib.file_hash)
+  for t in data_lib.corpus_files(text(paths)) if text(paths) else []:
+    for v in sizes.get(t.stat().st_size, ()):
+      if digest(v) == digest(t):
+        raise ValueError(f'--val-data file {v} holds the same bytes as the training file '
+                         f'{t} (--data): validate on text the run does not train on')
 
 
 def _load_mixture(cfg: TrainConfig, groups: list[tuple[list[str], float]],

@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import pathlib
 import signal
 import sys
@@ -250,6 +251,31 @@ def image_path(out: str | pathlib.Path, formats) -> pathlib.Path:
   return out.with_name(out.name + '.png')
 
 
+def run_labels(runs: tp.Sequence[str | os.PathLike]) -> list[str]:
+  """Names that tell the runs apart: the shortest tail of their paths (the
+  folder's name where that is unique), a run given twice numbered.
+
+    >>> run_labels(['a/poetx', 'b/poetx', 'b/adamw'])
+    ['a/poetx', 'b/poetx', 'adamw']
+    >>> run_labels(['r', 'r'])
+    ['r', 'r (2)']
+  """
+  parts = [pathlib.Path(os.path.abspath(r)).parts for r in runs]
+  distinct, labels = set(parts), []
+  for p in parts:
+    for k in range(1, len(p) + 1):
+      tail = p[-k:]
+      if sum(q[-k:] == tail for q in distinct) == 1 or k == len(p):
+        labels.append(str(pathlib.PurePath(*tail)))
+        break
+  seen: dict[str, int] = {}
+  for i, label in enumerate(labels):
+    seen[label] = seen.get(label, 0) + 1
+    if seen[label] > 1:
+      labels[i] = f'{label} ({seen[label]})'
+  return labels
+
+
 def plot_runs(runs, out: str | pathlib.Path) -> pathlib.Path:
   """Training loss (left) and validation perplexity (right) against step.
 
@@ -276,7 +302,8 @@ def plot_runs(runs, out: str | pathlib.Path) -> pathlib.Path:
     if not tr:
       raise NothingToPlot(f'nothing to plot for run {run}: its metrics.jsonl has no '
                           f'training-loss record ({len(recs)} records)')
-    curves.append((pathlib.Path(run).name, tr, va))
+    curves.append((run, tr, va))
+  curves = [(label, tr, va) for label, (_, tr, va) in zip(run_labels(runs), curves)]
 
   import matplotlib  # pylint: disable=g-import-not-at-top
   matplotlib.use('Agg')

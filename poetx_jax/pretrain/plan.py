@@ -189,18 +189,27 @@ def default_out_dir(cfg: TrainConfig) -> str:
 
 
 def prepared_vocab_size(cfg: TrainConfig) -> int | None:
-  """The vocabulary of the first prepared dataset directory ``cfg.data``
-  names (its manifest's), or None where it names none (or its manifest is
-  unreadable, or the weights are bad: reading the data says why)."""
+  """The vocabulary of the prepared dataset whose tokenizer the run uses (the
+  first prepared directory ``cfg.data``, then ``cfg.val_data``, names: its
+  manifest's), or None."""
+  prepared = _first_prepared(cfg)
+  return None if prepared is None else prepared[1]
+
+
+def _first_prepared(cfg: TrainConfig) -> tuple[str, int] | None:
+  """(path, vocabulary) of the first prepared dataset directory of
+  ``cfg.data`` and then ``cfg.val_data``, or None where they name none (or its
+  manifest is unreadable, or the weights are bad: reading the data says why)."""
   try:
-    prepared = [p for p, _ in mixture.parse_data(cfg.data or ()) if shards.is_prepared(p)]
+    paths = [p for p, _ in mixture.parse_data([*(cfg.data or ()), *(cfg.val_data or ())])]
   except ValueError:
     return None
+  prepared = [p for p in paths if shards.is_prepared(p)]
   if not prepared:
     return None
   try:
-    return int(json.loads((pathlib.Path(prepared[0]) / shards.MANIFEST).read_text())
-               ['vocab_size'])
+    return prepared[0], int(json.loads((pathlib.Path(prepared[0]) / shards.MANIFEST)
+                                       .read_text())['vocab_size'])
   except (OSError, ValueError, KeyError, TypeError):
     return None
 
@@ -246,12 +255,13 @@ def command_options(cfg: TrainConfig, given: tp.Iterable[str], *,
     given |= set(read_config_file(config_file))
   if resume:
     return resumed_options(cfg, given, device_count=device_count, log=log)
-  vocab = prepared_vocab_size(cfg) if 'vocab_size' in given else None
+  path, vocab = (_first_prepared(cfg) if 'vocab_size' in given else None) or (None, None)
   if vocab is not None and vocab != cfg.vocab_size:
     raise ValueError(f'--vocab-size {cfg.vocab_size} disagrees with the prepared dataset '
-                     f'{cfg.data[0]}, whose tokenizer has a vocabulary of {vocab}: leave '
-                     f'--vocab-size out (the run records {vocab}), or prepare the corpus '
-                     f'again with --vocab-size {cfg.vocab_size}')
+                     f'{path}, whose tokenizer has a vocabulary of {vocab} (the run '
+                     f'tokenizes all its data with it): leave --vocab-size out (the run '
+                     f'records {vocab}), or prepare the corpus again with --vocab-size '
+                     f'{cfg.vocab_size}')
   return cfg
 
 

@@ -38,7 +38,7 @@ from poetx_jax.pretrain.data import windows as data_lib
 from poetx_jax.pretrain import processes
 from poetx_jax.pretrain.checkpoint import CheckpointError, Checkpointer
 from poetx_jax.pretrain.config import PLAN_KEY, TrainConfig
-from poetx_jax.pretrain.files import atomic_write
+from poetx_jax.pretrain.files import Footprint, atomic_write
 from poetx_jax.pretrain.data.tokenizer import file_hash
 
 RUN_FILE, DATA_FILE = 'run.json', 'data.json'
@@ -215,30 +215,6 @@ def _make_dir(out: pathlib.Path) -> None:
                      f'{e.strerror or e}') from e
 
 
-def _first_missing(path: pathlib.Path) -> pathlib.Path | None:
-  """The outermost of ``path`` and its parents that does not exist, or None."""
-  missing = None
-  for p in (path, *path.parents):
-    if p.exists():
-      break
-    missing = p
-  return missing
-
-
-def _discard(out: pathlib.Path, created: pathlib.Path | None, before: set[str]) -> None:
-  """Removes what a refused fresh run wrote: the directories it created, or
-  the entries of ``out`` that were not there before."""
-  if created is not None:
-    shutil.rmtree(created, ignore_errors=True)
-    return
-  for entry in out.iterdir() if out.is_dir() else ():
-    if entry.name not in before:
-      if entry.is_dir() and not entry.is_symlink():
-        shutil.rmtree(entry, ignore_errors=True)
-      else:
-        entry.unlink(missing_ok=True)
-
-
 @contextlib.contextmanager
 def open_run(cfg: TrainConfig, *, resume: bool,
              log=print) -> tp.Iterator[tuple[pathlib.Path, tp.Callable[[], None]]]:
@@ -246,8 +222,10 @@ def open_run(cfg: TrainConfig, *, resume: bool,
   locked for this process (``train.lock``); unlocked on leaving, however that
   happens. Gives ``(out, set_up)``: a new run's ``run.json`` is written
   here, and until the caller calls ``set_up()`` (the run's data, model and
-  state accepted) a failure removes everything the run wrote, so that a
-  refused run leaves the file system as it found it. A resumed run's
+  state accepted) a failure removes everything the run wrote there, so that
+  a refused run leaves its run directory as it found it (the token and
+  tokenizer cache of ``--cache-dir``, keyed by content and shared by runs,
+  keeps what it gained). A resumed run's
   ``run.json`` is rewritten by :func:`write_config` only once it is set up
   (its corpus and checkpoint accepted), so that a refused ``--resume``
   leaves the run as it was.
@@ -263,15 +241,14 @@ def open_run(cfg: TrainConfig, *, resume: bool,
   run_file = out / RUN_FILE
   if resume:
     _check_resumable(run_file, cfg)
-  created = _first_missing(out)
-  before = {e.name for e in out.iterdir()} if out.is_dir() else set()
+  footprint = Footprint([out])
   state = {'set_up': resume}
   try:
     with _locked_run(out, cfg, resume, log) as opened:
       yield opened, lambda: state.update(set_up=True)
   except BaseException:
     if not state['set_up'] and processes.is_primary():
-      _discard(out, created, before)
+      footprint.undo()
     raise
 
 

@@ -172,10 +172,12 @@ class Tracking:
     out: the run directory.
     resume_step: the step the run continues from (0: a fresh run).
     write: open the trackers (False: another process of the run reports).
+    log: where a resumed run past the profile window's start says what of
+      the window it traces.
   """
 
   def __init__(self, plan, out: pathlib.Path, *,
-               resume_step: int = 0, write: bool = True):
+               resume_step: int = 0, write: bool = True, log=print):
     cfg = plan.options
     self.trackers = [open_tracker(name, out, cfg, resume_step=resume_step)
                      for name in (cfg.tracking if write else ())]
@@ -188,8 +190,16 @@ class Tracking:
     self._last = None  # (step, training seconds) at the last step_stats
     self.window = profile_window(cfg.profile_steps) if cfg.profile_steps else None
     self.profile_dir, self.tracing = out / 'profile', False
-    if self.window and resume_step and resume_step == self.window[0] - 1:
-      self._start_trace()
+    if self.window and resume_step and resume_step >= self.window[0] - 1:
+      a, b = self.window
+      if resume_step < b:
+        self._start_trace()
+      if resume_step >= a and write:
+        log(f'--profile-steps {a}:{b}: the run resumes after micro-step {resume_step}, '
+            + (f'inside the window: the trace holds steps {resume_step + 1} to {b} only'
+               if resume_step < b else
+               f'past the window: no trace is written (give a window after '
+               f'{resume_step})'))
 
   def write(self, record: dict) -> None:
     values = scalars(record) if self.trackers else None

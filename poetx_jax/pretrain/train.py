@@ -26,7 +26,7 @@ from flax import nnx
 from poetx_jax.pretrain.data import windows as data_lib
 from poetx_jax.pretrain import hf_init, loading, processes, rundir
 from poetx_jax.pretrain.plan import Plan, finish_options, make_plan, recorded_plan
-from poetx_jax.pretrain.checkpoint import Checkpointer
+from poetx_jax.pretrain.checkpoint import Checkpointer, resumed_message
 from poetx_jax.pretrain.config import TrainConfig
 from poetx_jax.pretrain.evaluation import evaluate, place_batch
 from poetx_jax.pretrain.factories import build_state, make_step, make_training_mesh, size_text
@@ -195,7 +195,13 @@ def train(cfg: TrainConfig, *, resume: bool = False, step: int | None = None, lo
   rundir.RunLocked (another training holds ``cfg.out_dir``).
   """
   _checked(resume, step, hooks)
-  cfg = finish_options(cfg, resume=resume, device_count=jax.device_count())
+  try:
+    cfg = finish_options(cfg, resume=resume, device_count=jax.device_count())
+  except SystemExit as e:  # SIGTERM (poetx's handler) while the devices start
+    if e.code == _SIGTERM_EXIT:
+      log('stopped by SIGTERM while starting, before the run directory was opened: '
+          'nothing was written')
+    raise
   primary = processes.is_primary()  # of several processes, the first reports
   log = log if primary else (lambda *_: None)
   with rundir.open_run(cfg, resume=resume, log=log) as (out, accepted):
@@ -339,10 +345,9 @@ def set_up(cfg: TrainConfig, out: pathlib.Path, *, resume: bool, step: int | Non
         read_metrics(out, warn=log) if (out / 'metrics.jsonl').exists() else ()))
     step, data_state = ckpt.resume(model, optimizer, step=step, run=out, log=log)
     batches.set_state(data_state)
-    total = plan.micro_steps
-    log(f'resumed from step {step}' + (f': the run is complete ({total} steps); raise '
-                                       f'--steps to extend it' if step >= total else ''))
-  tracking = Tracking(plan, out, resume_step=step or 0, write=processes.is_primary())
+    reached = max((r['step'] for r in records or () if 'loss' in r), default=step)
+    log(resumed_message(step, plan.micro_steps, reached, ckpt.unfinished_steps()))
+  tracking = Tracking(plan, out, resume_step=step or 0, write=processes.is_primary(), log=log)
   metrics = Metrics(out, step or 0, write=processes.is_primary(), records=records or (),
                     sinks=[tracking])
   merges = []  # the step function's merges, reported by a hook (loop_hooks)

@@ -42,21 +42,59 @@ def _import_zstandard(path: Path):
   return zstandard
 
 
+def _zstd_bytes(path: Path, ext: str) -> tp.Iterator[bytes]:
+  """The decompressed bytes of the zstd file ``path``, frame after frame.
+
+  A frame that ends before its end mark (a file cut short, at a block
+  boundary or inside a block) is a ValueError naming the file: a stream
+  reader would stop there silently and yield part of the documents.
+  """
+  zstandard = _import_zstandard(path)
+  refuse = (f'a {ext} file must be zstd-compressed JSON lines, every frame '
+            f'complete')
+  frame, frames = None, 0
+  try:
+    with open(path, 'rb') as f:
+      while chunk := f.read(1 << 20):
+        while chunk:
+          if frame is None:
+            frame, frames = zstandard.ZstdDecompressor().decompressobj(), frames + 1
+          if out := frame.decompress(chunk):
+            yield out
+          chunk, frame = (frame.unused_data, None) if frame.eof else (b'', frame)
+  except zstandard.ZstdError as e:
+    raise ValueError(f'{path} is not a zstd file, or is damaged ({e}); {refuse}') from None
+  if frame is not None or not frames:
+    where = f'its frame {frames} has no end' if frames else 'it is empty'
+    raise ValueError(f'{path} is cut short ({where}); {refuse}')
+
+
+def _zstd_lines(path: Path, ext: str) -> tp.Iterator[str]:
+  """The text lines of the zstd file ``path`` (UTF-8)."""
+  rest = b''
+  for data in _zstd_bytes(path, ext):
+    *lines, rest = (rest + data).split(b'\n')
+    yield from (_utf8(path, line) for line in lines)
+  if rest:
+    yield _utf8(path, rest)
+
+
+def _utf8(path: Path, line: bytes) -> str:
+  try:
+    return line.decode('utf-8')
+  except UnicodeDecodeError as e:
+    raise ValueError(f'{path} is not UTF-8 text ({e})') from None
+
+
 def _iter_json_lines(path: Path, ext: str, text_field: str) -> tp.Iterator[str]:
   if ext.endswith('.zst'):
-    zstandard = _import_zstandard(path)
-    try:
-      with zstandard.open(path, 'rt', encoding='utf-8') as f:
-        yield from _json_records(path, f, text_field)
-    except zstandard.ZstdError as e:
-      raise ValueError(f'{path} is not a zstd file, or is cut short ({e}); a {ext} file '
-                       f'must be zstd-compressed JSON lines') from None
+    yield from _json_records(path, _zstd_lines(path, ext), text_field)
     return
   with (gzip.open if ext.endswith('.gz') else open)(path, 'rt', encoding='utf-8') as f:
     yield from _json_records(path, f, text_field)
 
 
-def _json_records(path: Path, f: tp.TextIO, text_field: str) -> tp.Iterator[str]:
+def _json_records(path: Path, f: tp.Iterable[str], text_field: str) -> tp.Iterator[str]:
   """The ``text_field`` strings of the JSON lines of ``f`` (of ``path``)."""
   for lineno, line in enumerate(f, start=1):
     if not line.strip():

@@ -56,7 +56,7 @@ import numpy as np
 
 from poetx_jax.pretrain.data import documents, shards
 from poetx_jax.pretrain.data.prepare_tasks import run_tasks, source_documents
-from poetx_jax.pretrain.files import atomic_write
+from poetx_jax.pretrain.files import atomic_write, first_missing
 from poetx_jax.pretrain.data.tokenizer import Tokenizer, file_hash
 
 FORMAT = shards.FORMAT
@@ -126,7 +126,8 @@ def prepare(inputs: PathLike | tp.Sequence[PathLike], out: PathLike, *,
     inputs: files and directories, as
       :func:`~poetx_jax.pretrain.data.documents.read_documents`; may be empty with
       ``hf_dataset``.
-    out: the dataset directory (created).
+    out: the dataset directory (created; if this call created it and fails
+      before writing any file, it is removed again).
     tokenizer: a tokenizer file to use; None trains a BPE on a sample.
     vocab_size: the BPE's vocabulary when training one.
     text_field: the field holding the text in jsonl and parquet files.
@@ -159,13 +160,19 @@ def prepare(inputs: PathLike | tp.Sequence[PathLike], out: PathLike, *,
   prepared = _prepared_manifest(plan, tokenizer, bpe)
   if prepared is not None:
     return prepared
+  created = first_missing(plan.out)
   plan.out.mkdir(parents=True, exist_ok=True)
-  tok_path = _store_tokenizer(plan, tokenizer, bpe)
-  tok, tok_hash = Tokenizer.load(tok_path), file_hash(tok_path)
-  dtype = token_dtype(tok.vocab_size)
-  parts = _tokenize_sources(plan, tok_path, tok_hash, dtype, shard_tokens=shard_tokens,
-                            workers=workers, progress=progress)
-  return _write_manifest(plan, parts, tok, tok_path, tok_hash, dtype, bpe)
+  try:
+    tok_path = _store_tokenizer(plan, tokenizer, bpe)
+    tok, tok_hash = Tokenizer.load(tok_path), file_hash(tok_path)
+    dtype = token_dtype(tok.vocab_size)
+    parts = _tokenize_sources(plan, tok_path, tok_hash, dtype, shard_tokens=shard_tokens,
+                              workers=workers, progress=progress)
+    return _write_manifest(plan, parts, tok, tok_path, tok_hash, dtype, bpe)
+  except BaseException:
+    if created is not None and not any(p.is_file() for p in created.rglob('*')):
+      shutil.rmtree(created, ignore_errors=True)  # nothing done to resume from
+    raise
 
 
 class _Plan(tp.NamedTuple):

@@ -187,9 +187,11 @@ def _terminate(pool: concurrent.futures.ProcessPoolExecutor) -> None:
 
 @contextlib.contextmanager
 def _terminate_on_sigterm(pool: concurrent.futures.ProcessPoolExecutor) -> tp.Iterator[None]:
-  """While the pool works, SIGTERM first terminates its workers, then this
-  process as SIGTERM does by default (where SIGTERM has its default action
-  and this is the main thread; elsewhere the workers' PR_SET_PDEATHSIG does)."""
+  """While the pool works, SIGTERM terminates its workers and raises
+  ``SystemExit(143)`` (where SIGTERM has its default action and this is the
+  main thread; ``poetx`` installs a handler that raises it, and the workers
+  are terminated as the exit unwinds :func:`run_tasks`; elsewhere the
+  workers' PR_SET_PDEATHSIG ends them)."""
   if (threading.current_thread() is not threading.main_thread()
       or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL):
     yield
@@ -199,7 +201,7 @@ def _terminate_on_sigterm(pool: concurrent.futures.ProcessPoolExecutor) -> tp.It
     del frame
     _terminate(pool)
     signal.signal(signum, signal.SIG_DFL)
-    os.kill(os.getpid(), signum)
+    raise SystemExit(128 + signum)
 
   signal.signal(signal.SIGTERM, on_sigterm)
   try:
