@@ -92,14 +92,62 @@ def linear_operands(layer: nnx.Linear | POETLinear, x: Array) -> tuple[Array, Ar
   return x.astype(dtype), layer.compute_kernel(dtype)
 
 
-def project(layers: tp.Sequence[nnx.Linear | POETLinear], x: Array, *,
-            permute_output: bool = True) -> list[Array]:
+def input_orders(layers: tp.Sequence[nnx.Linear | POETLinear], x: Array
+                 ) -> list[tuple[Array, Array | None]] | None:
+  """Where the POET layers ``layers`` all read ``x`` through their input
+  gathers apart from their block products (the input form, no fused
+  gather): each layer's ``(perm_in, its inverse or None)``, the same pair
+  for all when their input permutations are tied; else None."""
+  if not all(isinstance(m, POETLinear) for m in layers) or any(
+      m.form_for((*x.shape[:-1], m.in_features)) != 'input'
+      or fuses_gather(m, m.in_features, m.compute_dtype(x.dtype)) for m in layers):
+    return None
+  order = lambda m: (m.perm_in[...], (given_inverses(m) or (None,))[0])
+  if tied([(m, 'in') for m in layers]):
+    return [order(layers[0])] * len(layers)
+  return [order(m) for m in layers]
+
+
+def rms_norm_in_orders(norm: nnx.Module, x: Array,
+                       orders: tp.Sequence[tuple[Array, Array | None]]) -> list[Array]:
+  """``[permute(norm(x), perm) for perm, _ in orders]`` with each gather moved
+  into the norm: the row scale (the same in every order) from ``x``, then
+  ``x``, gathered, times it and the gathered weight, in one pass that
+  writes each output once. Elementwise the same operations as the norm's,
+  so the values are exactly those of the norm's output gathered; a pair
+  repeated (tied permutations) is computed once. ``norm`` is an RMSNorm
+  (``weight``, ``eps``)."""
+  x32 = x.astype(jnp.float32)
+  scale = jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + norm.eps)
+  weight, out = norm.weight[...].astype(jnp.float32), {}
+  for perm, inverse in orders:
+    if id(perm) not in out:
+      xp = ops.permute(x, perm, inverse).astype(jnp.float32)
+      out[id(perm)] = (xp * scale * jnp.take(weight, perm)).astype(x.dtype)
+  return [out[id(perm)] for perm, _ in orders]
+
+
+def normed(norm: nnx.Module, x: Array, layers: tp.Sequence, *, in_orders: bool
+           ) -> tuple[Array | None, list[Array] | None]:
+  """``(norm(x), None)``; with ``in_orders``, where ``layers`` read ``x``
+  through their input gathers (:func:`input_orders`), ``(None, their inputs)``
+  from :func:`rms_norm_in_orders` (for :func:`project` and :func:`swiglu`)."""
+  orders = input_orders(layers, x) if in_orders and layers else None
+  return (norm(x), None) if orders is None else (None, rms_norm_in_orders(norm, x, orders))
+
+
+def project(layers: tp.Sequence[nnx.Linear | POETLinear], x: Array | None, *,
+            permute_output: bool = True, inputs: tp.Sequence[Array] | None = None
+            ) -> list[Array]:
   """``[layer(x) for layer in layers]``. When they are POET layers whose
   input permutations are tied (:func:`poetx_jax.tie_permutations`) and all
   run the input form, ``x`` is gathered once for all of them.
   ``permute_output=False`` (POET layers only): each output in its layer's
-  output order."""
+  output order. ``inputs`` (instead of ``x``): each layer's input already in
+  its input order (:func:`rms_norm_in_orders`)."""
   kw = {} if permute_output else {'permute_output': False}
+  if inputs is not None:
+    return [m(xi, permute_input=False, **kw) for m, xi in zip(layers, inputs)]
   if not (tied([(m, 'in') for m in layers]) and all(
       m.form_for((*x.shape[:-1], m.in_features)) == 'input' for m in layers)):
     return [m(x, **kw) for m in layers]
@@ -109,9 +157,10 @@ def project(layers: tp.Sequence[nnx.Linear | POETLinear], x: Array, *,
 
 
 def swiglu(gate: nnx.Linear | POETLinear, up: nnx.Linear | POETLinear,
-           down: nnx.Linear | POETLinear, x: Array, *,
+           down: nnx.Linear | POETLinear, x: Array | None, *,
            activation: tp.Callable[[Array], Array] = jax.nn.silu,
-           hidden_name: str | None = None) -> Array:
+           hidden_name: str | None = None, inputs: tp.Sequence[Array] | None = None
+           ) -> Array:
   """``down(activation(gate(x)) * up(x))``, the gated MLP of Llama, for plain
   or POET layers.
 
@@ -133,6 +182,8 @@ def swiglu(gate: nnx.Linear | POETLinear, up: nnx.Linear | POETLinear,
     activation: applied to the gate's output.
     hidden_name: a ``jax.ad_checkpoint.checkpoint_name`` for the hidden
       activation (for rematerialisation policies), or None.
+    inputs: instead of ``x``, the gate's and the up projection's inputs,
+      each already in its input order (:func:`rms_norm_in_orders`).
 
   Example::
 
@@ -149,22 +200,27 @@ def swiglu(gate: nnx.Linear | POETLinear, up: nnx.Linear | POETLinear,
     True
   """
   name = (lambda h: checkpoint_name(h, hidden_name)) if hidden_name else (lambda h: h)
+  given = {} if inputs is None else {id(gate): inputs[0], id(up): inputs[1]}
+  call = lambda lin, **kw: (lin(given[id(lin)], permute_input=False, **kw) if given
+                            else lin(x, **kw))
   if not all(isinstance(lin, POETLinear) for lin in (gate, up, down)):
-    return down(name(activation(gate(x)) * up(x)))
+    return down(name(activation(call(gate)) * call(up)))
   if tied([(gate, 'out'), (up, 'out'), (down, 'in')]):  # one permutation: no gather
-    g, u = project((gate, up), x, permute_output=False)
+    g, u = project((gate, up), x, permute_output=False, inputs=inputs)
     return down(name(activation(g) * u), permute_input=False)
-  if down.form_for((*x.shape[:-1], down.in_features)) == 'weight':
-    return down(name(activation(gate(x)) * up(x)))
+  rows = (inputs[0] if inputs else x).shape[:-1]
+  if down.form_for((*rows, down.in_features)) == 'weight':
+    return down(name(activation(call(gate)) * call(up)))
   perm = down.perm_in[...]
   inverse = given_inverses(down)
 
   def joined(lin):  # lin's output in down's input order, one gather
-    if fuses_gather(lin, lin.out_features, lin.compute_dtype(x.dtype)):
+    dtype = (inputs[0] if inputs else x).dtype
+    if fuses_gather(lin, lin.out_features, lin.compute_dtype(dtype)):
       # the gather in lin's output kernel: placed straight in down's order
       inverse_in = ops.invert_permutation(perm) if inverse is None else inverse[0]
-      return lin(x, output_dst=jnp.take(inverse_in, lin.perm_out[...]))
-    h, inverses = lin(x, permute_output=False), given_inverses(lin)
+      return call(lin, output_dst=jnp.take(inverse_in, lin.perm_out[...]))
+    h, inverses = call(lin, permute_output=False), given_inverses(lin)
     if inverses is None or inverse is None:
       return ops.permute(h, ops.gather_between(lin.perm_out[...], perm))
     return ops.permute(h, ops.gather_between(lin.perm_out[...], perm, inverses[1]),

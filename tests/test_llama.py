@@ -408,3 +408,44 @@ def test_stacked_merge_updates_in_place_one_layer_at_a_time():
   stack = sum(x.nbytes for x in jax.tree.leaves(state))
   assert mem.alias_size_in_bytes >= stack - 64
   assert mem.temp_size_in_bytes < 0.5 * stack
+
+
+@pytest.mark.parametrize('dtype,tol', [(jnp.float32, 1e-5), (jnp.bfloat16, 2e-2)])
+@pytest.mark.parametrize('tie', [False, True])
+def test_gathers_moved_into_the_norms_give_the_same_model(keys, tie, dtype, tol):
+  """norm_gathers: each RMSNorm writes its output in the input orders of the
+  POET projections after it (one per layer, or one for a tied group), their
+  input gathers skipped. The logits are exactly those of the gathers apart
+  (the same elementwise operations, reordered); the gradients those within
+  rounding (the norm's backward sums the features in another order). A
+  ragged MLP width (88 of blocks of 16), generators away from zero."""
+  from unittest import mock
+  from conftest import randomize_generators
+  from poetx_jax import groups
+  cfg = llama.LlamaConfig(vocab_size=64, hidden=48, mlp=88, layers=2, heads=4, kv_heads=2,
+                          max_seq_len=32, block_size=16)
+  poet = poetx_jax.poetize(Llama(cfg, dtype=dtype, rngs=nnx.Rngs(0)), block_size=16,
+                           rngs=nnx.Rngs(1))
+  if tie:
+    poetx_jax.tie_permutations(poet)
+  for i, (_, layer) in enumerate(nnx.iter_graph(poet)):
+    if isinstance(layer, poetx_jax.POETLinear):
+      randomize_generators(layer, jax.random.fold_in(keys(), i))
+  moved = nnx.clone(poet)
+  for layer in moved.layers:
+    layer.norm_gathers = True
+  tokens = _tokens(keys(), t=12, vocab=cfg.vocab_size)
+
+  def loss_and_grads(m):
+    loss = lambda m: jnp.mean(m(tokens) ** 2)
+    return nnx.value_and_grad(loss)(m)
+
+  with mock.patch.object(groups, 'rms_norm_in_orders', wraps=groups.rms_norm_in_orders) as spy:
+    (loss_b, grads_b), logits_b = loss_and_grads(moved), moved(tokens)
+  assert spy.call_count >= 4  # both norms of both layers took the orders
+  orders = [len({id(p) for p, _ in c.args[2]}) for c in spy.call_args_list]
+  assert set(orders) == ({1} if tie else {2, 3})  # a tied group gathers once
+  loss_a, grads_a = loss_and_grads(poet)
+  np.testing.assert_array_equal(np.asarray(poet(tokens)), np.asarray(logits_b))
+  assert float(loss_a) == float(loss_b)
+  assert_trees_rel_close(nnx.to_pure_dict(grads_b), nnx.to_pure_dict(grads_a), tol)

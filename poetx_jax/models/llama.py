@@ -26,7 +26,8 @@ from flax import nnx
 from flax.nnx.nn import initializers
 from jax.ad_checkpoint import checkpoint_name
 
-from poetx_jax.groups import batched_series, project, swiglu
+from poetx_jax.groups import batched_series, normed, project, swiglu
+from poetx_jax.models.rope import apply_rope, rope_tables
 from poetx_jax.models.stack import StackedLayers
 
 Array = jax.Array
@@ -190,27 +191,6 @@ class RMSNorm(nnx.Module):
     return (y * self.weight[...].astype(jnp.float32)).astype(x.dtype)
 
 
-def rope_tables(positions: Array, head_dim: int, theta: float) -> tuple[Array, Array]:
-  """cos, sin of shape ``positions.shape + (D,)``, float32 (HF rotate_half layout)."""
-  inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
-  angles = positions.astype(jnp.float32)[..., None] * inv_freq
-  angles = jnp.concatenate([angles, angles], axis=-1)
-  return jnp.cos(angles), jnp.sin(angles)
-
-
-def rotate_half(x: Array) -> Array:
-  """(x1, x2) -> (-x2, x1) over the halves of the last axis."""
-  x1, x2 = jnp.split(x, 2, axis=-1)
-  return jnp.concatenate([-x2, x1], axis=-1)
-
-
-def apply_rope(x: Array, cos: Array, sin: Array) -> Array:
-  """Rotates x (B, T, heads, D) by cos, sin (B or 1, T, D) in float32."""
-  x32 = x.astype(jnp.float32)
-  cos, sin = cos[..., None, :], sin[..., None, :]
-  return (x32 * cos + rotate_half(x32) * sin).astype(x.dtype)
-
-
 def _linear(i, o, config, dtype, param_dtype, rngs):
   return nnx.Linear(i, o, use_bias=False, dtype=dtype, param_dtype=param_dtype,
                     kernel_init=initializers.normal(config.init_std), rngs=rngs)
@@ -239,12 +219,14 @@ class Attention(nnx.Module):
     attention_implementation(attention, jnp.float32, d)  # validates
     self.attention = attention
 
-  def __call__(self, x: Array, positions: Array | None = None) -> Array:
-    """x (B, T, H), positions (B or 1, T) int (default 0..T-1) -> (B, T, H)."""
-    b, t, _ = x.shape
+  def __call__(self, x: Array | None, positions: Array | None = None, *,
+               inputs: tp.Sequence[Array] | None = None) -> Array:
+    """x (B, T, H), positions (B or 1, T) int (default 0..T-1) -> (B, T, H);
+    ``inputs`` instead of ``x``: q's, k's and v's, each in its input order."""
+    b, t, _ = (x if inputs is None else inputs[0]).shape
     if positions is None:
       positions = jnp.arange(t)[None]
-    q, k, v = project((self.q_proj, self.k_proj, self.v_proj), x)
+    q, k, v = project((self.q_proj, self.k_proj, self.v_proj), x, inputs=inputs)
     q = q.reshape(b, t, self.heads, self.head_dim)
     k = k.reshape(b, t, self.kv_heads, self.head_dim)
     v = v.reshape(b, t, self.kv_heads, self.head_dim)
@@ -273,12 +255,13 @@ class MLP(nnx.Module):
     self.up_proj = lin(config.hidden, config.mlp)
     self.down_proj = lin(config.mlp, config.hidden)
 
-  def __call__(self, x: Array) -> Array:
-    return swiglu(self.gate_proj, self.up_proj, self.down_proj, x, hidden_name='mlp_hidden')
+  def __call__(self, x: Array | None, inputs: tp.Sequence[Array] | None = None) -> Array:
+    return swiglu(self.gate_proj, self.up_proj, self.down_proj, x, hidden_name='mlp_hidden',
+                  inputs=inputs)
 
-  def forward(self, x: Array) -> tuple[Array, dict]:
+  def forward(self, x: Array | None, **kw) -> tuple[Array, dict]:
     """``(self(x), stats)``: what a decoder layer calls (a dense MLP has no stats: ``{}``)."""
-    return self(x), {}
+    return self(x, **kw), {}
 
   def permutation_ties(self) -> list[list]:
     """gate and up share their input; down's input is their product (:mod:`poetx_jax.ties`)."""
@@ -296,8 +279,9 @@ class DecoderLayer(nnx.Module):
 
   def __init__(self, config: LlamaConfig, *, dtype: tp.Any = jnp.float32,
                param_dtype: tp.Any = jnp.float32, attention: str = 'auto',
-               rngs: nnx.Rngs):
+               norm_gathers: bool = False, rngs: nnx.Rngs):
     kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    self.norm_gathers = norm_gathers  # the POET input gathers in the norms (Llama)
     self.input_layernorm = RMSNorm(config.hidden, eps=config.norm_eps,
                                    param_dtype=param_dtype, rngs=rngs)
     self.self_attn = Attention(config, attention=attention, **kw)
@@ -307,8 +291,14 @@ class DecoderLayer(nnx.Module):
 
   def __call__(self, x: Array, positions: Array | None = None) -> tuple[Array, dict]:
     with batched_series(self, x):  # the POET projections' series in one batch
-      x = x + self.self_attn(self.input_layernorm(x), positions)
-      y, stats = self.mlp.forward(self.post_attention_layernorm(x))
+      a = self.self_attn
+      h, ins = normed(self.input_layernorm, x, (a.q_proj, a.k_proj, a.v_proj),
+                      in_orders=self.norm_gathers)
+      x = x + a(h, positions, inputs=ins)
+      m = self.mlp if isinstance(self.mlp, MLP) else None  # a routed MLP: its own gathers
+      h, ins = normed(self.post_attention_layernorm, x, m and (m.gate_proj, m.up_proj),
+                      in_orders=self.norm_gathers)
+      y, stats = self.mlp.forward(h, **({'inputs': ins} if ins else {}))
       return x + y, stats
 
 
@@ -327,6 +317,9 @@ class Llama(nnx.Module):
     attention: the attention kernel, one of :data:`ATTENTION`
       (:func:`attention_implementation`; ``'auto'``: cuDNN's fused attention
       on GPUs for 16-bit activations, XLA's otherwise).
+    norm_gathers: the RMSNorms before POET q/k/v and gate/up projections
+      write their output in the projections' input orders, the input gathers
+      moved into them (:func:`poetx_jax.groups.normed`).
     rngs: draws the initial weights (``params`` stream).
     convert_layer: applied to each decoder layer as soon as it is built, its
       result kept in its place (e.g. a POET conversion: then the dense
@@ -359,7 +352,7 @@ class Llama(nnx.Module):
 
   def __init__(self, config: LlamaConfig, *, dtype: tp.Any = jnp.float32,
                param_dtype: tp.Any = jnp.float32, remat: str = 'none',
-               attention: str = 'auto', rngs: nnx.Rngs,
+               attention: str = 'auto', norm_gathers: bool = False, rngs: nnx.Rngs,
                convert_layer: tp.Callable[[nnx.Module], nnx.Module] | None = None,
                scan_layers: bool = False,
                place: tp.Callable[[tuple], jax.sharding.Sharding] | None = None):
@@ -383,7 +376,8 @@ class Llama(nnx.Module):
     def make_layer(i):
       del i
       return convert_layer(self.decoder_layer(config, dtype=dtype, param_dtype=param_dtype,
-                                              attention=attention, rngs=rngs))
+                                              attention=attention, norm_gathers=norm_gathers,
+                                              rngs=rngs))
 
     if scan_layers:
       self.layers = StackedLayers(make_layer, config.layers, place=place)

@@ -151,6 +151,11 @@ class TrainConfig:
       'kernels: Hopper, 16-bit activations, block size a multiple of 64, <= 512), or fused '
       '(the fused kernels on every 16-bit side; block size a power of two, 16 to 512)',
       choices=linear.IMPLEMENTATIONS)
+  norm_gathers: bool = _poet(
+      False, 'the RMSNorms before the q/k/v and gate/up projections write their outputs in '
+      'those POET layers\' input orders (their input gathers moved into the norms: one '
+      'pass over the activations fewer; the same values, gradients summed in another '
+      'order)')
   remat: str = _option('none', 'rematerialise each decoder layer: keep only its input '
                        '(block), or its input and attention output (attn)',
                        choices=tuple(llama.REMAT_POLICIES))

@@ -53,6 +53,7 @@ def build_model(plan: 'Plan', mesh=None, weights=None):
   convert = _layer_converter(plan) if plan.poetize else None
   options = dict(dtype=jnp.dtype(plan.dtype), param_dtype=jnp.dtype(cfg.param_dtype),
                  remat=cfg.remat, attention=cfg.attention, convert_layer=convert,
+                 norm_gathers=cfg.norm_gathers,
                  scan_layers=cfg.scan_layers, place=place)
   if weights is not None:
     return hf.build_from_hf(plan.model, weights, **options)
