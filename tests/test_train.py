@@ -459,3 +459,34 @@ def test_hooks_are_checked_before_anything_is_written(tmp_path, corpus):
   with pytest.raises(ValueError, match='hooks must be train.Hook instances'):
     train(_cfg(tmp_path, corpus), hooks=[lambda run: None])
   assert not (tmp_path / 'run').exists()
+
+
+def test_poetx_train_keeps_its_programs_in_the_compile_cache(tmp_path, corpus):
+  """--compile-cache (on by default): a process's programs land in the
+  persistent cache, and the same run repeated in another process reads them
+  back instead of compiling; "" leaves it off. (The suite's own cache is
+  taken away.)"""
+  import os
+  import subprocess
+  import sys
+  env = {k: v for k, v in os.environ.items() if not k.startswith('JAX_')}
+  env['JAX_PLATFORMS'] = 'cpu'
+  cache = tmp_path / 'xla'
+  args = [sys.executable, '-m', 'poetx_jax.pretrain.cli', 'train', '--data', str(corpus),
+          '--model-overrides', 'layers=1,hidden=32,mlp=64,heads=2,kv_heads=1',
+          '--vocab-size', '300', '--seq-len', '32', '--batch-size', '4', '--block-size', '8',
+          '--eval-batches', '1', '--dtype', 'float32', '--cache-dir', str(tmp_path / 'c')]
+
+  def train(*extra):
+    proc = subprocess.run([*args, *extra], capture_output=True, text=True, env=env,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+  train('--steps', '2', '--out-dir', str(tmp_path / 'off'), '--compile-cache', '')
+  assert not cache.exists()
+  train('--steps', '2', '--out-dir', str(tmp_path / 'run'), '--compile-cache', str(cache))
+  entries = {p.name for p in cache.iterdir()}
+  assert entries  # the step, the evaluation and the merge programs, at least
+  train('--steps', '2', '--out-dir', str(tmp_path / 'again'), '--compile-cache', str(cache))
+  new = {p.name for p in cache.iterdir()} - entries
+  assert not new, new  # no program compiled again: each read from the cache

@@ -198,6 +198,10 @@ class TrainConfig:
   keep: int = _count(3, 'checkpoints kept')
   out_dir: str | None = _option(None, 'run directory', none='runs/MODEL-OPTIMIZER')
   cache_dir: str = _option('~/.cache/poetx_jax', 'tokenizer and token cache')
+  compile_cache: str = _option(
+      '~/.cache/poetx_jax/xla', 'persistent XLA compilation cache: a resumed or repeated '
+      'run loads its compiled programs instead of compiling them again; "" turns it off '
+      '(a cache the process already set, e.g. by JAX_COMPILATION_CACHE_DIR, is kept)')
 
   def validate(self, *, device_count: int | None = None) -> None:
     """Raises ValueError naming the first option that cannot be honoured.

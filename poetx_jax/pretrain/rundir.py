@@ -44,7 +44,7 @@ from poetx_jax.pretrain.data.tokenizer import file_hash
 RUN_FILE, DATA_FILE = 'run.json', 'data.json'
 # Options that say where things are, not what the run is: --resume may change
 # them (the corpus is checked against data.json's hashes instead).
-LOCATIONS = ('out_dir', 'cache_dir', 'data', 'val_data')
+LOCATIONS = ('out_dir', 'cache_dir', 'compile_cache', 'data', 'val_data')
 # Options that say how the state is laid out on the devices, not what is
 # trained: --resume may change them (checkpoints restore onto any mesh), and
 # plan.resumed_options fits a saved fsdp to the devices present.

@@ -204,6 +204,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, step: int | None = None, lo
     raise
   primary = processes.is_primary()  # of several processes, the first reports
   log = log if primary else (lambda *_: None)
+  _use_compile_cache(cfg.compile_cache)
   with rundir.open_run(cfg, resume=resume, log=log) as (out, accepted):
     try:
       run = set_up(cfg, out, resume=resume, step=step, log=log)
@@ -238,6 +239,15 @@ def train(cfg: TrainConfig, *, resume: bool = False, step: int | None = None, lo
           break
     run.progress.close()
     return _finish(run, log)
+
+
+def _use_compile_cache(directory: str) -> None:
+  """Sets jax's persistent compilation cache to ``directory`` (every program
+  that took 0.5 s or more to compile), unless it is "" or the process set
+  a cache already."""
+  if directory and not jax.config.jax_compilation_cache_dir:
+    jax.config.update('jax_compilation_cache_dir', str(pathlib.Path(directory).expanduser()))
+    jax.config.update('jax_persistent_cache_min_compile_time_secs', 0.5)
 
 
 def loop_hooks(run: Run, hooks: tp.Sequence[Hook], log) -> list[Hook]:
