@@ -202,7 +202,10 @@ class _Programs:
       out = fn(model, optimizer, batch)
       return out, jax.tree.leaves(nnx.state((model, optimizer)))
 
-    self.variables = jax.tree.leaves(state, is_leaf=_is_variable)
+    # A Variable holding an empty node (optax's MaskedNode, where a masked
+    # transformation keeps no state) has no array: nothing to pass.
+    self.variables = [v for v in jax.tree.leaves(state, is_leaf=_is_variable)
+                      if not _is_variable(v) or jax.tree.leaves(v)]
     self.plain = [_plain(v) for v in self.variables]
     self.jitted = jax.jit(pure, donate_argnums=0 if self.donate else ())
     self.bound = (weakref.ref(model), weakref.ref(optimizer))

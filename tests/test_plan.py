@@ -182,3 +182,30 @@ def test_an_old_run_json_with_block_size_in_model_overrides_reads_as_the_option(
   cfg = rundir.read_config(tmp_path)
   assert cfg.model_overrides == {'layers': 1} and cfg.block_size == 8
   cfg.validate()
+
+
+@pytest.mark.parametrize('scan', [False, True])
+def test_muon_orthogonalises_the_decoder_matrices_only(scan):
+  """--optimizer muon: optax.contrib.muon's dimension numbers for the decoder
+  layers' kernels (the layer axis of a stack a batch axis), None (AdamW) for
+  the embedding, the norms and the head; it poetizes nothing and its rate is
+  AdamW's."""
+  import jax
+  import optax
+  from flax import nnx
+  from poetx_jax.pretrain import factories, recipes
+  cfg = TrainConfig(optimizer='muon', scan_layers=scan, dtype='float32', model_overrides={
+      'layers': 2, 'hidden': 32, 'mlp': 64, 'heads': 2, 'kv_heads': 1})
+  plan = make_plan(cfg, 300)
+  assert not plan.poetize and plan.lr == make_plan(dataclasses.replace(
+      cfg, optimizer='adamw'), 300).lr
+  model, _ = factories.build_state(plan)
+  dims = recipes._muon_dimensions(nnx.state(model, nnx.Param))
+  is_dims = lambda x: x is None or isinstance(x, optax.contrib.MuonDimensionNumbers)
+  got = {jax.tree_util.keystr(p): d for p, d in
+         jax.tree_util.tree_leaves_with_path(dims, is_leaf=is_dims)}
+  kernels = {k: d for k, d in got.items() if d is not None}
+  assert len(kernels) == 7 * (1 if scan else 2) and all('_proj' in k for k in kernels)
+  axes = (1, 2) if scan else (0, 1)
+  assert {(d.reduction_axis, d.output_axis) for d in kernels.values()} == {axes}
+  assert all(got[k] is None for k in got if 'embed' in k or 'norm' in k or 'lm_head' in k)

@@ -47,9 +47,9 @@ def _params(run):
 
 
 @pytest.mark.parametrize('options', [dict(optimizer='poetx'), dict(optimizer='adamw'),
-                                     dict(optimizer='skewadam'),
+                                     dict(optimizer='skewadam'), dict(optimizer='muon'),
                                      dict(optimizer='poetx', skew_tiers=True)],
-                         ids=['poetx', 'adamw', 'skewadam', 'poetx-skew-tiers'])
+                         ids=['poetx', 'adamw', 'skewadam', 'muon', 'poetx-skew-tiers'])
 def test_resume_is_bit_exact_across_merges(tmp_path, corpus, options):
   straight = _cfg(tmp_path / 'a', corpus, **options)
   s1 = train(straight, log=lambda *_: None)

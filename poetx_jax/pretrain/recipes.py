@@ -20,8 +20,10 @@ from __future__ import annotations
 import dataclasses
 import typing as tp
 
+import jax
 import jax.numpy as jnp
 import optax
+import optax.contrib
 
 import poetx_jax
 from poetx_jax.lean import lean_adamw
@@ -96,10 +98,45 @@ def _skewadam(plan: 'Plan', model) -> optax.GradientTransformation:
                             weight_decay=plan.options.weight_decay)
 
 
+# Muon's updates rescaled to AdamW's RMS (0.2 * sqrt(max(fan_in, fan_out)),
+# as Moonlight does): one learning rate, AdamW's, serves the matrices and the
+# rest, so the AdamW defaults carry over until a sweep says otherwise.
+MUON_CONSISTENT_RMS = 0.2
+
+
+def _muon_dimensions(params):
+  """Muon's dimension numbers for ``params``: the decoder layers' linear
+  kernels (``(in, out)``, or ``(layers, in, out)`` stacked: the layer axis a
+  batch axis) are orthogonalised; the embeddings, norms and head (None) go
+  to AdamW, as optax.contrib.muon intends."""
+  def dims(path, x):
+    keys = [str(getattr(k, 'key', getattr(k, 'name', k))) for k in path]
+    if 'layers' not in keys or keys[-1] not in ('kernel', 'value') or x.ndim < 2:
+      return None
+    if keys[-1] == 'value' and (len(keys) < 2 or keys[-2] != 'kernel'):
+      return None
+    return optax.contrib.MuonDimensionNumbers(reduction_axis=x.ndim - 2,
+                                              output_axis=x.ndim - 1)
+  return jax.tree_util.tree_map_with_path(dims, params)
+
+
+def _muon(plan: 'Plan', model) -> optax.GradientTransformation:
+  """optax.contrib.muon on the decoder layers' matrices (Nesterov momentum,
+  bf16 with ``lean_state``), AdamW on the rest; both at the run's rate."""
+  del model
+  o = plan.options
+  return optax.contrib.muon(
+      plan.lr_schedule, weight_decay=o.weight_decay, adam_weight_decay=o.weight_decay,
+      mu_dtype=jnp.bfloat16 if o.lean_state else None, consistent_rms=MUON_CONSISTENT_RMS,
+      muon_weight_dimension_numbers=_muon_dimensions)
+
+
 RECIPES: dict[str, Recipe] = {r.name: r for r in (
     Recipe('poetx', True, _poetx, 'POET-X: the linear weights train as R W0 P'),
     Recipe('adamw', False, _adamw, 'AdamW, the dense-weight baseline',
            wide_lr=ADAMW_WIDE_LR),
+    Recipe('muon', False, _muon, 'Muon (optax.contrib.muon) on the decoder layers\' matrices, '
+           'AdamW on the embeddings, norms and head', wide_lr=ADAMW_WIDE_LR),
     Recipe('skewadam', False, _skewadam,
            'SkewAdam: per-population state for mixture-of-experts models'),
 )}
