@@ -116,9 +116,8 @@ def rms_norm_in_orders(norm: nnx.Module, x: Array,
   writes each output once. Elementwise the same operations as the norm's,
   so the values are exactly those of the norm's output gathered; a pair
   repeated (tied permutations) is computed once. ``norm`` is an RMSNorm
-  (``weight``, ``eps``)."""
-  x32 = x.astype(jnp.float32)
-  scale = jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + norm.eps)
+  (its ``weight`` and ``row_scale``)."""
+  scale = norm.row_scale(x)
   weight, out = norm.weight[...].astype(jnp.float32), {}
   for perm, inverse in orders:
     if id(perm) not in out:

@@ -186,9 +186,13 @@ class RMSNorm(nnx.Module):
     self.eps = eps
 
   def __call__(self, x: Array) -> Array:
-    x32 = x.astype(jnp.float32)
-    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+    y = x.astype(jnp.float32) * self.row_scale(x)
     return (y * self.weight[...].astype(jnp.float32)).astype(x.dtype)
+
+  def row_scale(self, x: Array) -> Array:
+    """``1 / sqrt(mean(x^2) + eps)`` over the last axis, float32 (..., 1)."""
+    x32 = x.astype(jnp.float32)
+    return jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
 
 
 def _linear(i, o, config, dtype, param_dtype, rngs):
