@@ -295,3 +295,25 @@ def test_site_corpus_splits_packages_by_name_and_prepares_both(tmp_path, monkeyp
   assert train['tokenizer_sha256'] == val['tokenizer_sha256']
   files = lambda m: {pathlib.Path(f['path']).parent.name for f in m['sources']}  # noqa: E731
   assert files(val) == names(got['val']) and files(train) == names(got['train'])
+
+
+def test_resume_time_times_launch_to_the_first_new_update(tmp_path):
+  """resume_time.first_update: seconds from launch to the first metrics record
+  of a step above ``after`` (not to an earlier one, nor to the exit), and a
+  failed command raised with its last lines."""
+  import resume_time
+  metrics = tmp_path / 'metrics.jsonl'
+  script = (
+      'import json, sys, time\n'
+      f'f = open({str(metrics)!r}, "a")\n'
+      'f.write(json.dumps({"step": 3, "loss": 1.0}) + "\\n"); f.flush()\n'
+      'time.sleep(0.6)\n'
+      'f.write(json.dumps({"step": 4, "val_loss": 1.0}) + "\\n"); f.flush()\n'
+      'time.sleep(0.6)\n'
+      'f.write(json.dumps({"step": 4, "loss": 1.0}) + "\\n"); f.flush()\n'
+      'time.sleep(0.6)\n')
+  r = resume_time.first_update([sys.executable, '-c', script], metrics, after=3)
+  assert 1.1 < r['first_update_s'] < r['exit_s'] - 0.4
+  with pytest.raises(RuntimeError, match='boom'):
+    resume_time.first_update([sys.executable, '-c', 'raise SystemExit("boom")'],
+                             tmp_path / 'none.jsonl', after=0)

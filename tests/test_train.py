@@ -464,7 +464,7 @@ def test_hooks_are_checked_before_anything_is_written(tmp_path, corpus):
 def test_poetx_train_keeps_its_programs_in_the_compile_cache(tmp_path, corpus):
   """--compile-cache (on by default): a process's programs land in the
   persistent cache, and the same run repeated in another process reads them
-  back instead of compiling; "" leaves it off. (The suite's own cache is
+  back instead of compiling, and so does a resumed run; "" leaves it off. (The suite's own cache is
   taken away.)"""
   import os
   import subprocess
@@ -490,3 +490,7 @@ def test_poetx_train_keeps_its_programs_in_the_compile_cache(tmp_path, corpus):
   train('--steps', '2', '--out-dir', str(tmp_path / 'again'), '--compile-cache', str(cache))
   new = {p.name for p in cache.iterdir()} - entries
   assert not new, new  # no program compiled again: each read from the cache
+  train('--steps', '4', '--out-dir', str(tmp_path / 'run'), '--compile-cache', str(cache),
+        '--resume')
+  new = {p.name for p in cache.iterdir()} - entries
+  assert not new, new  # resumed, the restored state makes the same programs

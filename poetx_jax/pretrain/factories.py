@@ -63,11 +63,17 @@ def build_model(plan: 'Plan', mesh=None, weights=None):
 def build_state(plan: 'Plan', mesh=None, weights=None) -> tuple[nnx.Module, nnx.Optimizer]:
   """``(model, optimizer)`` of the run at step 0 (:func:`build_model`, from
   ``weights`` if given; :func:`build_optimizer`), placed on ``mesh`` by the
-  run's strategy (None: the default device)."""
+  run's strategy (None: committed to the default device, as a checkpoint
+  restores them, so that a resumed run's programs are the fresh run's and
+  come from the compilation cache)."""
   cfg = plan.options
   model = build_model(plan, mesh, weights)
   optimizer = build_optimizer(plan, model)
-  if mesh is not None:
+  if mesh is None:
+    device = jax.local_devices()[0]
+    for node in (model, optimizer):
+      nnx.update(node, jax.device_put(nnx.state(node), device))
+  else:
     if cfg.batch_size % mesh.size:
       raise ValueError(f'batch_size={cfg.batch_size} must be divisible by the '
                        f'{mesh.size} devices')

@@ -1,0 +1,115 @@
+"""How long ``poetx train`` keeps a user waiting: launch to the first update,
+cold and with a warm compilation cache, fresh and resumed.
+
+For each run (``NAME:OPTIONS``, the options of ``poetx train`` as one
+string) in a fresh temporary folder:
+
+* **cold**: a new run with an empty ``--compile-cache``, ``--steps S``
+  (checkpointing at step S);
+* **warm**: the same run again in a new out-dir, its programs now in the cache;
+* **resumed**: the first run resumed to step S + 2 (``--resume``), warm cache.
+
+Each is timed from the process's launch to the first record of a new update
+in its ``metrics.jsonl`` (``--log-every 1``; the step-0 validation, data
+reading, set-up, restore and compilation included), and to its exit.
+
+    python3 experiments/resume_time.py --run "poetx:--model 130m --seq-len 256 --batch-size 64" \\
+        --run "adamw:--model 130m --seq-len 256 --batch-size 64 --optimizer adamw"
+    python3 experiments/resume_time.py --steps 2 --run "tiny:--model tiny"  # CPU smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+
+def first_update(cmd: list[str], metrics: Path, after: int, env=None) -> dict:
+  """Runs ``cmd``; seconds from launch to the first metrics record of a step
+  above ``after``, and to the process's exit."""
+  def updated() -> bool:
+    for line in metrics.read_text().splitlines() if metrics.exists() else ():
+      try:
+        rec = json.loads(line)
+      except ValueError:
+        continue  # a line being written
+      if 'loss' in rec and rec.get('step', 0) > after:
+        return True
+    return False
+
+  t0, seen = time.perf_counter(), None
+  with tempfile.TemporaryFile(mode='w+') as log:
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    while proc.poll() is None:
+      if seen is None and updated():
+        seen = time.perf_counter() - t0
+      time.sleep(0.02)
+    total = time.perf_counter() - t0
+    if proc.returncode:
+      log.seek(0)
+      raise RuntimeError(' | '.join(log.read().strip().splitlines()[-3:])[-300:])
+  if seen is None and updated():  # written in the last poll interval
+    seen = total
+  return {'first_update_s': seen, 'exit_s': total}
+
+
+def time_run(options: str, steps: int, root: Path) -> dict:
+  """The cold, warm and resumed figures of one run's options."""
+  base = [sys.executable, '-m', 'poetx_jax.pretrain.cli', 'train', *shlex.split(options), '--log-every', '1',
+          '--checkpoint-every', str(steps), '--compile-cache', str(root / 'cache')]
+  out = {}
+  for key, out_dir, args, after in (
+      ('cold', 'a', ['--steps', str(steps)], 0),
+      ('warm', 'b', ['--steps', str(steps)], 0),
+      ('resumed', 'a', ['--steps', str(steps + 2), '--resume'], steps)):
+    cmd = base + ['--out-dir', str(root / out_dir), *args]
+    out[key] = first_update(cmd, root / out_dir / 'metrics.jsonl', after)
+    print(f'  {key}: first update {out[key]["first_update_s"]:.1f} s, '
+          f'exit {out[key]["exit_s"]:.1f} s', file=sys.stderr, flush=True)
+  return out
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument('--run', action='append', required=True, metavar='NAME:OPTIONS',
+                 help='a label and the options of poetx train, e.g. '
+                      '"adamw:--model 130m --optimizer adamw"; repeatable')
+  p.add_argument('--steps', type=int, default=4, help='updates of the first run (>= 1)')
+  p.add_argument('--json', help='write the results here')
+  a = p.parse_args(argv)
+  if a.steps < 1:
+    p.error(f'--steps {a.steps}: must be >= 1')
+  results = []
+  for run in a.run:
+    name, sep, options = run.partition(':')
+    if not sep:
+      p.error(f'--run {run!r}: expected NAME:OPTIONS')
+    print(f'{name}: {options}', file=sys.stderr, flush=True)
+    with tempfile.TemporaryDirectory() as root:
+      try:
+        results.append({'run': name, **time_run(options, a.steps, Path(root))})
+      except RuntimeError as e:
+        results.append({'run': name, 'error': str(e)})
+  print(f'{"run":12s} {"cold":>8s} {"warm":>8s} {"resumed":>8s}   (launch to first update, s)')
+  for r in results:
+    if 'error' in r:
+      print(f'{r["run"]:12s} failed: {r["error"]}')
+    else:
+      print(f'{r["run"]:12s} ' + ' '.join(
+          f'{r[k]["first_update_s"]:8.1f}' for k in ('cold', 'warm', 'resumed')))
+  if a.json:
+    Path(a.json).write_text(json.dumps(results, indent=1))
+  return results
+
+
+if __name__ == '__main__':
+  main()
