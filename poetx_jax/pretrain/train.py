@@ -242,12 +242,13 @@ def train(cfg: TrainConfig, *, resume: bool = False, step: int | None = None, lo
 
 
 def _use_compile_cache(directory: str) -> None:
-  """Sets jax's persistent compilation cache to ``directory`` (every program
-  that took 0.5 s or more to compile), unless it is "" or the process set
-  a cache already."""
+  """Sets jax's persistent compilation cache to ``directory`` (every program,
+  however quick to compile: the many small ones of building the model add up,
+  and a threshold in seconds would make what is cached depend on the
+  machine's load), unless it is "" or the process set a cache already."""
   if directory and not jax.config.jax_compilation_cache_dir:
     jax.config.update('jax_compilation_cache_dir', str(pathlib.Path(directory).expanduser()))
-    jax.config.update('jax_persistent_cache_min_compile_time_secs', 0.5)
+    jax.config.update('jax_persistent_cache_min_compile_time_secs', 0.0)
 
 
 def loop_hooks(run: Run, hooks: tp.Sequence[Hook], log) -> list[Hook]:
