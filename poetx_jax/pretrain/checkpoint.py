@@ -17,8 +17,6 @@ saying it does not fit, naming the first differences.
 
 from __future__ import annotations
 
-import contextlib
-import logging
 import pathlib
 import shutil
 import time
@@ -30,6 +28,7 @@ from etils import epath
 from flax import nnx
 
 from poetx_jax.pretrain import processes
+from poetx_jax.pretrain.checkpoint_faults import first_line, flat_shapes, quiet, tree_diff
 from poetx_jax.pretrain.files import check_digests, write_digests
 
 JSON_ITEMS = ('meta', 'data')
@@ -51,57 +50,6 @@ class DamagedCheckpoint(CheckpointError):
   def __init__(self, message: str, step: int):
     super().__init__(message)
     self.step = step
-
-
-def _first_line(e: BaseException, limit: int = 300) -> str:
-  """The start of an exception's message, from its innermost cause (orbax wraps
-  TensorStore's errors in messages holding kilobytes of spec)."""
-  while e.__cause__ is not None:
-    e = e.__cause__
-  text = (str(e).strip().splitlines() or [type(e).__name__])[0]
-  for cut in (' See full TensorStore', ' [tensorstore_spec'):
-    text = text.split(cut)[0]
-  return text if len(text) <= limit else text[:limit] + '...'
-
-
-@contextlib.contextmanager
-def _quiet():
-  """Silences the asyncio and absl loggers, which print TensorStore dumps of a
-  failed read next to the exception that reports it."""
-  loggers = [logging.getLogger(n) for n in ('asyncio', 'absl')]
-  levels = [lg.level for lg in loggers]
-  for lg in loggers:
-    lg.setLevel(logging.CRITICAL + 1)
-  try:
-    yield
-  finally:
-    for lg, level in zip(loggers, levels):
-      lg.setLevel(level)
-
-
-def _flat_shapes(tree) -> dict[str, tuple]:
-  """{'a/b/0': shape} of a tree of arrays or of orbax array metadata."""
-  return {'/'.join(str(getattr(k, 'key', getattr(k, 'idx', k))) for k in path):
-          tuple(getattr(leaf, 'shape', ()) or ())
-          for path, leaf in jax.tree_util.tree_leaves_with_path(tree)}
-
-
-def _tree_diff(saved: dict, wanted: dict, limit: int = 3) -> str:
-  """The first differences of two {path: shape} maps as text ('' if none)."""
-  missing = [p for p in wanted if p not in saved]
-  extra = [p for p in saved if p not in wanted]
-  shapes = [f'{p} saved {saved[p]}, model {wanted[p]}' for p in wanted
-            if p in saved and saved[p] != wanted[p]]
-  parts = [f'{len(saved)} arrays saved, {len(wanted)} in the model'] if missing or extra else []
-  if missing:
-    parts.append(f'not in the checkpoint: {", ".join(missing[:limit])}'
-                 + (' ...' if len(missing) > limit else ''))
-  if extra:
-    parts.append(f'not in the model: {", ".join(extra[:limit])}'
-                 + (' ...' if len(extra) > limit else ''))
-  if shapes:
-    parts.append('; '.join(shapes[:limit]) + (' ...' if len(shapes) > limit else ''))
-  return '; '.join(parts)
 
 
 def _pure(node):
@@ -244,7 +192,7 @@ class Checkpointer:
     once their files are checked against the step's digests."""
     self._check_digests(step, (*JSON_ITEMS, *targets))
     try:
-      with _quiet():
+      with quiet():
         out = self._mgr.restore(step, args=ocp.args.Composite(
             data=ocp.args.JsonRestore(), meta=ocp.args.JsonRestore(),
             **{k: ocp.args.StandardRestore(_abstract(t)) for k, t in targets.items()}))
@@ -323,7 +271,7 @@ class Checkpointer:
         return damaged(f'its {name} item is missing')
     for name in JSON_ITEMS:
       try:
-        with _quiet():
+        with quiet():
           item = self._mgr.restore(step, args=ocp.args.Composite(
               **{name: ocp.args.JsonRestore()}))[name]
       except Exception:  # pylint: disable=broad-except
@@ -332,17 +280,17 @@ class Checkpointer:
         return damaged(f'its {name} item is empty or not JSON')
     for name, target in targets.items():
       try:
-        with _quiet():
+        with quiet():
           saved = ocp.StandardCheckpointHandler().metadata(epath.Path(where / name))
       except Exception as e:  # pylint: disable=broad-except
-        return damaged(f'the metadata of its {name} item cannot be read ({_first_line(e)})')
-      diff = _tree_diff(_flat_shapes(saved), _flat_shapes(target))
+        return damaged(f'the metadata of its {name} item cannot be read ({first_line(e)})')
+      diff = tree_diff(flat_shapes(saved), flat_shapes(target))
       if diff:
         return CheckpointError(
             f'checkpoint step {step} in {self.directory} does not fit this model: its '
             f'{name} item differs ({diff}); the run\'s configuration is not the one that '
             f'wrote it')
-    return damaged(f'its arrays cannot be read ({_first_line(error)})')
+    return damaged(f'its arrays cannot be read ({first_line(error)})')
 
   def set_aside(self, steps: list[int], folder: str | pathlib.Path) -> pathlib.Path:
     """Moves checkpoint ``steps`` out of this directory into the new folder

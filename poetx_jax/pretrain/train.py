@@ -29,7 +29,7 @@ from poetx_jax.pretrain.plan import Plan, finish_options, make_plan, recorded_pl
 from poetx_jax.pretrain.checkpoint import Checkpointer, resumed_message
 from poetx_jax.pretrain.config import TrainConfig
 from poetx_jax.pretrain.evaluation import evaluate, place_batch
-from poetx_jax.pretrain.factories import build_state, make_step, make_training_mesh, size_text
+from poetx_jax.pretrain.factories import build_state, make_step, make_training_mesh, state_sizes
 from poetx_jax.pretrain.hooks import Hook
 from poetx_jax.pretrain.metrics import (Metrics, Progress, StopFlag, TrainClock,
                                         merge_reporter, read_metrics)
@@ -339,7 +339,8 @@ def set_up(cfg: TrainConfig, out: pathlib.Path, *, resume: bool, step: int | Non
   model, optimizer = build_state(plan, mesh, source and source.weights)
   if mesh is not None:
     log(f'mesh: {dict(mesh.shape)}, strategy {cfg.strategy}')
-  _log_sizes(plan, model, optimizer, log)
+  for line in state_sizes(plan, model, optimizer):
+    log(line)
   # Each process reads and feeds only its own rows of every global batch.
   pc, pi = jax.process_count(), jax.process_index()
   if cfg.batch_size % pc:
@@ -367,21 +368,6 @@ def set_up(cfg: TrainConfig, out: pathlib.Path, *, resume: bool, step: int | Non
              step or 0, tracking, merges=merges,
              val_windows=(len(windows), len(data.val_windows)),
              drawn=getattr(data, 'drawn', None))
-
-
-def _log_sizes(plan: Plan, model, optimizer, log) -> None:
-  """Logs the model's parameters and the sizes of the state."""
-  cfg, mc = plan.options, plan.model
-  n_params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
-  active = (f', {mc.active_params():,} active per token'
-            if mc.active_params() != mc.num_params() else '')
-  log(f'model: {cfg.model} ({n_params:,} trainable parameters, '
-      f'{mc.num_params():,} in the dense model{active}), optimizer {cfg.optimizer}'
-      f'{" with SkewAdam tiers" if cfg.skew_tiers else ""}, '
-      f'dtype {plan.dtype}')
-  log(f'state: model {size_text(nnx.state(model))}, optimizer '
-      f'{size_text(nnx.state(optimizer))}; gradients '
-      f'{size_text(nnx.state(model, nnx.Param))} during a step')
 
 
 def _start(run: Run, log) -> None:
