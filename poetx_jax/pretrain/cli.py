@@ -22,6 +22,7 @@ import sys
 import threading
 
 from poetx_jax.pretrain.checkpoint import CheckpointError
+from poetx_jax.pretrain.files import DiskFull, full_disk, full_disk_remedy, full_disk_text
 
 
 def _train_parser(sub, *, defaults: bool = True):
@@ -370,7 +371,8 @@ def main(argv=None) -> int:
   """Runs a ``poetx`` command; its exit status. A failure the user can act on
   is one line on stderr: exit 2 (bad option, data, run directory or
   checkpoint), or the error's own ``exit_code`` (3: non-finite loss, 4: the
-  run directory is in use); 130 when interrupted."""
+  run directory is in use, 6: a write refused for want of space, any error
+  caused by one); 130 when interrupted."""
   a = build_parser().parse_args(argv)
   a.argv = sys.argv[1:] if argv is None else list(argv)
   a.kept = lambda: ''  # what a command stopped by SIGTERM kept, for its message
@@ -385,6 +387,10 @@ def main(argv=None) -> int:
       print(f'poetx {a.command}: stopped by SIGTERM{a.kept()}', file=sys.stderr)
     raise
   except Exception as e:  # pylint: disable=broad-except
+    full = None if isinstance(e, DiskFull) else full_disk(e)
+    if full is not None:  # a write refused for want of space where none says what
+      e = DiskFull(f'{full_disk_text(full)} writing {getattr(e, "filename", None) or "a file"}: '
+                   f'{full_disk_remedy(full)} and run the command again', full)
     known = (ValueError, FileNotFoundError, CheckpointError, ImportError)
     code = getattr(e, 'exit_code', 2 if isinstance(e, known) else None)
     if code is None:
