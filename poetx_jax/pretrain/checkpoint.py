@@ -13,10 +13,21 @@ or a file whose bytes changed since it was saved raises
 :class:`DamagedCheckpoint`; one that reads but holds other arrays or shapes
 than the model (a configuration mismatch) raises :class:`CheckpointError`
 saying it does not fit, naming the first differences.
+
+A save refused for want of space (files.py's :class:`DiskFull`: the device
+full, a quota or the file size limit reached), in orbax's background threads
+or not, raises DiskFull naming the step from the call that meets it (the
+next save, :meth:`Checkpointer.wait` or :meth:`Checkpointer.close`), once
+those threads have ended. The step stays orbax's temporary folder, never a
+step that restores (and named as unfinished on ``--resume``); the steps
+before it stay as they were: orbax removes the old steps only once a save
+commits.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import pathlib
 import shutil
 import time
@@ -28,8 +39,10 @@ from etils import epath
 from flax import nnx
 
 from poetx_jax.pretrain import processes
-from poetx_jax.pretrain.checkpoint_faults import first_line, flat_shapes, quiet, tree_diff
-from poetx_jax.pretrain.files import check_digests, write_digests
+from poetx_jax.pretrain.checkpoint_faults import (NO_FULL_DISK_ERRORS, first_line, flat_shapes,
+                                                  quiet, tree_diff)
+from poetx_jax.pretrain.files import (DiskFull, check_digests, full_disk, full_disk_remedy,
+                                      full_disk_text, write_digests)
 
 JSON_ITEMS = ('meta', 'data')
 ITEMS = ('model', 'opt', *JSON_ITEMS)
@@ -92,6 +105,9 @@ class Checkpointer:
     self.directory = pathlib.Path(directory).absolute()
     self._async = async_save
     self._saving = None  # the step whose save is under way
+    logger = logging.getLogger('absl')  # orbax logs there
+    if NO_FULL_DISK_ERRORS not in logger.filters:
+      logger.addFilter(NO_FULL_DISK_ERRORS)
     self._mgr = ocp.CheckpointManager(
         self.directory,
         options=ocp.CheckpointManagerOptions(
@@ -112,19 +128,47 @@ class Checkpointer:
     found = {p.name.split('.', 1)[0] for p in self.directory.glob('*.orbax-checkpoint-tmp*')}
     return sorted(int(s) for s in found if s.isdigit())
 
+  def committed_steps(self) -> list[int]:
+    """The steps whose save committed, as the directory holds them now (after
+    a failed save, orbax's own list may leave out steps that are there)."""
+    return sorted(int(p.name) for p in self.directory.iterdir()
+                  if p.name.isdigit() and p.is_dir())
+
   def save(self, step: int, model, optimizer, *, data_state: dict,
            meta: dict) -> None:
-    """Starts saving; returns once the arrays are copied off the devices."""
-    self._mgr.wait_until_finished()  # the previous save's digests are written
+    """Starts saving; returns once the arrays are copied off the devices.
+
+    Raises:
+      DiskFull: this save, or the previous one, was refused for want of space.
+    """
+    with self._full_disk():
+      self._mgr.wait_until_finished()  # the previous save's digests are written
     self._saving = step
-    self._mgr.save(step, args=ocp.args.Composite(
-        model=ocp.args.StandardSave(_pure(model)),
-        opt=ocp.args.StandardSave(_pure(optimizer)),
-        data=ocp.args.JsonSave(data_state),
-        meta=ocp.args.JsonSave(meta)), force=True)
-    if not self._async:  # committed already: digests beside it
-      processes.on_primary('writing the checkpoint digests',
-                           lambda: write_digests(self.directory / str(step), ITEMS))
+    with self._full_disk():
+      self._mgr.save(step, args=ocp.args.Composite(
+          model=ocp.args.StandardSave(_pure(model)),
+          opt=ocp.args.StandardSave(_pure(optimizer)),
+          data=ocp.args.JsonSave(data_state),
+          meta=ocp.args.JsonSave(meta)), force=True)
+      if not self._async:  # committed already: digests beside it
+        processes.on_primary('writing the checkpoint digests',
+                             lambda: write_digests(self.directory / str(step), ITEMS))
+
+  @contextlib.contextmanager
+  def _full_disk(self):
+    """Raises DiskFull naming the step being saved where the block fails for
+    want of space, once orbax's threads for it have ended."""
+    try:
+      yield
+    except Exception as e:  # orbax passes on TensorStore's ValueErrors, OSErrors
+      code = full_disk(e)
+      if code is None:
+        raise
+      with contextlib.suppress(Exception):  # the failed save's other threads
+        self._mgr.wait_until_finished()
+      raise DiskFull(f'{full_disk_text(code)} writing the checkpoint of step {self._saving} '
+                     f'under {self.directory} (its unfinished folder is never restored)',
+                     code) from e
 
   def _write_digests(self) -> None:
     """Hashes the step being saved, once written and before orbax commits it
@@ -324,11 +368,13 @@ class Checkpointer:
     return step
 
   def wait(self) -> None:
-    """Blocks until pending asynchronous saves are on disk."""
-    self._mgr.wait_until_finished()
+    """Blocks until pending asynchronous saves are on disk (DiskFull as :meth:`save`)."""
+    with self._full_disk():
+      self._mgr.wait_until_finished()
 
   def close(self) -> None:
-    self._mgr.wait_until_finished()
+    """Waits for the pending saves (DiskFull as :meth:`save`) and closes."""
+    self.wait()
     self._mgr.close()
 
   def __enter__(self) -> 'Checkpointer':
@@ -353,11 +399,30 @@ def resumed_message(step: int, total: int, reached: int, unfinished: list[int]) 
   if reached <= step:
     return f'resumed from step {step}'
   struck = [s for s in unfinished if step < s <= reached]
-  why = (f'the save of step {struck[-1]} had not finished when the run stopped (a kill or '
-         f'crash struck while it was written)' if struck else
+  why = (f'the save of step {struck[-1]} had not finished when the run stopped (a kill, a '
+         f'crash or a full disk struck while it was written)' if struck else
          'the run stopped before its next checkpoint (a kill or crash: a SIGTERM or Ctrl-C '
          'saves first)')
   again = (f'step {reached} is' if reached == step + 1 else
            f'steps {step + 1}-{reached} are')
   return (f'resumed from step {step}, its newest whole checkpoint: the run had reached step '
           f'{reached}, so {again} trained again; {why}')
+
+
+def full_disk_stop(error: BaseException, code: int, run: pathlib.Path,
+                   steps: list[int]) -> DiskFull:
+  """The DiskFull that stops the training in the run directory ``run`` whose
+  write ``error`` was refused for want of space (error code ``code``): what
+  was being written, the newest of the whole checkpoints ``steps`` and what
+  to do.
+
+    >>> str(full_disk_stop(OSError(28, 'No space', 'm.jsonl'), 28, pathlib.Path('r'), [4]))[:65]
+    'no space left on device writing m.jsonl; the checkpoint of step 4'
+  """
+  what = (str(error) if isinstance(error, DiskFull) else
+          f'{full_disk_text(code)} writing {getattr(error, "filename", None) or f"in {run}"}')
+  remedy = full_disk_remedy(code)
+  then = (f'the checkpoint of step {steps[-1]} is intact: {remedy} and run again with --resume'
+          if steps else f'no checkpoint is written yet: {remedy} and run the command again '
+                        f'(without --resume) to start afresh')
+  return DiskFull(f'{what}; {then}', code)

@@ -1,7 +1,7 @@
 """How a checkpoint's failures are told: the first line of orbax's errors, the
 arrays of a checkpoint that does not fit a model, and orbax's logs of errors
 that :mod:`poetx_jax.pretrain.checkpoint` raises itself (a restore's
-TensorStore dumps) kept quiet.
+TensorStore dumps, a save refused for want of space) kept quiet.
 """
 
 from __future__ import annotations
@@ -10,6 +10,8 @@ import contextlib
 import logging
 
 import jax
+
+from poetx_jax.pretrain.files import full_disk
 
 
 def first_line(e: BaseException, limit: int = 300) -> str:
@@ -36,6 +38,19 @@ def quiet():
   finally:
     for lg, level in zip(loggers, levels):
       lg.setLevel(level)
+
+
+class _NoFullDiskErrors(logging.Filter):
+  """Drops orbax's log records of a write refused for want of space (each
+  with its traceback): the
+  :class:`~poetx_jax.pretrain.checkpoint.Checkpointer` raises it as one DiskFull."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    error = record.exc_info[1] if record.exc_info else None
+    return full_disk(error or ValueError(record.getMessage())) is None
+
+
+NO_FULL_DISK_ERRORS = _NoFullDiskErrors()  # on the absl logger, where orbax logs
 
 
 def flat_shapes(tree) -> dict[str, tuple]:

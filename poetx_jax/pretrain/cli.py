@@ -34,6 +34,8 @@ def _train_parser(sub, *, defaults: bool = True):
                                  'status: 0 finished, 2 bad option, data or checkpoint, '
                                  '3 non-finite loss, 4 OUT_DIR in use by another '
                                  'training, 5 a process of a --distributed run missing, '
+                                 '6 a write refused for want of space (the checkpoints '
+                                 'before it kept: continue with --resume), '
                                  '130 / 143 stopped by SIGINT / SIGTERM (a '
                                  'checkpoint saved: continue with --resume).')
   add_options(p, defaults=defaults)
