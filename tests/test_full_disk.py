@@ -1,9 +1,9 @@
-"""A full disk, injected on the CPU: a checkpoint save and a metrics line
-refused for want of space (RLIMIT_FSIZE in a subprocess: EFBIG, the errors of
-TensorStore's own writes; or a patched writer raising ENOSPC). Each leaves
-what was whole before as it was, says so in one line on stderr (exit 6), and
-once there is space again ``--resume`` ends as an uninterrupted run, bit for
-bit."""
+"""A full disk, injected on the CPU: a checkpoint save, a metrics line and a
+``poetx prepare`` shard refused for want of space (RLIMIT_FSIZE in a
+subprocess: EFBIG, the errors of TensorStore's and numpy's own writes; or a
+patched writer raising ENOSPC). Each leaves what was whole before as it was,
+says so in one line on stderr (exit 6), and once there is space again
+``--resume`` or the same command ends as an uninterrupted run, bit for bit."""
 
 import dataclasses
 import errno
@@ -14,6 +14,7 @@ import sys
 
 import pytest
 
+from conftest import write_corpus
 from poetx_jax.pretrain import checkpoint, cli
 from poetx_jax.pretrain import train as train_lib
 from poetx_jax.pretrain.checkpoint import Checkpointer
@@ -41,6 +42,25 @@ def full(run):
 train_lib.train = lambda *a, **k: real(*a, hooks=[train_lib.Hook(full)], **k)
 sys.exit(cli.main(['train', '--config', config]))
 '''
+
+# `poetx prepare` (one worker) in a subprocess whose files may grow to LIMIT
+# bytes once it starts task AT.
+LIMITED_PREPARE = '''
+import resource, sys
+from poetx_jax.pretrain import cli
+from poetx_jax.pretrain.data import prepare_tasks
+at, limit, args = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3:]
+real = prepare_tasks.tokenize_task
+
+def task(t):
+  if t['index'] == at:
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.RLIM_INFINITY))
+  return real(t)
+
+prepare_tasks.tokenize_task = task
+sys.exit(cli.main(['prepare', *args]))
+'''
+
 
 def _error_line(err: str, command: str) -> str:
   """The one error line of a subprocess's stderr (no traceback, no logged errors)."""
@@ -152,3 +172,35 @@ def test_no_space_for_a_write_while_training_stops_in_one_line(
 
 
 _train = train_lib.train
+
+
+def test_a_prepare_over_the_file_size_limit_keeps_its_finished_parts(tmp_path, capsys):
+  """A prepare whose third part meets a 1000-byte file size limit (numpy
+  would cut its 1400-byte shard short without a word): one line names the
+  shard and the two parts kept, the partial shard is gone, the finished ones
+  are as an uninterrupted prepare wrote them; the same command without the
+  limit then writes the directory that prepare writes."""
+  (tmp_path / 'src').mkdir()
+  src = write_corpus(tmp_path / 'src', docs=6, words=400)
+  args = [str(src), '--vocab-size', '300', '--shard-tokens', '700', '--workers', '1']
+  assert cli.main(['prepare', *args, '--out', str(tmp_path / 'uninterrupted')]) == 0
+  want = _tree(tmp_path / 'uninterrupted')
+  capsys.readouterr()
+
+  ds = tmp_path / 'ds'
+  proc = subprocess.run([sys.executable, '-c', LIMITED_PREPARE, '2', '1000', *args,
+                         '--out', str(ds)], capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 6, proc.stderr
+  line = _error_line(proc.stderr, 'prepare')
+  assert f'writing {ds / "shard-00002-00000.bin"}' in line, line
+  assert f'{ds} keeps 2 of 6 tokenized parts' in line and 'run the same command again' in line
+  got = _tree(ds)
+  assert not (ds / 'manifest.json').exists()
+  assert sorted(n for n in got if n.startswith('parts/0')) == ['parts/00000.json',
+                                                               'parts/00001.json']
+  assert all(n.startswith(('shard-00000-', 'shard-00001-', 'parts/', 'tokenizer.json'))
+             for n in got), sorted(got)
+  assert all(got[n] == want[n] for n in got), [n for n in got if got[n] != want[n]]
+
+  assert cli.main(['prepare', *args, '--out', str(ds)]) == 0
+  assert _tree(ds) == want

@@ -239,8 +239,9 @@ def _prepare_parser(sub) -> None:
                                  'dataset (--hf-dataset), into token shards with a manifest '
                                  'and the tokenizer, in worker processes and memory bounded '
                                  'by the shard size. Running it again on unchanged inputs '
-                                 'does nothing; an interrupted prepare resumes. Train on '
-                                 'the result with poetx train --data DIR.')
+                                 'does nothing; an interrupted prepare resumes (one that '
+                                 'ran out of space exits 6, its finished parts kept). '
+                                 'Train on the result with poetx train --data DIR.')
   p.add_argument('inputs', nargs='*', metavar='input',
                  help='corpus files or directories (none with --hf-dataset alone)')
   p.add_argument('--out', required=True, metavar='DIR', help='the dataset directory (required)')
