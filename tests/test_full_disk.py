@@ -1,9 +1,10 @@
-"""A full disk, injected on the CPU: a checkpoint save, a metrics line and a
-``poetx prepare`` shard refused for want of space (RLIMIT_FSIZE in a
-subprocess: EFBIG, the errors of TensorStore's and numpy's own writes; or a
-patched writer raising ENOSPC). Each leaves what was whole before as it was,
-says so in one line on stderr (exit 6), and once there is space again
-``--resume`` or the same command ends as an uninterrupted run, bit for bit."""
+"""A full disk, injected on the CPU: a checkpoint save, a metrics line, a
+``poetx prepare`` shard and a ``poetx export`` refused for want of space
+(RLIMIT_FSIZE in a subprocess: EFBIG, the errors of TensorStore's and numpy's
+own writes; or a patched writer raising ENOSPC). Each leaves what was whole
+before as it was, says so in one line on stderr (exit 6), and once there is
+space again ``--resume`` or the same command ends as an uninterrupted run,
+bit for bit."""
 
 import dataclasses
 import errno
@@ -204,3 +205,37 @@ def test_a_prepare_over_the_file_size_limit_keeps_its_finished_parts(tmp_path, c
 
   assert cli.main(['prepare', *args, '--out', str(ds)]) == 0
   assert _tree(ds) == want
+
+
+def test_an_export_without_space_leaves_no_partial_export(tmp_path, reference, capsys,
+                                                          monkeypatch):
+  """ENOSPC half-way through tokenizer_config.json (the weights and config
+  written): a new export directory is left without any export file, a
+  forced one keeps the export it held byte for byte; with space again the
+  same commands write what an uninterrupted export writes."""
+  run = reference[0].out_dir
+  assert cli.main(['export', run, '--out', str(tmp_path / 'want')]) == 0
+  assert cli.main(['export', run, '--out', str(tmp_path / 'old'), '--step', '8']) == 0
+  want, old = _tree(tmp_path / 'want'), _tree(tmp_path / 'old')
+  capsys.readouterr()
+  real_write_text = pathlib.Path.write_text
+  full = {'on': True}
+
+  def write_text(self, data, *a, **k):
+    if 'tokenizer_config' in self.name and full['on']:
+      real_write_text(self, data[:len(data) // 2], *a, **k)
+      raise OSError(errno.ENOSPC, 'No space left on device')
+    return real_write_text(self, data, *a, **k)
+
+  monkeypatch.setattr(pathlib.Path, 'write_text', write_text)
+  for out, flags, before in ((tmp_path / 'new', [], {}), (tmp_path / 'old', ['--force'], old)):
+    assert cli.main(['export', run, '--out', str(out), *flags]) == 6
+    line = _one_line_error(capsys, 'export')
+    assert f'no space left on device writing {out / "tokenizer_config.json"}' in line, line
+    assert line.endswith('free space and run the command again'), line
+    assert (_tree(out) if out.exists() else {}) == before
+
+  full['on'] = False
+  for out, flags in ((tmp_path / 'new', []), (tmp_path / 'old', ['--force'])):
+    assert cli.main(['export', run, '--out', str(out), *flags]) == 0
+    assert _tree(out) == want

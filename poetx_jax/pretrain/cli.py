@@ -287,8 +287,9 @@ def _export_parser(sub):
                                  'special-token ids, and the run\'s stored tokenizer '
                                  '(tokenizer.json, or tokenizer.model) with '
                                  'tokenizer_config.json and special_tokens_map.json. The '
-                                 'corpus is not read. poetx train --init-from-hf DIR '
-                                 'starts a run from it.')
+                                 'corpus is not read; the files are moved into DIR once '
+                                 'all are written (out of space: exit 6, DIR as it was). '
+                                 'poetx train --init-from-hf DIR starts a run from it.')
   p.add_argument('run', help='the run directory (the --out-dir of poetx train)')
   p.add_argument('--out', required=True, metavar='DIR',
                  help='the export directory, created if missing (required); one that '
