@@ -239,3 +239,25 @@ def test_an_export_without_space_leaves_no_partial_export(tmp_path, reference, c
   for out, flags in ((tmp_path / 'new', []), (tmp_path / 'old', ['--force'])):
     assert cli.main(['export', run, '--out', str(out), *flags]) == 0
     assert _tree(out) == want
+
+
+def test_a_fresh_run_without_space_for_its_files_leaves_nothing(tmp_path, corpus, capsys,
+                                                                monkeypatch):
+  """ENOSPC writing run.json, then data.json (the data read): one line names
+  the file, exit 6, and the run directory the run created is gone."""
+  real_write_text = pathlib.Path.write_text
+  for name in ('run.json', 'data.json'):
+
+    def write_text(self, data, *a, name=name, **k):
+      if self.name.startswith(f'.{name}.'):
+        raise OSError(errno.ENOSPC, 'No space left on device')
+      return real_write_text(self, data, *a, **k)
+
+    monkeypatch.setattr(pathlib.Path, 'write_text', write_text)
+    config = tmp_path / 'config.json'
+    real_write_text(config, json.dumps(dataclasses.asdict(_cfg(tmp_path, corpus))))
+    assert cli.main(['train', '--config', str(config)]) == 6
+    line = _one_line_error(capsys)
+    assert line.endswith(f'no space left on device writing {tmp_path / "run" / name}: free '
+                         f'space and run the command again'), line
+    assert not (tmp_path / 'run').exists()

@@ -391,10 +391,12 @@ def main(argv=None) -> int:
       print(f'poetx {a.command}: stopped by SIGTERM{a.kept()}', file=sys.stderr)
     raise
   except Exception as e:  # pylint: disable=broad-except
-    full = None if isinstance(e, DiskFull) else full_disk(e)
-    if full is not None:  # a write refused for want of space where none says what
-      e = DiskFull(f'{full_disk_text(full)} writing {getattr(e, "filename", None) or "a file"}: '
-                   f'{full_disk_remedy(full)} and run the command again', full)
+    full = full_disk(e)
+    if full is not None and not isinstance(e, DiskFull):  # none said what was written
+      e = DiskFull(f'{full_disk_text(full)} writing {getattr(e, "filename", None) or "a file"}',
+                   full)
+    if full is not None and full_disk_remedy(full) not in str(e):  # nor what to do
+      e = DiskFull(f'{e}: {full_disk_remedy(full)} and run the command again', full)
     known = (ValueError, FileNotFoundError, CheckpointError, ImportError)
     code = getattr(e, 'exit_code', 2 if isinstance(e, known) else None)
     if code is None:
