@@ -31,8 +31,9 @@ documents (jsonl line by line, parquet and datasets by record batch), so
 memory is bounded by the shard size, not by the corpus. A task whose shards
 are written is recorded in ``parts/``; an interrupted prepare resumes from
 there (one stopped by a write refused for want of space, DiskFull, removes
-the shards of the tasks it had not finished first), and running it again on unchanged inputs (same paths, sizes and
-modification times, the same dataset version, same tokenizer) does nothing;
+the shards of the tasks it had not finished first), and running it again on
+unchanged inputs (same paths, sizes and modification times, the same dataset
+version, same tokenizer) does nothing;
 other inputs, another tokenizer, or (without ``tokenizer``) another
 ``vocab_size`` or ``sample_chars`` for the trained BPE are refused, finished
 or not. Training reads the directory with
