@@ -13,6 +13,15 @@ or a file whose bytes changed since it was saved raises
 :class:`DamagedCheckpoint`; one that reads but holds other arrays or shapes
 than the model (a configuration mismatch) raises :class:`CheckpointError`
 saying it does not fit, naming the first differences.
+
+A save refused for want of space (files.py's :class:`DiskFull`: the device
+full, a quota or the file size limit reached), in orbax's background threads
+or not, raises DiskFull naming the step from the call that meets it (the
+next save, :meth:`Checkpointer.wait` or :meth:`Checkpointer.close`), once
+those threads have ended. The step stays orbax's temporary folder, never a
+step that restores (and named as unfinished on ``--resume``); the steps
+before it stay as they were: orbax removes the old steps only once a save
+commits.
 """
 
 from __future__ import annotations
@@ -30,7 +39,10 @@ from etils import epath
 from flax import nnx
 
 from poetx_jax.pretrain import processes
-from poetx_jax.pretrain.files import check_digests, write_digests
+from poetx_jax.pretrain.checkpoint_faults import (NO_FULL_DISK_ERRORS, first_line, flat_shapes,
+                                                  quiet, tree_diff)
+from poetx_jax.pretrain.files import (DiskFull, check_digests, full_disk, full_disk_remedy,
+                                      full_disk_text, write_digests)
 
 JSON_ITEMS = ('meta', 'data')
 ITEMS = ('model', 'opt', *JSON_ITEMS)
@@ -51,57 +63,6 @@ class DamagedCheckpoint(CheckpointError):
   def __init__(self, message: str, step: int):
     super().__init__(message)
     self.step = step
-
-
-def _first_line(e: BaseException, limit: int = 300) -> str:
-  """The start of an exception's message, from its innermost cause (orbax wraps
-  TensorStore's errors in messages holding kilobytes of spec)."""
-  while e.__cause__ is not None:
-    e = e.__cause__
-  text = (str(e).strip().splitlines() or [type(e).__name__])[0]
-  for cut in (' See full TensorStore', ' [tensorstore_spec'):
-    text = text.split(cut)[0]
-  return text if len(text) <= limit else text[:limit] + '...'
-
-
-@contextlib.contextmanager
-def _quiet():
-  """Silences the asyncio and absl loggers, which print TensorStore dumps of a
-  failed read next to the exception that reports it."""
-  loggers = [logging.getLogger(n) for n in ('asyncio', 'absl')]
-  levels = [lg.level for lg in loggers]
-  for lg in loggers:
-    lg.setLevel(logging.CRITICAL + 1)
-  try:
-    yield
-  finally:
-    for lg, level in zip(loggers, levels):
-      lg.setLevel(level)
-
-
-def _flat_shapes(tree) -> dict[str, tuple]:
-  """{'a/b/0': shape} of a tree of arrays or of orbax array metadata."""
-  return {'/'.join(str(getattr(k, 'key', getattr(k, 'idx', k))) for k in path):
-          tuple(getattr(leaf, 'shape', ()) or ())
-          for path, leaf in jax.tree_util.tree_leaves_with_path(tree)}
-
-
-def _tree_diff(saved: dict, wanted: dict, limit: int = 3) -> str:
-  """The first differences of two {path: shape} maps as text ('' if none)."""
-  missing = [p for p in wanted if p not in saved]
-  extra = [p for p in saved if p not in wanted]
-  shapes = [f'{p} saved {saved[p]}, model {wanted[p]}' for p in wanted
-            if p in saved and saved[p] != wanted[p]]
-  parts = [f'{len(saved)} arrays saved, {len(wanted)} in the model'] if missing or extra else []
-  if missing:
-    parts.append(f'not in the checkpoint: {", ".join(missing[:limit])}'
-                 + (' ...' if len(missing) > limit else ''))
-  if extra:
-    parts.append(f'not in the model: {", ".join(extra[:limit])}'
-                 + (' ...' if len(extra) > limit else ''))
-  if shapes:
-    parts.append('; '.join(shapes[:limit]) + (' ...' if len(shapes) > limit else ''))
-  return '; '.join(parts)
 
 
 def _pure(node):
@@ -144,6 +105,9 @@ class Checkpointer:
     self.directory = pathlib.Path(directory).absolute()
     self._async = async_save
     self._saving = None  # the step whose save is under way
+    logger = logging.getLogger('absl')  # orbax logs there
+    if NO_FULL_DISK_ERRORS not in logger.filters:
+      logger.addFilter(NO_FULL_DISK_ERRORS)
     self._mgr = ocp.CheckpointManager(
         self.directory,
         options=ocp.CheckpointManagerOptions(
@@ -164,19 +128,47 @@ class Checkpointer:
     found = {p.name.split('.', 1)[0] for p in self.directory.glob('*.orbax-checkpoint-tmp*')}
     return sorted(int(s) for s in found if s.isdigit())
 
+  def committed_steps(self) -> list[int]:
+    """The steps whose save committed, as the directory holds them now (after
+    a failed save, orbax's own list may leave out steps that are there)."""
+    return sorted(int(p.name) for p in self.directory.iterdir()
+                  if p.name.isdigit() and p.is_dir())
+
   def save(self, step: int, model, optimizer, *, data_state: dict,
            meta: dict) -> None:
-    """Starts saving; returns once the arrays are copied off the devices."""
-    self._mgr.wait_until_finished()  # the previous save's digests are written
+    """Starts saving; returns once the arrays are copied off the devices.
+
+    Raises:
+      DiskFull: this save, or the previous one, was refused for want of space.
+    """
+    with self._full_disk():
+      self._mgr.wait_until_finished()  # the previous save's digests are written
     self._saving = step
-    self._mgr.save(step, args=ocp.args.Composite(
-        model=ocp.args.StandardSave(_pure(model)),
-        opt=ocp.args.StandardSave(_pure(optimizer)),
-        data=ocp.args.JsonSave(data_state),
-        meta=ocp.args.JsonSave(meta)), force=True)
-    if not self._async:  # committed already: digests beside it
-      processes.on_primary('writing the checkpoint digests',
-                           lambda: write_digests(self.directory / str(step), ITEMS))
+    with self._full_disk():
+      self._mgr.save(step, args=ocp.args.Composite(
+          model=ocp.args.StandardSave(_pure(model)),
+          opt=ocp.args.StandardSave(_pure(optimizer)),
+          data=ocp.args.JsonSave(data_state),
+          meta=ocp.args.JsonSave(meta)), force=True)
+      if not self._async:  # committed already: digests beside it
+        processes.on_primary('writing the checkpoint digests',
+                             lambda: write_digests(self.directory / str(step), ITEMS))
+
+  @contextlib.contextmanager
+  def _full_disk(self):
+    """Raises DiskFull naming the step being saved where the block fails for
+    want of space, once orbax's threads for it have ended."""
+    try:
+      yield
+    except Exception as e:  # orbax passes on TensorStore's ValueErrors, OSErrors
+      code = full_disk(e)
+      if code is None:
+        raise
+      with contextlib.suppress(Exception):  # the failed save's other threads
+        self._mgr.wait_until_finished()
+      raise DiskFull(f'{full_disk_text(code)} writing the checkpoint of step {self._saving} '
+                     f'under {self.directory} (its unfinished folder is never restored)',
+                     code) from e
 
   def _write_digests(self) -> None:
     """Hashes the step being saved, once written and before orbax commits it
@@ -244,7 +236,7 @@ class Checkpointer:
     once their files are checked against the step's digests."""
     self._check_digests(step, (*JSON_ITEMS, *targets))
     try:
-      with _quiet():
+      with quiet():
         out = self._mgr.restore(step, args=ocp.args.Composite(
             data=ocp.args.JsonRestore(), meta=ocp.args.JsonRestore(),
             **{k: ocp.args.StandardRestore(_abstract(t)) for k, t in targets.items()}))
@@ -323,7 +315,7 @@ class Checkpointer:
         return damaged(f'its {name} item is missing')
     for name in JSON_ITEMS:
       try:
-        with _quiet():
+        with quiet():
           item = self._mgr.restore(step, args=ocp.args.Composite(
               **{name: ocp.args.JsonRestore()}))[name]
       except Exception:  # pylint: disable=broad-except
@@ -332,17 +324,17 @@ class Checkpointer:
         return damaged(f'its {name} item is empty or not JSON')
     for name, target in targets.items():
       try:
-        with _quiet():
+        with quiet():
           saved = ocp.StandardCheckpointHandler().metadata(epath.Path(where / name))
       except Exception as e:  # pylint: disable=broad-except
-        return damaged(f'the metadata of its {name} item cannot be read ({_first_line(e)})')
-      diff = _tree_diff(_flat_shapes(saved), _flat_shapes(target))
+        return damaged(f'the metadata of its {name} item cannot be read ({first_line(e)})')
+      diff = tree_diff(flat_shapes(saved), flat_shapes(target))
       if diff:
         return CheckpointError(
             f'checkpoint step {step} in {self.directory} does not fit this model: its '
             f'{name} item differs ({diff}); the run\'s configuration is not the one that '
             f'wrote it')
-    return damaged(f'its arrays cannot be read ({_first_line(error)})')
+    return damaged(f'its arrays cannot be read ({first_line(error)})')
 
   def set_aside(self, steps: list[int], folder: str | pathlib.Path) -> pathlib.Path:
     """Moves checkpoint ``steps`` out of this directory into the new folder
@@ -376,11 +368,13 @@ class Checkpointer:
     return step
 
   def wait(self) -> None:
-    """Blocks until pending asynchronous saves are on disk."""
-    self._mgr.wait_until_finished()
+    """Blocks until pending asynchronous saves are on disk (DiskFull as :meth:`save`)."""
+    with self._full_disk():
+      self._mgr.wait_until_finished()
 
   def close(self) -> None:
-    self._mgr.wait_until_finished()
+    """Waits for the pending saves (DiskFull as :meth:`save`) and closes."""
+    self.wait()
     self._mgr.close()
 
   def __enter__(self) -> 'Checkpointer':
@@ -405,11 +399,30 @@ def resumed_message(step: int, total: int, reached: int, unfinished: list[int]) 
   if reached <= step:
     return f'resumed from step {step}'
   struck = [s for s in unfinished if step < s <= reached]
-  why = (f'the save of step {struck[-1]} had not finished when the run stopped (a kill or '
-         f'crash struck while it was written)' if struck else
+  why = (f'the save of step {struck[-1]} had not finished when the run stopped (a kill, a '
+         f'crash or a full disk struck while it was written)' if struck else
          'the run stopped before its next checkpoint (a kill or crash: a SIGTERM or Ctrl-C '
          'saves first)')
   again = (f'step {reached} is' if reached == step + 1 else
            f'steps {step + 1}-{reached} are')
   return (f'resumed from step {step}, its newest whole checkpoint: the run had reached step '
           f'{reached}, so {again} trained again; {why}')
+
+
+def full_disk_stop(error: BaseException, code: int, run: pathlib.Path,
+                   steps: list[int]) -> DiskFull:
+  """The DiskFull that stops the training in the run directory ``run`` whose
+  write ``error`` was refused for want of space (error code ``code``): what
+  was being written, the newest of the whole checkpoints ``steps`` and what
+  to do.
+
+    >>> str(full_disk_stop(OSError(28, 'No space', 'm.jsonl'), 28, pathlib.Path('r'), [4]))[:65]
+    'no space left on device writing m.jsonl; the checkpoint of step 4'
+  """
+  what = (str(error) if isinstance(error, DiskFull) else
+          f'{full_disk_text(code)} writing {getattr(error, "filename", None) or f"in {run}"}')
+  remedy = full_disk_remedy(code)
+  then = (f'the checkpoint of step {steps[-1]} is intact: {remedy} and run again with --resume'
+          if steps else f'no checkpoint is written yet: {remedy} and run the command again '
+                        f'(without --resume) to start afresh')
+  return DiskFull(f'{what}; {then}', code)

@@ -22,6 +22,7 @@ import sys
 import threading
 
 from poetx_jax.pretrain.checkpoint import CheckpointError
+from poetx_jax.pretrain.files import DiskFull, full_disk, full_disk_remedy, full_disk_text
 
 
 def _train_parser(sub, *, defaults: bool = True):
@@ -33,6 +34,8 @@ def _train_parser(sub, *, defaults: bool = True):
                                  'status: 0 finished, 2 bad option, data or checkpoint, '
                                  '3 non-finite loss, 4 OUT_DIR in use by another '
                                  'training, 5 a process of a --distributed run missing, '
+                                 '6 a write refused for want of space (the checkpoints '
+                                 'before it kept: continue with --resume), '
                                  '130 / 143 stopped by SIGINT / SIGTERM (a '
                                  'checkpoint saved: continue with --resume).')
   add_options(p, defaults=defaults)
@@ -236,8 +239,9 @@ def _prepare_parser(sub) -> None:
                                  'dataset (--hf-dataset), into token shards with a manifest '
                                  'and the tokenizer, in worker processes and memory bounded '
                                  'by the shard size. Running it again on unchanged inputs '
-                                 'does nothing; an interrupted prepare resumes. Train on '
-                                 'the result with poetx train --data DIR.')
+                                 'does nothing; an interrupted prepare resumes (one that '
+                                 'ran out of space exits 6, its finished parts kept). '
+                                 'Train on the result with poetx train --data DIR.')
   p.add_argument('inputs', nargs='*', metavar='input',
                  help='corpus files or directories (none with --hf-dataset alone)')
   p.add_argument('--out', required=True, metavar='DIR', help='the dataset directory (required)')
@@ -283,8 +287,9 @@ def _export_parser(sub):
                                  'special-token ids, and the run\'s stored tokenizer '
                                  '(tokenizer.json, or tokenizer.model) with '
                                  'tokenizer_config.json and special_tokens_map.json. The '
-                                 'corpus is not read. poetx train --init-from-hf DIR '
-                                 'starts a run from it.')
+                                 'corpus is not read; the files are moved into DIR once '
+                                 'all are written (out of space: exit 6, DIR as it was). '
+                                 'poetx train --init-from-hf DIR starts a run from it.')
   p.add_argument('run', help='the run directory (the --out-dir of poetx train)')
   p.add_argument('--out', required=True, metavar='DIR',
                  help='the export directory, created if missing (required); one that '
@@ -370,7 +375,8 @@ def main(argv=None) -> int:
   """Runs a ``poetx`` command; its exit status. A failure the user can act on
   is one line on stderr: exit 2 (bad option, data, run directory or
   checkpoint), or the error's own ``exit_code`` (3: non-finite loss, 4: the
-  run directory is in use); 130 when interrupted."""
+  run directory is in use, 6: a write refused for want of space, any error
+  caused by one); 130 when interrupted."""
   a = build_parser().parse_args(argv)
   a.argv = sys.argv[1:] if argv is None else list(argv)
   a.kept = lambda: ''  # what a command stopped by SIGTERM kept, for its message
@@ -385,6 +391,12 @@ def main(argv=None) -> int:
       print(f'poetx {a.command}: stopped by SIGTERM{a.kept()}', file=sys.stderr)
     raise
   except Exception as e:  # pylint: disable=broad-except
+    full = full_disk(e)
+    if full is not None and not isinstance(e, DiskFull):  # none said what was written
+      e = DiskFull(f'{full_disk_text(full)} writing {getattr(e, "filename", None) or "a file"}',
+                   full)
+    if full is not None and full_disk_remedy(full) not in str(e):  # nor what to do
+      e = DiskFull(f'{e}: {full_disk_remedy(full)} and run the command again', full)
     known = (ValueError, FileNotFoundError, CheckpointError, ImportError)
     code = getattr(e, 'exit_code', 2 if isinstance(e, known) else None)
     if code is None:

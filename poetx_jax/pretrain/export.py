@@ -31,24 +31,29 @@ to export), and pads with EOS where it defines no pad.
 An export never mixes with another: a directory that already holds one is
 refused unless ``force``, which also removes the old export's files that the
 new one does not write (a ``tokenizer.json`` where a sentencepiece run is
-exported, shards of another count). Each file is written whole (a temporary
-file renamed) with the mode of any other new file (0666 less the umask): the
-weights first (the shards before their index), then config.json and the
-tokenizer files.
+exported, shards of another count). Every file is written first into a
+hidden folder of the directory, with the mode of any other new file (0666
+less the umask), and moved in only once all are written: the weights first
+(the shards before their index), then config.json and the tokenizer files.
+So an export that fails (a write refused for want of space: DiskFull, naming
+the file) leaves the directory as it was, holding the export it held or
+none.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import pathlib
 import shutil
+import tempfile
 import typing as tp
 
 import poetx_jax
 from poetx_jax import models
 from poetx_jax.models import hf, hf_files
 from poetx_jax.pretrain.data.tokenizer_files import tokenizer_files
-from poetx_jax.pretrain.files import atomic_write
+from poetx_jax.pretrain.files import DiskFull, atomic_write, first_missing, writing
 
 # A directory holding any of these holds an export: the files written here, and
 # those of other Hugging Face exports that a loader would read beside them.
@@ -108,6 +113,8 @@ def export_model(model, mc: models.LlamaConfig, out_dir: str | pathlib.Path,
   Raises:
     ValueError: ``out_dir`` is a file or holds an export (and not ``force``);
       the tokenizer's vocabulary is not the model's; a bad dtype or size.
+    DiskFull: a file could not be written for want of space; ``out_dir`` is
+      left as it was.
   """
   hf.check_exportable(mc)
   max_bytes = _checked_options(dtype, max_shard_size)
@@ -132,12 +139,36 @@ def export_model(model, mc: models.LlamaConfig, out_dir: str | pathlib.Path,
     name = 'tokenizer.model' if tokenizer_path.suffix == '.model' else 'tokenizer.json'
     files[name] = lambda tmp: shutil.copyfile(tokenizer_path, tmp)
     files.update({n: _json_writer(d) for n, d in tok_files.items()})
+  created = first_missing(out)
   out.mkdir(parents=True, exist_ok=True)
-  written = [atomic_write(out / name, write) for name, write in files.items()]
+  stage = pathlib.Path(tempfile.mkdtemp(dir=out, prefix='.export-'))
+  try:
+    for name, write in files.items():
+      with _no_partial_export(out, name, held, created):
+        atomic_write(stage / name, write)
+    written = [(stage / name).replace(out / name) for name in files]
+  finally:
+    shutil.rmtree(stage, ignore_errors=True)
   for name in held:
     if name not in files:
       (out / name).unlink()
   return written
+
+
+@contextlib.contextmanager
+def _no_partial_export(out: pathlib.Path, name: str, held: list[str],
+                       created: pathlib.Path | None) -> tp.Iterator[None]:
+  """A write of ``name`` refused for want of space: DiskFull naming it and
+  saying that ``out`` is as it was (removed, if the export ``created`` it)."""
+  try:
+    with writing(out / name):
+      yield
+  except DiskFull as e:
+    if created is not None:
+      shutil.rmtree(created, ignore_errors=True)
+    kept = (f'{out} holds the export it held, as it was' if held else
+            f'{out} holds no file of this export')
+    raise DiskFull(f'{e}; {kept}: {e.remedy} and run the command again', e.errno) from e
 
 
 def _checked_options(dtype: str, max_shard_size: int | str) -> int:

@@ -107,6 +107,20 @@ def size_text(tree) -> str:
   return f'{n / 2 ** 30:.2f} GiB' if n >= 2 ** 30 else f'{n / 2 ** 20:.1f} MiB'
 
 
+def state_sizes(plan: 'Plan', model, optimizer) -> list[str]:
+  """Two lines for the log: the model's parameters, the sizes of the state."""
+  cfg, mc = plan.options, plan.model
+  n_params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+  active = (f', {mc.active_params():,} active per token'
+            if mc.active_params() != mc.num_params() else '')
+  return [f'model: {cfg.model} ({n_params:,} trainable parameters, '
+          f'{mc.num_params():,} in the dense model{active}), optimizer {cfg.optimizer}'
+          f'{" with SkewAdam tiers" if cfg.skew_tiers else ""}, dtype {plan.dtype}',
+          f'state: model {size_text(nnx.state(model))}, optimizer '
+          f'{size_text(nnx.state(optimizer))}; gradients '
+          f'{size_text(nnx.state(model, nnx.Param))} during a step']
+
+
 def abstract_state(plan: 'Plan'):
   """``(model, optimizer)`` of the run as shapes only (``nnx.eval_shape``):
   for sizing and compiling without allocating anything."""

@@ -1,12 +1,14 @@
 """Files written whole (a reader sees the old file or the new one, never a
 part), JSON-lines files read back though a crash may have cut their last line
-short, and the content digests of a checkpoint step.
+short, the content digests of a checkpoint step, and writes refused for want
+of space.
 
     atomic_write(out / 'run.json', lambda tmp: Path(tmp).write_text(text))
-    atomic_write(out / 'tokens.npy', lambda tmp: np.save(tmp, tokens))
+    atomic_write(out / 'tokens.npy', lambda tmp: write_array(tmp, tokens, npy=True))
     records = read_jsonl(out / 'metrics.jsonl', warn=print, required=('step',))
     write_digests(step_dir, ('model', 'opt', 'data', 'meta'))  # step_dir/digests.json
     why = check_digests(step_dir, ('model', 'data', 'meta'))   # None: as saved
+    with writing(out / 'metrics.jsonl'): ...                   # a full disk: DiskFull
 
 A checkpoint file cut short or deleted is found by orbax too; one whose bytes
 changed in place, its size kept, reads without an error (a flipped float stays
@@ -19,13 +21,18 @@ SHA instructions) on a few threads.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
+import errno
 import hashlib
 import json
 import os
+import re
 import shutil
 import tempfile
 import typing as tp
 from pathlib import Path
+
+import numpy as np
 
 
 def _umask() -> int:
@@ -76,6 +83,18 @@ def atomic_write(path: str | os.PathLike, write: tp.Callable[[str], object]) -> 
     if os.path.exists(tmp):
       os.remove(tmp)
   return path
+
+
+def write_array(path: str | os.PathLike, array: np.ndarray, *, npy: bool = False) -> None:
+  """Writes the bytes of the C-contiguous ``array`` to the file ``path``
+  (``npy``: as ``np.save`` writes it) through Python's file object, which
+  raises on a short write: numpy's ``tofile`` and ``save`` lose the error of
+  a write they buffer, leaving the file cut short without a word on a full
+  disk."""
+  with open(path, 'wb') as f:
+    if npy:
+      np.lib.format.write_array_header_1_0(f, np.lib.format.header_data_from_array_1_0(array))
+    f.write(memoryview(array).cast('B'))
 
 
 def first_missing(path: str | os.PathLike) -> Path | None:
@@ -213,3 +232,81 @@ def check_digests(step_dir: str | os.PathLike, items: tuple[str, ...]) -> str | 
       return (f'its file {n} changed since it was saved (its size kept, sha256 '
               f'{now[:12]}..., saved as {files[n][1][:12]}...)')
   return None
+
+
+# What a write refused for want of space is, and what the user can do.
+_FULL = {errno.ENOSPC: ('no space left on device', 'free space'),
+         errno.EDQUOT: ('disk quota exceeded', 'free space or raise the quota'),
+         errno.EFBIG: ('file size limit reached (ulimit -f, or the file system\'s '
+                       'largest file)', 'raise the file size limit')}
+# The error code in the messages of TensorStore (orbax's array files), Rust
+# (tokenizers) and of an OSError's text passed on.
+_CODE = re.compile(r"os_error_code='(\d+)'|\(os error (\d+)\)|\[Errno (\d+)\]")
+
+
+class DiskFull(OSError):
+  """A write refused for want of space: the device is full (ENOSPC), the disk
+  quota reached (EDQUOT) or a file over the size limit (EFBIG, ``errno``). Its
+  message says what was being written and what is kept; ``poetx`` exits 6.
+
+  Attributes:
+    errno: the error code.
+    remedy: what makes the write possible again, e.g. ``'free space'``.
+  """
+  exit_code = 6
+
+  def __init__(self, message: str, code: int):
+    super().__init__(message)
+    self.errno = code
+
+  def __reduce__(self):  # raised in a worker process, read in its parent
+    return type(self), (str(self), self.errno)
+
+  @property
+  def remedy(self) -> str:
+    return full_disk_remedy(self.errno)
+
+
+def full_disk(e: BaseException) -> int | None:
+  """The error code (ENOSPC, EDQUOT or EFBIG) of a full disk that caused
+  ``e``: an OSError's ``errno``, or the code in the message of a TensorStore
+  or Rust error, in ``e`` or its causes and contexts; None if none did."""
+  seen, todo = set(), [e]
+  while todo:
+    e = todo.pop()
+    if e is None or id(e) in seen:
+      continue
+    seen.add(id(e))
+    if isinstance(e, OSError) and e.errno in _FULL:
+      return e.errno
+    for m in _CODE.finditer(str(e)[:100_000]):
+      code = int(next(g for g in m.groups() if g))
+      if code in _FULL:
+        return code
+    todo += [e.__cause__, e.__context__]
+  return None
+
+
+def full_disk_text(code: int) -> str:
+  """What the full disk of error code ``code`` is: 'no space left on device', ..."""
+  return _FULL[code][0]
+
+
+def full_disk_remedy(code: int) -> str:
+  """What makes room for the write refused with ``code``: 'free space', ..."""
+  return _FULL[code][1]
+
+
+@contextlib.contextmanager
+def writing(what: str | os.PathLike) -> tp.Iterator[None]:
+  """Raises :class:`DiskFull` ``'<why> writing <what>'`` where the block fails
+  for want of space (any other error passes as it is)."""
+  try:
+    yield
+  except DiskFull:
+    raise
+  except Exception as e:  # pylint: disable=broad-except
+    code = full_disk(e)
+    if code is None:
+      raise
+    raise DiskFull(f'{full_disk_text(code)} writing {what}', code) from e

@@ -39,7 +39,7 @@ import typing as tp
 import jax
 import tqdm
 
-from poetx_jax.pretrain.files import read_jsonl
+from poetx_jax.pretrain.files import atomic_write, read_jsonl, writing
 
 # A merge whose factors are further than this from orthogonal is reported:
 # healthy runs stay at a few 1e-2 or less (docs/quality.md); the series
@@ -53,8 +53,9 @@ class Metrics:
 
   On resume (``resume_step > 0``) the file is rewritten with the ``records``
   read from it before (:func:`~poetx_jax.pretrain.metrics.read_metrics`) up to
-  ``resume_step``. ``write=False`` (the other processes of a multi-process
-  run) writes nothing. ``close()`` closes the sinks.
+  ``resume_step`` (written whole, so that a full disk keeps the old file).
+  ``write=False`` (the other processes of a multi-process run) writes
+  nothing. ``close()`` closes the sinks.
   """
 
   def __init__(self, out_dir: pathlib.Path, resume_step: int, *, write: bool = True,
@@ -65,12 +66,15 @@ class Metrics:
     if not write:  # another process of the run writes them
       return
     kept = [r for r in records if r['step'] <= resume_step] if resume_step else []
-    self.path.write_text(''.join(json.dumps(r) + '\n' for r in kept))
+    text = ''.join(json.dumps(r) + '\n' for r in kept)
+    with writing(self.path):  # whole: a full disk keeps the records there
+      atomic_write(self.path, lambda tmp: pathlib.Path(tmp).write_text(text))
 
   def write(self, record: dict) -> None:
+    """Appends ``record`` (DiskFull naming the file if there is no space)."""
     if not self._write:
       return
-    with self.path.open('a') as f:
+    with writing(self.path), self.path.open('a') as f:
       f.write(json.dumps(record) + '\n')
     for sink in self.sinks:
       sink.write(record)

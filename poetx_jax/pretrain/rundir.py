@@ -38,7 +38,7 @@ from poetx_jax.pretrain.data import windows as data_lib
 from poetx_jax.pretrain import processes
 from poetx_jax.pretrain.checkpoint import CheckpointError, Checkpointer
 from poetx_jax.pretrain.config import PLAN_KEY, TrainConfig
-from poetx_jax.pretrain.files import Footprint, atomic_write
+from poetx_jax.pretrain.files import Footprint, atomic_write, writing
 from poetx_jax.pretrain.data.tokenizer import file_hash
 
 RUN_FILE, DATA_FILE = 'run.json', 'data.json'
@@ -287,20 +287,27 @@ def write_config(out: pathlib.Path, cfg: TrainConfig, plan=None) -> None:
   if plan is not None:
     record[PLAN_KEY] = plan.record()
   text = json.dumps(record, indent=1)
-  processes.on_primary('writing run.json', lambda: atomic_write(
-      out / RUN_FILE, lambda tmp: pathlib.Path(tmp).write_text(text)))
+
+  def write():
+    with writing(out / RUN_FILE):
+      atomic_write(out / RUN_FILE, lambda tmp: pathlib.Path(tmp).write_text(text))
+
+  processes.on_primary('writing run.json', write)
 
 
 def store_data(out: pathlib.Path, data: data_lib.TextData) -> None:
-  """Copies the tokenizer of ``data`` into the run and writes ``data.json``."""
+  """Copies the tokenizer of ``data`` into the run and writes ``data.json``,
+  each whole (DiskFull naming the file if there is no space)."""
   src = data.tokenizer.path
   name = 'tokenizer.model' if src.suffix == '.model' else 'tokenizer.json'
   if src.resolve() != (out / name).resolve():
-    shutil.copyfile(src, out / name)
+    with writing(out / name):
+      atomic_write(out / name, lambda tmp: shutil.copyfile(src, tmp))
   record = {'tokenizer': name, 'tokenizer_sha256': file_hash(out / name),
             'vocab_size': data.tokenizer.vocab_size, **data.fingerprint}
   text = json.dumps(record, indent=1)
-  atomic_write(out / DATA_FILE, lambda tmp: pathlib.Path(tmp).write_text(text))
+  with writing(out / DATA_FILE):
+    atomic_write(out / DATA_FILE, lambda tmp: pathlib.Path(tmp).write_text(text))
 
 
 def read_data_record(out: pathlib.Path) -> dict:

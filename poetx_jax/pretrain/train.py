@@ -12,6 +12,7 @@ directory in rundir.py.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import pathlib
@@ -26,10 +27,11 @@ from flax import nnx
 from poetx_jax.pretrain.data import windows as data_lib
 from poetx_jax.pretrain import hf_init, loading, processes, rundir
 from poetx_jax.pretrain.plan import Plan, finish_options, make_plan, recorded_plan
-from poetx_jax.pretrain.checkpoint import Checkpointer, resumed_message
+from poetx_jax.pretrain.checkpoint import Checkpointer, full_disk_stop, resumed_message
 from poetx_jax.pretrain.config import TrainConfig
 from poetx_jax.pretrain.evaluation import evaluate, place_batch
-from poetx_jax.pretrain.factories import build_state, make_step, make_training_mesh, size_text
+from poetx_jax.pretrain.files import full_disk
+from poetx_jax.pretrain.factories import build_state, make_step, make_training_mesh, state_sizes
 from poetx_jax.pretrain.hooks import Hook
 from poetx_jax.pretrain.metrics import (Metrics, Progress, StopFlag, TrainClock,
                                         merge_reporter, read_metrics)
@@ -213,7 +215,8 @@ def train(cfg: TrainConfig, *, resume: bool = False, step: int | None = None, lo
       run.hooks = loop_hooks(run, hooks, log)
       accepted()  # from here a failure keeps what the run wrote
       if run.step == 0:
-        _start(run, log)
+        with _stops_when_full(run):
+          _start(run, log)
     except SystemExit as e:  # SIGTERM before the loop (rundir.RunLock): no save
       if e.code == _SIGTERM_EXIT:
         log('stopped by SIGTERM while starting, ' + (
@@ -221,24 +224,43 @@ def train(cfg: TrainConfig, *, resume: bool = False, step: int | None = None, lo
             'before any checkpoint: nothing to resume; run the command again (without '
             '--resume) to start afresh'))
       raise
-    total = run.plan.micro_steps  # one iteration = one micro-batch
-    run.progress = Progress(total, initial=run.step, disable=not primary)
-    run.t0, run.start = time.perf_counter(), run.step
-    with StopFlag() as stop, TrainClock() as run.clock:
-      while run.step < total:
-        run.loss, run.grad_norm = run.step_fn(run.model, run.optimizer,
-                                              place_batch(next(run.batches), run.mesh))
-        run.step += 1
-        _after_step(run, last=run.step == total)
-        signal = _agreed(stop.signal, at_log=run.step % cfg.log_every == 0)
-        if signal or (stop_after is not None and run.step - run.start >= stop_after):
-          run.stopped = signal or 'stop_after'
-          if run.saved_at != run.step:
-            with run.clock.paused(run.loss):
-              run.save(run.stopped)
-          break
-    run.progress.close()
-    return _finish(run, log)
+    with _stops_when_full(run):  # a write refused for want of space: one line
+      total = run.plan.micro_steps  # one iteration = one micro-batch
+      run.progress = Progress(total, initial=run.step, disable=not primary)
+      run.t0, run.start = time.perf_counter(), run.step
+      with StopFlag() as stop, TrainClock() as run.clock:
+        while run.step < total:
+          run.loss, run.grad_norm = run.step_fn(run.model, run.optimizer,
+                                                place_batch(next(run.batches), run.mesh))
+          run.step += 1
+          _after_step(run, last=run.step == total)
+          signal = _agreed(stop.signal, at_log=run.step % cfg.log_every == 0)
+          if signal or (stop_after is not None and run.step - run.start >= stop_after):
+            run.stopped = signal or 'stop_after'
+            if run.saved_at != run.step:
+              with run.clock.paused(run.loss):
+                run.save(run.stopped)
+            break
+      run.progress.close()
+      return _finish(run, log)
+
+
+@contextlib.contextmanager
+def _stops_when_full(run: Run) -> tp.Iterator[None]:
+  """A write of the run refused for want of space stops it with
+  :func:`~poetx_jax.pretrain.checkpoint.full_disk_stop`'s DiskFull (what
+  failed, the checkpoint to resume from), once the checkpoint writes ended."""
+  try:
+    yield
+  except Exception as e:  # pylint: disable=broad-except
+    code = full_disk(e)
+    if code is None:
+      raise
+    with contextlib.suppress(Exception):  # the same save's error, again
+      run.ckpt.close()
+    if run.progress is not None:  # the line below on a line of its own
+      run.progress.close()
+    raise full_disk_stop(e, code, run.out, run.ckpt.committed_steps()) from e
 
 
 def _use_compile_cache(directory: str) -> None:
@@ -340,7 +362,8 @@ def set_up(cfg: TrainConfig, out: pathlib.Path, *, resume: bool, step: int | Non
   model, optimizer = build_state(plan, mesh, source and source.weights)
   if mesh is not None:
     log(f'mesh: {dict(mesh.shape)}, strategy {cfg.strategy}')
-  _log_sizes(plan, model, optimizer, log)
+  for line in state_sizes(plan, model, optimizer):
+    log(line)
   # Each process reads and feeds only its own rows of every global batch.
   pc, pi = jax.process_count(), jax.process_index()
   if cfg.batch_size % pc:
@@ -368,21 +391,6 @@ def set_up(cfg: TrainConfig, out: pathlib.Path, *, resume: bool, step: int | Non
              step or 0, tracking, merges=merges,
              val_windows=(len(windows), len(data.val_windows)),
              drawn=getattr(data, 'drawn', None))
-
-
-def _log_sizes(plan: Plan, model, optimizer, log) -> None:
-  """Logs the model's parameters and the sizes of the state."""
-  cfg, mc = plan.options, plan.model
-  n_params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
-  active = (f', {mc.active_params():,} active per token'
-            if mc.active_params() != mc.num_params() else '')
-  log(f'model: {cfg.model} ({n_params:,} trainable parameters, '
-      f'{mc.num_params():,} in the dense model{active}), optimizer {cfg.optimizer}'
-      f'{" with SkewAdam tiers" if cfg.skew_tiers else ""}, '
-      f'dtype {plan.dtype}')
-  log(f'state: model {size_text(nnx.state(model))}, optimizer '
-      f'{size_text(nnx.state(optimizer))}; gradients '
-      f'{size_text(nnx.state(model, nnx.Param))} during a step')
 
 
 def _start(run: Run, log) -> None:

@@ -30,8 +30,10 @@ dataset alone (streamed, :mod:`poetx_jax.pretrain.data.hfdata`); each streams it
 documents (jsonl line by line, parquet and datasets by record batch), so
 memory is bounded by the shard size, not by the corpus. A task whose shards
 are written is recorded in ``parts/``; an interrupted prepare resumes from
-there, and running it again on unchanged inputs (same paths, sizes and
-modification times, the same dataset version, same tokenizer) does nothing;
+there (one stopped by a write refused for want of space, DiskFull, removes
+the shards of the tasks it had not finished first), and running it again on
+unchanged inputs (same paths, sizes and modification times, the same dataset
+version, same tokenizer) does nothing;
 other inputs, another tokenizer, or (without ``tokenizer``) another
 ``vocab_size`` or ``sample_chars`` for the trained BPE are refused, finished
 or not. Training reads the directory with
@@ -46,6 +48,7 @@ tokenizer), and in ``parts/bpe.json`` until the manifest is written.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -56,7 +59,8 @@ import numpy as np
 
 from poetx_jax.pretrain.data import documents, shards
 from poetx_jax.pretrain.data.prepare_tasks import run_tasks, source_documents
-from poetx_jax.pretrain.files import atomic_write, first_missing
+from poetx_jax.pretrain.files import (DiskFull, atomic_write, first_missing, full_disk,
+                                      full_disk_remedy, full_disk_text)
 from poetx_jax.pretrain.data.tokenizer import Tokenizer, file_hash
 
 FORMAT = shards.FORMAT
@@ -146,6 +150,8 @@ def prepare(inputs: PathLike | tp.Sequence[PathLike], out: PathLike, *,
       holding a dataset (finished or not) of other inputs, another tokenizer
       or another BPE request.
     ImportError: ``hf_dataset`` without the datasets package.
+    DiskFull: a write refused for want of space (named); the finished parts
+      are kept, the shards of the others removed, and the same call resumes.
   """
   _check_arguments(vocab_size=vocab_size, shard_tokens=shard_tokens,
                    sample_chars=sample_chars, workers=workers)
@@ -163,12 +169,13 @@ def prepare(inputs: PathLike | tp.Sequence[PathLike], out: PathLike, *,
   created = first_missing(plan.out)
   plan.out.mkdir(parents=True, exist_ok=True)
   try:
-    tok_path = _store_tokenizer(plan, tokenizer, bpe)
-    tok, tok_hash = Tokenizer.load(tok_path), file_hash(tok_path)
-    dtype = token_dtype(tok.vocab_size)
-    parts = _tokenize_sources(plan, tok_path, tok_hash, dtype, shard_tokens=shard_tokens,
-                              workers=workers, progress=progress)
-    return _write_manifest(plan, parts, tok, tok_path, tok_hash, dtype, bpe)
+    with _resumable_when_full(plan, shard_tokens):
+      tok_path = _store_tokenizer(plan, tokenizer, bpe)
+      tok, tok_hash = Tokenizer.load(tok_path), file_hash(tok_path)
+      dtype = token_dtype(tok.vocab_size)
+      parts = _tokenize_sources(plan, tok_path, tok_hash, dtype, shard_tokens=shard_tokens,
+                                workers=workers, progress=progress)
+      return _write_manifest(plan, parts, tok, tok_path, tok_hash, dtype, bpe)
   except BaseException:
     if created is not None and not any(p.is_file() for p in created.rglob('*')):
       shutil.rmtree(created, ignore_errors=True)  # nothing done to resume from
@@ -181,6 +188,29 @@ class _Plan(tp.NamedTuple):
   out: Path
   sources: list[dict]
   text_field: str
+
+
+@contextlib.contextmanager
+def _resumable_when_full(plan: _Plan, shard_tokens: int) -> tp.Iterator[None]:
+  """A write refused for want of space: the shards of the parts not finished
+  (no record in ``parts/``) removed, temporary ones too, then DiskFull naming
+  the file, the parts kept and that the same command resumes."""
+  try:
+    yield
+  except Exception as e:  # pylint: disable=broad-except
+    code = full_disk(e)
+    if code is None:
+      raise
+    done = {p.stem for p in (plan.out / 'parts').glob('0*.json')}
+    for f in [*plan.out.glob('shard-*'), *plan.out.glob('.shard-*')]:
+      if f.name.lstrip('.').split('-')[1] not in done:
+        f.unlink(missing_ok=True)
+    what = (str(e) if isinstance(e, DiskFull) else f'{full_disk_text(code)} writing '
+            f'{getattr(e, "filename", None) or f"in {plan.out}"}')
+    raise DiskFull(f'{what}; {plan.out} keeps {len(done)} of '
+                   f'{len(_tasks(plan.sources, shard_tokens))} tokenized parts: '
+                   f'{full_disk_remedy(code)} and run the same command again to resume',
+                   code) from e
 
 
 def _check_arguments(*, vocab_size, shard_tokens, sample_chars, workers) -> None:

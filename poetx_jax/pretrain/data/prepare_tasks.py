@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from poetx_jax.pretrain.data import documents
-from poetx_jax.pretrain.files import atomic_write
+from poetx_jax.pretrain.files import atomic_write, write_array, writing
 from poetx_jax.pretrain.data.tokenizer import Tokenizer, file_hash
 
 _TOKENIZERS: dict[str, Tokenizer] = {}
@@ -42,8 +42,9 @@ def source_documents(source: dict, text_field: str,
 
 class _ShardWriter:
   """Token ids in, shards ``shard-{index:05d}-{k:05d}.bin`` of at most
-  ``limit`` tokens out (a document may span shards), each recorded with its
-  size, sha256 and largest id."""
+  ``limit`` tokens out (a document may span shards), each written whole and
+  recorded with its size, sha256 and largest id (DiskFull naming the shard
+  if there is no space for it)."""
 
   def __init__(self, out: Path, index: int, dtype: np.dtype, limit: int):
     self.out, self.index, self.dtype, self.limit = out, index, dtype, limit
@@ -63,7 +64,8 @@ class _ShardWriter:
       return
     arr = np.concatenate(self._pending)
     name = f'shard-{self.index:05d}-{len(self.shards):05d}.bin'
-    atomic_write(self.out / name, arr.tofile)
+    with writing(self.out / name):
+      atomic_write(self.out / name, lambda tmp: write_array(tmp, arr))
     self.shards.append({'file': name, 'tokens': int(arr.size),
                         'sha256': hashlib.sha256(arr.tobytes()).hexdigest(),
                         'max_id': int(arr.max())})

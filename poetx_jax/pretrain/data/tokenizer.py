@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from poetx_jax.pretrain.files import atomic_write
+from poetx_jax.pretrain.files import atomic_write, write_array
 
 PathLike = tp.Union[str, os.PathLike]
 
@@ -182,5 +182,5 @@ def tokenize_corpus(docs: tp.Sequence[str], tokenizer: Tokenizer, *,
   tokens = np.concatenate(chunks) if chunks else np.zeros((0,), np.int32)
   if cached is not None:
     cached.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write(cached, lambda tmp: np.save(tmp, tokens))
+    atomic_write(cached, lambda tmp: write_array(tmp, tokens, npy=True))
   return tokens
