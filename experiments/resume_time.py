@@ -4,7 +4,7 @@ cold and with a warm compilation cache, fresh and resumed.
 For each run (``NAME:OPTIONS``, the options of ``poetx train`` as one
 string) in a fresh temporary folder:
 
-* **cold**: a new run with an empty ``--compile-cache``, ``--steps S``
+* **cold**: a new run with an empty ``--compile-cache``, ``--steps S`` (``--first-steps``)
   (checkpointing at step S);
 * **warm**: the same run again in a new out-dir, its programs now in the cache;
 * **resumed**: the first run resumed to step S + 2 (``--resume``), warm cache.
@@ -15,7 +15,7 @@ reading, set-up, restore and compilation included), and to its exit.
 
     python3 experiments/resume_time.py --run "poetx:--model 130m --seq-len 256 --batch-size 64" \\
         --run "adamw:--model 130m --seq-len 256 --batch-size 64 --optimizer adamw"
-    python3 experiments/resume_time.py --steps 2 --run "tiny:--model tiny"  # CPU smoke
+    python3 experiments/resume_time.py --first-steps 2 --run "tiny:--model tiny"  # CPU smoke
 """
 
 from __future__ import annotations
@@ -83,11 +83,11 @@ def main(argv=None):
   p.add_argument('--run', action='append', required=True, metavar='NAME:OPTIONS',
                  help='a label and the options of poetx train, e.g. '
                       '"adamw:--model 130m --optimizer adamw"; repeatable')
-  p.add_argument('--steps', type=int, default=4, help='updates of the first run (>= 1)')
+  p.add_argument('--first-steps', type=int, default=4, help='updates of the first run (>= 1)')
   p.add_argument('--json', help='write the results here')
   a = p.parse_args(argv)
-  if a.steps < 1:
-    p.error(f'--steps {a.steps}: must be >= 1')
+  if a.first_steps < 1:
+    p.error(f'--first-steps {a.first_steps}: must be >= 1')
   results = []
   for run in a.run:
     name, sep, options = run.partition(':')
@@ -96,7 +96,7 @@ def main(argv=None):
     print(f'{name}: {options}', file=sys.stderr, flush=True)
     with tempfile.TemporaryDirectory() as root:
       try:
-        results.append({'run': name, **time_run(options, a.steps, Path(root))})
+        results.append({'run': name, **time_run(options, a.first_steps, Path(root))})
       except RuntimeError as e:
         results.append({'run': name, 'error': str(e)})
   print(f'{"run":12s} {"cold":>8s} {"warm":>8s} {"resumed":>8s}   (launch to first update, s)')
