@@ -9,61 +9,68 @@ The library, what a Flax training loop imports (needs jax, flax and optax):
 cycle (``merge``), the optax transformations (``poetx``, ``lean_adamw``), the
 train step and ``sharding``. The Llama pretraining app built on it lives in
 ``poetx_jax.pretrain`` (the ``pretrain`` extra) and ``poetx_jax.models``.
+
+The names below load their module on first use (PEP 562): importing the
+package, or a module of it that needs none of them, does not import jax, so
+the ``poetx`` command can take its signals before the seconds that takes.
 """
 
-from poetx_jax import ops
-from poetx_jax.convert import (
-    effective_kernel,
-    for_each_layer,
-    orthogonality_error,
-    poet_layers,
-    poetize,
-    to_linear,
-    unpoetize,
-)
-from poetx_jax.cycle import MergeClock, merge, merge_due, merge_layer
-from poetx_jax.factored import (
-    FactoredRMSState,
-    factored_moments_like,
-    is_factored,
-    scale_by_factored_rms,
-    update_factored_moment,
-)
-from poetx_jax.hyperparams import check_hyperparameters
-from poetx_jax.lean import lean_adamw, scale_by_lean_adam
-from poetx_jax.groups import batched_series, linear_operands, swiglu
-from poetx_jax.linear import FrozenKernel, Permutation, POETLinear, POETParam
-from poetx_jax.optim import (
-    ScaleByPoetxState,
-    clip_by_global_norm_after_merge,
-    default_poet_lr,
-    merge_clip_bound,
-    poetx,
-    poetx_labels,
-    poetx_partition,
-    scale_by_poetx,
-)
-from poetx_jax.skewadam import (
-    poetx_skewadam,
-    scale_by_skewadam,
-    skewadam,
-    skewadam_labels,
-    state_bytes,
-)
-from poetx_jax.step import make_train_step
-from poetx_jax.ties import tie_permutations
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+import types
 
 __version__ = '0.1.0'
 
-__all__ = [
-    'FrozenKernel', 'MergeClock', 'POETLinear', 'POETParam', 'Permutation',
-    'ScaleByPoetxState', 'batched_series', 'clip_by_global_norm_after_merge',
-    'default_poet_lr',
-    'effective_kernel', 'for_each_layer', 'lean_adamw', 'make_train_step', 'merge',
-    'merge_clip_bound', 'merge_due', 'merge_layer', 'ops', 'orthogonality_error',
-    'linear_operands', 'poet_layers', 'poetize', 'poetx', 'poetx_labels', 'poetx_partition',
-    'scale_by_lean_adam', 'scale_by_poetx', 'swiglu', 'to_linear', 'unpoetize',
-    'FactoredRMSState', 'poetx_skewadam', 'scale_by_factored_rms', 'scale_by_skewadam',
-    'skewadam', 'skewadam_labels', 'state_bytes', 'check_hyperparameters', 'tie_permutations',
-    'factored_moments_like', 'is_factored', 'update_factored_moment',
-]
+# The module of poetx_jax that defines each public name.
+_MODULES = {
+    'convert': 'effective_kernel for_each_layer orthogonality_error poet_layers poetize '
+               'to_linear unpoetize',
+    'cycle': 'MergeClock merge merge_due merge_layer',
+    'factored': 'FactoredRMSState factored_moments_like is_factored scale_by_factored_rms '
+                'update_factored_moment',
+    'hyperparams': 'check_hyperparameters',
+    'lean': 'lean_adamw scale_by_lean_adam',
+    'groups': 'batched_series linear_operands swiglu',
+    'linear': 'FrozenKernel Permutation POETLinear POETParam',
+    'optim': 'ScaleByPoetxState clip_by_global_norm_after_merge default_poet_lr '
+             'merge_clip_bound poetx poetx_labels poetx_partition scale_by_poetx',
+    'skewadam': 'poetx_skewadam scale_by_skewadam skewadam skewadam_labels state_bytes',
+    'step': 'make_train_step',
+    'ties': 'tie_permutations',
+}
+_WHERE = {name: module for module, names in _MODULES.items() for name in names.split()}
+
+__all__ = ['ops', *sorted(_WHERE)]
+
+
+def __getattr__(name: str):
+  """A public name (its module imported now), or a submodule of poetx_jax."""
+  if name in _WHERE:
+    value = getattr(importlib.import_module(f'{__name__}.{_WHERE[name]}'), name)
+  elif not name.startswith('_') and importlib.util.find_spec(f'{__name__}.{name}'):
+    value = importlib.import_module(f'{__name__}.{name}')
+  else:
+    raise AttributeError(f'module {__name__!r} has no attribute {name!r}')
+  globals()[name] = value
+  return value
+
+
+def __dir__() -> list[str]:
+  return sorted({*globals(), *__all__})
+
+
+class _Package(types.ModuleType):
+  """The package's module type: the import system, loading a submodule named
+  like a public name (``skewadam``, module and function), does not bind the
+  module over the name, which stays the function (as an eager
+  ``from poetx_jax.skewadam import skewadam`` here would leave it)."""
+
+  def __setattr__(self, name, value):
+    if not (name in _WHERE and isinstance(value, types.ModuleType)):
+      super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package

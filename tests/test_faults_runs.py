@@ -11,6 +11,8 @@ import os
 import re
 import pathlib
 import signal
+import subprocess
+import sys
 import time
 
 import jax.numpy as jnp
@@ -188,6 +190,29 @@ def test_eval_scores_the_runs_validation_windows(tmp_path, reference, capsys):
   assert cli.main(['eval', cfg.out_dir, '--eval-batches', '0']) == 2
   assert ("--eval-batches must be a count >= 1, 'run' or 'all', got '0'"
           in _one_line_error(capsys, 'eval'))
+
+
+def test_sigterm_before_the_options_are_read(tmp_path, capsys, monkeypatch):
+  """A SIGTERM while the command's options are still being read (jax being
+  imported, the first seconds of every command) exits 143 with its line,
+  nothing written; and the poetx command module imports no jax itself, so
+  that window starts almost at launch."""
+  def terminated(*a, **k):
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(5)  # the handler raises first
+    raise AssertionError('no SIGTERM')
+
+  monkeypatch.setattr(cli, 'build_parser', terminated)
+  with pytest.raises(SystemExit) as e:
+    cli.main(['train', '--out-dir', str(tmp_path / 'run')])
+  assert e.value.code == 143 and not (tmp_path / 'run').exists()
+  assert capsys.readouterr().err.strip() == (
+      'poetx train: stopped by SIGTERM while starting: nothing was written')
+  imported = subprocess.run(
+      [sys.executable, '-c', 'import sys, poetx_jax.pretrain.cli; '
+       'print(sorted(m for m in sys.modules if m.split(".")[0] in ("jax", "flax", "optax")))'],
+      capture_output=True, text=True, check=True)
+  assert imported.stdout.strip() == '[]'
 
 
 def test_step_errors_and_sigterm_during_start_up(tmp_path, corpus, capsys, monkeypatch):

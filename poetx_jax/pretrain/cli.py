@@ -21,7 +21,6 @@ import signal
 import sys
 import threading
 
-from poetx_jax.pretrain.checkpoint import CheckpointError
 from poetx_jax.pretrain.files import DiskFull, full_disk, full_disk_remedy, full_disk_text
 
 
@@ -376,19 +375,25 @@ def main(argv=None) -> int:
   is one line on stderr: exit 2 (bad option, data, run directory or
   checkpoint), or the error's own ``exit_code`` (3: non-finite loss, 4: the
   run directory is in use, 6: a write refused for want of space, any error
-  caused by one); 130 when interrupted."""
-  a = build_parser().parse_args(argv)
-  a.argv = sys.argv[1:] if argv is None else list(argv)
-  a.kept = lambda: ''  # what a command stopped by SIGTERM kept, for its message
+  caused by one); 130 when interrupted. SIGTERM exits 143 with a line from
+  the start, before jax is imported (this module imports none of it)."""
+  args = sys.argv[1:] if argv is None else list(argv)
+  command = next((x for x in args if not x.startswith('-')), '')
+  a = None
   try:
     with _sigterm_exits():
+      a = build_parser().parse_args(args)
+      a.argv = args
+      a.kept = lambda: ''  # what a command stopped by SIGTERM kept, for its message
       return a.func(a)
   except KeyboardInterrupt:
-    print(f'poetx {a.command}: interrupted', file=sys.stderr)
+    print(f'poetx {command}: interrupted', file=sys.stderr)
     return 130
   except SystemExit as e:
     if e.code == _SIGTERM_EXIT:
-      print(f'poetx {a.command}: stopped by SIGTERM{a.kept()}', file=sys.stderr)
+      print(f'poetx {command}: stopped by SIGTERM' + (
+          a.kept() if a is not None else ' while starting: nothing was written'),
+          file=sys.stderr)
     raise
   except Exception as e:  # pylint: disable=broad-except
     full = full_disk(e)
@@ -397,11 +402,12 @@ def main(argv=None) -> int:
                    full)
     if full is not None and full_disk_remedy(full) not in str(e):  # nor what to do
       e = DiskFull(f'{e}: {full_disk_remedy(full)} and run the command again', full)
+    from poetx_jax.pretrain.checkpoint import CheckpointError
     known = (ValueError, FileNotFoundError, CheckpointError, ImportError)
     code = getattr(e, 'exit_code', 2 if isinstance(e, known) else None)
     if code is None:
       raise
-    print(f'poetx {a.command}: error: {e}', file=sys.stderr)
+    print(f'poetx {command}: error: {e}', file=sys.stderr)
     return code
 
 
