@@ -461,10 +461,31 @@ def test_hooks_are_checked_before_anything_is_written(tmp_path, corpus):
   assert not (tmp_path / 'run').exists()
 
 
+def test_compile_cache_off_or_already_set_is_left_alone(tmp_path):
+  """--compile-cache '' sets no cache, and a cache the process set already is
+  kept; otherwise the directory is set, every program cached."""
+  from poetx_jax.pretrain.train import _use_compile_cache  # pylint: disable=protected-access
+  names = ('jax_compilation_cache_dir', 'jax_persistent_cache_min_compile_time_secs')
+  saved = {n: getattr(jax.config, n) for n in names}
+  try:
+    jax.config.update(names[0], None)
+    jax.config.update(names[1], 1.0)
+    _use_compile_cache('')
+    assert jax.config.jax_compilation_cache_dir is None
+    _use_compile_cache(str(tmp_path / 'xla'))
+    assert jax.config.jax_compilation_cache_dir == str(tmp_path / 'xla')
+    assert jax.config.jax_persistent_cache_min_compile_time_secs == 0
+    _use_compile_cache(str(tmp_path / 'other'))
+    assert jax.config.jax_compilation_cache_dir == str(tmp_path / 'xla')
+  finally:
+    for n, v in saved.items():
+      jax.config.update(n, v)
+
+
 def test_poetx_train_keeps_its_programs_in_the_compile_cache(tmp_path, corpus):
   """--compile-cache (on by default): a process's programs land in the
   persistent cache, and the same run repeated in another process reads them
-  back instead of compiling, and so does a resumed run; "" leaves it off. (The suite's own cache is
+  back instead of compiling, and so does a resumed run. (The suite's own cache is
   taken away.)"""
   import os
   import subprocess
@@ -482,8 +503,6 @@ def test_poetx_train_keeps_its_programs_in_the_compile_cache(tmp_path, corpus):
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
 
-  train('--steps', '2', '--out-dir', str(tmp_path / 'off'), '--compile-cache', '')
-  assert not cache.exists()
   train('--steps', '2', '--out-dir', str(tmp_path / 'run'), '--compile-cache', str(cache))
   entries = {p.name for p in cache.iterdir()}
   assert entries  # the step, the evaluation and the merge programs, at least
