@@ -5,6 +5,9 @@ model equals the dense one it exports to; the first loss is near log(vocab)),
 compiles the train step of ``poetx train``, runs ``--warmup-steps`` steps,
 then times ``--timed-steps`` device-synchronised steps on random tokens and
 reads the device's peak memory. One table at the end; ``--json`` keeps it all.
+The same program can differ by 15% between two processes on one GPU, so
+``--rounds 2`` (or more) runs the list again in reverse order and reports
+each run's median round beside every round's step.
 
 The options are ``poetx train``'s (one ``TrainConfig``; here by default model
 1b, seq 1024, vocab 32000, batch 8, a merge every 200 updates and a schedule
@@ -17,6 +20,7 @@ labelled by its text or by a ``NAME:`` before it; the default runs are
         --run optimizer=poetx,mode=mem,remat=block --run optimizer=adamw
     python3 experiments/bench_train.py --run optimizer=poetx,form=weight,implementation=pallas \\
         --run tiers:optimizer=poetx,skew_tiers=true --run xq:optimizer=poetx,quantize=int8
+    python3 experiments/bench_train.py --rounds 2 --run optimizer=poetx --run optimizer=adamw  # A B, B A
     python3 experiments/bench_train.py --model tiny --seq-len 64 --timed-steps 3   # CPU smoke test
 
 The run trains on the devices the process sees, as ``poetx train`` would
@@ -252,11 +256,12 @@ def export_check(plan, model, tokens, label: str) -> dict:
 
 def add_run_args(p: argparse.ArgumentParser, *, runs=DEFAULT_RUNS, warmup_steps: int = 3,
                  timed_steps: int = 10, json_path: str | None = None,
-                 exclude=(), **defaults) -> None:
+                 exclude=(), rounds: bool = False, **defaults) -> None:
   """The options of a run, shared with bench_scaling, bench_memory and
   profile_step: ``poetx train``'s (``config.add_options``; BENCH_DEFAULTS,
   then ``defaults``, as their defaults; UNUSED and ``exclude`` left out), the
-  runs (``--run``: :func:`runs_of`), the timing and the output."""
+  runs (``--run``: :func:`runs_of`), the timing and the output; with
+  ``rounds`` (scripts that run them through :func:`run_each`) ``--rounds``."""
   from poetx_jax.pretrain import config
   config.add_options(p, overrides={**BENCH_DEFAULTS, **defaults},
                      exclude=UNUSED + tuple(exclude))
@@ -268,6 +273,12 @@ def add_run_args(p: argparse.ArgumentParser, *, runs=DEFAULT_RUNS, warmup_steps:
   p.add_argument('--warmup-steps', type=int, default=warmup_steps,
                  help='untimed steps after the first (compiling) one')
   p.add_argument('--timed-steps', type=int, default=timed_steps, help='timed steps')
+  p.set_defaults(rounds=1)
+  if rounds:
+    p.add_argument('--rounds', type=int, default=1,
+                   help='run the list this many times, every other time in reverse order '
+                        '(A B, B A, ...), each run a fresh process each time: a run\'s '
+                        'spread between processes and its position in the list show')
   p.add_argument('--json', default=json_path, help='write every result here')
   p.add_argument('--single', default=None, help=argparse.SUPPRESS)
 
@@ -280,24 +291,51 @@ def runs_of(a) -> list[str]:
 def run_each(a, script: str, argv: list[str], show: tp.Callable[[dict], str]) -> list[dict]:
   """Runs every ``--run`` of ``a`` in a process of its own (``script`` with
   ``argv`` and ``--single RUN``: its last stdout line is the run's JSON
-  result), prints ``show(result)`` as each ends (a failed run's result is
-  ``{'run', 'error'}``) and writes them all to ``a.json`` if set; the results."""
+  result), ``--rounds`` times (every other round in reverse order; each
+  result then records its ``round``), prints ``show(result)`` as each ends
+  (a failed run's result is ``{'run', 'error'}``) and writes them all to
+  ``a.json`` if set; the results, in the order they ran."""
+  if a.rounds < 1:
+    raise SystemExit(f'--rounds {a.rounds}: must be >= 1')
   results = []
   base = [sys.executable, os.path.abspath(script)] + list(argv)
-  for run in runs_of(a):
-    label = parse_run(run)[0]
-    r, error = run_child(base + ['--single', run], label)
-    results.append(r if error is None else {'run': label, 'error': error})
-    print(show(results[-1]), flush=True)
-  if a.json:
-    with open(a.json, 'w') as f:
-      json.dump(results, f, indent=1)
+  runs = runs_of(a)
+  for i in range(a.rounds):
+    for run in (runs if i % 2 == 0 else runs[::-1]):
+      label = parse_run(run)[0]
+      r, error = run_child(base + ['--single', run], label)
+      results.append(r if error is None else {'run': label, 'error': error})
+      if a.rounds > 1:
+        results[-1]['round'] = i
+      print(show(results[-1]), flush=True)
+      if a.json:  # as each ends: a call cut short keeps the runs done
+        with open(a.json, 'w') as f:
+          json.dump(results, f, indent=1)
   return results
+
+
+def by_run(results: list[dict]) -> list[dict]:
+  """One result per run label (in the order first run): with several rounds,
+  the round whose step time is the median of the label's (a failed round
+  counts only if all failed), with ``rounds_ms``, every round's step in ms in
+  the order they ran."""
+  groups = {}
+  for r in results:
+    groups.setdefault(r['run'], []).append(r)
+  out = []
+  for label, rs in groups.items():
+    ok = sorted((r for r in rs if 'error' not in r), key=lambda r: r['step_s'])
+    if len(rs) == 1 or not ok:
+      out.append(rs[0])
+      continue
+    out.append({**ok[(len(ok) - 1) // 2],
+                'rounds_ms': [1e3 * r['step_s'] if 'error' not in r else None for r in rs]})
+  return out
 
 
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  add_run_args(p)
+  add_run_args(p, rounds=True)
   a = p.parse_args(argv)
   if a.single:  # child process: one run, JSON on the last line
     label, overrides = parse_run(a.single)
@@ -313,14 +351,18 @@ def main(argv=None):
 
 
 def print_table(a, results: list[dict]) -> None:
-  """The results as a table on stdout."""
+  """The results as a table on stdout, one row per run (:func:`by_run`: the
+  median round, and each round's step with several)."""
+  results = by_run(results)
   width = max([28] + [len(r['run']) for r in results])
+  rounds = [Column('rounds ms', 8 * a.rounds, lambda r: ' '.join(
+      '—' if ms is None else f'{ms:.1f}' for ms in r.get('rounds_ms', ())))] * (a.rounds > 1)
   table(results, [
       Column('run', width, lambda r: r['run'], key=True),
       Column('tokens/s', 10, lambda r: f"{r['tokens_per_s']:,.0f}"),
       Column('step ms', 9, lambda r: f"{1e3 * r['step_s']:.1f}"),
       Column('peak GiB', 9, lambda r: f"{r['peak_gib']:.2f}"),
-      Column('opt state GiB', 14, lambda r: f"{r['optimizer_state_gib']:.3f}")],
+      Column('opt state GiB', 14, lambda r: f"{r['optimizer_state_gib']:.3f}"), *rounds],
       title=f'{a.model}, seq {a.seq_len}, batch {a.batch_size}'
             f'{", lean state" if a.lean_state else ""}', error_chars=90)
 

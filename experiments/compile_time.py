@@ -88,7 +88,7 @@ def format_row(r: dict) -> str:
 def main(argv=None):
   import bench_train
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  bench_train.add_run_args(p, timed_steps=2)
+  bench_train.add_run_args(p, timed_steps=2, rounds=True)
   a = p.parse_args(argv)
   if a.single:  # child process: one run, JSON on the last line
     label, overrides = bench_train.parse_run(a.single)

@@ -242,7 +242,7 @@ def profile_run(a, run: str) -> dict:
 def main(argv=None):
   import bench_train
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  bench_train.add_run_args(p, warmup_steps=2, timed_steps=5)
+  bench_train.add_run_args(p, warmup_steps=2, timed_steps=5, rounds=True)
   p.add_argument('--top', type=int, default=15, help='kernels listed per run')
   p.add_argument('--variant', default=None, metavar='MODULE[,MODULE]',
                  help='modules to import before building (on PYTHONPATH), to profile a '

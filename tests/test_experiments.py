@@ -317,3 +317,31 @@ def test_resume_time_times_launch_to_the_first_new_update(tmp_path):
   with pytest.raises(RuntimeError, match='boom'):
     resume_time.first_update([sys.executable, '-c', 'raise SystemExit("boom")'],
                              tmp_path / 'none.jsonl', after=0)
+
+
+def test_bench_train_rounds_alternate_the_order_and_report_the_median(tmp_path, monkeypatch,
+                                                                     capsys):
+  """--rounds 3: the runs go A B, B A, A B, each in a fresh process, every
+  result written as it ends; the table's row of each run is its median round,
+  with every round's step in the order they ran."""
+  ran, steps = [], {'a': iter([0.30, 0.10, 0.20]), 'b': iter([0.5, 0.7, 0.6])}
+
+  def child(cmd, label):
+    ran.append(label)
+    return {'run': label, 'step_s': next(steps[label]), 'tokens_per_s': 1.0,
+            'peak_gib': 1.0, 'optimizer_state_gib': 0.5}, None
+
+  monkeypatch.setattr(bench_train, 'run_child', child)
+  p = argparse.ArgumentParser()
+  bench_train.add_run_args(p, rounds=True)
+  out = tmp_path / 'r.json'
+  a = p.parse_args(['--model', 'tiny', '--rounds', '3', '--run', 'a:optimizer=adamw',
+                    '--run', 'b:optimizer=poetx', '--json', str(out)])
+  results = bench_train.run_each(a, 'bench_train.py', [], lambda r: '')
+  assert ran == ['a', 'b', 'b', 'a', 'a', 'b']
+  assert [r['round'] for r in json.loads(out.read_text())] == [0, 0, 1, 1, 2, 2]
+  a_row, b_row = bench_train.by_run(results)
+  assert a_row['step_s'] == 0.20 and a_row['rounds_ms'] == pytest.approx([300, 100, 200])
+  assert b_row['step_s'] == 0.6 and b_row['rounds_ms'] == pytest.approx([500, 700, 600])
+  bench_train.print_table(a, results)
+  assert '200.0' in capsys.readouterr().out
