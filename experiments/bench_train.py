@@ -316,9 +316,9 @@ def run_each(a, script: str, argv: list[str], show: tp.Callable[[dict], str]) ->
 
 def by_run(results: list[dict]) -> list[dict]:
   """One result per run label (in the order first run): with several rounds,
-  the round whose step time is the median of the label's (a failed round
-  counts only if all failed), with ``rounds_ms``, every round's step in ms in
-  the order they ran."""
+  its median round by step time (of an even number, the faster middle one;
+  a failed round counts only if all failed), with ``rounds_ms``, every
+  round's step in ms in the order they ran."""
   groups = {}
   for r in results:
     groups.setdefault(r['run'], []).append(r)

@@ -41,8 +41,8 @@ from flax import nnx
 from poetx_jax.pretrain import processes
 from poetx_jax.pretrain.checkpoint_faults import (NO_FULL_DISK_ERRORS, first_line, flat_shapes,
                                                   quiet, tree_diff)
-from poetx_jax.pretrain.files import (DiskFull, check_digests, full_disk, full_disk_remedy,
-                                      full_disk_text, write_digests)
+from poetx_jax.pretrain.files import (DiskFull, check_digests, full_disk_remedy,
+                                      full_disk_text, when_full, write_digests)
 
 JSON_ITEMS = ('meta', 'data')
 ITEMS = ('model', 'opt', *JSON_ITEMS)
@@ -154,21 +154,16 @@ class Checkpointer:
         processes.on_primary('writing the checkpoint digests',
                              lambda: write_digests(self.directory / str(step), ITEMS))
 
-  @contextlib.contextmanager
-  def _full_disk(self):
+  def _full_disk(self) -> tp.ContextManager[None]:
     """Raises DiskFull naming the step being saved where the block fails for
     want of space, once orbax's threads for it have ended."""
-    try:
-      yield
-    except Exception as e:  # orbax passes on TensorStore's ValueErrors, OSErrors
-      code = full_disk(e)
-      if code is None:
-        raise
+    def stop(e, code):
+      del e
       with contextlib.suppress(Exception):  # the failed save's other threads
         self._mgr.wait_until_finished()
-      raise DiskFull(f'{full_disk_text(code)} writing the checkpoint of step {self._saving} '
-                     f'under {self.directory} (its unfinished folder is never restored)',
-                     code) from e
+      return DiskFull(f'{full_disk_text(code)} writing the checkpoint of step {self._saving} '
+                      f'under {self.directory} (its unfinished folder is never restored)', code)
+    return when_full(stop)
 
   def _write_digests(self) -> None:
     """Hashes the step being saved, once written and before orbax commits it

@@ -298,15 +298,24 @@ def full_disk_remedy(code: int) -> str:
 
 
 @contextlib.contextmanager
-def writing(what: str | os.PathLike) -> tp.Iterator[None]:
-  """Raises :class:`DiskFull` ``'<why> writing <what>'`` where the block fails
-  for want of space (any other error passes as it is)."""
+def when_full(stop: tp.Callable[[BaseException, int], BaseException]) -> tp.Iterator[None]:
+  """Where the block fails for want of space (:func:`full_disk`), raises
+  ``stop(error, code)`` from the error (``stop`` may clean up first, and may
+  return the error itself to pass it on); any other error passes as it is."""
   try:
     yield
-  except DiskFull:
-    raise
   except Exception as e:  # pylint: disable=broad-except
     code = full_disk(e)
     if code is None:
       raise
-    raise DiskFull(f'{full_disk_text(code)} writing {what}', code) from e
+    new = stop(e, code)
+    if new is e:
+      raise
+    raise new from e
+
+
+def writing(what: str | os.PathLike) -> tp.ContextManager[None]:
+  """Raises :class:`DiskFull` ``'<why> writing <what>'`` where the block fails
+  for want of space (a DiskFull, and any other error, passes as it is)."""
+  return when_full(lambda e, code: e if isinstance(e, DiskFull) else DiskFull(
+      f'{full_disk_text(code)} writing {what}', code))

@@ -30,7 +30,7 @@ from poetx_jax.pretrain.plan import Plan, finish_options, make_plan, recorded_pl
 from poetx_jax.pretrain.checkpoint import Checkpointer, full_disk_stop, resumed_message
 from poetx_jax.pretrain.config import TrainConfig
 from poetx_jax.pretrain.evaluation import evaluate, place_batch
-from poetx_jax.pretrain.files import full_disk
+from poetx_jax.pretrain.files import when_full
 from poetx_jax.pretrain.factories import build_state, make_step, make_training_mesh, state_sizes
 from poetx_jax.pretrain.hooks import Hook
 from poetx_jax.pretrain.metrics import (Metrics, Progress, StopFlag, TrainClock,
@@ -245,22 +245,17 @@ def train(cfg: TrainConfig, *, resume: bool = False, step: int | None = None, lo
       return _finish(run, log)
 
 
-@contextlib.contextmanager
-def _stops_when_full(run: Run) -> tp.Iterator[None]:
+def _stops_when_full(run: Run) -> tp.ContextManager[None]:
   """A write of the run refused for want of space stops it with
   :func:`~poetx_jax.pretrain.checkpoint.full_disk_stop`'s DiskFull (what
   failed, the checkpoint to resume from), once the checkpoint writes ended."""
-  try:
-    yield
-  except Exception as e:  # pylint: disable=broad-except
-    code = full_disk(e)
-    if code is None:
-      raise
+  def stop(e, code):
     with contextlib.suppress(Exception):  # the same save's error, again
       run.ckpt.close()
     if run.progress is not None:  # the line below on a line of its own
       run.progress.close()
-    raise full_disk_stop(e, code, run.out, run.ckpt.committed_steps()) from e
+    return full_disk_stop(e, code, run.out, run.ckpt.committed_steps())
+  return when_full(stop)
 
 
 def _use_compile_cache(directory: str) -> None:

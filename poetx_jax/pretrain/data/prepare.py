@@ -48,7 +48,6 @@ tokenizer), and in ``parts/bpe.json`` until the manifest is written.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
@@ -59,8 +58,8 @@ import numpy as np
 
 from poetx_jax.pretrain.data import documents, shards
 from poetx_jax.pretrain.data.prepare_tasks import run_tasks, source_documents
-from poetx_jax.pretrain.files import (DiskFull, atomic_write, first_missing, full_disk,
-                                      full_disk_remedy, full_disk_text)
+from poetx_jax.pretrain.files import (DiskFull, atomic_write, first_missing,
+                                      full_disk_remedy, full_disk_text, when_full)
 from poetx_jax.pretrain.data.tokenizer import Tokenizer, file_hash
 
 FORMAT = shards.FORMAT
@@ -190,27 +189,22 @@ class _Plan(tp.NamedTuple):
   text_field: str
 
 
-@contextlib.contextmanager
-def _resumable_when_full(plan: _Plan, shard_tokens: int) -> tp.Iterator[None]:
+def _resumable_when_full(plan: _Plan, shard_tokens: int) -> tp.ContextManager[None]:
   """A write refused for want of space: the shards of the parts not finished
   (no record in ``parts/``) removed, temporary ones too, then DiskFull naming
   the file, the parts kept and that the same command resumes."""
-  try:
-    yield
-  except Exception as e:  # pylint: disable=broad-except
-    code = full_disk(e)
-    if code is None:
-      raise
+  def stop(e, code):
     done = {p.stem for p in (plan.out / 'parts').glob('0*.json')}
     for f in [*plan.out.glob('shard-*'), *plan.out.glob('.shard-*')]:
       if f.name.lstrip('.').split('-')[1] not in done:
         f.unlink(missing_ok=True)
     what = (str(e) if isinstance(e, DiskFull) else f'{full_disk_text(code)} writing '
             f'{getattr(e, "filename", None) or f"in {plan.out}"}')
-    raise DiskFull(f'{what}; {plan.out} keeps {len(done)} of '
-                   f'{len(_tasks(plan.sources, shard_tokens))} tokenized parts: '
-                   f'{full_disk_remedy(code)} and run the same command again to resume',
-                   code) from e
+    return DiskFull(f'{what}; {plan.out} keeps {len(done)} of '
+                    f'{len(_tasks(plan.sources, shard_tokens))} tokenized parts: '
+                    f'{full_disk_remedy(code)} and run the same command again to resume',
+                    code)
+  return when_full(stop)
 
 
 def _check_arguments(*, vocab_size, shard_tokens, sample_chars, workers) -> None:
