@@ -88,10 +88,17 @@ def summarise(spec: dict, out_dir: pathlib.Path, tokens_per_step: int) -> dict:
 
 
 # ----------------------------------------------------------- configurations
+FAMILIES = {'adamw': 'AdamW', 'muon': 'Muon', 'skewadam': 'SkewAdam'}
+
+
 def family(r: dict) -> str:
-  """The optimizer family of a run: AdamW, SkewAdam, POET-X B=.. (+ tiers)."""
+  """The optimizer family of a run: AdamW, Muon, SkewAdam, POET-X B=.. (+ tiers).
+
+    >>> family({'optimizer': 'muon'}), family({'optimizer': 'poetx', 'block_size': 256})
+    ('Muon', 'POET-X B=256')
+  """
   if r['optimizer'] != 'poetx':
-    return {'adamw': 'AdamW', 'skewadam': 'SkewAdam'}[r['optimizer']]
+    return FAMILIES[r['optimizer']]
   return f'POET-X B={r["block_size"]}' + (' + tiers' if r.get('tiers') else '')
 
 

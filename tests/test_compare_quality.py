@@ -253,3 +253,13 @@ def test_join_reports_studies_of_other_seeds_as_one(serial, tmp_path):
   assert (tmp_path / 'joined' / 'quality.md').is_file()
   with pytest.raises(SystemExit):
     R.main(['--out', str(tmp_path / 'twice'), str(tmp_path / 'a.json'), str(tmp_path / 'a.json')])
+
+
+def test_family_names_every_optimizer_of_the_app():
+  """Every optimizer ``poetx train`` offers has a family in the reports (a
+  Muon run once stopped the report with a KeyError after its training)."""
+  from poetx_jax.pretrain.recipes import RECIPES
+  for name in RECIPES:
+    r = {'optimizer': name, 'block_size': 64}
+    assert R.family(r) == ('POET-X B=64' if name == 'poetx' else R.FAMILIES[name])
+  assert R.family({'optimizer': 'muon'}) == 'Muon'
