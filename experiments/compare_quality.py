@@ -112,6 +112,13 @@ dropped over capacity. On one H200::
         --runs 'optimizer=adamw|skewadam,lr=1e-3|3e-3' \\
                'optimizer=poetx,skew_tiers=true,poet_lr=1e-3|2e-3,lr=3e-3'
 
+``--other-val NAME=PATH`` also scores every run, at each evaluation, on
+other text (a folder of files, tokenized with the run's tokenizer, or a
+prepared directory): validation on another kind of text than the training
+data, e.g. ``site_corpus.py``'s OUT/prose (the standard library's help
+topics) beside its mostly-code training side. The report then has a
+"Validation on other text" table, and each run's results its curves.
+
 The default corpus is the built-in one of ``poetx train`` (the README says
 what it holds: 25.0 M tokens with vocab 4096 under CPython 3.12, without
 Debian's Python documentation); ``--data`` trains on other text or on a
@@ -225,6 +232,11 @@ def parse_args(argv=None):
   p.add_argument('--out', default='runs/quality', help='where the runs and the report go')
   p.add_argument('--overwrite', action='store_true',
                  help='replace run directories left in OUT by an earlier invocation')
+  p.add_argument('--other-val', action='append', default=[], metavar='NAME=PATH',
+                 help='also score every run on this text (files or a folder, tokenized with '
+                      "the run's tokenizer) or prepared dataset directory (tokenized with it), "
+                      'at each evaluation: validation on another kind of text than the '
+                      'training data; repeatable')
   p.add_argument('--jobs', type=int, default=1,
                  help='runs trained at once, each in a process of its own on the same '
                       'devices (a small model leaves a GPU idle between its kernels); '
@@ -241,6 +253,10 @@ def parse_args(argv=None):
     p.error(str(e))
   if a.only is not None and a.only not in [r['name'] for r in a.plan]:
     p.error(f'--only {a.only!r} is not a run of --runs')
+  try:
+    a.other_val = other_val_sets(a.other_val)
+  except ValueError as e:
+    p.error(str(e))
   a.probe_every = a.probe_every or a.base.eval_every
   if a.probe_every < 1:
     p.error(f'--probe-every must be >= 1, got {a.probe_every}')
@@ -323,6 +339,66 @@ def spectrum_hook(every: int):
   return Hook(probe, every=every, at_start=True)
 
 
+# ------------------------------------------------------ other validation text
+def other_val_sets(specs: list[str]) -> list[tuple[str, pathlib.Path]]:
+  """``--other-val NAME=PATH`` values as (name, path); ValueError naming a bad one."""
+  out = []
+  for spec in specs:
+    name, sep, path = spec.partition('=')
+    if not sep or not re.fullmatch(r'[A-Za-z0-9_.-]+', name) or not path:
+      raise ValueError(f'--other-val wants NAME=PATH with NAME of letters, digits, _ . -, '
+                       f'got {spec!r}')
+    if name in [n for n, _ in out]:
+      raise ValueError(f'--other-val names {name!r} twice')
+    if not pathlib.Path(path).exists():
+      raise ValueError(f'--other-val {spec}: {path} does not exist')
+    out.append((name, pathlib.Path(path)))
+  return out
+
+
+def other_windows(path: pathlib.Path, cfg, tokenizer: pathlib.Path):
+  """The first ``cfg.eval_batches`` batches' worth of windows of ``path`` in the
+  run's tokenization: a prepared dataset directory (refused unless tokenized
+  with ``tokenizer``) whole, or text files read as documents and tokenized."""
+  from poetx_jax.pretrain.data import documents, shards, windows
+  if shards.is_prepared(path):
+    w = shards.PreparedData(path, seq_len=cfg.seq_len, val_fraction=None,
+                            tokenizer_path=tokenizer).train_windows
+  else:
+    w = windows.TextData(documents.read_documents([path]), seq_len=cfg.seq_len,
+                         cache_dir=cfg.cache_dir, tokenizer_path=tokenizer,
+                         val_fraction=None).train_windows
+  if not len(w):
+    raise ValueError(f'--other-val {path} holds no window of {cfg.seq_len + 1} tokens')
+  return w[:cfg.eval_batches * cfg.batch_size]
+
+
+def other_val_hook(sets: list[tuple[str, pathlib.Path]], every: int):
+  """A train ``Hook`` (at step 0 and every ``every``) scoring the model on each
+  (name, path) of ``sets``: ``other_val/NAME/loss`` and ``.../ppl`` records.
+  The batches are read once, at the first call, with the run's stored tokenizer."""
+  from poetx_jax.pretrain.data import windows
+  from poetx_jax.pretrain.evaluation import evaluate
+  from poetx_jax.pretrain.train import Hook
+  batches = {}
+
+  def score(run):
+    if not batches:
+      cfg = run.plan.options
+      tok = next(run.out / n for n in ('tokenizer.json', 'tokenizer.model')
+                 if (run.out / n).exists())
+      for name, path in sets:
+        batches[name] = windows.eval_batches(other_windows(path, cfg, tok),
+                                             batch_size=cfg.batch_size)
+    rec = {}
+    for name, b in batches.items():
+      e = evaluate(run.model, b, run.mesh)
+      rec[f'other_val/{name}/loss'], rec[f'other_val/{name}/ppl'] = e.loss, e.ppl
+    return rec
+
+  return Hook(score, every=every, at_start=True)
+
+
 # ------------------------------------------------------------------------ main
 def train_run(a, run: dict, done: list[dict], out: pathlib.Path,
               best_lr: float | None = None) -> dict:
@@ -343,7 +419,8 @@ def train_run(a, run: dict, done: list[dict], out: pathlib.Path,
   progress(f'run {len(done) + 1}/{len(a.plan)}: {run["name"]} (lr {lr:g})')
   hook = spectrum_hook(a.probe_every)
   try:
-    train_lib.train(cfg, log=lambda m, n=run['name']: progress(f'{n}: {m}'), hooks=[hook])
+    hooks = [hook] + ([other_val_hook(a.other_val, cfg.eval_every)] if a.other_val else [])
+    train_lib.train(cfg, log=lambda m, n=run['name']: progress(f'{n}: {m}'), hooks=hooks)
   except train_lib.NonFiniteLoss as e:
     spec['diverged'] = str(e)
     progress(f'{run["name"]}: diverged: {e}')

@@ -75,6 +75,12 @@ def summarise(spec: dict, out_dir: pathlib.Path, tokens_per_step: int) -> dict:
 
   diverged = spec.get('diverged')
   final = math.inf if diverged else evals[-1]['val_ppl']
+  other = {}  # compare_quality --other-val: name -> its evaluations
+  for r in recs:
+    for k, v in r.items():
+      if k.startswith('other_val/') and k.endswith('/ppl'):
+        other.setdefault(k.split('/')[1], []).append(
+            {'step': r['step'], 'tokens': r['step'] * tokens_per_step, 'val_ppl': v})
   return {**spec, 'out_dir': str(out_dir), 'steps': end, 'tokens': end * tokens_per_step,
           'evals': evals, 'val_ppl_start': evals[0]['val_ppl'],
           'val_ppl_final': final,
@@ -84,6 +90,9 @@ def summarise(spec: dict, out_dir: pathlib.Path, tokens_per_step: int) -> dict:
           'steady_tokens_per_s': end * tokens_per_step / max(steady[end], 1e-9),
           'losses': losses, 'loss_spikes': loss_spikes(losses), 'probes': probes,
           'max_sv_rel_change': worst('/sv_rel_change'), 'max_orth_err': worst('/orth_err'),
+          'other_val': other,
+          'other_val_final': {n: math.inf if diverged else e[-1]['val_ppl']
+                              for n, e in other.items()},
           **_routing(recs)}
 
 
@@ -135,7 +144,9 @@ def configurations(runs: list[dict]) -> list[dict]:
                 'poet_lr': rs[0]['poet_lr'], 'evals': _curve(rs),
                 **{k: stat([r.get(k) for r in rs]) for k in (
                     'val_ppl_final', 'val_ppl_best', 'val_ppl_at_equal_time', 'steady_s',
-                    'steady_tokens_per_s')}})
+                    'steady_tokens_per_s')},
+                'other_val_final': {n: stat([r.get('other_val_final', {}).get(n) for r in rs])
+                                    for n in rs[0].get('other_val_final', {})}})
   return out
 
 
@@ -391,8 +402,27 @@ def _spectrum_text(res: dict) -> list[str]:
 
 def report(res: dict) -> str:
   """The markdown report of an analysed study (:func:`analyse` and its header)."""
-  return '\n'.join(_intro(res) + _config_table(res) + _run_table(res) + _eval_table(res)
-                   + _spectrum_text(res))
+  return '\n'.join(_intro(res) + _config_table(res) + _other_val_table(res) + _run_table(res)
+                   + _eval_table(res) + _spectrum_text(res))
+
+
+def _other_val_table(res: dict) -> list[str]:
+  """Each configuration's final perplexity on the ``--other-val`` texts beside
+  its own validation set's (none: no lines)."""
+  names = list(dict.fromkeys(n for c in res['configurations'] for n in c.get('other_val_final', {})))
+  if not names:
+    return []
+  lines = ['## Validation on other text', '',
+           'Final perplexity on each --other-val text (another kind than the training '
+           'data), beside the run\'s own validation set; mean ± sd over seeds.', '',
+           '| configuration | own validation | ' + ' | '.join(names) + ' |',
+           '|---' * (len(names) + 2) + '|']
+  for c in res['configurations']:
+    other = c.get('other_val_final', {})
+    lines.append(f"| {c['config']}{' **(best)**' if c['best'] else ''} | "
+                 f"{_pm(c['val_ppl_final'])} | "
+                 + ' | '.join(_pm(other[n]) if n in other else '—' for n in names) + ' |')
+  return lines + ['']
 
 
 # ------------------------------------------------------------ joined studies

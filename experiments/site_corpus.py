@@ -11,6 +11,14 @@ byte-level BPE trained on it, validation with that tokenizer::
     python3 experiments/site_corpus.py --out data/site --sample-chars 30000000
     poetx train --model 130m --data data/site/train --val-data data/site/val
 
+It also writes OUT/prose: the standard library's prose documentation (the
+help topics of ``pydoc_data.topics``, one .txt file each), text of another
+kind than the mostly-code training side and from no installed package, for
+scoring a run on what it did not train on::
+
+    python3 experiments/compare_quality.py --data data/site/train --val-data data/site/val \
+        --other-val prose=data/site/prose ...
+
 Options it does not know go to the training side's ``poetx prepare``
 (``--vocab-size``, ``--sample-chars``, ``--workers``, ...). It prints the two sides' entries and sizes first (``--dry-run``: only that).
 The split depends only on the entry names, so it is the same on every machine
@@ -97,6 +105,19 @@ def _first(items: list, sizes: dict, mb: float | None) -> list:
   return kept
 
 
+def write_prose(dest: pathlib.Path) -> int:
+  """Writes the standard library's help topics (``pydoc_data.topics``) into
+  ``dest``, one ``NAME.txt`` each (replacing what was there); returns the
+  characters written."""
+  from pydoc_data.topics import topics
+  if dest.exists():
+    shutil.rmtree(dest)
+  dest.mkdir(parents=True)
+  for name, text in sorted(topics.items()):
+    (dest / f'{name}.txt').write_text(text, encoding='utf-8')
+  return sum(map(len, topics.values()))
+
+
 def main(argv=None) -> dict:
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                               epilog='other options go to poetx prepare of the training side')
@@ -135,6 +156,9 @@ def main(argv=None) -> dict:
                  check=True)
   subprocess.run([*poetx, str(val_src), '--out', str(out / 'val'), '--tokenizer',
                   str(out / 'train' / 'tokenizer.json')], check=True)
+  chars = write_prose(out / 'prose')
+  print(f'prose: {chars:,} characters of the standard library\'s help topics in '
+        f'{out / "prose"}', flush=True)
   return {'train': train, 'val': val}
 
 
