@@ -293,6 +293,7 @@ def test_pack(n, seq_len):
   tokens = np.random.default_rng(n).integers(0, 1000, n).astype(np.int32)
   w = data.pack(tokens, seq_len)
   assert w.dtype == np.int32 and w.shape[1] == seq_len + 1
+  assert w.flags.c_contiguous and w.flags.writeable  # an array of its own, not a view
   assert w.shape[0] == max(1, -(-(n - 1) // seq_len))  # as few windows as can hold it
   np.testing.assert_array_equal(w[:-1, -1], w[1:, 0])  # overlap by one token
   stream = _unpack(w)

@@ -65,8 +65,8 @@ def pack(tokens: np.ndarray, seq_len: int) -> np.ndarray:
   num = max(1, math.ceil((n - 1) / seq_len))
   padded = np.full(num * seq_len + 1, -1, np.int32)
   padded[:n] = tokens
-  idx = np.arange(num)[:, None] * seq_len + np.arange(seq_len + 1)[None, :]
-  return padded[idx]
+  # Every seq_len-th window of width seq_len + 1, copied out of a strided view.
+  return np.lib.stride_tricks.sliding_window_view(padded, seq_len + 1)[::seq_len].copy()
 
 
 def split(tokens: np.ndarray, *, val_fraction: float,
