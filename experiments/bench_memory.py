@@ -22,6 +22,30 @@ bf16 weights and compute, and a merge every 2 updates (so that one runs)::
     python3 experiments/bench_memory.py --models 8b --state-only --compiled \\
         --run optimizer=poetx,mode=mem,remat=block  # + XLA's buffers
     python3 experiments/bench_memory.py --largest --scan-layers --lean-state   # deep models compile fast
+
+``--breakdown`` names what the memory at the peak holds, by category
+(``bench_train.memory_breakdown``): the frozen bases, the generators, the
+other parameters (embeddings, norms, head), permutations and other buffers,
+the optimizer's moments of the generators and of the other parameters (and
+its counters), the gradients, the residuals the backward keeps (activations
+saved by the forward; those that are arguments, the parameters and bases
+themselves, are not counted again) and XLA's other temporaries (its
+temporaries less the gradients and saved residuals: the logits, one layer's
+recomputed activations, copies; negative where XLA fuses residuals away or
+reuses their buffers). With ``--state-only --compiled`` from abstract state
+on this machine's backend (no GPU needed; XLA:CPU's temporaries are not
+XLA:GPU's, the state and residuals are the same); without ``--state-only``
+each run also trains on the GPU, and its measured peak stands beside XLA's.
+poet_torch_memory.py gives the published PyTorch POET-X's figures by the same
+categories::
+
+    python3 experiments/bench_memory.py --models 8b --seqs 1024 --batch-size 8 \\
+        --breakdown --state-only --compiled --scan-layers \\
+        --run poetx:optimizer=poetx,mode=fast,remat=block --run adamw:optimizer=adamw,remat=block
+    python3 experiments/bench_memory.py --models 8b --seqs 1024 --batch-size 8 --breakdown \\
+        --scan-layers --run poetx:optimizer=poetx,mode=fast,remat=block   # on the GPU
+    PYTHONPATH=DIR_HOLDING_poet_torch python3 experiments/poet_torch_memory.py \\
+        --variant poetx-fast --size 8b --seq 1024 --batch 8   # the same GPU, side by side
 """
 
 from __future__ import annotations
@@ -33,7 +57,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_train  # noqa: E402
-from common import Column, print_table as table, run_child  # noqa: E402
+from common import Column, print_table as table, progress, run_child  # noqa: E402
 
 # Larger shapes than the named configs, for the size record (vocab 32000).
 LADDER = {
@@ -97,7 +121,10 @@ def plot(results, path, device_gib=None):
 
 def state_table(a):
   """The resident state (and with ``--compiled`` XLA's buffers) of every
-  model and run, from abstract shapes."""
+  model and run, from abstract shapes; with ``--breakdown`` their
+  :func:`breakdown_table`."""
+  if a.breakdown:
+    return breakdown_table(a)
   names = a.ladder.split(',') if a.largest else a.models.split(',')
   seq = int(a.seqs.split(',')[0])
   runs = bench_train.runs_of(a)
@@ -124,6 +151,56 @@ def state_table(a):
     json.dump(rows, f, indent=1)
 
 
+def breakdown_table(a):
+  """``bench_train.memory_breakdown`` of every model and run (``--compiled``:
+  with XLA's buffers for this backend), from abstract shapes: a table and
+  ``--json``."""
+  names = a.ladder.split(',') if a.largest else a.models.split(',')
+  rows = []
+  for name in names:
+    for seq in map(int, a.seqs.split(',')):
+      for run in bench_train.runs_of(a):
+        label, overrides = bench_train.parse_run(run)
+        cfg = bench_train.run_config(a, point(name, seq, a.largest), overrides)
+        progress(f'{name} seq {seq} {label}: breakdown')
+        r = bench_train.memory_breakdown(cfg, label, compiled=a.compiled)
+        r['model'] = name
+        rows.append(r)
+  print_breakdown(rows)
+  with open(a.json, 'w') as f:
+    json.dump(rows, f, indent=1)
+  return rows
+
+
+# (header, key of memory_breakdown's 'gib'), in the table's order
+BREAKDOWN_COLUMNS = (('bases', 'bases'), ('gens', 'generators'), ('other', 'other_params'),
+                     ('buffers', 'buffers'), ('gen mom', 'generator_moments'),
+                     ('oth mom', 'other_moments'), ('opt etc', 'optimizer_other'),
+                     ('grads', 'gradients'), ('residuals', 'saved_residuals'),
+                     ('other tmp', 'other_temporaries'), ('sum', 'sum'),
+                     ('XLA peak', 'compiled_peak'))
+
+
+def print_breakdown(results: list[dict]) -> None:
+  """Memory breakdowns (``memory_breakdown`` results, or runs holding one
+  under ``'breakdown'`` beside their measured ``peak_gib``) as a table, in
+  GiB (MiB where every sum is under 1 GiB)."""
+  width = max([12] + [len(r['run']) for r in results])
+  gib = lambda r: r.get('breakdown', r).get('gib', {})
+  small = all(gib(r).get('sum', 0) < 1 for r in results)
+  unit, scale = ('MiB', 1024) if small else ('GiB', 1)
+  cell = lambda key: lambda r: f'{scale * gib(r)[key]:.2f}' if key in gib(r) else '—'
+  measured = any('peak_gib' in r for r in results)
+  table(results, [Column('model', 6, lambda r: r['model'], key=True),
+                  Column('seq', 5, lambda r: str(r['seq_len']), key=True),
+                  Column('run', width, lambda r: r['run'], key=True),
+                  *[Column(h, max(9, len(h)), cell(k)) for h, k in BREAKDOWN_COLUMNS],
+                  *[Column(f'peak {unit}', 9,
+                           lambda r: f"{scale * r['peak_gib']:.2f}")] * measured],
+        title=f'{unit} at the peak by category (sum: state + gradients + residuals + other '
+              'temporaries)', error_chars=60)
+
+
 def parse_args(argv=None):
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   bench_train.add_run_args(p, runs=DEFAULT_RUNS, warmup_steps=2, timed_steps=3,
@@ -140,6 +217,11 @@ def parse_args(argv=None):
   p.add_argument('--compiled', action='store_true',
                  help='with --state-only: also compile each update program for this '
                       "backend and report XLA's arguments and temporaries (slow)")
+  p.add_argument('--breakdown', action='store_true',
+                 help='the memory at the peak by category (bases, generators, other '
+                      'parameters, buffers, optimizer moments, gradients, saved residuals, '
+                      'other temporaries); with --state-only from abstract shapes, else '
+                      'beside each run\'s measured peak')
   p.add_argument('--ladder', default=','.join(LADDER))
   p.add_argument('--plot', default='bench_memory.png')
   p.add_argument('--point', default=None, help=argparse.SUPPRESS)  # a child's grid point
@@ -151,8 +233,11 @@ def main(argv=None):
   if a.single:  # child process: one run at one grid point, JSON on the last line
     label, overrides = bench_train.parse_run(a.single)
     cfg = bench_train.run_config(a, a.point, overrides)
-    print(json.dumps(bench_train.one_run(cfg, label, warmup_steps=a.warmup_steps,
-                                         timed_steps=a.timed_steps)))
+    r = bench_train.one_run(cfg, label, warmup_steps=a.warmup_steps,
+                            timed_steps=a.timed_steps)
+    if a.breakdown:  # compiled after the peak is read (autotuning allocates)
+      r['breakdown'] = bench_train.memory_breakdown(cfg, label, compiled=True)
+    print(json.dumps(r))
     return
   if a.state_only:
     state_table(a)
@@ -172,6 +257,8 @@ def main(argv=None):
           results.append(run_one(a, argv, model, seq, run))
           print(json.dumps(results[-1]), flush=True)
   print_table(results)
+  if a.breakdown:
+    print_breakdown(results)
   with open(a.json, 'w') as f:
     json.dump(results, f, indent=1)
   try:

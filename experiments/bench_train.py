@@ -106,9 +106,12 @@ def compiled_memory(cfg, label: str) -> dict:
 
   Lowers and compiles the jitted gradient-and-update program of the run on
   abstract state (``factories.abstract_state``, nothing allocated) and reads XLA's buffer
-  assignment: ``arguments`` (model, optimizer state and batch) and
-  ``temporaries`` (everything else live during the step, gradients and saved
-  activations included). Merges run in their own small programs.
+  assignment: ``arguments`` (model, optimizer state and batch), ``outputs``
+  (the new state, the loss and the merge flag and key), ``aliases`` (the
+  outputs written into donated arguments: the state) and ``temporaries``
+  (everything else live during the step, gradients and saved activations
+  included); ``*_bytes`` the same in bytes. Merges run in their own small
+  programs.
   """
   import jax
   import jax.numpy as jnp
@@ -122,10 +125,189 @@ def compiled_memory(cfg, label: str) -> dict:
   compiled = step.lower(
       model, opt, {'inputs': tokens, 'targets': tokens}).compile()
   m = compiled.memory_analysis()
+  sizes = {'arguments': m.argument_size_in_bytes, 'outputs': m.output_size_in_bytes,
+           'aliases': m.alias_size_in_bytes, 'temporaries': m.temp_size_in_bytes}
   return {'run': label, 'model': cfg.model, 'seq_len': cfg.seq_len, 'batch': cfg.batch_size,
           'backend': jax.default_backend(), 'compile_s': time.perf_counter() - t0,
-          'arguments_gib': m.argument_size_in_bytes / 2 ** 30,
-          'temporaries_gib': m.temp_size_in_bytes / 2 ** 30}
+          **{f'{k}_gib': v / GIB for k, v in sizes.items()},
+          **{f'{k}_bytes': v for k, v in sizes.items()}}
+
+
+GIB = 2 ** 30
+# The categories of memory_breakdown, in the order its table shows them.
+STATE_CATEGORIES = ('bases', 'generators', 'other_params', 'buffers',
+                    'generator_moments', 'other_moments', 'optimizer_other')
+STEP_CATEGORIES = ('gradients', 'saved_residuals', 'other_temporaries')
+
+
+def _names(path) -> tuple:
+  """A pytree path as a tuple of its keys' plain values (dict keys, indices,
+  attribute names)."""
+  return tuple(getattr(k, 'key', getattr(k, 'idx', getattr(k, 'name', k))) for k in path)
+
+
+def state_breakdown(model, optimizer) -> dict[str, int]:
+  """Bytes of a model's and its optimizer's state by category (concrete or
+  abstract state; ``poetx_jax.state_bytes`` sizes).
+
+  Model variables: ``bases`` (``FrozenKernel``: the frozen W0 of POET
+  layers, quantised or not, and their scales), ``generators``
+  (``POETParam``), ``other_params`` (every other ``nnx.Param``: embeddings,
+  norms, head, biases; AdamW's and Muon's dense kernels), ``buffers`` (every
+  other variable: permutations). Optimizer variables go by the parameter
+  whose path ends theirs (optax keeps per-parameter state in trees shaped
+  like the parameters, under ``mu``, ``nu``, ...): ``generator_moments`` and
+  ``other_moments``; what belongs to no parameter (step counts, the merge
+  cycle, schedule and clipping state) is ``optimizer_other``. The model's
+  categories sum to ``state_bytes(nnx.state(model))``, the optimizer's to
+  ``state_bytes(nnx.state(optimizer))``.
+  """
+  import jax
+  from flax import nnx
+  import poetx_jax
+  is_var = lambda x: isinstance(x, nnx.Variable)
+  out = dict.fromkeys(STATE_CATEGORIES, 0)
+  kinds = {}  # parameter path -> 'generator' or 'other'
+  for path, v in jax.tree.leaves_with_path(nnx.state(model), is_leaf=is_var):
+    if isinstance(v, poetx_jax.POETParam):
+      kind = 'generators'
+      kinds[_names(path)] = 'generator'
+    elif isinstance(v, nnx.Param):
+      kind = 'other_params'
+      kinds[_names(path)] = 'other'
+    elif isinstance(v, poetx_jax.FrozenKernel):
+      kind = 'bases'
+    else:
+      kind = 'buffers'
+    out[kind] += poetx_jax.state_bytes(v)
+  for path, v in jax.tree.leaves_with_path(nnx.state(optimizer), is_leaf=is_var):
+    names = _names(path)
+    owner = next((kinds[names[i:]] for i in range(len(names)) if names[i:] in kinds), None)
+    out[f'{owner}_moments' if owner else 'optimizer_other'] += poetx_jax.state_bytes(v)
+  return out
+
+
+# Primitives whose outputs XLA keeps in their operands' buffers (a reshape is
+# a bitcast; the others are identities): a residual that is one is its operand.
+VIEWS = ('stop_gradient', 'reshape', 'squeeze', 'expand_dims', 'reduce_precision', 'name',
+         'optimization_barrier')
+
+
+def step_residuals(plan, model, batch) -> tuple[dict[str, int], list[tuple]]:
+  """What the backward of the run's loss keeps, and its gradients, from
+  abstract shapes (traced, not compiled).
+
+  The loss is the train step's (``evaluation.training_loss``) as a function
+  of the model's ``nnx.Param``s, the other variables entering through
+  ``stop_gradient`` (the step differentiates only the Params). Its residuals
+  are what ``jax.ad_checkpoint.print_saved_residuals`` lists, read the same
+  way (the outputs of ``jax.vjp``'s function in its jaxpr), after
+  rematerialisation (``remat``) and stacked over the layers under
+  ``scan_layers``; each is followed back through :data:`VIEWS` to the value
+  it views and every value counts once. Returns ``({'gradients',
+  'saved_residuals', 'residual_arguments'}: bytes, residuals)``:
+  ``gradients`` the Params' gradients at the dtypes the step computes them in
+  (their own: a bf16 parameter's is bf16, a generator's float32);
+  ``saved_residuals`` the values the forward computes and keeps (layer
+  inputs, normed activations, attention probabilities, the logits' softmax,
+  rotation blocks); ``residual_arguments`` residuals that are the step's
+  arguments (parameters, frozen bases, permutations, the batch) or constants
+  of the program: the state already counts them. ``residuals``: one
+  ``(shape, dtype, bytes, where)`` per value, ``where`` 'argument', 'constant'
+  or the primitive that computed it, largest first.
+  """
+  import jax
+  from flax import nnx
+  from jax.extend.core import Literal
+  import poetx_jax
+  from poetx_jax.pretrain.evaluation import training_loss
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+  def loss(params, rest, batch):
+    return training_loss(nnx.merge(graphdef, params, jax.lax.stop_gradient(rest)), batch)
+
+  grads = jax.eval_shape(jax.grad(loss), params, rest, batch)
+  leaves, tree = jax.tree.flatten((params, rest, batch))
+  flat_loss = lambda *leaves: loss(*jax.tree.unflatten(tree, leaves))
+  closed, shapes = jax.make_jaxpr(lambda *a: jax.vjp(flat_loss, *a),
+                                  return_shape=True)(*leaves)
+  jaxpr = closed.jaxpr
+  n_res = len(jax.tree.leaves(shapes[1]))
+  producer = {v: e for e in jaxpr.eqns for v in e.outvars}
+  arguments, constants = set(jaxpr.invars), set(jaxpr.constvars)
+  seen, residuals = set(), []
+  for v in jaxpr.outvars[len(jaxpr.outvars) - n_res:]:
+    if isinstance(v, Literal):
+      where = 'constant'
+    else:
+      while v in producer and producer[v].primitive.name in VIEWS:
+        eqn = producer[v]  # an optimization barrier's i-th output is its i-th operand
+        v = eqn.invars[eqn.outvars.index(v) if len(eqn.invars) > 1 else 0]
+      if v in seen:
+        continue
+      seen.add(v)
+      where = ('argument' if v in arguments else 'constant' if v in constants
+               else producer[v].primitive.name)
+    aval = v.aval
+    nbytes = poetx_jax.state_bytes(jax.ShapeDtypeStruct(aval.shape, aval.dtype))
+    residuals.append((tuple(aval.shape), str(aval.dtype), nbytes, where))
+  residuals.sort(key=lambda r: -r[2])
+  out = {'gradients': poetx_jax.state_bytes(grads), 'saved_residuals': 0,
+         'residual_arguments': 0}
+  for _, _, nbytes, where in residuals:
+    out['residual_arguments' if where in ('argument', 'constant') else 'saved_residuals'] += nbytes
+  return out, residuals
+
+
+def memory_breakdown(cfg, label: str, compiled: bool = False) -> dict:
+  """The run's memory at its peak by category, from abstract state (nothing
+  allocated; any backend).
+
+  ``bytes`` and ``gib``: the state (:func:`state_breakdown`: bases,
+  generators, other_params, buffers, generator_moments, other_moments,
+  optimizer_other), the step's ``gradients`` and ``saved_residuals``
+  (:func:`step_residuals`; ``residual_arguments``, residuals the state
+  already holds, beside them, in no sum), ``sum`` (state + gradients + saved
+  residuals: a floor for the peak). With ``compiled`` (:func:`compiled_memory`,
+  for this backend: XLA:CPU's temporaries are not XLA:GPU's) also XLA's
+  ``arguments``, ``outputs``, ``aliases`` and ``temporaries``, and
+  ``other_temporaries = temporaries - gradients - saved_residuals`` (what
+  XLA holds beyond them: the logits and their gradient, one layer's
+  recomputed activations, copies, workspace). It is reported as it comes and
+  can be negative: XLA may fuse a residual away, keep a gradient in an
+  argument's buffer or reuse one buffer for two of them. ``sum`` then adds
+  it (state + temporaries), and ``compiled_peak`` is XLA's arguments +
+  outputs - aliases + temporaries (the batch and the undonated outputs
+  beside). The state counts int4 bases at one byte an element
+  (``state_bytes``), XLA at half a byte: with ``quantize=int4`` its
+  arguments are the smaller.
+  """
+  import jax
+  import jax.numpy as jnp
+  from poetx_jax.pretrain import factories as F
+  from poetx_jax.pretrain.plan import make_plan
+  plan = make_plan(cfg)
+  model, opt = F.abstract_state(plan)
+  tokens = jax.ShapeDtypeStruct((cfg.batch_size, cfg.seq_len), jnp.int32)
+  sizes = state_breakdown(model, opt)
+  step, residuals = step_residuals(plan, model, {'inputs': tokens, 'targets': tokens})
+  sizes.update(step)
+  sizes['state'] = sum(sizes[k] for k in STATE_CATEGORIES)
+  sizes['sum'] = sizes['state'] + sizes['gradients'] + sizes['saved_residuals']
+  r = {'run': label, 'model': cfg.model, 'seq_len': cfg.seq_len, 'batch': cfg.batch_size,
+       'residuals': len(residuals)}
+  if compiled:
+    c = compiled_memory(cfg, label)
+    r.update(backend=c['backend'], compile_s=c['compile_s'])
+    for k in ('arguments', 'outputs', 'aliases', 'temporaries'):
+      sizes[k] = c[f'{k}_bytes']
+    sizes['other_temporaries'] = (sizes['temporaries'] - sizes['gradients']
+                                  - sizes['saved_residuals'])
+    sizes['sum'] += sizes['other_temporaries']
+    sizes['compiled_peak'] = (sizes['arguments'] + sizes['outputs'] - sizes['aliases']
+                              + sizes['temporaries'])
+  r.update(bytes=sizes, gib={k: v / GIB for k, v in sizes.items()})
+  return r
 
 
 def setup_run(cfg, label: str) -> dict:
