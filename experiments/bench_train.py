@@ -404,6 +404,7 @@ def export_check(plan, model, tokens, label: str) -> dict:
   (``export_check: 'one layer'``)."""
   import jax
   import jax.numpy as jnp
+  from flax import nnx
   import poetx_jax
   from poetx_jax.models import hf
   cfg, mc = plan.options, plan.model
@@ -415,15 +416,17 @@ def export_check(plan, model, tokens, label: str) -> dict:
     exportable = False
   if exportable:
     probe = tokens[:1, :min(cfg.seq_len, 128)]
-    y_ref = poetx_jax.unpoetize(model)(probe)
-    y = model(probe)
+    # One program for both (eagerly, op by op, a small model's check took
+    # longer than its run on the CPU).
+    y, y_ref = nnx.jit(lambda m, p: (m(p), poetx_jax.unpoetize(m)(p)))(model, probe)
   else:
     layer = next(l for _, l in poetx_jax.poet_layers(model.layers[0])  # a copy when
                  if not l.stack_shape)  # stacked; not an expert stack
     x = jax.random.normal(jax.random.key(1), (8, layer.in_features),
                           layer.dtype or jnp.float32)
-    y = layer(x).astype(jnp.float32)
-    y_ref = x.astype(jnp.float32) @ poetx_jax.effective_kernel(layer).astype(jnp.float32)
+    y, y_ref = nnx.jit(lambda l, x: (
+        l(x).astype(jnp.float32),
+        x.astype(jnp.float32) @ poetx_jax.effective_kernel(l).astype(jnp.float32)))(layer, x)
     checks['export_check'] = 'one layer'
   checks['poet_vs_dense'] = float(jnp.linalg.norm(y - y_ref) / jnp.linalg.norm(y_ref))
   # bf16 rounding (of the compute or of the bases) compounds with depth: 0.04

@@ -21,6 +21,24 @@ if not os.path.exists('/dev/nvidiactl') and (
                              + ' --xla_backend_optimization_level=0').strip()
 
 
+# The modules of the longest tests, to run first (in this order; each
+# module's tests in their own order). pytest-xdist's worksteal hands each
+# worker a contiguous share of the list and the idle one takes the end of the
+# other's queue: a minute-long test collected late could start last and set
+# the suite's wall time; first, the short tests fill in behind it. The
+# modules whose module-scoped fixtures are costly come first, so that their
+# tests run on one worker before any are taken away (a fixture computed on
+# both workers costs twice).
+SLOW_MODULES = ('test_sharding.py', 'test_compare_quality.py', 'test_faults.py',
+                'test_fault_injection.py', 'test_multiprocess.py', 'test_experiments.py',
+                'test_quant.py', 'test_train.py')
+
+
+def pytest_collection_modifyitems(items):
+  rank = {f'tests/{m}': i for i, m in enumerate(SLOW_MODULES)}
+  items.sort(key=lambda item: rank.get(item.nodeid.split('::')[0], len(rank)))  # stable
+
+
 def host_devices(n: int) -> str:
   """XLA_FLAGS for a subprocess with ``n`` CPU devices (and the suite's own)."""
   kept = [f for f in os.environ.get('XLA_FLAGS', '').split()
