@@ -49,6 +49,7 @@ BENCH_DEFAULTS = dict(model='1b', seq_len=1024, vocab_size=32000, batch_size=8,
 UNUSED = ('data', 'tokenizer', 'val_fraction', 'eval_every', 'eval_batches', 'log_every',
           'checkpoint_every', 'keep', 'out_dir', 'cache_dir')
 DEFAULT_RUNS = ('optimizer=poetx', 'optimizer=adamw')
+GIB = 2 ** 30  # bytes in a GiB, the unit of every figure here
 
 
 def parse_run(text: str) -> tuple[str, str]:
@@ -93,7 +94,7 @@ def resident_state(cfg, label: str) -> dict:
   plan = make_plan(cfg)
   mc = plan.model
   model, opt = F.abstract_state(plan)
-  gib = lambda tree: poetx_jax.state_bytes(tree) / 2 ** 30
+  gib = lambda tree: poetx_jax.state_bytes(tree) / GIB
   r = {'run': label, 'model': cfg.model, 'dense_params': mc.num_params(),
        'model_gib': gib(nnx.state(model)), 'trainable_gib': gib(nnx.state(model, nnx.Param)),
        'optimizer_gib': gib(nnx.state(opt))}
@@ -133,7 +134,6 @@ def compiled_memory(cfg, label: str) -> dict:
           **{f'{k}_bytes': v for k, v in sizes.items()}}
 
 
-GIB = 2 ** 30
 # The categories of memory_breakdown, in the order its table shows them.
 STATE_CATEGORIES = ('bases', 'generators', 'other_params', 'buffers',
                     'generator_moments', 'other_moments', 'optimizer_other')
@@ -384,9 +384,9 @@ def one_run(cfg, label: str, *, warmup_steps: int = 3, timed_steps: int = 10) ->
   return {'run': label, 'model': cfg.model, 'seq_len': cfg.seq_len, 'batch': cfg.batch_size,
           'device': jax.devices()[0].device_kind, 'step_s': med,
           'tokens_per_s': tokens / med, 'compile_s': s['compile_s'],
-          'peak_gib': stats.get('peak_bytes_in_use', float('nan')) / 2 ** 30,
+          'peak_gib': stats.get('peak_bytes_in_use', float('nan')) / GIB,
           'trainable': n_train, 'dense_params': mc.num_params(),
-          'optimizer_state_gib': opt_bytes / 2 ** 30, 'checks': checks,
+          'optimizer_state_gib': opt_bytes / GIB, 'checks': checks,
           'devices': jax.device_count(), 'strategy': cfg.strategy if mesh is not None else None,
           'collective_bytes': collectives}
 
