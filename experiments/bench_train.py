@@ -224,7 +224,8 @@ def step_residuals(plan, model, batch) -> tuple[dict[str, int], list[tuple]]:
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
 
   def loss(params, rest, batch):
-    return training_loss(nnx.merge(graphdef, params, jax.lax.stop_gradient(rest)), batch)
+    return training_loss(nnx.merge(graphdef, params, jax.lax.stop_gradient(rest)), batch,
+                         plan.options.loss_chunk)
 
   grads = jax.eval_shape(jax.grad(loss), params, rest, batch)
   leaves, tree = jax.tree.flatten((params, rest, batch))

@@ -297,6 +297,39 @@ def test_remat_policies_save_only_named_residuals():
     Llama(cfg, remat='some', rngs=nnx.Rngs(0))
 
 
+@pytest.mark.parametrize('scan', [False, True])
+def test_remat_offload_keeps_the_layer_inputs_in_host_memory(keys, scan):
+  """remat='offload': the loss and gradients of remat='block', and the
+  backward's residuals hold each layer's input (B, T, H) in host memory
+  (stacked over the layers when scanned) and no other host array."""
+  import poetx_jax
+  cfg = get_config('tiny', layers=2, vocab_size=97)
+  tokens = _tokens(keys(), 2, 12, cfg.vocab_size)
+
+  def split(remat):
+    model = poetx_jax.poetize(Llama(cfg, remat=remat, rngs=nnx.Rngs(0), scan_layers=scan),
+                              block_size=16, rngs=nnx.Rngs(1))
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    return (lambda p, r: (nnx.merge(graphdef, p, r)(tokens) ** 2).mean()), params, rest
+
+  f, params, rest = split('offload')
+  g, params_b, rest_b = split('block')
+  def value_and_grad(f, params, rest):  # vjp: rest's integer arrays get no cotangent
+    loss, pull = jax.vjp(f, params, rest)
+    return loss, pull(jnp.ones_like(loss))[0]
+
+  loss, grads = value_and_grad(f, params, rest)
+  loss_b, grads_b = value_and_grad(g, params_b, rest_b)
+  assert rel_err(loss, loss_b) < 1e-6
+  assert_trees_rel_close(grads, grads_b, 1e-6)
+  closed, shapes = jax.make_jaxpr(lambda p, r: jax.vjp(f, p, r), return_shape=True)(params, rest)
+  residuals = closed.jaxpr.outvars[len(closed.jaxpr.outvars) - len(jax.tree.leaves(shapes[1])):]
+  on_host = [v.aval.shape for v in residuals
+             if getattr(v.aval, 'memory_space', None) == jax.memory.Space.Host]
+  layer_input = (2, 12, cfg.hidden)
+  assert on_host == ([(cfg.layers, *layer_input)] if scan else [layer_input] * cfg.layers)
+
+
 @pytest.mark.parametrize('remat', ['none', 'block'])
 def test_scanned_layers_are_the_same_model(keys, remat):
   """scan_layers=True stores the same weights (drawn in the same order) with a

@@ -53,13 +53,19 @@ def attention_implementation(name: str, dtype, head_dim: int) -> str:
 #   'none'  keep every activation the backward needs;
 #   'block' keep only each layer's input, recompute the whole layer;
 #   'attn'  keep each layer's input and its attention output ('attn_out'),
-#           recompute the projections and the MLP but not the attention.
+#           recompute the projections and the MLP but not the attention;
+#   'offload' as 'block', each layer's input ('layer_input') kept in pinned
+#           host memory instead of the accelerator's and copied back for the
+#           layer's backward.
 # Residuals are chosen by name (save_only_these_names), which also covers
 # POET's block products and custom kernels that dot-based policies miss.
 REMAT_POLICIES = {
     'none': None,
     'block': jax.checkpoint_policies.nothing_saveable,
     'attn': jax.checkpoint_policies.save_only_these_names('attn_out'),
+    'offload': jax.checkpoint_policies.save_and_offload_only_these_names(
+        names_which_can_be_saved=[], names_which_can_be_offloaded=['layer_input'],
+        offload_src='device', offload_dst='pinned_host'),
 }
 
 
@@ -294,6 +300,7 @@ class DecoderLayer(nnx.Module):
     self.mlp = self.mlp_class(config, **kw)
 
   def __call__(self, x: Array, positions: Array | None = None) -> tuple[Array, dict]:
+    x = checkpoint_name(x, 'layer_input')  # what remat 'offload' moves to the host
     with batched_series(self, x):  # the POET projections' series in one batch
       a = self.self_attn
       h, ins = normed(self.input_layernorm, x, (a.q_proj, a.k_proj, a.v_proj),
@@ -400,9 +407,15 @@ class Llama(nnx.Module):
   def forward(self, tokens: Array) -> tuple[Array, dict]:
     """tokens (B, T) int -> (logits (B, T, V) float32, aux): the layers'
     stats summed from :meth:`aux_init` and finished by :meth:`aux_summary`."""
+    h, aux = self.features(tokens)
+    return self.logits(h), aux
+
+  def features(self, tokens: Array) -> tuple[Array, dict]:
+    """tokens (B, T) int -> (the last decoder layer's output (B, T, H), aux):
+    :meth:`forward` before the head (:meth:`logits`)."""
     h, positions = self.embed(tokens)
     h, totals = self.run_layers(h, positions, self.aux_init())
-    return self.logits(h), self.aux_summary(totals)
+    return h, self.aux_summary(totals)
 
   def aux_init(self) -> dict:
     """The zero of the per-layer stats the decoder layers add up (none here)."""
@@ -440,9 +453,17 @@ class Llama(nnx.Module):
 
   def logits(self, h: Array) -> Array:
     """The last layer's output (B, T, H) -> logits (B, T, V) float32 (final norm, head)."""
-    h = self.norm(h)
-    if self.config.tie_embeddings:
-      logits = self.embed_tokens.attend(h)
-    else:
-      logits = self.lm_head(h)
+    return self.head_logits(self.head(), h)
+
+  def head(self) -> tuple[nnx.Module, nnx.Module]:
+    """The modules :meth:`logits` uses: (final norm, output projection: the
+    ``lm_head``, or the embedding under ``tie_embeddings``)."""
+    return self.norm, self.embed_tokens if self.config.tie_embeddings else self.lm_head
+
+  @staticmethod
+  def head_logits(head: tuple[nnx.Module, nnx.Module], h: Array) -> Array:
+    """:meth:`logits` through the modules of :meth:`head`: (..., H) -> (..., V) float32."""
+    norm, out = head
+    h = norm(h)
+    logits = out.attend(h) if isinstance(out, nnx.Embed) else out(h)
     return logits.astype(jnp.float32)

@@ -157,8 +157,13 @@ class TrainConfig:
       'pass over the activations fewer; the same values, gradients summed in another '
       'order)')
   remat: str = _option('none', 'rematerialise each decoder layer: keep only its input '
-                       '(block), or its input and attention output (attn)',
+                       '(block), its input in pinned host memory (offload), or its input '
+                       'and attention output (attn)',
                        choices=tuple(llama.REMAT_POLICIES))
+  loss_chunk: int = _option(0, 'the head and loss of a train step this many sequence '
+                            'positions at a time, each piece\'s backward with it: the '
+                            '(batch, seq, vocab) float32 logits are never held, the same loss '
+                            'and gradients; 0: the whole micro-batch at once', min=0)
   attention: str = _option('auto', "attention kernel: cuDNN's fused attention or XLA's; "
                            'auto: cuDNN on GPUs for 16-bit compute', choices=llama.ATTENTION)
   scan_layers: bool = _option(False, 'store the decoder layers stacked and run them with '

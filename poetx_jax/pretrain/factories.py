@@ -10,6 +10,7 @@ optimizer, the train step and the device mesh.
 
 from __future__ import annotations
 
+import functools
 import typing as tp
 
 import jax
@@ -155,16 +156,17 @@ def make_step(plan: 'Plan', on_merge=None, mesh=None, grad_norm: bool = False):
   ``mesh``: the training mesh, if any; ``grad_norm``: return ``(loss,
   grad_norm)`` (:func:`poetx_jax.make_train_step`)."""
   cfg = plan.options
+  loss = functools.partial(training_loss, loss_chunk=cfg.loss_chunk)
   if plan.poetize:
     # Per-device programs only where each row is computed on its own (a
     # routed model's capacity and aux losses are per global batch).
     dp = (mesh if mesh is not None and cfg.strategy == 'dp' and plan.model.rows_independent
           else None)
-    return poetx_jax.make_train_step(training_loss, merge_every=plan.merge_period,
+    return poetx_jax.make_train_step(loss, merge_every=plan.merge_period,
                                      seed=cfg.seed, on_merge=on_merge,
                                      data_parallel=dp, loss_weight=target_count,
                                      grad_norm=grad_norm)
-  return poetx_jax.make_train_step(training_loss, grad_norm=grad_norm)  # AdamW: never merge
+  return poetx_jax.make_train_step(loss, grad_norm=grad_norm)  # AdamW: never merge
 
 
 def make_training_mesh(plan: 'Plan'):

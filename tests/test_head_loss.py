@@ -1,0 +1,83 @@
+"""The head and loss in pieces (evaluation.head_loss, --loss-chunk): the
+loss and gradients of the whole batch at once, without its logits held."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from conftest import assert_trees_rel_close
+from poetx_jax.models import get_config
+from poetx_jax.pretrain import evaluation, factories
+from poetx_jax.pretrain.config import TrainConfig
+from poetx_jax.pretrain.plan import make_plan
+
+
+def _batch(keys, b, t, vocab):
+  inputs = jax.random.randint(keys(), (b, t), 0, vocab)
+  targets = jax.random.randint(keys(), (b, t), -1, vocab)  # about 1/vocab masked ...
+  targets = targets.at[0, :3].set(-1)  # ... and a few surely
+  return {'inputs': inputs, 'targets': targets}
+
+
+def _value_and_grad(model, batch, chunk):
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+  f = lambda p: evaluation.training_loss(nnx.merge(graphdef, p, rest), batch, chunk)
+  return jax.jit(jax.value_and_grad(f))(params)
+
+
+@pytest.mark.parametrize('tie', [False, True])
+@pytest.mark.parametrize('dtype,tol', [(jnp.float32, 2e-6), (jnp.bfloat16, 1e-2)])
+@pytest.mark.parametrize('chunk', [3, 10, 16])  # pieces padded, one piece, one longer than T
+def test_pieces_give_the_loss_and_gradients_of_the_whole_batch(keys, tie, dtype, tol, chunk):
+  cfg = dataclasses.replace(get_config('tiny'), tie_embeddings=tie, layers=1)
+  model = cfg.build(dtype=dtype, param_dtype=dtype, rngs=nnx.Rngs(int(jax.random.bits(keys()))))
+  batch = _batch(keys, 2, 10, cfg.vocab_size)
+  loss, grads = _value_and_grad(model, batch, chunk)
+  want_loss, want_grads = _value_and_grad(model, batch, 0)
+  np.testing.assert_allclose(float(loss), float(want_loss),
+                             rtol=1e-6 if dtype == jnp.float32 else 1e-4)
+  assert_trees_rel_close(grads, want_grads, tol)
+
+
+def test_a_poetx_run_with_loss_chunk_trains_as_the_whole_batch_does(keys):
+  """The app's train step (make_step) with --loss-chunk: the same losses and
+  the same model after updates that include a merge, within float32 error."""
+  cfg = TrainConfig(model='tiny', model_overrides={'layers': 1}, block_size=32, warmup=1,
+                    dtype='float32', merge_every=2)
+  batch = _batch(keys, 2, 12, 300)
+
+  def train(loss_chunk):
+    plan = make_plan(dataclasses.replace(cfg, loss_chunk=loss_chunk), 300)
+    model = factories.build_model(plan)
+    opt = factories.build_optimizer(plan, model)
+    step = factories.make_step(plan)
+    losses = [float(step(model, opt, batch)) for _ in range(3)]
+    return losses, nnx.state(model, nnx.Param)
+
+  losses, params = train(5)
+  want_losses, want_params = train(0)
+  np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
+  assert losses[-1] < losses[0]
+  assert_trees_rel_close(params, want_params, 1e-5)
+
+
+def test_pieces_do_not_hold_the_logits_of_the_whole_batch(keys):
+  """The compiled gradient's temporaries shrink by most of the (B, T, V)
+  float32 logits and their softmax when the loss goes 8 positions at a time."""
+  cfg = dataclasses.replace(get_config('tiny'), layers=1)
+  model = cfg.build(rngs=nnx.Rngs(0))
+  batch = _batch(keys, 4, 64, cfg.vocab_size)
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+  def temp_bytes(chunk):
+    f = lambda p: evaluation.training_loss(nnx.merge(graphdef, p, rest), batch, chunk)
+    return jax.jit(jax.grad(f)).lower(params).compile().memory_analysis().temp_size_in_bytes
+
+  logits = 4 * 64 * cfg.vocab_size * 4
+  whole, pieces = temp_bytes(0), temp_bytes(8)
+  assert whole >= 2 * logits, (whole, logits)  # the logits and their softmax, at least
+  assert pieces <= whole - 1.5 * logits, (pieces, whole, logits)
