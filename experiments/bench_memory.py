@@ -177,8 +177,8 @@ BREAKDOWN_COLUMNS = (('bases', 'bases'), ('gens', 'generators'), ('other', 'othe
                      ('buffers', 'buffers'), ('gen mom', 'generator_moments'),
                      ('oth mom', 'other_moments'), ('opt etc', 'optimizer_other'),
                      ('grads', 'gradients'), ('residuals', 'saved_residuals'),
-                     ('other tmp', 'other_temporaries'), ('sum', 'sum'),
-                     ('XLA peak', 'compiled_peak'))
+                     ('host res', 'host_residuals'), ('other tmp', 'other_temporaries'),
+                     ('sum', 'sum'), ('XLA peak', 'compiled_peak'))
 
 
 def print_breakdown(results: list[dict]) -> None:
@@ -198,7 +198,7 @@ def print_breakdown(results: list[dict]) -> None:
                   *[Column(f'peak {unit}', 9,
                            lambda r: f"{scale * r['peak_gib']:.2f}")] * measured],
         title=f'{unit} at the peak by category (sum: state + gradients + residuals + other '
-              'temporaries)', error_chars=60)
+              'temporaries; host res: residuals in host memory, in no sum)', error_chars=60)
 
 
 def parse_args(argv=None):

@@ -212,9 +212,10 @@ def step_residuals(plan, model, batch) -> tuple[dict[str, int], list[tuple]]:
   inputs, normed activations, attention probabilities, the logits' softmax,
   rotation blocks); ``residual_arguments`` residuals that are the step's
   arguments (parameters, frozen bases, permutations, the batch) or constants
-  of the program: the state already counts them. ``residuals``: one
-  ``(shape, dtype, bytes, where)`` per value, ``where`` 'argument', 'constant'
-  or the primitive that computed it, largest first.
+  of the program: the state already counts them; ``host_residuals`` those
+  kept in host memory (remat 'offload'), in no device figure. ``residuals``:
+  one ``(shape, dtype, bytes, where)`` per value, ``where`` 'argument',
+  'constant', 'host' or the primitive that computed it, largest first.
   """
   import jax
   from flax import nnx
@@ -250,13 +251,16 @@ def step_residuals(plan, model, batch) -> tuple[dict[str, int], list[tuple]]:
       where = ('argument' if v in arguments else 'constant' if v in constants
                else producer[v].primitive.name)
     aval = v.aval
+    if getattr(aval, 'memory_space', None) == jax.memory.Space.Host:
+      where = 'host'  # offloaded (remat 'offload'): in host memory, not the device's
     nbytes = poetx_jax.state_bytes(jax.ShapeDtypeStruct(aval.shape, aval.dtype))
     residuals.append((tuple(aval.shape), str(aval.dtype), nbytes, where))
   residuals.sort(key=lambda r: -r[2])
   out = {'gradients': poetx_jax.state_bytes(grads), 'saved_residuals': 0,
-         'residual_arguments': 0}
+         'residual_arguments': 0, 'host_residuals': 0}
   for _, _, nbytes, where in residuals:
-    out['residual_arguments' if where in ('argument', 'constant') else 'saved_residuals'] += nbytes
+    out['residual_arguments' if where in ('argument', 'constant') else
+        'host_residuals' if where == 'host' else 'saved_residuals'] += nbytes
   return out, residuals
 
 
@@ -268,7 +272,8 @@ def memory_breakdown(cfg, label: str, compiled: bool = False) -> dict:
   generators, other_params, buffers, generator_moments, other_moments,
   optimizer_other), the step's ``gradients`` and ``saved_residuals``
   (:func:`step_residuals`; ``residual_arguments``, residuals the state
-  already holds, beside them, in no sum), ``sum`` (state + gradients + saved
+  already holds, and ``host_residuals``, those in host memory, beside them,
+  in no sum), ``sum`` (state + gradients + saved
   residuals: a floor for the peak). With ``compiled`` (:func:`compiled_memory`,
   for this backend: XLA:CPU's temporaries are not XLA:GPU's) also XLA's
   ``arguments``, ``outputs``, ``aliases`` and ``temporaries``, and

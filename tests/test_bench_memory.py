@@ -122,6 +122,22 @@ def test_saved_residuals_shrink_with_remat_and_leave_the_arguments_out():
   # The backward needs the bases (and the head) in every case; they are arguments.
   assert block['residual_arguments'] >= block['bases']
   assert block['residual_arguments'] <= block['state'] + 2 * 2 * 32 * 4 + 4096
+  assert block['host_residuals'] == 0
+
+
+def test_offloaded_layer_inputs_count_in_host_memory_and_the_loss_pieces_drop_the_softmax():
+  """``remat=offload`` moves each layer's input from the device's residuals
+  to ``host_residuals``; ``loss_chunk`` replaces the (B, T, V) softmax by
+  the gradient of the last layer's output (B, T, H) and the head's."""
+  block = bench_train.memory_breakdown(_cfg('optimizer=poetx,remat=block'), 'block')['bytes']
+  off = bench_train.memory_breakdown(_cfg('optimizer=poetx,remat=offload'), 'off')['bytes']
+  pieces = bench_train.memory_breakdown(
+      _cfg('optimizer=poetx,remat=block,loss_chunk=8'), 'pieces')['bytes']
+  layer_input = 2 * 32 * 64 * 4  # batch x seq x hidden, float32 (one layer)
+  softmax = 2 * 32 * 512 * 4
+  assert off['host_residuals'] == layer_input
+  assert off['saved_residuals'] == block['saved_residuals'] - layer_input
+  assert pieces['saved_residuals'] <= block['saved_residuals'] - softmax + layer_input + 512 * 64 * 4
 
 
 def test_bench_memory_breakdown_table(tmp_path, capsys):
