@@ -50,8 +50,12 @@ def fuses_gather(layer: 'POETLinear', width: int, dtype) -> bool:
                         jax.ShapeDtypeStruct((1, b, b), jnp.dtype(dtype))))
 
 
+GENERATOR_DTYPES = ('float32', 'bfloat16')
+
+
 class POETParam(nnx.Param):
-  """Packed skew-symmetric generators of a POET rotation, (K, B(B-1)/2) float32."""
+  """Packed skew-symmetric generators of a POET rotation, (K, B(B-1)/2),
+  float32 or bfloat16 (``POETLinear(generator_dtype=...)``)."""
 
 
 class FrozenKernel(nnx.Variable):
@@ -93,7 +97,7 @@ def implementation_for(name: str, block_size: int) -> ops.Implementation | None:
 
 
 def _check_arguments(in_features, out_features, block_size, mode, form, implementation, dtype,
-                     terms, max_generator_norm, quantize):
+                     terms, max_generator_norm, quantize, generator_dtype):
   """POETLinear's argument checks: each error names the value and what is valid."""
   for name, d in (('in_features', in_features), ('out_features', out_features)):
     if not isinstance(d, int) or d < 1:
@@ -121,6 +125,13 @@ def _check_arguments(in_features, out_features, block_size, mode, form, implemen
   if quantize is not None and quantize not in ops.QUANT_BITS:
     raise ValueError(f'quantize must be None or one of {tuple(ops.QUANT_BITS)}, '
                      f'got {quantize!r}')
+  try:
+    name = jnp.dtype(generator_dtype).name
+  except TypeError:
+    name = None
+  if name not in GENERATOR_DTYPES:
+    raise ValueError(f'generator_dtype must be one of {GENERATOR_DTYPES}, '
+                     f'got {generator_dtype!r}')
 
 
 class POETLinear(nnx.Module):
@@ -183,9 +194,13 @@ class POETLinear(nnx.Module):
       dequantised on the fly and re-quantised at every merge. None keeps W0
       in ``param_dtype``.
     group_size: rows per quantisation group.
+    generator_dtype: dtype of the generators ``q_in``, ``q_out`` (so of their
+      gradients, and of their optimizer moments by default): ``float32``, or
+      ``bfloat16`` (half their memory, the published POET-X's precision; the
+      rotations are computed from them in float32 either way).
     use_bias, dtype, param_dtype, precision, kernel_init, bias_init, rngs: as
       for ``nnx.Linear``; ``param_dtype`` applies to the base kernel and bias,
-      the POET parameters are always float32.
+      ``generator_dtype`` to the POET parameters.
 
   References:
     Qiu et al., Reparameterized LLM Training via Orthogonal Equivalence
@@ -205,6 +220,7 @@ class POETLinear(nnx.Module):
       implementation: str = 'auto',
       quantize: str | None = None,
       group_size: int = 128,
+      generator_dtype: tp.Any = jnp.float32,
       use_bias: bool = True,
       dtype: tp.Any = None,
       param_dtype: tp.Any = jnp.float32,
@@ -214,7 +230,7 @@ class POETLinear(nnx.Module):
       rngs: nnx.Rngs,
   ):
     _check_arguments(in_features, out_features, block_size, mode, form, implementation,
-                     dtype, terms, max_generator_norm, quantize)
+                     dtype, terms, max_generator_norm, quantize, generator_dtype)
     kernel = kernel_init(rngs.params(), (in_features, out_features), param_dtype)
     if kernel.shape != (in_features, out_features):
       raise ValueError(f'kernel_init gave shape {kernel.shape}, expected '
@@ -230,8 +246,9 @@ class POETLinear(nnx.Module):
     self.bias = (nnx.Param(bias_init(rngs.params(), (out_features,), param_dtype))
                  if use_bias else nnx.data(None))
     p = ops.skew_size(block_size)
-    self.q_in = POETParam(jnp.zeros((ops.num_blocks(in_features, block_size), p), jnp.float32))
-    self.q_out = POETParam(jnp.zeros((ops.num_blocks(out_features, block_size), p), jnp.float32))
+    gen = jnp.dtype(generator_dtype)
+    self.q_in = POETParam(jnp.zeros((ops.num_blocks(in_features, block_size), p), gen))
+    self.q_out = POETParam(jnp.zeros((ops.num_blocks(out_features, block_size), p), gen))
     self.perm_in = Permutation(perm_in)
     self.perm_out = Permutation(perm_out)
 

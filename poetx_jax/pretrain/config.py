@@ -172,6 +172,10 @@ class TrainConfig:
                                  'int4', choices=tuple(ops.QUANT_BITS),
                                  none='full-precision bases')
   group_size: int = _poet(128, 'POET-XQ rows per quantisation group', min=1)
+  generator_dtype: str = _poet('float32', 'dtype of the POET generators, so of their '
+                               'gradients and Adam moments: bfloat16 halves all three (the '
+                               "published POET-X's precision; the rotations are computed in "
+                               'float32 either way)', choices=('float32', 'bfloat16'))
   lean_state: bool = _option(False, 'bf16 momenta; factored second moments for the non-POET '
                              'parameters (embeddings, head, norms; all of them for AdamW) and '
                              'one second moment per block for the POET generators')
@@ -184,8 +188,8 @@ class TrainConfig:
                      'divide the device count (--resume: may change, like --strategy)')
   dtype: str = _option('auto', 'compute dtype; auto: bfloat16 on GPU, float32 elsewhere',
                        choices=('auto',) + DTYPES)
-  param_dtype: str = _option('float32', 'dtype of the weights (POET generators are always '
-                             'float32)', choices=DTYPES)
+  param_dtype: str = _option('float32', 'dtype of the weights (the POET generators\': '
+                             'generator_dtype)', choices=DTYPES)
   # jax.random.key takes an int64; the permutations use seed + 1.
   seed: int = _option(0, 'seed of model, permutations and data order', min=0,
                       max=2 ** 63 - 2)

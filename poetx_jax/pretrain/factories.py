@@ -96,7 +96,8 @@ def _layer_converter(plan: 'Plan'):
                               max_generator_norm=cfg.max_generator_norm,
                               block_size=plan.block_size, mode=cfg.mode,
                               form=plan.form, implementation=cfg.implementation,
-                              quantize=cfg.quantize, group_size=cfg.group_size)
+                              quantize=cfg.quantize, group_size=cfg.group_size,
+                              generator_dtype=cfg.generator_dtype)
     return poetx_jax.tie_permutations(layer) if cfg.tie_permutations else layer
 
   return convert
