@@ -60,14 +60,12 @@ def test_an_unsupported_generator_dtype_is_refused_by_name(bad):
     poetx_jax.POETLinear(16, 16, block_size=8, generator_dtype=bad, rngs=nnx.Rngs(0))
 
 
-@pytest.mark.parametrize('lean', [False, True])
-def test_a_run_with_bfloat16_generators_trains_as_the_float32_one(keys, lean):
-  """The app's train step through a merge: the generators, their moments and
-  (without lean_state, whose first moment is bfloat16 already) the state
-  halve; losses and the merged bases stay within bfloat16 rounding of the
-  float32-generator run."""
+def test_a_run_with_bfloat16_generators_trains_as_the_float32_one(keys):
+  """The app's train step through a merge: the generators and their moments
+  are bfloat16 (half the generators' bytes); losses and the merged bases
+  stay within bfloat16 rounding of the float32-generator run."""
   cfg = TrainConfig(model='tiny', model_overrides={'layers': 1}, block_size=32, warmup=1,
-                    dtype='float32', merge_every=3, lean_state=lean)
+                    dtype='float32', merge_every=3)
   tokens = jax.random.randint(keys(), (2, 13), 0, 300)
   batch = {'inputs': tokens[:, :-1], 'targets': tokens[:, 1:]}
 
@@ -87,15 +85,16 @@ def test_a_run_with_bfloat16_generators_trains_as_the_float32_one(keys, lean):
   assert {x.dtype for x in jax.tree.leaves(gens)} == {jnp.dtype(jnp.bfloat16)}
   assert {x.dtype for x in jax.tree.leaves(want_gens)} == {jnp.dtype(jnp.float32)}
   assert moments and {x.dtype for x in moments} == {jnp.dtype(jnp.bfloat16)}
-  if not lean:
-    assert {x.dtype for x in want_moments} == {jnp.dtype(jnp.float32)}
+  assert {x.dtype for x in want_moments} == {jnp.dtype(jnp.float32)}
   nbytes = lambda tree: sum(x.nbytes for x in jax.tree.leaves(tree))
   assert nbytes(gens) * 2 == nbytes(want_gens)
   assert losses[-1] < losses[0]
   np.testing.assert_allclose(losses, want_losses, rtol=2e-3)
   # After five updates (one merge at 3): the generators of the second cycle
-  # and the merged bases, within a few bfloat16 roundings.
+  # (two Adam steps, nearly the sign of the gradient, so an entry whose
+  # gradient rounds across zero moves the other way) within 6%, and the
+  # merged bases within a few bfloat16 roundings.
   assert rel_err(jax.tree.leaves(gens)[0].astype(jnp.float32),
-                 jax.tree.leaves(want_gens)[0]) < 3e-2
+                 jax.tree.leaves(want_gens)[0]) < 6e-2
   for got, want in zip(jax.tree.leaves(bases), jax.tree.leaves(want_bases)):
     assert rel_err(got, want) < 1e-3

@@ -1,6 +1,8 @@
 """The Llama model: shapes, causality, attention / RMSNorm against references,
 configs, jitted init, poetize and HF export (tiny config, float32, CPU)."""
 
+import functools
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -314,6 +316,7 @@ def test_remat_offload_keeps_the_layer_inputs_in_host_memory(keys, scan):
 
   f, params, rest = split('offload')
   g, params_b, rest_b = split('block')
+  @functools.partial(jax.jit, static_argnums=0)
   def value_and_grad(f, params, rest):  # vjp: rest's integer arrays get no cotangent
     loss, pull = jax.vjp(f, params, rest)
     return loss, pull(jnp.ones_like(loss))[0]
