@@ -141,6 +141,8 @@ def test_two_processes_train_on_the_windows_of_one_with_its_losses(tmp_path):
     return outs
 
   outs = run(args('one'), args('two'))
+  assert "mesh: {'data': 4, 'fsdp': 1}, strategy dp" in outs[0][0]
+  assert "mesh: {'data': 4, 'fsdp': 1}, strategy dp" in outs[1][0]  # over both processes
   assert 'validation perplexity' in outs[1][0]  # process 0 reports, process 1 does not
   assert 'validation perplexity' not in outs[2][0] and 'tokens/s' not in outs[2][0]
 
