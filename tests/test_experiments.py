@@ -194,8 +194,9 @@ def test_compile_time_reports_each_program(tmp_path):
   than a second one."""
   import compile_time
   out = tmp_path / 'c.json'
-  compile_time.main(['--model', 'tiny', '--seq-len', '32', '--batch-size', '2',
-                     '--vocab-size', '512', '--timed-steps', '1', '--run', 'optimizer=poetx',
+  compile_time.main(['--model', 'tiny', '--model-overrides', 'layers=1', '--seq-len', '32',
+                     '--batch-size', '2', '--vocab-size', '512', '--timed-steps', '1',
+                     '--run', 'optimizer=poetx',
                      '--run', 'optimizer=adamw', '--json', str(out)])
   poet, adamw = json.loads(out.read_text())
   for r in (poet, adamw):

@@ -130,13 +130,13 @@ def test_two_processes_train_on_the_windows_of_one_with_its_losses(tmp_path):
             '--cache-dir', str(tmp_path / f'cache-{name}'), '--out-dir', str(tmp_path / name)]
 
   def run(one_args, two_args):
-    one = _poetx(one_args, devices=4)
+    one = [_poetx(one_args, devices=4)] if one_args else []
     port = _free_port()
     two = [_poetx(two_args, devices=2,
                   extra=['--distributed', '--coordinator', f'localhost:{port}',
                          '--num-processes', '2', '--process-id', str(i)]) for i in range(2)]
-    outs = [p.communicate(timeout=600) for p in (one, *two)]
-    for p, (out, err) in zip((one, *two), outs):
+    outs = [p.communicate(timeout=600) for p in (*one, *two)]
+    for p, (out, err) in zip((*one, *two), outs):
       assert p.returncode == 0, err[-3000:]
     return outs
 
@@ -159,13 +159,15 @@ def test_two_processes_train_on_the_windows_of_one_with_its_losses(tmp_path):
   assert json.loads((tmp_path / 'one' / 'data.json').read_text()) == json.loads(
       (tmp_path / 'two' / 'data.json').read_text())
 
-  # Both resume, extended by two steps: every process restores the checkpoint
-  # and its data position, and the runs stay together.
-  run(*[['--resume', '--steps', '8', '--out-dir', str(tmp_path / name)]
-        for name in ('one', 'two')])
-  (loss1, _), (loss2, _) = _losses(tmp_path / 'one'), _losses(tmp_path / 'two')
-  assert sorted(loss1) == sorted(loss2) == list(range(1, 9))
+  # The two processes resume from step 3: each restores the checkpoint and its
+  # data position, and steps 4-6 come out as the one process's uninterrupted run.
+  outs = run(None, ['--resume', '--step', '3', '--out-dir', str(tmp_path / 'two')])
+  assert 'resumed from step 3' in outs[0][0], outs[0][0][-2000:]
+  assert Checkpointer(tmp_path / 'two' / 'checkpoints').all_steps() == [3, 6]  # 6 trained again
+  loss2, val2 = _losses(tmp_path / 'two')
+  assert sorted(loss2) == list(range(1, 7)) and sorted(val2) == [0, 3, 6]
   np.testing.assert_allclose([loss2[s] for s in loss1], list(loss1.values()), rtol=1e-5)
+  np.testing.assert_allclose([val2[s] for s in val1], list(val1.values()), rtol=1e-5)
 
 
 def _corpus(tmp_path):

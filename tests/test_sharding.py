@@ -77,13 +77,13 @@ def test_checkpoint_from_8_devices_restores_on_fewer(eight, devices, fsdp):
   assert r == {'step': 5, 'exact': True, 'devices': devices}, r
 
 
-def test_every_fsdp_mesh_of_4_devices_trains_as_one_device():
-  """POET-X under FSDP on (data, fsdp) = (4, 1), (2, 2) and (1, 4), merges
-  and gradient accumulation included, gives one device's losses and
+def test_every_sharding_fsdp_mesh_of_4_devices_trains_as_one_device():
+  """POET-X under FSDP on (data, fsdp) = (2, 2) and (1, 4), merges and
+  gradient accumulation included, gives one device's losses and
   permutations. On (2, 2) XLA's partitioner used to abort (a check failure)
   on the activation gathers when the permutations were split over fsdp."""
   r = _run(4, 'meshes')
-  assert sorted(r) == ['1', '2', '4'], r
+  assert sorted(r) == ['2', '4'], r
   for fsdp, got in r.items():
     assert got['loss_diff'] < 1e-5 and got['perm_equal'], (fsdp, got)
 

@@ -175,7 +175,7 @@ class TrainConfig:
   generator_dtype: str = _poet('float32', 'dtype of the POET generators, so of their '
                                'gradients and Adam moments: bfloat16 halves all three (the '
                                "published POET-X's precision; the rotations are computed in "
-                               'float32 either way)', choices=('float32', 'bfloat16'))
+                               'float32 either way)', choices=linear.GENERATOR_DTYPES)
   lean_state: bool = _option(False, 'bf16 momenta; factored second moments for the non-POET '
                              'parameters (embeddings, head, norms; all of them for AdamW) and '
                              'one second moment per block for the POET generators')
