@@ -1,4 +1,4 @@
-"""The fault-injection driver (experiments/fault_injection.py): ten random
+"""The fault-injection driver (experiments/fault_injection.py): six random
 stops of one tiny run by SIGTERM, SIGINT and SIGKILL, each resumed, end as
 the uninterrupted run, bit for bit."""
 
@@ -14,14 +14,15 @@ from poetx_jax.pretrain.train import train
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / 'experiments'))
 import fault_injection  # noqa: E402  pylint: disable=g-import-not-at-top
 
-STEPS, STOPS = 24, 10
+STEPS, STOPS = 20, 6
 
 
-def test_ten_random_stops_end_as_the_uninterrupted_run(tmp_path):
-  # Seed 12: 8 SIGTERM / SIGINT stops and two kill -9s: one as the periodic
-  # save of step 20 starts (after a SIGTERM stop's save of step 19), one
-  # right after step 13 (after step 12's, a stop's and a periodic save).
-  stops = fault_injection.plan_stops(STEPS, STOPS, seed=12, kill_share=0.1,
+def test_six_random_stops_end_as_the_uninterrupted_run(tmp_path):
+  # Seed 28: four SIGTERM / SIGINT stops after steps 3-6 in a row (3 and 6
+  # beside merges), then two kill -9s: one as the periodic save of step 8
+  # starts (after a SIGTERM stop's save of step 6), one right after step 11
+  # (after step 8's periodic save, made again after the resume from 6).
+  stops = fault_injection.plan_stops(STEPS, STOPS, seed=28, kill_share=0.1,
                                      checkpoint_every=fault_injection.TINY['checkpoint_every'])
   kinds = collections.Counter((s.signal, s.on) for s in stops)
   assert kinds[('SIGKILL', 'save')] == kinds[('SIGKILL', 'step')] == 1, kinds
