@@ -126,6 +126,19 @@ def gathered(fn, *args) -> list[tuple[int, ...]]:
   return shapes
 
 
+def app_steps(cfg, vocab_size, batch, steps):
+  """``steps`` updates of the app's train step (``poetx train``'s model,
+  optimizer and ``make_step`` for the options ``cfg``) on ``batch``, on this
+  process's device: ``(losses, model, optimizer)``."""
+  from poetx_jax.pretrain import factories
+  from poetx_jax.pretrain.plan import make_plan
+  plan = make_plan(cfg, vocab_size)
+  model = factories.build_model(plan)
+  opt = factories.build_optimizer(plan, model)
+  step = factories.make_step(plan)
+  return [float(step(model, opt, batch)) for _ in range(steps)], model, opt
+
+
 def write_corpus(directory, *, docs=40, words=120):
   """``docs`` text files of ``words`` random WORDS each (seed 0) in ``directory``."""
   rng = np.random.default_rng(0)

@@ -10,10 +10,8 @@ import pytest
 from flax import nnx
 
 import poetx_jax
-from poetx_jax.pretrain import factories
 from poetx_jax.pretrain.config import TrainConfig
-from poetx_jax.pretrain.plan import make_plan
-from tests.conftest import rel_err
+from conftest import app_steps, rel_err
 
 
 def _layers(keys, dtype):
@@ -70,11 +68,8 @@ def test_a_run_with_bfloat16_generators_trains_as_the_float32_one(keys):
   batch = {'inputs': tokens[:, :-1], 'targets': tokens[:, 1:]}
 
   def train(generator_dtype):
-    plan = make_plan(dataclasses.replace(cfg, generator_dtype=generator_dtype), 300)
-    model = factories.build_model(plan)
-    opt = factories.build_optimizer(plan, model)
-    step = factories.make_step(plan)
-    losses = [float(step(model, opt, batch)) for _ in range(5)]
+    losses, model, opt = app_steps(dataclasses.replace(cfg, generator_dtype=generator_dtype),
+                                   300, batch, 5)
     gens = nnx.state(model, poetx_jax.POETParam)
     moments = [x for x in jax.tree.leaves(nnx.state(opt, nnx.OptState))
                if x.ndim and x.shape[-1] == jax.tree.leaves(gens)[0].shape[-1]]

@@ -9,11 +9,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from conftest import assert_trees_rel_close
+from conftest import app_steps, assert_trees_rel_close
 from poetx_jax.models import get_config
-from poetx_jax.pretrain import evaluation, factories
+from poetx_jax.pretrain import evaluation
 from poetx_jax.pretrain.config import TrainConfig
-from poetx_jax.pretrain.plan import make_plan
 
 
 def _batch(keys, b, t, vocab):
@@ -54,11 +53,7 @@ def test_a_poetx_run_with_loss_chunk_trains_as_the_whole_batch_does(keys):
   batch = _batch(keys, 2, 12, 300)
 
   def train(loss_chunk):
-    plan = make_plan(dataclasses.replace(cfg, loss_chunk=loss_chunk), 300)
-    model = factories.build_model(plan)
-    opt = factories.build_optimizer(plan, model)
-    step = factories.make_step(plan)
-    losses = [float(step(model, opt, batch)) for _ in range(3)]
+    losses, model, _ = app_steps(dataclasses.replace(cfg, loss_chunk=loss_chunk), 300, batch, 3)
     return losses, nnx.state(model, nnx.Param)
 
   losses, params = train(5)
