@@ -113,8 +113,9 @@ def test_mesh_and_spec_rules():
     sharding.make_mesh(fsdp=3)
 
 
-@pytest.mark.parametrize('strategy,fsdp', [('fsdp', 4)])  # dp over 4: test_multiprocess
-def test_poetx_train_on_8_devices(tmp_path, strategy, fsdp):
+def test_poetx_train_fsdp_on_8_devices(tmp_path):
+  """The CLI on an (data, fsdp) = (2, 4) mesh (dp over several devices:
+  test_multiprocess)."""
   corpus = tmp_path / 'c.txt'
   corpus.write_text(' '.join(f'word{i % 37} and more text' for i in range(3000)))
   env = dict(os.environ, XLA_FLAGS=host_devices(8),
@@ -123,11 +124,11 @@ def test_poetx_train_on_8_devices(tmp_path, strategy, fsdp):
          '--model-overrides', 'layers=1,hidden=32,mlp=64,heads=2,kv_heads=1',
          '--data', str(corpus), '--vocab-size', '300', '--seq-len', '32',
          '--batch-size', '8', '--steps', '4', '--block-size', '8', '--dtype', 'float32',
-         '--strategy', strategy, '--fsdp', str(fsdp), '--cache-dir', str(tmp_path / 'cache'),
+         '--strategy', 'fsdp', '--fsdp', '4', '--cache-dir', str(tmp_path / 'cache'),
          '--out-dir', str(tmp_path / 'run')]
   proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
   assert proc.returncode == 0, proc.stderr[-3000:]
-  assert f"mesh: {{'data': {8 // fsdp}, 'fsdp': {fsdp}}}, strategy {strategy}" in proc.stdout
+  assert "mesh: {'data': 2, 'fsdp': 4}, strategy fsdp" in proc.stdout
   assert 'validation perplexity:' in proc.stdout
 
 
