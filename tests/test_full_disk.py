@@ -41,7 +41,11 @@ def full(run):
     resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.RLIM_INFINITY))
 
 train_lib.train = lambda *a, **k: real(*a, hooks=[train_lib.Hook(full)], **k)
-sys.exit(cli.main(['train', '--config', config]))
+code = cli.main(['train', '--config', config])
+import threading  # none of orbax's threads outlives the command (one would print at exit)
+alive = [t.name for t in threading.enumerate() if type(t).__module__.startswith('orbax.')]
+assert not alive, alive
+sys.exit(code)
 '''
 
 # `poetx prepare` (one worker) in a subprocess whose files may grow to LIMIT

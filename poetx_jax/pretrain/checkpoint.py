@@ -30,6 +30,7 @@ import contextlib
 import logging
 import pathlib
 import shutil
+import threading
 import time
 import typing as tp
 
@@ -161,6 +162,7 @@ class Checkpointer:
       del e
       with contextlib.suppress(Exception):  # the failed save's other threads
         self._mgr.wait_until_finished()
+      _join_operation_threads()
       return DiskFull(f'{full_disk_text(code)} writing the checkpoint of step {self._saving} '
                       f'under {self.directory} (its unfinished folder is never restored)', code)
     return when_full(stop)
@@ -377,6 +379,18 @@ class Checkpointer:
 
   def __exit__(self, *exc: tp.Any) -> None:
     self.close()
+
+
+def _join_operation_threads(timeout_s: float = 30.0) -> None:
+  """Waits (each at most ``timeout_s``) for orbax's per-operation threads.
+  After a failed save ``wait_until_finished`` returns on the first error
+  while another of the save's threads (the one that writes the metadata
+  after the commits) may still run; one still running as the interpreter
+  exits prints a traceback after the command's one error line."""
+  me = threading.current_thread()
+  for thread in threading.enumerate():
+    if thread is not me and type(thread).__module__.startswith('orbax.'):
+      thread.join(timeout_s)
 
 
 def resumed_message(step: int, total: int, reached: int, unfinished: list[int]) -> str:
