@@ -44,6 +44,7 @@ categories::
         --run poetx:optimizer=poetx,mode=fast,remat=block --run adamw:optimizer=adamw,remat=block
     python3 experiments/bench_memory.py --models 8b --seqs 1024 --batch-size 8 --breakdown \\
         --scan-layers --run poetx:optimizer=poetx,mode=fast,remat=block   # on the GPU
+    ... --breakdown --peak-ops 20   # + what is live at XLA's peak, by the operation that made it
     PYTHONPATH=DIR_HOLDING_poet_torch python3 experiments/poet_torch_memory.py \\
         --variant poetx-fast --size 8b --seq 1024 --batch 8   # the same GPU, side by side
 """
@@ -163,13 +164,26 @@ def breakdown_table(a):
         label, overrides = bench_train.parse_run(run)
         cfg = bench_train.run_config(a, point(name, seq, a.largest), overrides)
         progress(f'{name} seq {seq} {label}: breakdown')
-        r = bench_train.memory_breakdown(cfg, label, compiled=a.compiled)
+        r = bench_train.memory_breakdown(cfg, label, compiled=a.compiled,
+                                         peak_ops=a.peak_ops if a.compiled else 0)
         r['model'] = name
         rows.append(r)
   print_breakdown(rows)
+  print_peak_ops(rows)
   with open(a.json, 'w') as f:
     json.dump(rows, f, indent=1)
   return rows
+
+
+def print_peak_ops(results: list[dict]) -> None:
+  """Each breakdown's ``peak_ops`` (XLA's list of what is live at the peak),
+  in GiB, under its model and run."""
+  for r in results:
+    ops = r.get('breakdown', r).get('peak_ops')
+    if ops:
+      print(f"\nlive at XLA's peak, {r['model']} seq {r['seq_len']} {r['run']} (GiB, by operation):")
+      for name, size in ops:
+        print(f'  {size / 2 ** 30:8.3f}  {name[:110]}')
 
 
 # (header, key of memory_breakdown's 'gib'), in the table's order
@@ -222,6 +236,10 @@ def parse_args(argv=None):
                       'parameters, buffers, optimizer moments, gradients, saved residuals, '
                       'other temporaries); with --state-only from abstract shapes, else '
                       'beside each run\'s measured peak')
+  p.add_argument('--peak-ops', type=int, default=0, metavar='N',
+                 help='with --breakdown: also XLA\'s list of what is live at the peak, the N '
+                      'largest by the operation that made it (the program compiled with '
+                      'XLA\'s dump on)')
   p.add_argument('--ladder', default=','.join(LADDER))
   p.add_argument('--plot', default='bench_memory.png')
   p.add_argument('--point', default=None, help=argparse.SUPPRESS)  # a child's grid point
@@ -236,7 +254,8 @@ def main(argv=None):
     r = bench_train.one_run(cfg, label, warmup_steps=a.warmup_steps,
                             timed_steps=a.timed_steps)
     if a.breakdown:  # compiled after the peak is read (autotuning allocates)
-      r['breakdown'] = bench_train.memory_breakdown(cfg, label, compiled=True)
+      r['breakdown'] = bench_train.memory_breakdown(cfg, label, compiled=True,
+                                                    peak_ops=a.peak_ops)
     print(json.dumps(r))
     return
   if a.state_only:
@@ -259,6 +278,7 @@ def main(argv=None):
   print_table(results)
   if a.breakdown:
     print_breakdown(results)
+    print_peak_ops(results)
   with open(a.json, 'w') as f:
     json.dump(results, f, indent=1)
   try:

@@ -37,8 +37,11 @@ import dataclasses
 import json
 import math
 import os
+import pathlib
+import re
 import statistics
 import sys
+import tempfile
 import time
 import typing as tp
 
@@ -102,7 +105,30 @@ def resident_state(cfg, label: str) -> dict:
   return r
 
 
-def compiled_memory(cfg, label: str) -> dict:
+def peak_usage(live_range_text: str) -> list[tuple[str, int]]:
+  """XLA's own account of the buffers live at its program's peak, from the
+  ``*-live-range.txt`` its dump writes: ``(JAX operation, bytes)`` for each
+  operation whose outputs are live there (the nodes of its "Stack trace
+  breakdown for peak usage" that hold bytes themselves, inside loops too:
+  e.g. ``jit(pure)/transpose(jvp())/while/body/.../dot_general``, or
+  ``values[3]`` for an argument), largest first."""
+  at = live_range_text.find('Stack trace breakdown for peak usage')
+  if at < 0:
+    return []
+  out = []
+  for line in live_range_text[at:].splitlines()[1:]:
+    m = re.match(r'^[\s│]*[├└]── (.*) \([\d.]+%, total: [\d ]+ bytes, current: ([\d ]+) bytes',
+                 line)
+    if m is None:
+      if not line.startswith('    '):
+        break  # the end of the breakdown
+      continue  # its root
+    if int(m.group(2).replace(' ', '')):
+      out.append((m.group(1), int(m.group(2).replace(' ', ''))))
+  return sorted(out, key=lambda x: -x[1])
+
+
+def compiled_memory(cfg, label: str, peak_ops: int = 0) -> dict:
   """GiB of the compiled update program for this backend, from abstract state.
 
   Lowers and compiles the jitted gradient-and-update program of the run on
@@ -112,7 +138,9 @@ def compiled_memory(cfg, label: str) -> dict:
   outputs written into donated arguments: the state) and ``temporaries``
   (everything else live during the step, gradients and saved activations
   included); ``*_bytes`` the same in bytes. Merges run in their own small
-  programs.
+  programs. With ``peak_ops`` the program is compiled with XLA's dump on,
+  and ``peak_ops`` holds the ``peak_ops`` largest entries of :func:`peak_usage`
+  (what is live at the peak, by the operation that made it).
   """
   import jax
   import jax.numpy as jnp
@@ -123,15 +151,23 @@ def compiled_memory(cfg, label: str) -> dict:
   tokens = jax.ShapeDtypeStruct((cfg.batch_size, cfg.seq_len), jnp.int32)
   step = F.make_step(plan)
   t0 = time.perf_counter()
-  compiled = step.lower(
-      model, opt, {'inputs': tokens, 'targets': tokens}).compile()
+  lowered = step.lower(model, opt, {'inputs': tokens, 'targets': tokens})
+  ops = []
+  if peak_ops:
+    with tempfile.TemporaryDirectory() as dump:
+      compiled = lowered.compile({'xla_dump_to': dump})
+      for path in sorted(pathlib.Path(dump).glob('*-live-range.txt')):
+        ops = peak_usage(path.read_text())  # one module: the step's
+  else:
+    compiled = lowered.compile()
   m = compiled.memory_analysis()
   sizes = {'arguments': m.argument_size_in_bytes, 'outputs': m.output_size_in_bytes,
            'aliases': m.alias_size_in_bytes, 'temporaries': m.temp_size_in_bytes}
   return {'run': label, 'model': cfg.model, 'seq_len': cfg.seq_len, 'batch': cfg.batch_size,
           'backend': jax.default_backend(), 'compile_s': time.perf_counter() - t0,
           **{f'{k}_gib': v / GIB for k, v in sizes.items()},
-          **{f'{k}_bytes': v for k, v in sizes.items()}}
+          **{f'{k}_bytes': v for k, v in sizes.items()},
+          **({'peak_ops': ops[:peak_ops]} if peak_ops else {})}
 
 
 # The categories of memory_breakdown, in the order its table shows them.
@@ -264,7 +300,7 @@ def step_residuals(plan, model, batch) -> tuple[dict[str, int], list[tuple]]:
   return out, residuals
 
 
-def memory_breakdown(cfg, label: str, compiled: bool = False) -> dict:
+def memory_breakdown(cfg, label: str, compiled: bool = False, peak_ops: int = 0) -> dict:
   """The run's memory at its peak by category, from abstract state (nothing
   allocated; any backend).
 
@@ -284,7 +320,8 @@ def memory_breakdown(cfg, label: str, compiled: bool = False) -> dict:
   argument's buffer or reuse one buffer for two of them. ``sum`` then adds
   it (state + temporaries), and ``compiled_peak`` is XLA's arguments +
   outputs - aliases + temporaries (the batch and the undonated outputs
-  beside). The state counts int4 bases at one byte an element
+  beside), and with ``peak_ops`` XLA's list of what is live at the peak
+  (:func:`compiled_memory`). The state counts int4 bases at one byte an element
   (``state_bytes``), XLA at half a byte: with ``quantize=int4`` its
   arguments are the smaller.
   """
@@ -303,8 +340,10 @@ def memory_breakdown(cfg, label: str, compiled: bool = False) -> dict:
   r = {'run': label, 'model': cfg.model, 'seq_len': cfg.seq_len, 'batch': cfg.batch_size,
        'residuals': len(residuals)}
   if compiled:
-    c = compiled_memory(cfg, label)
+    c = compiled_memory(cfg, label, peak_ops=peak_ops)
     r.update(backend=c['backend'], compile_s=c['compile_s'])
+    if peak_ops:
+      r['peak_ops'] = c['peak_ops']
     for k in ('arguments', 'outputs', 'aliases', 'temporaries'):
       sizes[k] = c[f'{k}_bytes']
     sizes['other_temporaries'] = (sizes['temporaries'] - sizes['gradients']

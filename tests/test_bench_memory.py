@@ -47,8 +47,15 @@ def test_breakdown_of_poetx_sums_to_the_state_and_to_xla_buffers():
   byte for byte; gradients are each Param's at its own dtype (generators
   float32, the rest bf16); the compiled figures are XLA's own."""
   cfg = _cfg('optimizer=poetx,param_dtype=bfloat16')
-  r = bench_train.memory_breakdown(cfg, 'poetx', compiled=True)
+  r = bench_train.memory_breakdown(cfg, 'poetx', compiled=True, peak_ops=6)
   b, s = r['bytes'], bench_train.resident_state(cfg, 'poetx')
+  # XLA's list of what is live at its peak: the largest first, named by the
+  # JAX operation that made each (or values[i], an argument), together no
+  # more than the program's arguments and temporaries.
+  ops = r['peak_ops']
+  assert len(ops) == 6 and [n for _, n in ops] == sorted((n for _, n in ops), reverse=True)
+  assert all(name.startswith(('jit(', 'values[')) or '{' in name for name, _ in ops), ops
+  assert 0 < sum(n for _, n in ops) <= b['arguments'] + b['temporaries']
   model_bytes = b['bases'] + b['generators'] + b['other_params'] + b['buffers']
   opt_bytes = b['generator_moments'] + b['other_moments'] + b['optimizer_other']
   assert model_bytes == s['model_gib'] * GIB and opt_bytes == s['optimizer_gib'] * GIB

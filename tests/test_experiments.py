@@ -191,16 +191,23 @@ def test_profile_step_reports_a_real_step(tmp_path, monkeypatch):
 def test_compile_time_reports_each_program(tmp_path):
   """compile_time.py on the tiny model: trace+lower and XLA compile timed, the
   programs' sizes counted, POET-X's first merge (its programs compiled) slower
-  than a second one."""
+  than a second one, the compiler's costliest events read off a traced
+  compilation (the backend's compile among them, no JAX Python frames)."""
   import compile_time
   out = tmp_path / 'c.json'
   compile_time.main(['--model', 'tiny', '--model-overrides', 'layers=1', '--seq-len', '32',
                      '--batch-size', '2', '--vocab-size', '512', '--timed-steps', '1',
-                     '--run', 'optimizer=poetx',
+                     '--passes', '4', '--run', 'optimizer=poetx',
                      '--run', 'optimizer=adamw', '--json', str(out)])
   poet, adamw = json.loads(out.read_text())
   for r in (poet, adamw):
     assert r['trace_lower_s'] > 0 and r['compile_s'] > 0
+    events = r['compiler_events']
+    assert len(events) == 4 and all(s > 0 and n >= 1 for _, s, n in events)
+    assert [s for _, s, _ in events] == sorted((s for _, s, _ in events), reverse=True)
+    assert any('Compile' in name for name, _, _ in events)
+    assert not any(name.startswith('$') for name, _, _ in events)
+    assert events[0][1] <= 1.5 * r['compile_s']  # one compilation's worth
   assert poet['stablehlo_lines'] > adamw['stablehlo_lines'] > 0
   assert poet['entry_instructions'] > adamw['entry_instructions'] > 0
   assert poet['merge_first_s'] > poet['merge_again_s'] > 0 and 'merge_first_s' not in adamw

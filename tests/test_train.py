@@ -50,7 +50,9 @@ def _params(run):
                                      dict(optimizer='skewadam'), dict(optimizer='muon'),
                                      dict(optimizer='poetx', skew_tiers=True)],
                          ids=['poetx', 'adamw', 'skewadam', 'muon', 'poetx-skew-tiers'])
-def test_resume_is_bit_exact_across_merges(tmp_path, corpus, options):
+def test_resume_is_bit_exact_across_merges(tmp_path, corpus, options, monkeypatch):
+  """A resumed run continues exactly as the uninterrupted one; it restores
+  into the state's shapes (no random model is built first)."""
   straight = _cfg(tmp_path / 'a', corpus, **options)
   s1 = train(straight, log=lambda *_: None)
   assert s1['step'] == 12 and s1['val_after']['loss'] < s1['val_before']['loss']
@@ -58,6 +60,11 @@ def test_resume_is_bit_exact_across_merges(tmp_path, corpus, options):
   split = _cfg(tmp_path / 'b', corpus, **options)
   s2 = train(split, log=lambda *_: None, stop_after=6)  # stops mid merge cycle (4)
   assert s2['stopped'] == 'stop_after' and s2['step'] == 6
+
+  def no_random_model(*_, **__):
+    raise AssertionError('a resumed run built a random model to overwrite')
+
+  monkeypatch.setattr('poetx_jax.pretrain.train.build_state', no_random_model)
   train(split, resume=True, log=lambda *_: None)
   assert _losses(straight.out_dir) == _losses(split.out_dir)
   step_a, pa = _params(straight.out_dir)

@@ -31,7 +31,8 @@ from poetx_jax.pretrain.checkpoint import Checkpointer, full_disk_stop, resumed_
 from poetx_jax.pretrain.config import TrainConfig
 from poetx_jax.pretrain.evaluation import evaluate, place_batch
 from poetx_jax.pretrain.files import when_full
-from poetx_jax.pretrain.factories import build_state, make_step, make_training_mesh, state_sizes
+from poetx_jax.pretrain.factories import (abstract_state, build_state, make_step,
+                                          make_training_mesh, state_sizes)
 from poetx_jax.pretrain.hooks import Hook
 from poetx_jax.pretrain.metrics import (Metrics, Progress, StopFlag, TrainClock,
                                         merge_reporter, read_metrics)
@@ -347,14 +348,18 @@ def set_up(cfg: TrainConfig, out: pathlib.Path, *, resume: bool, step: int | Non
   next) step in its (open) run directory ``out``: the data read, the plan
   made (resuming, with the values the run recorded), the model, optimizer and
   train step built and placed on the devices, the state restored when
-  resuming (from ``step``, else the newest intact checkpoint)."""
+  resuming (from ``step``, else the newest intact checkpoint; on one device
+  into the state's shapes, no random model drawn first)."""
   data = loading.run_data(out, cfg, resume=resume)
   log(f'data: {data.description}')
   source = hf_init.run_source(cfg, out, resume=resume, log=log)  # --init-from-hf
   plan = make_plan(cfg, data.tokenizer.vocab_size, source and source.config,
                    recorded=recorded_plan(out) if resume else None)
   mesh = make_training_mesh(plan)
-  model, optimizer = build_state(plan, mesh, source and source.weights)
+  if resume and mesh is None:  # shapes only: the checkpoint's arrays fill them
+    model, optimizer = abstract_state(plan)
+  else:
+    model, optimizer = build_state(plan, mesh, source and source.weights)
   if mesh is not None:
     log(f'mesh: {dict(mesh.shape)}, strategy {cfg.strategy}')
   for line in state_sizes(plan, model, optimizer):
