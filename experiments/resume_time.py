@@ -11,7 +11,9 @@ string) in a fresh temporary folder:
 
 Each is timed from the process's launch to the first record of a new update
 in its ``metrics.jsonl`` (``--log-every 1``; the step-0 validation, data
-reading, set-up, restore and compilation included), and to its exit.
+reading, set-up, restore and compilation included), and to its exit; the
+times its log reports the data read, the state built, the checkpoint
+restored and the step-0 validation (:data:`MARKS`) show where the wait goes.
 
     python3 experiments/resume_time.py --run "poetx:--model 130m --seq-len 256 --batch-size 64" \\
         --run "adamw:--model 130m --seq-len 256 --batch-size 64 --optimizer adamw"
@@ -27,15 +29,24 @@ import shlex
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
+# The lines of poetx train's log that mark its stages, by the key they are
+# reported under: the data read, the state built (the model, or its shapes to
+# restore into), the checkpoint restored, the step-0 validation.
+MARKS = (('data', 'data:'), ('state', 'state:'), ('restored', 'resumed from'),
+         ('validated', 'step 0:'))
+
+
 def first_update(cmd: list[str], metrics: Path, after: int, env=None) -> dict:
   """Runs ``cmd``; seconds from launch to the first metrics record of a step
-  above ``after``, and to the process's exit."""
+  above ``after``, to the process's exit, and to each of its log lines of
+  :data:`MARKS` seen (``marks``)."""
   def updated() -> bool:
     for line in metrics.read_text().splitlines() if metrics.exists() else ():
       try:
@@ -46,20 +57,31 @@ def first_update(cmd: list[str], metrics: Path, after: int, env=None) -> dict:
         return True
     return False
 
-  t0, seen = time.perf_counter(), None
-  with tempfile.TemporaryFile(mode='w+') as log:
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-    while proc.poll() is None:
-      if seen is None and updated():
-        seen = time.perf_counter() - t0
-      time.sleep(0.02)
-    total = time.perf_counter() - t0
-    if proc.returncode:
-      log.seek(0)
-      raise RuntimeError(' | '.join(log.read().strip().splitlines()[-3:])[-300:])
+  t0, seen, marks, lines = time.perf_counter(), None, {}, []
+
+  def read(stream):  # the log as it comes, a line (or a progress bar's redraw) at a time
+    for line in iter(stream.readline, ''):
+      for part in line.split('\r'):
+        lines.append(part.rstrip('\n'))
+        for key, start in MARKS:
+          if key not in marks and part.startswith(start):
+            marks[key] = time.perf_counter() - t0
+
+  proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          env=env)
+  reader = threading.Thread(target=read, args=(proc.stdout,), daemon=True)
+  reader.start()
+  while proc.poll() is None:
+    if seen is None and updated():
+      seen = time.perf_counter() - t0
+    time.sleep(0.02)
+  total = time.perf_counter() - t0
+  reader.join(timeout=10)
+  if proc.returncode:
+    raise RuntimeError(' | '.join(l for l in lines[-3:])[-300:])
   if seen is None and updated():  # written in the last poll interval
     seen = total
-  return {'first_update_s': seen, 'exit_s': total}
+  return {'first_update_s': seen, 'exit_s': total, 'marks': marks}
 
 
 def time_run(options: str, steps: int, root: Path) -> dict:
@@ -73,8 +95,10 @@ def time_run(options: str, steps: int, root: Path) -> dict:
       ('resumed', 'a', ['--steps', str(steps + 2), '--resume'], steps)):
     cmd = base + ['--out-dir', str(root / out_dir), *args]
     out[key] = first_update(cmd, root / out_dir / 'metrics.jsonl', after)
+    marks = ', '.join(f'{k} {v:.1f}' for k, v in out[key]['marks'].items())
     print(f'  {key}: first update {out[key]["first_update_s"]:.1f} s, '
-          f'exit {out[key]["exit_s"]:.1f} s', file=sys.stderr, flush=True)
+          f'exit {out[key]["exit_s"]:.1f} s (log lines at: {marks} s)', file=sys.stderr,
+          flush=True)
   return out
 
 

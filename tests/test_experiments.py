@@ -305,21 +305,28 @@ def test_site_corpus_splits_packages_by_name_and_prepares_both(tmp_path, monkeyp
 
 def test_resume_time_times_launch_to_the_first_new_update(tmp_path):
   """resume_time.first_update: seconds from launch to the first metrics record
-  of a step above ``after`` (not to an earlier one, nor to the exit), and a
+  of a step above ``after`` (not to an earlier one, nor to the exit), the
+  times its log's stage lines appear (a progress bar's redraws split), and a
   failed command raised with its last lines."""
   import resume_time
   metrics = tmp_path / 'metrics.jsonl'
   script = (
       'import json, sys, time\n'
       f'f = open({str(metrics)!r}, "a")\n'
+      'print("data: text", flush=True)\n'
       'f.write(json.dumps({"step": 3, "loss": 1.0}) + "\\n"); f.flush()\n'
       'time.sleep(0.6)\n'
+      'print("state: 1 MiB", file=sys.stderr, flush=True)\n'
       'f.write(json.dumps({"step": 4, "val_loss": 1.0}) + "\\n"); f.flush()\n'
       'time.sleep(0.6)\n'
+      'print("  0%| bar\\rresumed from step 3", flush=True)\n'
       'f.write(json.dumps({"step": 4, "loss": 1.0}) + "\\n"); f.flush()\n'
       'time.sleep(0.6)\n')
   r = resume_time.first_update([sys.executable, '-c', script], metrics, after=3)
   assert 1.1 < r['first_update_s'] < r['exit_s'] - 0.4
+  marks = r['marks']
+  assert list(marks) == ['data', 'state', 'restored']  # no step-0 validation line
+  assert marks['data'] < 0.55 < marks['state'] < 1.15 < marks['restored'] < r['exit_s']
   with pytest.raises(RuntimeError, match='boom'):
     resume_time.first_update([sys.executable, '-c', 'raise SystemExit("boom")'],
                              tmp_path / 'none.jsonl', after=0)

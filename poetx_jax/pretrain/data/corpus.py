@@ -35,6 +35,32 @@ def _utf8_sources(named: tp.Iterable[tuple[str, tp.Callable[[], bytes]]]) -> lis
   return docs
 
 
+def _read(path: str) -> bytes:
+  with open(path, 'rb') as f:
+    return f.read()
+
+
+def _py_files(root: PathLike, *, skip_top: tp.Container[str] = ()) -> list[str]:
+  """The paths of the ``*.py`` files under ``root`` (symbolic links to files
+  included, to directories not followed), leaving out the top-level
+  directories named in ``skip_top``: what ``Path(root).rglob('*.py')``
+  finds, several times faster (one ``os.scandir`` per directory)."""
+  out, stack = [], [(os.fspath(root), True)]
+  while stack:
+    folder, top = stack.pop()
+    try:
+      entries = list(os.scandir(folder))
+    except OSError:
+      continue
+    for e in entries:
+      if e.is_dir(follow_symlinks=False):
+        if not (top and e.name in skip_top):
+          stack.append((e.path, False))
+      elif e.name.endswith('.py') and e.is_file():
+        out.append(e.path)
+  return out
+
+
 def stdlib_sources(root: PathLike | None = None) -> list[str]:
   """The Python sources of the standard library: every ``*.py`` under
   ``root`` (default: this interpreter's ``sysconfig`` stdlib directory), sorted
@@ -45,10 +71,9 @@ def stdlib_sources(root: PathLike | None = None) -> list[str]:
   the few files that are not UTF-8 or are empty (test data of the tokenizer
   and codecs)."""
   root = Path(sysconfig.get_paths()['stdlib'] if root is None else root)
-  files = [(str(path), path.read_bytes) for path in root.rglob('*.py')
-           if path.relative_to(root).parts[0] not in ('site-packages', 'dist-packages',
-                                                      'pydoc_data') and path.is_file()]
-  docs = _utf8_sources(files)
+  skip = ('site-packages', 'dist-packages', 'pydoc_data')
+  docs = _utf8_sources((path, functools.partial(_read, path))
+                       for path in _py_files(root, skip_top=skip))
   for wheel in sorted((root / 'ensurepip' / '_bundled').glob('*.whl')):
     with zipfile.ZipFile(wheel) as z:
       docs += _utf8_sources((n, functools.partial(z.read, n)) for n in z.namelist()
@@ -71,18 +96,24 @@ def package_sources(names: tp.Sequence[str] = CORPUS_PACKAGES) -> tuple[list[str
     distribution's version (``'jax 0.11.2'``); a package not installed is
     left out of both.
   """
-  dists = importlib.metadata.packages_distributions()
+  dists = None
   docs, found = [], []
   for name in names:
     spec = importlib.util.find_spec(name)
     if spec is None or not spec.submodule_search_locations:
       continue
-    files = [(str(path), path.read_bytes) for root in spec.submodule_search_locations
-             for path in Path(root).rglob('*.py') if path.is_file()]
-    docs += _utf8_sources(files)
-    dist = (dists.get(name) or [name])[0]
+    docs += _utf8_sources((path, functools.partial(_read, path))
+                          for root in spec.submodule_search_locations
+                          for path in _py_files(root))
+    try:  # most import names are their distribution's name
+      found.append(f'{name} {importlib.metadata.version(name)}')
+      continue
+    except importlib.metadata.PackageNotFoundError:
+      pass
+    if dists is None:  # a scan of every installed distribution: only when needed
+      dists = importlib.metadata.packages_distributions()
     try:
-      found.append(f'{name} {importlib.metadata.version(dist)}')
+      found.append(f'{name} {importlib.metadata.version((dists.get(name) or [name])[0])}')
     except importlib.metadata.PackageNotFoundError:
       found.append(name)
   return docs, found
