@@ -18,7 +18,8 @@ def make_train_step(loss_fn: tp.Callable, *, merge_every: int | None = None,
                     seed: int = 0, has_aux: bool = False, donate: bool = True,
                     on_merge: tp.Callable[[int, jax.Array], None] | None = None,
                     data_parallel: jax.sharding.Mesh | None = None,
-                    loss_weight: tp.Callable | None = None, grad_norm: bool = False) -> tp.Callable:
+                    loss_weight: tp.Callable | None = None, grad_norm: bool = False,
+                    compiler_options: dict[str, tp.Any] | None = None) -> tp.Callable:
   """Builds ``step(model, optimizer, batch) -> loss`` (state donated).
 
   One call computes ``nnx.value_and_grad(loss_fn)(model, batch)`` (all
@@ -51,6 +52,8 @@ def make_train_step(loss_fn: tp.Callable, *, merge_every: int | None = None,
       from ``fold_in(key(seed), n)``.
     has_aux: whether ``loss_fn`` returns auxiliary outputs (returned as well).
     donate: donate model and optimizer buffers to the update.
+    compiler_options: XLA options for the update program alone (``jax.jit``'s
+      ``compiler_options``), e.g. ``{'xla_gpu_memory_limit_slop_factor': 6}``.
     on_merge: called after each merge as ``on_merge(optimizer_step,
       orthogonality_error)`` with what :func:`poetx_jax.merge` returns (the
       merged factors' largest orthogonality error), e.g. to log it or to warn
@@ -80,7 +83,8 @@ def make_train_step(loss_fn: tp.Callable, *, merge_every: int | None = None,
   base_key = jax.random.key(seed)
   verdicts = _MergeVerdicts(merge_every)
   value_and_grad = _value_and_grad(loss_fn, has_aux, data_parallel, loss_weight)
-  programs = _Programs(_update_fn(value_and_grad, base_key, grad_norm), donate)
+  programs = _Programs(_update_fn(value_and_grad, base_key, grad_norm), donate,
+                       compiler_options)
 
   def step(model, optimizer: nnx.Optimizer, batch):
     if cycle := programs.has_cycle(optimizer):
@@ -185,8 +189,9 @@ class _Programs:
   Variable objects, so the objects stay the state.
   """
 
-  def __init__(self, fn: tp.Callable, donate: bool):
-    self.fn, self.donate = fn, donate
+  def __init__(self, fn: tp.Callable, donate: bool,
+               compiler_options: dict[str, tp.Any] | None = None):
+    self.fn, self.donate, self.compiler_options = fn, donate, compiler_options
     self.bound = self.variables = self.jitted = None
     self._cycle = None  # (optimizer ref, whether it holds a poetx state)
 
@@ -207,7 +212,8 @@ class _Programs:
     self.variables = [v for v in jax.tree.leaves(state, is_leaf=_is_variable)
                       if not _is_variable(v) or jax.tree.leaves(v)]
     self.plain = [_plain(v) for v in self.variables]
-    self.jitted = jax.jit(pure, donate_argnums=0 if self.donate else ())
+    self.jitted = jax.jit(pure, donate_argnums=0 if self.donate else (),
+                          compiler_options=self.compiler_options)
     self.bound = (weakref.ref(model), weakref.ref(optimizer))
 
   def has_cycle(self, optimizer) -> bool:

@@ -154,3 +154,29 @@ def test_grad_norm_is_returned_without_changing_the_training(merge_every):
   chex.assert_trees_all_equal(state, plain_state)
   for got, want in norms:
     np.testing.assert_allclose(got, want, rtol=1e-5)
+
+
+def test_compiler_options_reach_the_update_program(tmp_path):
+  """``compiler_options`` are XLA's options of the update program: an unknown
+  one is refused by XLA by name, a known one is in the compiled program's
+  options; the app's --memory-slop sets XLA's scheduling memory limit there."""
+  import glob
+  from poetx_jax.pretrain import factories
+  from poetx_jax.pretrain.config import TrainConfig
+  from poetx_jax.pretrain.plan import make_plan
+  model = nnx.Sequential(nnx.Linear(16, 8, rngs=nnx.Rngs(0)))
+  opt = nnx.Optimizer(model, optax.adamw(1e-2), wrt=nnx.Param)
+  bogus = poetx_jax.make_train_step(_loss, compiler_options={'xla_no_such_option': 1})
+  with pytest.raises(Exception, match='xla_no_such_option'):
+    bogus(model, opt, _batches(1)[0])
+
+  cfg = TrainConfig(model='tiny', model_overrides={'layers': 1, 'hidden': 32, 'mlp': 64,
+                                                   'heads': 2, 'kv_heads': 1},
+                    vocab_size=300, seq_len=16, batch_size=2, memory_slop=6, dtype='float32')
+  plan = make_plan(cfg, 300)
+  model, opt = factories.abstract_state(plan)
+  tokens = jax.ShapeDtypeStruct((2, 16), jnp.int32)
+  factories.make_step(plan).lower(model, opt, {'inputs': tokens, 'targets': tokens}).compile(
+      {'xla_dump_to': str(tmp_path)})
+  options, = glob.glob(str(tmp_path / '*.debug_options'))
+  assert 'xla_gpu_memory_limit_slop_factor: 6' in open(options).read()

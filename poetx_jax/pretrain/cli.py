@@ -47,7 +47,8 @@ def _train_parser(sub, *, defaults: bool = True):
                  'from its newest intact checkpoint; the options not given are read from '
                  'its run.json, those given must agree with it (but --steps may be raised '
                  'to extend the run, --data, --val-data, --cache-dir may move, and '
-                 '--tracking, --profile-steps, --strategy, --fsdp may change: a saved '
+                 '--tracking, --profile-steps, --strategy, --fsdp, --memory-slop may '
+                 'change: a saved '
                  '--fsdp that does not divide the devices present is lowered to the '
                  'largest that does)')
   p.add_argument('--step', type=int, default=None, metavar='N',

@@ -164,6 +164,13 @@ class TrainConfig:
                             'positions at a time, each piece\'s backward with it: the '
                             '(batch, seq, vocab) float32 logits are never held, the same loss '
                             'and gradients; 0: the whole micro-batch at once', min=0)
+  memory_slop: int | None = _option(
+      None, "XLA's memory target for the train step on a GPU, in percent of 80% of the "
+      "device's memory less the step's inputs and outputs "
+      '(xla_gpu_memory_limit_slop_factor); under a target the step can meet, XLA '
+      'schedules and rematerialises for memory: e.g. 6 for Llama-8B on one H200 allocates '
+      'zero-filled gradient buffers only when their backward starts', min=1, max=100,
+      none="XLA's default, 95")
   attention: str = _option('auto', "attention kernel: cuDNN's fused attention or XLA's; "
                            'auto: cuDNN on GPUs for 16-bit compute', choices=llama.ATTENTION)
   scan_layers: bool = _option(False, 'store the decoder layers stacked and run them with '

@@ -158,6 +158,8 @@ def make_step(plan: 'Plan', on_merge=None, mesh=None, grad_norm: bool = False):
   grad_norm)`` (:func:`poetx_jax.make_train_step`)."""
   cfg = plan.options
   loss = functools.partial(training_loss, loss_chunk=cfg.loss_chunk)
+  options = ({'xla_gpu_memory_limit_slop_factor': cfg.memory_slop}
+             if cfg.memory_slop is not None else None)
   if plan.poetize:
     # Per-device programs only where each row is computed on its own (a
     # routed model's capacity and aux losses are per global batch).
@@ -166,8 +168,9 @@ def make_step(plan: 'Plan', on_merge=None, mesh=None, grad_norm: bool = False):
     return poetx_jax.make_train_step(loss, merge_every=plan.merge_period,
                                      seed=cfg.seed, on_merge=on_merge,
                                      data_parallel=dp, loss_weight=target_count,
-                                     grad_norm=grad_norm)
-  return poetx_jax.make_train_step(loss, grad_norm=grad_norm)  # AdamW: never merge
+                                     grad_norm=grad_norm, compiler_options=options)
+  return poetx_jax.make_train_step(loss, grad_norm=grad_norm,  # AdamW: never merge
+                                   compiler_options=options)
 
 
 def make_training_mesh(plan: 'Plan'):

@@ -45,10 +45,11 @@ RUN_FILE, DATA_FILE = 'run.json', 'data.json'
 # Options that say where things are, not what the run is: --resume may change
 # them (the corpus is checked against data.json's hashes instead).
 LOCATIONS = ('out_dir', 'cache_dir', 'compile_cache', 'data', 'val_data')
-# Options that say how the state is laid out on the devices, not what is
-# trained: --resume may change them (checkpoints restore onto any mesh), and
-# plan.resumed_options fits a saved fsdp to the devices present.
-LAYOUT = ('strategy', 'fsdp')
+# Options that say how the state is laid out on the devices and the step
+# scheduled there, not what is trained: --resume may change them (checkpoints
+# restore onto any mesh), and plan.resumed_options fits a saved fsdp to the
+# devices present.
+LAYOUT = ('strategy', 'fsdp', 'memory_slop')
 # Options that say where the metrics also go and what is profiled: --resume
 # may change them.
 REPORTING = ('tracking', 'profile_steps')
