@@ -127,8 +127,9 @@ def format_row(r: dict) -> str:
   events = ''.join(f"\n    {s:8.2f} s {n:6d}x  {name[:90]}"
                    for name, s, n in r.get('compiler_events', ()))
   return (f"{r['run']}: trace+lower {r['trace_lower_s']:.1f} s, XLA compile "
-          f"{r['compile_s']:.1f} s (first {r['compile_first_s']:.1f} s); StableHLO {r['stablehlo_lines']:,} lines, "
-          f"{r['entry_instructions']:,} compiled entry instructions{merge}{events}")
+          f"{r['compile_s']:.1f} s (first {r['compile_first_s']:.1f} s); StableHLO "
+          f"{r['stablehlo_lines']:,} lines, {r['entry_instructions']:,} compiled entry "
+          f"instructions{merge}{events}")
 
 
 def main(argv=None):
