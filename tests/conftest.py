@@ -147,6 +147,22 @@ def write_corpus(directory, *, docs=40, words=120):
   return directory
 
 
+@pytest.fixture(scope='session')
+def corpus(tmp_path_factory):
+  """:func:`write_corpus`'s 40 documents, one directory for the session (a
+  module may define a corpus of its own)."""
+  return write_corpus(tmp_path_factory.mktemp('corpus'))
+
+
+@pytest.fixture(scope='session')
+def reference(tmp_path_factory, corpus):
+  """The uninterrupted run of test_faults' TINY options: (cfg, losses, final
+  parameters). One a session (a worker's): test_faults, test_faults_runs and
+  test_full_disk read it or copy it, none writes in it."""
+  from test_faults import reference_run  # pylint: disable=g-import-not-at-top
+  return reference_run(tmp_path_factory.mktemp('reference'), corpus)
+
+
 def dense_rotation(q_KxP, perm_N, n, *, block_size, terms=4, max_norm=None):
   """The dense n x n matrix ``Phi G Phi^T`` of one side of a POET layer."""
   from poetx_jax import ops

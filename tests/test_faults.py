@@ -25,7 +25,6 @@ from poetx_jax.pretrain.checkpoint import Checkpointer, DamagedCheckpoint
 from poetx_jax.pretrain.config import TrainConfig
 from poetx_jax.pretrain.factories import build_model, build_optimizer
 from poetx_jax.pretrain.plan import make_plan
-from conftest import write_corpus
 
 # Merges after updates 3, 6, 9, 12; checkpoints at 4, 8, 12.
 TINY = dict(model='tiny', model_overrides={'layers': 1, 'hidden': 32, 'mlp': 64,
@@ -58,36 +57,16 @@ train(TrainConfig(**cfg), resume=resume, hooks=[Hook(kill, wait=False, on=on)])
 '''
 
 
-@pytest.fixture(scope='module', autouse=True)
-def compile_cache(tmp_path_factory):
-  """A persistent compilation cache for this module's runs, in this process and
-  in its subprocesses (which would otherwise spend most of their time
-  compiling the same programs); the same programs, so the same numbers."""
-  options = {'jax_compilation_cache_dir': str(tmp_path_factory.mktemp('jit')),
-             'jax_persistent_cache_min_compile_time_secs': 0,
-             'jax_persistent_cache_min_entry_size_bytes': 0}
-  saved = {k: getattr(jax.config, k) for k in options}
-  for k, v in options.items():
-    jax.config.update(k, v)
-  yield {**os.environ, **{k.upper(): str(v) for k, v in options.items()}}
-  for k, v in saved.items():
-    jax.config.update(k, v)
-
-
-@pytest.fixture(scope='module')
-def corpus(tmp_path_factory):
-  return write_corpus(tmp_path_factory.mktemp('corpus'))
-
-
 def _cfg(tmp, corpus, **kw):
   return TrainConfig(**{**TINY, 'data': [str(corpus)], 'out_dir': str(tmp / 'run'),
                         'cache_dir': str(tmp.parent / 'cache'), **kw})
 
 
-@pytest.fixture(scope='module')
-def reference(tmp_path_factory, corpus):
-  """An uninterrupted run: (cfg, losses, final parameters)."""
-  cfg = _cfg(tmp_path_factory.mktemp('reference'), corpus)
+def reference_run(tmp, corpus):
+  """An uninterrupted run of TINY in ``tmp``: (cfg, losses, final parameters).
+  The ``reference`` fixture (conftest.py: one a session, shared by the modules
+  that only read or copy it)."""
+  cfg = _cfg(tmp, corpus)
   train_lib.train(cfg, log=lambda *_: None)
   return cfg, _losses(cfg.out_dir), _params(cfg)
 
@@ -131,8 +110,7 @@ def _one_line_error(capsys, command='train'):
   return lines[0]
 
 
-def test_kill_9_anywhere_then_resume_equals_the_uninterrupted_run(tmp_path, corpus, reference,
-                                                                  compile_cache):
+def test_kill_9_anywhere_then_resume_equals_the_uninterrupted_run(tmp_path, corpus, reference):
   """SIGKILL during a checkpoint write and right after a merge; each time
   --resume continues (taking over the dead process's lock) and the end is the
   uninterrupted run bit for bit: losses, model and optimizer. (Kills after a
@@ -141,7 +119,7 @@ def test_kill_9_anywhere_then_resume_equals_the_uninterrupted_run(tmp_path, corp
   for event, at, resume in (('save', 8, False), ('merged', 9, True)):
     proc = subprocess.run([sys.executable, '-c', KILLED,
                            json.dumps([dataclasses.asdict(cfg), event, at, resume])],
-                          capture_output=True, text=True, timeout=300, env=compile_cache)
+                          capture_output=True, text=True, timeout=300)
     assert proc.returncode == -signal.SIGKILL, proc.stderr
     assert (pathlib.Path(cfg.out_dir) / 'train.lock').exists()  # nobody removed it
     if resume:
@@ -252,16 +230,14 @@ def test_non_finite_state_keeps_the_last_good_checkpoint_newest(tmp_path, corpus
 _train = train_lib.train
 
 
-def test_a_second_writer_is_refused_and_signals_release_the_lock(tmp_path, corpus, capsys,
-                                                                 compile_cache):
+def test_a_second_writer_is_refused_and_signals_release_the_lock(tmp_path, corpus, capsys):
   run = tmp_path / 'run'
   args = ['train', '--model-overrides', 'layers=1,hidden=32,mlp=64,heads=2,kv_heads=1',
           '--data', str(corpus), '--vocab-size', '300', '--seq-len', '32', '--batch-size',
           '4', '--steps', '100000', '--block-size', '8', '--dtype', 'float32',
           '--cache-dir', str(tmp_path.parent / 'cache'), '--out-dir', str(run)]
   proc = subprocess.Popen([sys.executable, '-m', 'poetx_jax.pretrain.cli', *args],
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                          env=compile_cache)
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
   try:
     deadline = time.time() + 120
     while not (run / 'run.json').exists() and time.time() < deadline:

@@ -21,8 +21,7 @@ import pytest
 from poetx_jax.pretrain import cli, loading
 from poetx_jax.pretrain import train as train_lib
 from poetx_jax.pretrain.checkpoint import Checkpointer
-from test_faults import (  # pylint: disable=unused-import
-    _assert_same_run, _cfg, _copy, _one_line_error, compile_cache, corpus, reference)
+from test_faults import _assert_same_run, _cfg, _copy, _one_line_error
 
 
 def _tree(run):

@@ -20,8 +20,7 @@ from poetx_jax.pretrain import checkpoint, cli
 from poetx_jax.pretrain import train as train_lib
 from poetx_jax.pretrain.checkpoint import Checkpointer
 from poetx_jax.pretrain.files import check_digests
-from test_faults import (  # pylint: disable=unused-import
-    _assert_same_run, _cfg, _one_line_error, compile_cache, corpus, reference)
+from test_faults import _assert_same_run, _cfg, _one_line_error
 from test_faults_runs import _tree
 
 # `poetx train --config CFG` in a subprocess whose files may grow to LIMIT
@@ -76,7 +75,7 @@ def _error_line(err: str, command: str) -> str:
 
 
 def test_a_checkpoint_over_the_file_size_limit_keeps_the_previous_one(
-    tmp_path, corpus, reference, compile_cache, capsys):
+    tmp_path, corpus, reference, capsys):
   """From step 8 no file may grow past 20 kB: the save of step 8 fails in
   orbax's background threads (TensorStore's writes, EFBIG), seen as the save
   of step 12 starts. One line names it and the intact step 4 (keep=1: never
@@ -87,8 +86,7 @@ def test_a_checkpoint_over_the_file_size_limit_keeps_the_previous_one(
   config.write_text(json.dumps(dataclasses.asdict(cfg)))
   kept = tmp_path / 'kept'
   proc = subprocess.run([sys.executable, '-c', LIMITED_TRAIN, str(config), '8', str(kept),
-                         '20000'], capture_output=True, text=True, timeout=300,
-                        env=compile_cache)
+                         '20000'], capture_output=True, text=True, timeout=300)
   assert proc.returncode == 6, proc.stderr
   line = _error_line(proc.stderr, 'train')
   ckpts = pathlib.Path(cfg.out_dir) / 'checkpoints'
