@@ -107,7 +107,7 @@ def test_bench_kernels_checks_every_kernel(tmp_path):
   import bench_kernels
   out = tmp_path / 'kernels.json'
   bench_kernels.main(['--widths', '128', '--blocks', '64', '--tokens', '64', '--iters', '1',
-                      '--json', str(out)])
+                      '--chain', '2', '--json', str(out)])
   (r,) = json.loads(out.read_text())
   want = ({f'rotate kernel {n}' for n, c in bench_kernels.ROTATE_CONFIGS.items()
            if c.tile_c in (None, 64)} | {'gram kernel'}
