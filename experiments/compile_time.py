@@ -84,6 +84,9 @@ def time_run(cfg, label: str, repeats: int, passes: int = 0) -> dict:
   import poetx_jax
   from poetx_jax.pretrain import factories as F
   from poetx_jax.pretrain.plan import make_plan
+  # Times of compiling: a program read back from a persistent compilation
+  # cache (JAX_COMPILATION_CACHE_DIR set, say) would time the cache's read.
+  jax.config.update('jax_enable_compilation_cache', False)
   plan = make_plan(cfg)
   model, opt = F.build_state(plan)
   shape = (cfg.batch_size, cfg.seq_len)
