@@ -90,6 +90,31 @@ def test_permute_and_its_gradient(keys):
   check_grads(lambda x: ops.permute(x, perm), (x,), order=2, modes=['rev'])
 
 
+
+def test_gathers_carry_their_gpu_constraints_only_for_gpus(keys, monkeypatch):
+  """A permutation's gather and its backward hold no per-platform branches:
+  compiled for GPUs each gather is fenced by optimization barriers (its
+  operand pinned row-major), elsewhere it is a bare gather."""
+  n = 16
+  perm = ops.random_permutation(keys(), n)
+  x = jax.random.normal(keys(), (4, n))
+  inv = ops.invert_permutation(perm)
+
+  def primitives(f, *args):
+    text = str(jax.make_jaxpr(jax.grad(lambda x: (f(x, *args) ** 2).sum()))(x))
+    return {name: text.count(name) for name in ('cond', 'platform_index', 'optimization_barrier',
+                                                'gather')}
+
+  for args in ((perm,), (perm, inv)):
+    here = primitives(ops.permute, *args)
+    assert here['cond'] == here['platform_index'] == here['optimization_barrier'] == 0
+    assert here['gather'] == 2  # the forward's and the backward's
+    monkeypatch.setattr(jax, 'default_backend', lambda: 'gpu')
+    gpu = primitives(ops.permute, *args)
+    monkeypatch.undo()
+    assert gpu['cond'] == gpu['platform_index'] == 0
+    assert gpu['optimization_barrier'] == 6 and gpu['gather'] == 2  # operand, index, result
+
 def _layer_inputs(keys, i, o, b, t=9, scale=0.1):
   kernel = jax.random.normal(keys(), (i, o)) / np.sqrt(i)
   q_in = skew_params(keys(), ops.num_blocks(i, b), b, scale)
