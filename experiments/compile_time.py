@@ -4,7 +4,9 @@ For each run (``bench_train.py``'s options and ``--run K=V,...`` syntax) a
 fresh process builds the model, optimizer and train step as ``poetx train``
 does and, ``--timed-steps`` times with JAX's caches cleared in between,
 times ``step.lower(...)`` (tracing the Python and lowering to StableHLO) and
-``.compile()`` (XLA), reporting the medians, the StableHLO's size in lines and
+``.compile()`` (XLA), reporting the medians (trace+lower also in the process's
+CPU time, which other work on a shared machine barely moves: it is one
+thread's), the StableHLO's size in lines and
 the compiled entry computation's instruction count (each roughly a kernel on
 a GPU). For POET-X runs it then times the first merge of the model (its
 per-shape merge programs compiled, then run) against a second one (run
@@ -92,12 +94,13 @@ def time_run(cfg, label: str, repeats: int, passes: int = 0) -> dict:
   shape = (cfg.batch_size, cfg.seq_len)
   batch = {'inputs': jnp.zeros(shape, jnp.int32), 'targets': jnp.zeros(shape, jnp.int32)}
   step = F.make_step(plan)
-  lower_s, compile_s, events = [], [], None
+  lower_s, lower_cpu_s, compile_s, events = [], [], [], None
   for i in range(max(repeats, 1)):
     jax.clear_caches()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     lowered = step.lower(model, opt, batch)
     t1 = time.perf_counter()
+    lower_cpu_s.append(time.process_time() - c0)
     if i == 0 and passes:  # the first: no autotuning results in the process yet
       compiled, events = traced_compile(lowered, passes)
     else:
@@ -105,6 +108,7 @@ def time_run(cfg, label: str, repeats: int, passes: int = 0) -> dict:
     compile_s.append(time.perf_counter() - t1)
     lower_s.append(t1 - t0)
   r = {'run': label, 'model': cfg.model, 'trace_lower_s': statistics.median(lower_s),
+       'trace_lower_cpu_s': statistics.median(lower_cpu_s),
        'compile_s': statistics.median(compile_s), 'compile_first_s': compile_s[0],
        'stablehlo_lines': lowered.as_text().count('\n'),
        'entry_instructions': entry_instructions(compiled.as_text()),
@@ -129,7 +133,8 @@ def format_row(r: dict) -> str:
            if 'merge_first_s' in r else '')
   events = ''.join(f"\n    {s:8.2f} s {n:6d}x  {name[:90]}"
                    for name, s, n in r.get('compiler_events', ()))
-  return (f"{r['run']}: trace+lower {r['trace_lower_s']:.1f} s, XLA compile "
+  return (f"{r['run']}: trace+lower {r['trace_lower_s']:.1f} s "
+          f"({r['trace_lower_cpu_s']:.1f} CPU-s), XLA compile "
           f"{r['compile_s']:.1f} s (first {r['compile_first_s']:.1f} s); StableHLO "
           f"{r['stablehlo_lines']:,} lines, {r['entry_instructions']:,} compiled entry "
           f"instructions{merge}{events}")
