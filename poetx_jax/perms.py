@@ -57,8 +57,7 @@ def _gather(x_TxN, idx_N):
   # dependent load: twice the time).
   x_TxN = materialized(row_major(jnp.asarray(x_TxN)))
   idx_N = materialized(jnp.asarray(idx_N))
-  return materialized(row_major(x_TxN.at[..., idx_N].get(mode='promise_in_bounds',
-                                                         unique_indices=True)))
+  return materialized(row_major(_index(x_TxN, idx_N, x_TxN.ndim - 1)))
 
 
 @jax.custom_vjp
@@ -68,7 +67,21 @@ def permute_rows(x_NxT: Array, perm_N: Array) -> Array:
 
 
 def _take_rows(x_NxT, idx_N):
-  return jnp.asarray(x_NxT).at[idx_N].get(mode='promise_in_bounds', unique_indices=True)
+  return _index(jnp.asarray(x_NxT), jnp.asarray(idx_N), 0)
+
+
+def _index(x: Array, idx_N: Array, axis: int) -> Array:
+  """``x`` indexed along ``axis`` by ``idx_N``, a permutation: one gather
+  primitive, with no negative-index wrapping in front of it (which indexing
+  through ``x.at[...]`` adds: three more operations per gather to trace,
+  lower and compile)."""
+  slices = list(x.shape)
+  slices[axis] = 1
+  dims = jax.lax.GatherDimensionNumbers(
+      offset_dims=tuple(d for d in range(x.ndim) if d != axis), collapsed_slice_dims=(axis,),
+      start_index_map=(axis,))
+  return jax.lax.gather(x, idx_N[:, None], dims, tuple(slices), unique_indices=True,
+                        mode=jax.lax.GatherScatterMode.PROMISE_IN_BOUNDS)
 
 
 def _permute_rows_fwd(x_NxT, perm_N):
