@@ -337,26 +337,29 @@ def test_remat_offload_keeps_the_layer_inputs_in_host_memory(keys, scan):
 def test_scanned_layers_are_the_same_model(keys, remat):
   """scan_layers=True stores the same weights (drawn in the same order) with a
   leading layer axis and computes the same logits and gradients."""
-  cfg = get_config('tiny', layers=3)
+  cfg = get_config('tiny', layers=2)
   unrolled = Llama(cfg, remat=remat, rngs=nnx.Rngs(0))
   scanned = Llama(cfg, remat=remat, rngs=nnx.Rngs(0), scan_layers=True)
-  assert isinstance(scanned.layers, llama.StackedLayers) and len(scanned.layers) == 3
-  assert scanned.layers.layer.mlp.up_proj.kernel.shape == (3, cfg.hidden, cfg.mlp)
+  assert isinstance(scanned.layers, llama.StackedLayers) and len(scanned.layers) == 2
+  assert scanned.layers.layer.mlp.up_proj.kernel.shape == (2, cfg.hidden, cfg.mlp)
   chex.assert_trees_all_equal(hf.hf_state_dict(scanned), hf.hf_state_dict(unrolled))
   tokens = _tokens(keys(), 2, 16, cfg.vocab_size)
-  assert rel_err(_forward(scanned, tokens), _forward(unrolled, tokens)) < 1e-6
-  loss = lambda m: (m(tokens) ** 2).mean()
-  ga, gb = nnx.grad(loss)(unrolled), nnx.grad(loss)(scanned)
+  # Compiled: each model's forward and gradient one program (run eagerly, op
+  # by op, the same computation compiled some hundred small programs).
+  forward = nnx.jit(_forward)
+  assert rel_err(forward(scanned, tokens), forward(unrolled, tokens)) < 1e-6
+  grad = nnx.jit(nnx.grad(lambda m: (m(tokens) ** 2).mean()))
+  ga, gb = grad(unrolled), grad(scanned)
   stacked = nnx.to_pure_dict(gb['layers']['layer'])
-  for i in range(3):  # slice i of the stacked gradients is layer i's
+  for i in range(2):  # slice i of the stacked gradients is layer i's
     assert_trees_rel_close(jax.tree.map(lambda y: y[i], stacked),
                            nnx.to_pure_dict(ga['layers'][i]), 1e-5)
   assert rel_err(gb['lm_head']['kernel'][...], ga['lm_head']['kernel'][...]) < 1e-5
   # Indexing gives copies of single layers.
   np.testing.assert_array_equal(scanned.layers[-1].mlp.down_proj.kernel[...],
-                                unrolled.layers[2].mlp.down_proj.kernel[...])
-  with pytest.raises(IndexError, match='out of range for 3 layers'):
-    scanned.layers[3]
+                                unrolled.layers[1].mlp.down_proj.kernel[...])
+  with pytest.raises(IndexError, match='out of range for 2 layers'):
+    scanned.layers[2]
 
 
 def test_scanned_remat_block_saves_only_layer_inputs():
