@@ -399,6 +399,7 @@ def test_scanned_poet_model_merges_and_exports(keys, quantize):
 
   unrolled, scanned = build(False), build(True)
   tokens = _tokens(keys(), 2, 16, cfg.vocab_size)
+  forward = nnx.jit(_forward)  # one program per model, not op by op
   by_path = dict(poetx_jax.poet_layers(unrolled))
   for path, layer in poetx_jax.poet_layers(scanned):  # the same rotations in both
     per_layer = [by_path[path.replace('layers/layer/', f'layers/{i}/')] for i in range(2)]
@@ -407,8 +408,8 @@ def test_scanned_poet_model_merges_and_exports(keys, quantize):
     layer.q_out[...] = jnp.stack([one.q_out[...] for one in per_layer])
   stacked = scanned.layers.layer.mlp.down_proj
   assert stacked.stack_shape == (2,)
-  before = _forward(scanned, tokens)
-  assert rel_err(before, _forward(unrolled, tokens)) < 1e-6
+  before = forward(scanned, tokens)
+  assert rel_err(before, forward(unrolled, tokens)) < 1e-6
   sd_a = hf.hf_state_dict(poetx_jax.unpoetize(unrolled))
   exported = poetx_jax.unpoetize(scanned)
   assert exported.layers.layer.mlp.down_proj.kernel.get_metadata()['layer_axis'] == 0
@@ -423,7 +424,7 @@ def test_scanned_poet_model_merges_and_exports(keys, quantize):
   error = poetx_jax.merge(scanned, rngs=nnx.Rngs(1))
   assert float(error) >= max(errors) * (1 - 1e-4)  # the largest over every POET layer
   tol = 1e-5 if quantize is None else 0.2  # int4 re-quantises the merged W0
-  assert rel_err(_forward(scanned, tokens), before) < tol
+  assert rel_err(forward(scanned, tokens), before) < tol
   new = np.asarray(stacked.perm_in[...])
   assert not np.array_equal(new, perms) and not np.array_equal(new[0], new[1])
   assert all(np.array_equal(np.sort(p), np.arange(cfg.mlp)) for p in new)
