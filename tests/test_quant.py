@@ -60,7 +60,8 @@ def test_bad_quantize_option():
 def test_int8_bases_add_no_dequantised_copies_under_remat():
   """Under model-level remat, the dequantised bases (and rotation blocks) are
   made layer by layer: the compiled step's temporaries with int8 bases stay
-  within 10% of the bf16 ones (before the fix they were 48% above)."""
+  within 10% of the bf16 ones (before the fix, on these three layers, they
+  were 36% above; on two, 5%: too few to tell)."""
   from poetx_jax.pretrain import factories as F
   from poetx_jax.pretrain.config import TrainConfig
   from poetx_jax.pretrain.plan import make_plan
@@ -69,7 +70,7 @@ def test_int8_bases_add_no_dequantised_copies_under_remat():
     cfg = TrainConfig(
         model='tiny', optimizer='poetx', mode='mem', remat='block', quantize=quantize,
         param_dtype='bfloat16', dtype='bfloat16', seq_len=256, batch_size=1,
-        model_overrides={'layers': 4, 'hidden': 256, 'mlp': 512, 'heads': 4,
+        model_overrides={'layers': 3, 'hidden': 256, 'mlp': 512, 'heads': 4,
                          'kv_heads': 4, 'max_seq_len': 256}, block_size=64)
     plan = make_plan(cfg, 512)
     model, opt = F.abstract_state(plan)
