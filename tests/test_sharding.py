@@ -125,7 +125,7 @@ def test_poetx_train_fsdp_on_8_devices(tmp_path):
          '--data', str(corpus), '--vocab-size', '300', '--seq-len', '32',
          '--batch-size', '8', '--steps', '4', '--block-size', '8', '--dtype', 'float32',
          '--strategy', 'fsdp', '--fsdp', '4', '--cache-dir', str(tmp_path / 'cache'),
-         '--out-dir', str(tmp_path / 'run')]
+         '--out-dir', str(tmp_path / 'run'), '--plot', '']
   proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert "mesh: {'data': 2, 'fsdp': 4}, strategy fsdp" in proc.stdout
@@ -136,8 +136,8 @@ def _train(devices, args):
   """``poetx train ARGS`` in a process with ``devices`` CPU devices (not waited for)."""
   env = dict(os.environ, XLA_FLAGS=host_devices(devices),
              JAX_PLATFORMS='cpu')
-  return subprocess.Popen([sys.executable, '-m', 'poetx_jax.pretrain.cli', 'train', *args],
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+  return subprocess.Popen([sys.executable, '-m', 'poetx_jax.pretrain.cli', 'train', *args,
+                           '--plot', ''], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
 
 
 def _records(run):

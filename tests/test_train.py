@@ -182,6 +182,14 @@ def test_cli_train_eval_export_plot(tmp_path, corpus, capsys):
   cfg = json.loads((tmp_path / 'exp' / 'config.json').read_text())
   assert cfg['architectures'] == ['LlamaForCausalLM'] and cfg['hidden_size'] == 32
   assert cli.main(['plot', run, '--out', str(tmp_path / 'p.png')]) == 0
+  # --plot '': the run's summary printed, no loss curves drawn.
+  (pathlib.Path(run) / 'loss.png').unlink()
+  capsys.readouterr()
+  cli._report({'tokens_per_s': 1.0, 'elapsed_s': 1.0, 'steady_tokens_per_s': 1.0,  # pylint: disable=protected-access
+               'out_dir': run}, '')
+  out = capsys.readouterr().out
+  assert 'tokens/s over' in out and 'loss curves' not in out
+  assert not (pathlib.Path(run) / 'loss.png').exists()
   assert cli.main(['train', *common[:-1], str(tmp_path / 'x'), '--model', 'nosuch']) == 2
   assert 'nosuch' in capsys.readouterr().err
 
@@ -503,7 +511,8 @@ def test_poetx_train_keeps_its_programs_in_the_compile_cache(tmp_path, corpus):
   args = [sys.executable, '-m', 'poetx_jax.pretrain.cli', 'train', '--data', str(corpus),
           '--model-overrides', 'layers=1,hidden=32,mlp=64,heads=2,kv_heads=1',
           '--vocab-size', '300', '--seq-len', '32', '--batch-size', '4', '--block-size', '8',
-          '--eval-batches', '1', '--dtype', 'float32', '--cache-dir', str(tmp_path / 'c')]
+          '--eval-batches', '1', '--dtype', 'float32', '--cache-dir', str(tmp_path / 'c'),
+          '--plot', '']
 
   def train(*extra):
     proc = subprocess.run([*args, *extra], capture_output=True, text=True, env=env,

@@ -75,7 +75,8 @@ def _train_parser(sub, *, defaults: bool = True):
                       'off); then the others stop with one line naming it, exit status 5 '
                       '(default: %(default)g)')
   p.add_argument('--plot', default=None, metavar='PNG',
-                 help='write the loss curves here when done (default: OUT_DIR/loss.png)')
+                 help="write the loss curves here when done; '' draws none (default: "
+                      "OUT_DIR/loss.png)")
   return p
 
 
@@ -129,7 +130,8 @@ def _check_address(address: str) -> None:
 
 
 def _report(summary: dict, plot: str | None) -> None:
-  """Prints a finished run's summary and draws its loss curves."""
+  """Prints a finished run's summary and draws its loss curves (at ``plot``,
+  by default OUT_DIR/loss.png; none for '')."""
   vals = [f"{v['ppl']:.2f} at step {v['step']}" for v in
           (summary.get('val_before'), summary.get('val_after')) if v]
   if vals:
@@ -138,6 +140,8 @@ def _report(summary: dict, plot: str | None) -> None:
         f"({summary['steady_tokens_per_s']:,.0f} tokens/s less compilation, evaluation "
         f"and checkpoints)" + (f"; peak device memory {summary['peak_gib']:.2f} GiB"
                                if 'peak_gib' in summary else ''))
+  if plot == '':
+    return
   from poetx_jax.pretrain.metrics import plot_runs
   png = plot or str(pathlib.Path(summary['out_dir']) / 'loss.png')
   try:
