@@ -37,6 +37,7 @@ from flax import nnx
 
 from poetx_jax import ops
 from poetx_jax.convert import for_each_layer, poet_layers
+from poetx_jax.layout import on_gpu
 from poetx_jax.linear import POETLinear
 from poetx_jax.optim import the_poetx_state
 from poetx_jax.ties import tie_of, tied_sides
@@ -174,10 +175,6 @@ def _merge_compiled(layer: POETLinear, key: Array, perms) -> Array:
 MERGE_GPU_COMPILER_OPTIONS = {'xla_gpu_autotune_level': 0}
 
 
-def _on_gpu() -> bool:
-  return jax.default_backend() == 'gpu'
-
-
 @functools.lru_cache(maxsize=64)
 def _merge_program(graphdef, treedef, sharding_leaves, donate):
   def run(state, key, perms):
@@ -193,7 +190,7 @@ def _merge_program(graphdef, treedef, sharding_leaves, donate):
     out = (shardings, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
   # A stack of layers is donated and updated in place, one layer's scratch at
   # a time (not donated, it would need a second copy of its base weights).
-  options = MERGE_GPU_COMPILER_OPTIONS if _on_gpu() else None
+  options = MERGE_GPU_COMPILER_OPTIONS if on_gpu() else None
   return jax.jit(run, out_shardings=out, donate_argnums=0 if donate else (),
                  compiler_options=options)
 

@@ -30,7 +30,7 @@ def row_major(x: Array) -> Array:
   Pinned, every gather reads and writes whole rows and its neighbours keep
   the layout of the GEMMs. Other backends keep their own choice.
   """
-  return _row_major(x) if _on_gpu() else x
+  return _row_major(x) if on_gpu() else x
 
 
 @jax.jit  # a program of its own in eager mode (the constraint takes jax Arrays only)
@@ -47,9 +47,9 @@ def materialized(x: Array) -> Array:
   four permutations ran at a twentieth of memory bandwidth), where a gather
   of its own reads one row at a time.
   """
-  return jax.lax.optimization_barrier(x) if _on_gpu() else x
+  return jax.lax.optimization_barrier(x) if on_gpu() else x
 
 
-def _on_gpu() -> bool:
+def on_gpu() -> bool:
   """Whether programs are compiled for GPUs (CUDA or ROCm) here."""
   return jax.default_backend() == 'gpu'
