@@ -102,8 +102,8 @@ def _poetx(args, devices, extra=()):
   env = {**os.environ, 'JAX_PLATFORMS': 'cpu', 'PYTHONUNBUFFERED': '1',
          'XLA_FLAGS': host_devices(devices)}
   return subprocess.Popen([sys.executable, '-m', 'poetx_jax.pretrain.cli', 'train', *args,
-                           *extra, '--plot', ''], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                          text=True, env=env)
+                           *extra, '--plot', ''],
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
 
 
 def _losses(run):

@@ -90,7 +90,6 @@ def test_permute_and_its_gradient(keys):
   check_grads(lambda x: ops.permute(x, perm), (x,), order=2, modes=['rev'])
 
 
-
 def test_gathers_carry_their_gpu_constraints_only_for_gpus(keys, monkeypatch):
   """A permutation's gather and its backward hold no per-platform branches:
   compiled for GPUs each gather is fenced by optimization barriers (its
@@ -114,6 +113,7 @@ def test_gathers_carry_their_gpu_constraints_only_for_gpus(keys, monkeypatch):
     monkeypatch.undo()
     assert gpu['cond'] == gpu['platform_index'] == 0
     assert gpu['optimization_barrier'] == 6 and gpu['gather'] == 2  # operand, index, result
+
 
 def _layer_inputs(keys, i, o, b, t=9, scale=0.1):
   kernel = jax.random.normal(keys(), (i, o)) / np.sqrt(i)

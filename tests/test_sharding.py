@@ -137,7 +137,8 @@ def _train(devices, args):
   env = dict(os.environ, XLA_FLAGS=host_devices(devices),
              JAX_PLATFORMS='cpu')
   return subprocess.Popen([sys.executable, '-m', 'poetx_jax.pretrain.cli', 'train', *args,
-                           '--plot', ''], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+                           '--plot', ''],
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
 
 
 def _records(run):

@@ -185,8 +185,8 @@ def test_cli_train_eval_export_plot(tmp_path, corpus, capsys):
   # --plot '': the run's summary printed, no loss curves drawn.
   (pathlib.Path(run) / 'loss.png').unlink()
   capsys.readouterr()
-  cli._report({'tokens_per_s': 1.0, 'elapsed_s': 1.0, 'steady_tokens_per_s': 1.0,  # pylint: disable=protected-access
-               'out_dir': run}, '')
+  summary = {'tokens_per_s': 1.0, 'elapsed_s': 1.0, 'steady_tokens_per_s': 1.0, 'out_dir': run}
+  cli._report(summary, '')  # pylint: disable=protected-access
   out = capsys.readouterr().out
   assert 'tokens/s over' in out and 'loss curves' not in out
   assert not (pathlib.Path(run) / 'loss.png').exists()
