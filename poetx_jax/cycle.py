@@ -58,8 +58,7 @@ def draw_permutations(layer: POETLinear, key: Array) -> tuple[Array, Array]:
 
 
 def _draw(key, i, o):
-  k_in, k_out = jax.random.split(key)
-  return ops.random_permutation(k_in, i), ops.random_permutation(k_out, o)
+  return ops.random_permutations(key, (i, o))
 
 
 def merge_layer(layer: POETLinear, key: Array, perm_in: Array | None = None,

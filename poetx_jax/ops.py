@@ -53,7 +53,7 @@ import jax.numpy as jnp
 
 from poetx_jax.perms import (  # noqa: F401
     gather_between, invert_permutation, invert_permutations, permute, permute_rows,
-    random_permutation, unpermute, unpermute_rows)
+    random_permutation, random_permutations, unpermute, unpermute_rows)
 from poetx_jax.quant import QUANT_BITS, dequantize_kernel, quantize_kernel  # noqa: F401
 from poetx_jax.series import (  # noqa: F401
     DEFAULT_TERMS, cayley_neumann, orthogonality_error, rotation_blocks, rotation_blocks_batched,

@@ -22,8 +22,32 @@ Array = jax.Array
 
 
 def random_permutation(key: Array, n: int) -> Array:
-  """A uniformly random permutation of range(n), int32."""
-  return jax.random.permutation(key, n).astype(jnp.int32)
+  """A uniformly random permutation of range(n), int32 (the one
+  :func:`random_permutations` draws for ``(n,)``)."""
+  return random_permutations(key, (n,))[0]
+
+
+def random_permutations(key: Array, sizes: tp.Sequence[int]) -> tuple[Array, ...]:
+  """Independent uniformly random permutations of ``range(n)`` for each ``n``
+  in ``sizes`` (int32), from one draw of random bits and one sort.
+
+  Each position gets a 64-bit random sort key (two uint32 words); sorting
+  the positions by (size's index, key) orders each range by its keys, so a
+  range's order is a uniform permutation unless two of its keys are equal
+  (probability below ``n**2 / 2**65``: 2e-11 for n = 28,672). One
+  threefry call and one sort compile in about half the time of
+  ``jax.random.permutation``'s split, draw and sort per size (each merge
+  program draws two permutations).
+  """
+  sizes = tuple(int(n) for n in sizes)
+  total = sum(sizes)
+  hi, lo = jax.random.bits(key, (2, total), jnp.uint32)
+  position = jnp.arange(total, dtype=jnp.int32)
+  starts = [sum(sizes[:j]) for j in range(len(sizes))]
+  segment = sum((position >= s).astype(jnp.int32) for s in starts[1:])  # size's index
+  keys = (segment, hi, lo) if len(sizes) > 1 else (hi, lo)
+  order = jax.lax.sort((*keys, position), num_keys=len(keys))[-1]
+  return tuple(order[s:s + n] - s for s, n in zip(starts, sizes))
 
 
 def invert_permutation(perm_N: Array) -> Array:

@@ -76,6 +76,26 @@ def test_ragged_last_block_is_orthogonal_and_isolated(keys):
   assert float(ops.orthogonality_error(full[None])) < 1e-4
 
 
+def test_random_permutations_are_uniform_and_independent():
+  """Over 6,000 keys, each of the 6 orders of 3 and each of the 36 pairs of
+  two sizes' orders comes up within 5 standard deviations of its share; a
+  size of 1 gives [0]; one size alone is random_permutation's draw."""
+  keys = jax.random.split(jax.random.key(0), 6000)
+  a, one, b = map(np.asarray, jax.jit(jax.vmap(
+      lambda k: ops.random_permutations(k, (3, 1, 3))))(keys))
+  assert a.dtype == b.dtype == np.int32 and not one.any()
+  assert (np.sort(a, axis=1) == np.arange(3)).all() and (np.sort(b, axis=1) == np.arange(3)).all()
+  rank = lambda p: p[:, 0] * 2 + (p[:, 1] > p[:, 2])  # noqa: E731  # 0..5, one per order
+  for counts, share in ((np.bincount(rank(a), minlength=6), 1 / 6),
+                        (np.bincount(rank(b), minlength=6), 1 / 6),
+                        (np.bincount(6 * rank(a) + rank(b), minlength=36), 1 / 36)):
+    sd = np.sqrt(len(keys) * share * (1 - share))
+    assert np.abs(counts - len(keys) * share).max() < 5 * sd, counts
+  k = jax.random.key(7)
+  np.testing.assert_array_equal(ops.random_permutation(k, 10), ops.random_permutations(k, (10,))[0])
+  assert sorted(np.asarray(ops.random_permutation(k, 10)).tolist()) == list(range(10))
+
+
 def test_permute_and_its_gradient(keys):
   n = 13
   perm = ops.random_permutation(keys(), n)
