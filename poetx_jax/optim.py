@@ -261,9 +261,10 @@ def clip_by_global_norm_after_merge(
     g \leftarrow g \cdot \min\left(1, \frac{b(n, c)}{\lVert g \rVert_2}\right)
 
   with ``n`` and ``c`` the update count and cycle position of the
-  ``poetx`` inside ``tx`` (no counter of its own). The reference applies the
-  ramp only during its first 2000 updates (``until=2000``); the default
-  ramps after every merge. Under ``optax.MultiSteps`` wrap this inside it, so
+  ``poetx`` inside ``tx`` (no counter of its own), in the arithmetic of
+  ``optax.clip_by_global_norm``: outside the ramp its updates, bit for bit.
+  The reference applies the ramp only during its first 2000 updates
+  (``until=2000``); the default ramps after every merge. Under ``optax.MultiSteps`` wrap this inside it, so
   the accumulated gradient is clipped.
 
   Example::
@@ -294,8 +295,11 @@ def clip_by_global_norm_after_merge(
     cycle = the_poetx_state(state)
     bound = merge_clip_bound(cycle.count, cycle.cycle, max_norm, ramp_steps=ramp_steps,
                              min_ratio=min_ratio, until=until)
-    scale = jnp.minimum(1.0, bound / jnp.maximum(optax.tree.norm(updates), 1e-30))
-    updates = jax.tree.map(lambda g: (g * scale).astype(g.dtype), updates)
+    norm = optax.tree.norm(updates)
+    # optax.clip_by_global_norm's arithmetic: with the bound at max_norm its
+    # updates, bit for bit.
+    updates = jax.tree.map(lambda g: jax.lax.select(
+        norm < bound, g, (g / norm.astype(g.dtype)) * bound.astype(g.dtype)), updates)
     return tx.update(updates, state, params, **extra_args)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)

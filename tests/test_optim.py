@@ -120,6 +120,28 @@ def test_clip_bound_ramp():
   assert bound(300, 0, until=200) == 2.0
 
 
+def test_clip_after_merge_is_optax_clipping_until_a_merge(keys):
+  """Until the first merge the wrapper's updates are those of
+  optax.clip_by_global_norm before the same optimizer, bit for bit, compiled,
+  whether the gradients are clipped (norms ~1e3) or not (~1e-3)."""
+  inner = optax.partition({'poetx': poetx(1e-3, merge_every=5), 'other': optax.sgd(1.0)},
+                          {'q': 'poetx', 'w': 'other'})
+  params = {'q': jnp.zeros((6,)), 'w': jnp.zeros((7,))}
+  grads = [{k: scale * jax.random.normal(keys(), v.shape) for k, v in params.items()}
+           for scale in (1e3, 1e-3, 1e3, 1e3)]
+
+  def run(tx):
+    update, state, outs = jax.jit(tx.update), tx.init(params), []
+    for g in grads:
+      u, state = update(g, state, params)
+      outs.append(u)
+    return outs
+
+  got = run(poetx_jax.clip_by_global_norm_after_merge(inner, 0.7))
+  chex.assert_trees_all_equal(got, run(optax.chain(optax.clip_by_global_norm(0.7), inner)))
+  assert float(jnp.linalg.norm(got[0]['w'])) < 0.7  # sgd's update: the clipped gradient
+
+
 def test_clip_after_merge_reads_the_poetx_cycle(keys):
   """The wrapper clips every gradient by the bound of the wrapped optimizer's
   cycle: full until the first merge (every 2 updates), a tenth right after."""
