@@ -264,8 +264,9 @@ def clip_by_global_norm_after_merge(
   ``poetx`` inside ``tx`` (no counter of its own), in the arithmetic of
   ``optax.clip_by_global_norm``: outside the ramp its updates, bit for bit.
   The reference applies the ramp only during its first 2000 updates
-  (``until=2000``); the default ramps after every merge. Under ``optax.MultiSteps`` wrap this inside it, so
-  the accumulated gradient is clipped.
+  (``until=2000``); the default ramps after every merge. Under
+  ``optax.MultiSteps`` wrap this inside it, so the accumulated gradient is
+  clipped.
 
   Example::
 
