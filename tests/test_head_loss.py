@@ -72,7 +72,7 @@ def test_a_poetx_run_with_loss_chunk_trains_as_the_whole_batch_does(keys):
       lambda a, b: np.mean(np.abs(a - b) <= 1e-4 * np.abs(b).max()) >= 0.99,
       lambda a, b: f'{np.mean(np.abs(a - b) > 1e-4 * np.abs(b).max()):.1%} of the elements off',
       generators, want_generators)
-  assert len(jax.tree.leaves(generators)) == 14  # 7 layers' q_in and q_out
+  assert len(jax.tree.leaves(generators)) == 14  # the 7 projections' q_in and q_out
 
 
 def test_pieces_do_not_hold_the_logits_of_the_whole_batch(keys):
