@@ -280,6 +280,18 @@ def test_tokenize_corpus(tok, tmp_path):
   assert np.array_equal(tokenizer.tokenize_corpus(docs, tok, cache_dir=tmp_path), tokens[:3])
 
 
+def test_a_cache_dir_under_home_is_expanded(tok, corpus, tmp_path, monkeypatch):
+  """cache_dir '~/...' (the app's default) caches under the home directory,
+  not in a directory named '~' below the working directory."""
+  monkeypatch.setenv('HOME', str(tmp_path / 'home'))
+  monkeypatch.chdir(tmp_path)
+  trained = tokenizer.load_or_train_tokenizer(corpus[:10], vocab_size=300, cache_dir='~/c')
+  tokenizer.tokenize_corpus(DOCS, tok, cache_dir='~/c')
+  assert trained.path.parent == tmp_path / 'home' / 'c'
+  assert len(list((tmp_path / 'home' / 'c').glob('tokens-*.npy'))) == 1
+  assert not (tmp_path / '~').exists()
+
+
 # ----------------------------------------------------------------------------- windows
 
 

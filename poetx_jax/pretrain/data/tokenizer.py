@@ -155,7 +155,7 @@ def load_or_train_tokenizer(docs: tp.Sequence[str], *, path: PathLike | None = N
   there first if absent."""
   if path is not None:
     return Tokenizer.load(path)
-  cached = Path(cache_dir) / f'bpe-v{vocab_size}-{corpus_hash(docs)[:16]}.json'
+  cached = Path(cache_dir).expanduser() / f'bpe-v{vocab_size}-{corpus_hash(docs)[:16]}.json'
   if cached.is_file():
     return Tokenizer.load(cached)
   return Tokenizer.train_bpe(docs, vocab_size=vocab_size, path=cached)
@@ -171,7 +171,7 @@ def tokenize_corpus(docs: tp.Sequence[str], tokenizer: Tokenizer, *,
   cached = None
   if cache_dir is not None:
     key = f'{corpus_hash(docs)[:16]}-{file_hash(tokenizer.path)[:16]}'
-    cached = Path(cache_dir) / f'tokens-{key}.npy'
+    cached = Path(cache_dir).expanduser() / f'tokens-{key}.npy'
     if cached.is_file():
       return np.load(cached)
   chunks = []
