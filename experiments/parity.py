@@ -16,6 +16,11 @@ once on the one device:
   parameters, ``merge_every``, ``block_size``, warmup then cosine to
   ``min_lr_ratio``, global-norm ``clip``, ``eval_every``, ``eval_batches``.
 
+The reference trains without weight decay, so every variant here does too
+unless it sets ``weight_decay`` (the app's AdamW and Muon default to 0.1 on
+models of hidden size 512 and up);
+an anchor variant that sets one is refused.
+
 Both report the mean cross-entropy per target token over the same
 validation windows. The report (OUT/parity.md, results.json, parity.png)
 gives each variant's validation loss at every evaluation and at the end, per
@@ -84,6 +89,7 @@ def parse_args(argv=None):
       p.error(f'variant {text!r}: side must be one of {SIDES}')
     try:
       cfg = config.drop_shared_poet_options(apply(base, overrides), base)
+      cfg = without_default_decay(cfg, side)
       cfg.validate()
     except ValueError as e:
       p.error(f'variant {text!r}: {e}')
@@ -127,6 +133,17 @@ def write_windows(cfg, seeds: list[int], out: pathlib.Path) -> dict:
     np.save(out / f'train-s{seed}.npy', np.concatenate(rows).astype(np.int16))
   return {'vocab_size': data.tokenizer.vocab_size, 'data': data.description,
           'val_windows': int(len(val))}
+
+
+def without_default_decay(cfg, side: str):
+  """``cfg`` with weight decay 0 where it leaves it to the recipe (the reference
+  trains without it); ValueError for an anchor run given any other."""
+  if cfg.weight_decay is None:
+    return dataclasses.replace(cfg, weight_decay=0.0)
+  if side == 'anchor' and cfg.weight_decay != 0:
+    raise ValueError(f'weight_decay={cfg.weight_decay}: poet_torch_train.py trains without '
+                     'weight decay (0 is the only value an anchor run takes)')
+  return cfg
 
 
 # -------------------------------------------------------------------------- runs

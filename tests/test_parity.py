@@ -57,6 +57,22 @@ def test_the_anchor_command_carries_the_configuration(cfg, tmp_path):
     parity.apply(cfg, 'poet_rate=1')
 
 
+def test_every_variant_trains_without_weight_decay_unless_it_sets_one(cfg):
+  """The reference has no weight decay: a variant that leaves it to the recipe
+  (AdamW's default is 0.1) gets 0; ours may set one, an anchor may not."""
+  adamw = parity.apply(cfg, 'optimizer=adamw')
+  assert parity.without_default_decay(adamw, 'ours').weight_decay == 0.0
+  assert parity.without_default_decay(adamw, 'anchor').weight_decay == 0.0
+  decayed = parity.apply(cfg, 'optimizer=adamw,weight_decay=0.1')
+  assert parity.without_default_decay(decayed, 'ours').weight_decay == 0.1
+  with pytest.raises(ValueError, match=r'weight_decay=0.1: poet_torch_train.py trains without'):
+    parity.without_default_decay(decayed, 'anchor')
+  with pytest.raises(SystemExit):
+    parity.parse_args(['--variants', 'anchor:optimizer=adamw,weight_decay=0.1'])
+  a = parity.parse_args(['--variants', 'ours:optimizer=adamw', 'anchor:optimizer=adamw'])
+  assert [s['cfg'].weight_decay for s in a.specs] == [0.0, 0.0]
+
+
 def test_a_failed_run_gives_no_figures():
   runs = [{'name': 'a', 'seed': 0, 'val': {0: 5.0, 10: 3.0}, 'returncode': 0, 'wall_s': 1},
           {'name': 'a', 'seed': 1, 'val': {0: 5.0}, 'returncode': 1, 'wall_s': 1}]

@@ -6,6 +6,7 @@ import json
 import pathlib
 import re
 
+import numpy as np
 import pytest
 
 from poetx_jax.pretrain import cli, recipes
@@ -27,6 +28,43 @@ def test_adamw_learning_rate_default_is_per_size():
   assert _plan(model='130m', optimizer='adamw').lr == 6e-4
   assert _plan(model='130m').lr == 3e-3 and _plan(model='130m', optimizer='skewadam').lr == 3e-3
   assert _plan(model='130m', optimizer='adamw', lr=1e-3).lr == 1e-3
+  assert _plan(model='tiny', optimizer='muon').lr == 3e-3
+  assert _plan(model='60m', optimizer='muon').lr == 4e-3
+
+
+def test_weight_decay_default_is_per_recipe_and_reaches_the_optimizer():
+  """weight_decay None: 0.1 for AdamW and Muon on a model of hidden >= 512, 0
+  below and for POET-X and SkewAdam; a given value is kept; a resumed run
+  keeps the value it recorded; the built optimizer decays by it (a zero
+  gradient moves every weight by -lr * wd * w at AdamW's first update,
+  nothing at weight decay 0)."""
+  import jax
+  import jax.numpy as jnp
+  from flax import nnx
+  from poetx_jax.pretrain.factories import build_model, build_optimizer
+  wide = {'model': '60m'}
+  assert _plan(optimizer='adamw', **wide).weight_decay == 0.1
+  assert _plan(optimizer='muon', **wide).weight_decay == 0.1
+  assert _plan(optimizer='adamw').weight_decay == 0.0  # the tiny default
+  assert _plan(**wide).weight_decay == 0.0
+  assert _plan(optimizer='skewadam', **wide).weight_decay == 0.0
+  assert _plan(optimizer='adamw', weight_decay=0.0, **wide).weight_decay == 0.0
+  assert _plan(weight_decay=0.05).weight_decay == 0.05
+  assert make_plan(TrainConfig(optimizer='adamw', **wide), 4096,
+                   recorded={'weight_decay': 0.0}).weight_decay == 0.0
+  assert _plan(optimizer='adamw', **wide).record()['weight_decay'] == 0.1
+  small_wide = {'hidden': 512, 'mlp': 64, 'layers': 1, 'heads': 4, 'kv_heads': 4}
+  for wd in (None, 0.0):
+    plan = make_plan(TrainConfig(optimizer='adamw', warmup=0, weight_decay=wd,
+                                 model_overrides=small_wide), 512)
+    model = build_model(plan)
+    opt = build_optimizer(plan, model)
+    params = nnx.state(model, nnx.Param)
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    updates, _ = opt.tx.update(zeros, opt.tx.init(params), params)
+    assert plan.weight_decay == (0.1 if wd is None else 0.0)
+    want = jax.tree.map(lambda w: -plan.lr * plan.weight_decay * w, params)
+    jax.tree.map(lambda u, w: np.testing.assert_allclose(u, w, rtol=1e-6, atol=0), updates, want)
 
 
 def test_merge_interval_default_is_per_size():

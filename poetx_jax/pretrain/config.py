@@ -33,8 +33,9 @@ from poetx_jax import linear, models, ops, sharding
 from poetx_jax.models import llama
 from poetx_jax.pretrain.kv import parse_overrides
 from poetx_jax.pretrain.data.tokenizer import MIN_BPE_VOCAB
-from poetx_jax.pretrain.recipes import (ADAMW_WIDE_LR, DEFAULT_LR, DEFAULT_MERGE_EVERY, RECIPES,
-                                        WIDE_HIDDEN, WIDE_MERGE_EVERY)
+from poetx_jax.pretrain.recipes import (ADAMW_WIDE_LR, DEFAULT_LR, DEFAULT_MERGE_EVERY,
+                                        DENSE_WEIGHT_DECAY, MUON_WIDE_LR, RECIPES, WIDE_HIDDEN,
+                                        WIDE_MERGE_EVERY)
 
 OPTIMIZERS = tuple(RECIPES)
 DTYPES = ('float32', 'bfloat16')
@@ -100,16 +101,22 @@ class TrainConfig:
   optimizer: str = _option('poetx', '; '.join(f'{r.name}: {r.help}' for r in RECIPES.values()),
                            choices=OPTIMIZERS)
   lr: float | None = _option(
-      None, 'peak learning rate of AdamW (and of the non-POET parameters)', min=0,
-      none=f'{DEFAULT_LR:g}; AdamW on a model of hidden size >= {WIDE_HIDDEN}: '
-           f'{ADAMW_WIDE_LR:g}, the best of the 130m sweep in docs/quality.md')
+      None, 'peak learning rate of AdamW, Muon, SkewAdam (and of the non-POET parameters)',
+      min=0,
+      none=f'{DEFAULT_LR:g}; on a model of hidden size >= {WIDE_HIDDEN}, AdamW '
+           f'{ADAMW_WIDE_LR:g} and Muon {MUON_WIDE_LR:g}, the bests of the sweeps in '
+           'docs/quality.md')
   poet_lr: float | None = _poet(None, 'peak POET-X step size', gt=0,
                                   none='min(5e-3, 0.25 / block size); in the 130m sweep '
                                        '(docs/quality.md) twice it trained better short-term '
                                        'but broke the series (merge errors up to 3.9)')
   warmup: int = _option(30, 'warmup updates', min=0)
   min_lr_ratio: float = _option(0.1, 'final/peak learning rate', min=0, max=1)
-  weight_decay: float = _option(0.0, 'AdamW weight decay', min=0)
+  weight_decay: float | None = _option(
+      None, 'decoupled weight decay of AdamW, Muon, SkewAdam (and of the non-POET parameters)',
+      min=0, none=f'{DENSE_WEIGHT_DECAY:g} for AdamW and Muon on a model of hidden size >= '
+                  f'{WIDE_HIDDEN} (better than 0 at every rate compared in docs/quality.md), '
+                  '0 below and for POET-X and SkewAdam')
   clip: float = _option(1.0, 'global-norm clip (0: off)', min=0)
   clip_ramp: int = _poet(
       0, 'POET-X: after each merge, clip to 0.1 x --clip and ramp the bound back over N '

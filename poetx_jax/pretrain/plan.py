@@ -40,7 +40,8 @@ from poetx_jax.pretrain.recipes import (DEFAULT_LR, DEFAULT_MERGE_EVERY, RECIPES
 
 # What a plan resolves that a resumed run keeps as recorded (Plan.record):
 # the training defaults, not the compute dtype, which follows the machine.
-PINNED = ('lr', 'poet_lr', 'merge_every', 'block_size', 'form', 'normalize_rows')
+PINNED = ('lr', 'weight_decay', 'poet_lr', 'merge_every', 'block_size', 'form',
+          'normalize_rows')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,8 +54,9 @@ class Plan:
       overrides, the run's vocabulary and, when poetized, its block size.
     recipe: the optimizer family (:mod:`~poetx_jax.pretrain.recipes`).
     poetize: whether the model's linear layers train as POET layers.
-    lr: peak learning rate of AdamW (SkewAdam), or of POET-X's non-POET
+    lr: peak learning rate of AdamW (SkewAdam, Muon), or of POET-X's non-POET
       parameters.
+    weight_decay: their decoupled weight decay.
     poet_lr: peak POET-X step size (None without POET).
     block_size, merge_every, form, normalize_rows: the POET layers' block
       size, the merge interval in updates, their product order and whether
@@ -69,6 +71,7 @@ class Plan:
   recipe: Recipe
   poetize: bool
   lr: float
+  weight_decay: float
   poet_lr: float | None
   block_size: int | None
   merge_every: int | None
@@ -97,7 +100,8 @@ class Plan:
 
   def record(self) -> dict:
     """The resolved values as JSON (``run.json``'s ``plan``)."""
-    return {'poetize': self.poetize, 'lr': self.lr, 'poet_lr': self.poet_lr,
+    return {'poetize': self.poetize, 'lr': self.lr, 'weight_decay': self.weight_decay,
+            'poet_lr': self.poet_lr,
             'block_size': self.block_size, 'merge_every': self.merge_every,
             'merge_period': self.merge_period, 'form': self.form,
             'normalize_rows': self.normalize_rows, 'dtype': self.dtype,
@@ -161,7 +165,9 @@ def make_plan(cfg: TrainConfig, vocab_size: int | None = None,
         # Never for a run started from a checkpoint, whose function it would change.
         normalize_rows=(cfg.normalize_rows if cfg.normalize_rows is not None else
                         cfg.init_from_hf is None and wide))
-  values = {'lr': lr, **poet}
+  wd = cfg.weight_decay if cfg.weight_decay is not None else (
+      recipe.wide_weight_decay if wide else 0.0)
+  values = {'lr': lr, 'weight_decay': wd, **poet}
   for k in PINNED if recorded else ():
     if getattr(cfg, k) is None and k in recorded:
       values[k] = recorded[k]

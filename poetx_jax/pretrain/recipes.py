@@ -4,8 +4,9 @@ and its defaults per model size.
 A :class:`Recipe` says whether its runs poetize the model (the linear weights
 train as ``R W0 P``: POET-X) and builds its optax transformation from the
 run's :class:`~poetx_jax.pretrain.plan.Plan`; the options it reads
-(``lean_state``, ``skew_tiers``, ``weight_decay``) are read here and nowhere
-else. Clipping and gradient accumulation are the same for every family
+(``lean_state``, ``skew_tiers``) are read here and nowhere else; the weight
+decay is the plan's (the option, or the recipe's default). Clipping and
+gradient accumulation are the same for every family
 (:func:`poetx_jax.pretrain.factories.build_optimizer` adds them). Options
 marked ``poet`` in the schema (:mod:`~poetx_jax.pretrain.config`) mean
 something only to a recipe that poetizes, and are refused with the others.
@@ -44,6 +45,14 @@ DEFAULT_LR = 3e-3
 ADAMW_WIDE_LR = 6e-4
 DEFAULT_MERGE_EVERY = 50
 WIDE_MERGE_EVERY = 200
+# Muon's best rate at hidden 256 and 512, 2e-3..8e-3 swept at weight decay 0.1
+# (docs/quality.md: 5M and 19M at 100 M tokens).
+MUON_WIDE_LR = 4e-3
+# AdamW's and Muon's default decoupled weight decay on models of hidden size
+# >= WIDE_HIDDEN: 0.1 beat 0 for both at every rate compared at hidden 256
+# (docs/quality.md, 5M); the tiny default trained worse with it (AdamW 122.82
+# against 120.25) and keeps 0, as do POET-X and SkewAdam.
+DENSE_WEIGHT_DECAY = 0.1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,21 +67,23 @@ class Recipe:
     help: one line for ``--help``.
     wide_lr: the default peak learning rate on models of hidden size >=
       WIDE_HIDDEN (None: DEFAULT_LR at every size).
+    wide_weight_decay: the default decoupled weight decay (``--weight-decay``)
+      on models of hidden size >= WIDE_HIDDEN (0 below).
   """
   name: str
   poetizes: bool
   build: tp.Callable[['Plan', tp.Any], optax.GradientTransformation]
   help: str
   wide_lr: float | None = None
+  wide_weight_decay: float = 0.0
 
 
 def _dense_adamw(plan: 'Plan') -> optax.GradientTransformation:
   """AdamW at the run's learning rate, lean (bf16 first moment, factored
   second moments) with ``lean_state``."""
-  o = plan.options
-  if o.lean_state:
-    return lean_adamw(plan.lr_schedule, weight_decay=o.weight_decay)
-  return optax.adamw(plan.lr_schedule, b1=0.9, b2=0.999, weight_decay=o.weight_decay)
+  if plan.options.lean_state:
+    return lean_adamw(plan.lr_schedule, weight_decay=plan.weight_decay)
+  return optax.adamw(plan.lr_schedule, b1=0.9, b2=0.999, weight_decay=plan.weight_decay)
 
 
 def _poetx(plan: 'Plan', model) -> optax.GradientTransformation:
@@ -84,7 +95,7 @@ def _poetx(plan: 'Plan', model) -> optax.GradientTransformation:
   poet = poetx_jax.poetx(plan.poet_lr_schedule, merge_every=plan.merge_every, **lean)
   if o.skew_tiers:
     return poetx_jax.poetx_skewadam(model, poet, plan.lr_schedule,
-                                    weight_decay=o.weight_decay)
+                                    weight_decay=plan.weight_decay)
   return poetx_jax.poetx_partition(model, poet, _dense_adamw(plan))
 
 
@@ -95,12 +106,11 @@ def _adamw(plan: 'Plan', model) -> optax.GradientTransformation:
 
 def _skewadam(plan: 'Plan', model) -> optax.GradientTransformation:
   return poetx_jax.skewadam(plan.lr_schedule, poetx_jax.skewadam_labels(model, poet=False),
-                            weight_decay=plan.options.weight_decay)
+                            weight_decay=plan.weight_decay)
 
 
 # Muon's updates rescaled to AdamW's RMS (0.2 * sqrt(max(fan_in, fan_out)),
-# as Moonlight does): one learning rate, AdamW's, serves the matrices and the
-# rest, so the AdamW defaults carry over until a sweep says otherwise.
+# as Moonlight does): one learning rate serves the matrices and the rest.
 MUON_CONSISTENT_RMS = 0.2
 
 
@@ -124,19 +134,20 @@ def _muon(plan: 'Plan', model) -> optax.GradientTransformation:
   """optax.contrib.muon on the decoder layers' matrices (Nesterov momentum,
   bf16 with ``lean_state``), AdamW on the rest; both at the run's rate."""
   del model
-  o = plan.options
+  wd = plan.weight_decay
   return optax.contrib.muon(
-      plan.lr_schedule, weight_decay=o.weight_decay, adam_weight_decay=o.weight_decay,
-      mu_dtype=jnp.bfloat16 if o.lean_state else None, consistent_rms=MUON_CONSISTENT_RMS,
+      plan.lr_schedule, weight_decay=wd, adam_weight_decay=wd,
+      mu_dtype=jnp.bfloat16 if plan.options.lean_state else None, consistent_rms=MUON_CONSISTENT_RMS,
       muon_weight_dimension_numbers=_muon_dimensions)
 
 
 RECIPES: dict[str, Recipe] = {r.name: r for r in (
     Recipe('poetx', True, _poetx, 'POET-X: the linear weights train as R W0 P'),
     Recipe('adamw', False, _adamw, 'AdamW, the dense-weight baseline',
-           wide_lr=ADAMW_WIDE_LR),
+           wide_lr=ADAMW_WIDE_LR, wide_weight_decay=DENSE_WEIGHT_DECAY),
     Recipe('muon', False, _muon, 'Muon (optax.contrib.muon) on the decoder layers\' matrices, '
-           'AdamW on the embeddings, norms and head', wide_lr=ADAMW_WIDE_LR),
+           'AdamW on the embeddings, norms and head', wide_lr=MUON_WIDE_LR,
+           wide_weight_decay=DENSE_WEIGHT_DECAY),
     Recipe('skewadam', False, _skewadam,
            'SkewAdam: per-population state for mixture-of-experts models'),
 )}
