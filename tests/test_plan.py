@@ -172,12 +172,14 @@ def test_no_other_module_resolves_a_default_the_plan_owns():
   ``optimizer == 'poetx'``, nothing falls back to a model's block size or
   the default POET step."""
   patterns = [r'\bblock_size or\b', r"optimizer [!=]= 'poetx'", r'default_poet_lr\(',
-              r'\b(DEFAULT_LR|ADAMW_WIDE_LR|WIDE_HIDDEN|DEFAULT_MERGE_EVERY|WIDE_MERGE_EVERY)\b',
-              r'\.(lr|poet_lr|merge_every|form|normalize_rows|block_size) is None',
+              r'\b(DEFAULT_LR|ADAMW_WIDE_LR|MUON_WIDE_LR|WIDE_HIDDEN|DEFAULT_MERGE_EVERY|'
+              r'WIDE_MERGE_EVERY|DENSE_WEIGHT_DECAY)\b',
+              r'\.(lr|poet_lr|merge_every|form|normalize_rows|block_size|weight_decay) is None',
               r"\bdtype == 'auto'"]
   allowed = {'poetx_jax/pretrain/plan.py', 'poetx_jax/pretrain/recipes.py',
              'poetx_jax/pretrain/config.py',
-             'experiments/train_tiny.py'}  # the library alone, with two optimizers of its own
+             'experiments/train_tiny.py',  # the library alone, with two optimizers of its own
+             'experiments/parity.py'}  # weight decay 0 where left open: the reference's
   found = []
   for path in [*(PACKAGE / 'poetx_jax' / 'pretrain').rglob('*.py'),
                *(PACKAGE / 'experiments').glob('*.py')]:
