@@ -200,8 +200,9 @@ def test_bad_flags_are_named(capsys):
                      "'lrr' in 'optimizer=adamw,lrr=1' is not an option; valid: model, "),
                     (['--runs', 'lr=fast'], "lr must be a number or none, got 'fast'"),
                     (['--runs', 'optimizer=adamw,lr=1e-3|-1'],
-                     'lr must be >= 0 (or None: 0.003; AdamW on a model of hidden size '
-                     '>= 512: 0.0006, the best of the 130m sweep in docs/quality.md), got -1.0'),
+                     'lr must be >= 0 (or None: 0.003; on a model of hidden size >= 512, '
+                     'AdamW 0.0006 and Muon 0.004, the bests of the sweeps in '
+                     'docs/quality.md), got -1.0'),
                     (['--runs', 'optimizer=adamw,lr=1e-3|1e-3'],
                      "run 'optimizer=adamw,lr=1e-3' is given twice"),
                     (['--runs', 'optimizer=poetx,lr=best'], 'has no AdamW run'),
