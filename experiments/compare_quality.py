@@ -341,7 +341,8 @@ def spectrum_hook(every: int):
 
 # ------------------------------------------------------ other validation text
 def other_val_sets(specs: list[str]) -> list[tuple[str, pathlib.Path]]:
-  """``--other-val NAME=PATH`` values as (name, path); ValueError naming a bad one."""
+  """``--other-val NAME=PATH`` values as (name, path, a leading ``~`` expanded);
+  ValueError naming a bad one."""
   out = []
   for spec in specs:
     name, sep, path = spec.partition('=')
@@ -350,9 +351,10 @@ def other_val_sets(specs: list[str]) -> list[tuple[str, pathlib.Path]]:
                        f'got {spec!r}')
     if name in [n for n, _ in out]:
       raise ValueError(f'--other-val names {name!r} twice')
-    if not pathlib.Path(path).exists():
-      raise ValueError(f'--other-val {spec}: {path} does not exist')
-    out.append((name, pathlib.Path(path)))
+    where = pathlib.Path(path).expanduser()
+    if not where.exists():
+      raise ValueError(f'--other-val {spec}: {where} does not exist')
+    out.append((name, where))
   return out
 
 

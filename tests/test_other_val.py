@@ -88,3 +88,10 @@ def test_site_corpus_prose_is_the_standard_librarys_help_topics(tmp_path):
   assert sorted(f.stem for f in files) == sorted(topics)
   assert chars == sum(map(len, topics.values())) > 100_000
   assert (tmp_path / 'prose' / 'if.txt').read_text(encoding='utf-8') == topics['if']
+
+
+def test_other_val_under_home_is_the_home_directory(tmp_path, monkeypatch):
+  """NAME=~/PATH (no shell expands a tilde after '=') names the home directory."""
+  (tmp_path / 'prose').mkdir()
+  monkeypatch.setenv('HOME', str(tmp_path))
+  assert compare_quality.other_val_sets(['p=~/prose']) == [('p', tmp_path / 'prose')]

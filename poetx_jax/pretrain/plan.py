@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import pathlib
 import typing as tp
 
@@ -187,11 +188,12 @@ def make_plan(cfg: TrainConfig, vocab_size: int | None = None,
 
 
 def default_out_dir(cfg: TrainConfig) -> str:
-  """``cfg.out_dir``, or ``runs/MODEL-OPTIMIZER`` when it is None (MODEL: the
-  name of the ``init_from_hf`` directory where the run starts from one)."""
+  """``cfg.out_dir`` (a leading ``~`` expanded), or ``runs/MODEL-OPTIMIZER``
+  when it is None (MODEL: the name of the ``init_from_hf`` directory where
+  the run starts from one)."""
   model = ((pathlib.Path(cfg.init_from_hf).resolve().name or 'hf') if cfg.init_from_hf
            else cfg.model)
-  return cfg.out_dir or f'runs/{model}-{cfg.optimizer}'
+  return os.path.expanduser(cfg.out_dir) if cfg.out_dir else f'runs/{model}-{cfg.optimizer}'
 
 
 def prepared_vocab_size(cfg: TrainConfig) -> int | None:
@@ -220,13 +222,30 @@ def _first_prepared(cfg: TrainConfig) -> tuple[str, int] | None:
     return None
 
 
+def expand_home(cfg: TrainConfig) -> TrainConfig:
+  """``cfg`` with a leading ``~`` of its run directory, data, validation data,
+  tokenizer and starting checkpoint expanded to the home directory, as a shell
+  does for a flag's own word but not for ``--flag=~/...`` or a config file's
+  value. The caches keep their ``~`` (portable in ``run.json``) and expand it
+  where they are opened."""
+  def one(path):
+    return None if path is None else os.path.expanduser(path)
+  return dataclasses.replace(
+      cfg, out_dir=one(cfg.out_dir), tokenizer=one(cfg.tokenizer),
+      init_from_hf=one(cfg.init_from_hf),
+      data=None if cfg.data is None else [one(d) for d in cfg.data],
+      val_data=None if cfg.val_data is None else [one(d) for d in cfg.val_data])
+
+
 def finish_options(cfg: TrainConfig, *, resume: bool,
                    device_count: int | None = None) -> TrainConfig:
-  """``cfg`` checked (``validate``, with ``device_count``) and finished: its run
-  directory named; for a fresh run the tokenizer of the checkpoint it starts
+  """``cfg`` checked (``validate``, with ``device_count``) and finished: its
+  paths' ``~`` expanded (:func:`expand_home`), its run directory named; for a
+  fresh run the tokenizer of the checkpoint it starts
   from (where it names none and trains on no prepared dataset) and the
   vocabulary of the prepared dataset it trains on, so that ``run.json``
   records the tokenizer and vocabulary used."""
+  cfg = expand_home(cfg)
   cfg.validate(device_count=device_count)
   cfg = dataclasses.replace(cfg, out_dir=default_out_dir(cfg))
   if resume:
