@@ -79,7 +79,7 @@ def load_data(cfg: TrainConfig, tokenizer: str | pathlib.Path | None = None
   return data_lib.TextData(docs, tokenizer_path=tokenizer,
                            vocab_size=cfg.vocab_size, seq_len=cfg.seq_len,
                            val_fraction=cfg.val_fraction,
-                           cache_dir=pathlib.Path(cfg.cache_dir).expanduser())
+                           cache_dir=cfg.cache_dir)
 
 
 def _check_apart(paths: list[str], val_paths: list[str]) -> None:
@@ -134,7 +134,7 @@ def _load_mixture(cfg: TrainConfig, groups: list[tuple[list[str], float]],
   for i, paths in enumerate(every):
     if not (len(paths) == 1 and shards.is_prepared(paths[0])):
       docs[i] = data_lib.read_documents(paths) if paths else corpus.default_corpus()[0]
-  cache = pathlib.Path(cfg.cache_dir).expanduser()
+  cache = cfg.cache_dir  # the tokenizer's caches expand its ~
   manifests = [shards.TokenShards(p).manifest for p in prepared]
   for p, m in zip(prepared[1:], manifests[1:]):
     if m['tokenizer_sha256'] != manifests[0]['tokenizer_sha256']:

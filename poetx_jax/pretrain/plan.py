@@ -223,16 +223,15 @@ def _first_prepared(cfg: TrainConfig) -> tuple[str, int] | None:
 
 
 def expand_home(cfg: TrainConfig) -> TrainConfig:
-  """``cfg`` with a leading ``~`` of its run directory, data, validation data,
-  tokenizer and starting checkpoint expanded to the home directory, as a shell
-  does for a flag's own word but not for ``--flag=~/...`` or a config file's
-  value. The caches keep their ``~`` (portable in ``run.json``) and expand it
-  where they are opened."""
+  """``cfg`` with a leading ``~`` of its data, validation data, tokenizer and
+  starting checkpoint expanded to the home directory, as a shell does for a
+  flag's own word but not for ``--flag=~/...`` or a config file's value (the
+  run directory's: :func:`default_out_dir`). The caches keep their ``~``
+  (portable in ``run.json``) and expand it where they are opened."""
   def one(path):
     return None if path is None else os.path.expanduser(path)
   return dataclasses.replace(
-      cfg, out_dir=one(cfg.out_dir), tokenizer=one(cfg.tokenizer),
-      init_from_hf=one(cfg.init_from_hf),
+      cfg, tokenizer=one(cfg.tokenizer), init_from_hf=one(cfg.init_from_hf),
       data=None if cfg.data is None else [one(d) for d in cfg.data],
       val_data=None if cfg.val_data is None else [one(d) for d in cfg.val_data])
 

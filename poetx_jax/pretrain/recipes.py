@@ -137,7 +137,8 @@ def _muon(plan: 'Plan', model) -> optax.GradientTransformation:
   wd = plan.weight_decay
   return optax.contrib.muon(
       plan.lr_schedule, weight_decay=wd, adam_weight_decay=wd,
-      mu_dtype=jnp.bfloat16 if plan.options.lean_state else None, consistent_rms=MUON_CONSISTENT_RMS,
+      mu_dtype=jnp.bfloat16 if plan.options.lean_state else None,
+      consistent_rms=MUON_CONSISTENT_RMS,
       muon_weight_dimension_numbers=_muon_dimensions)
 
 
