@@ -116,14 +116,24 @@ def test_normalize_rows_default_is_per_size():
 
 
 def test_block_size_and_poet_lr_are_resolved_once_into_the_model():
-  """--block-size, else the model config's; the POET step size follows it;
-  the plan's model carries the block size; one too large for a projection is
-  refused when the plan is made, naming it; block_size in --model-overrides
-  is refused in favour of the one option."""
+  """--block-size, else the model config's (512 for 60m and 130m, the better
+  block in docs/quality.md; 256 from 350m up); the POET step size follows it;
+  the plan's model carries the block size; a run that recorded another block
+  keeps it; one too large for a projection is refused when the plan is made,
+  naming it; block_size in --model-overrides is refused in favour of the one
+  option."""
   import poetx_jax
   p = _plan(model='tiny')
   assert (p.block_size, p.model.block_size) == (16, 16)
   assert p.poet_lr == poetx_jax.default_poet_lr(16)
+  sizes = {m: (_plan(model=m).block_size, _plan(model=m).poet_lr)
+           for m in ('60m', '130m', '350m', '8b')}
+  assert sizes == {'60m': (512, 0.25 / 512), '130m': (512, 0.25 / 512),
+                   '350m': (256, 0.25 / 256), '8b': (256, 0.25 / 256)}
+  resumed = make_plan(TrainConfig(model='130m'), 4096,
+                      recorded={'block_size': 256, 'poet_lr': 0.25 / 256})
+  assert (resumed.block_size, resumed.model.block_size, resumed.poet_lr) == (
+      256, 256, 0.25 / 256)
   p = _plan(model='tiny', block_size=32)
   assert (p.block_size, p.model.block_size, p.poet_lr) == (32, 32, poetx_jax.default_poet_lr(32))
   assert _plan(model='tiny', optimizer='adamw').block_size is None
