@@ -427,7 +427,7 @@ def one_run(cfg, label: str, *, warmup_steps: int = 3, timed_steps: int = 10) ->
   opt_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(opt)))
   tokens = cfg.batch_size * cfg.seq_len
   return {'run': label, 'model': cfg.model, 'seq_len': cfg.seq_len, 'batch': cfg.batch_size,
-          'device': jax.devices()[0].device_kind, 'step_s': med,
+          'block_size': plan.block_size, 'device': jax.devices()[0].device_kind, 'step_s': med,
           'tokens_per_s': tokens / med, 'compile_s': s['compile_s'],
           'peak_gib': stats.get('peak_bytes_in_use', float('nan')) / GIB,
           'trainable': n_train, 'dense_params': mc.num_params(),
@@ -589,6 +589,7 @@ def print_table(a, results: list[dict]) -> None:
       '—' if ms is None else f'{ms:.1f}' for ms in r.get('rounds_ms', ())))] * (a.rounds > 1)
   table(results, [
       Column('run', width, lambda r: r['run'], key=True),
+      Column('block', 6, lambda r: '—' if r.get('block_size') is None else str(r['block_size'])),
       Column('tokens/s', 10, lambda r: f"{r['tokens_per_s']:,.0f}"),
       Column('step ms', 9, lambda r: f"{1e3 * r['step_s']:.1f}"),
       Column('peak GiB', 9, lambda r: f"{r['peak_gib']:.2f}"),

@@ -163,8 +163,9 @@ class LlamaConfig:
 
 
 # Block sizes: 512 for 60m and 130m, where it trained to a lower perplexity than
-# 256 (docs/quality.md, "Block size 512"); 256 from 350m up, where B 512 is not
-# measured and would double the POET state and the block products' work.
+# 256 (docs/quality.md: "Seeds 1 and 2 of the bests", "Block size 512 at 130M");
+# 256 from 350m up, where 512 is not measured and would double the POET state
+# and the block products' work.
 CONFIGS: dict[str, LlamaConfig] = {
     'tiny': LlamaConfig(vocab_size=4096, hidden=64, mlp=176, layers=2, heads=4,
                         kv_heads=2, max_seq_len=256, block_size=16),
