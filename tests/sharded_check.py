@@ -85,7 +85,7 @@ def run(mesh=None, strategy=None, scan=False):
     hlo = step.lower(model, opt, b).compile().as_text()
     reduced = sharding.collective_bytes(hlo).get('all-reduce', 0)
     run.largest_gather = max([sharding.collective_bytes(l).get('all-gather', 0)
-                              for l in hlo.splitlines()] + [0])
+                              for l in hlo.splitlines() if 'all-gather' in l] + [0])
   trainable = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
   return model, opt, losses, reduced, trainable
 
@@ -153,7 +153,8 @@ def main(ckpt_dir):
 
 
 def restore(ckpt_dir, fsdp):
-  """Restores the 8-device checkpoint onto this process's devices; exact?"""
+  """Restores the 8-device checkpoint onto this process's devices (fsdp 1:
+  onto one of them); exact?"""
   mesh = sharding.make_mesh(len(jax.devices()) // fsdp, fsdp) if fsdp > 1 else None
   model, opt = build(mesh=mesh, strategy='fsdp')
   step, _, _ = Checkpointer(ckpt_dir).restore(model, opt)
@@ -196,8 +197,8 @@ def meshes():
 
 
 if __name__ == '__main__':
-  if sys.argv[1] == 'restore':
-    json.dump(restore(sys.argv[2], int(sys.argv[3])), sys.stdout)
+  if sys.argv[1] == 'restore':  # restore CKPT FSDP...: one restore for each FSDP
+    json.dump({f: restore(sys.argv[2], int(f)) for f in sys.argv[3:]}, sys.stdout)
   elif sys.argv[1] == 'meshes':
     json.dump(meshes(), sys.stdout)
   else:

@@ -98,6 +98,14 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
+# The model of the runs: every POET layer 32 x 32, so that a process compiles
+# one merge program and few programs to build the model. Most of these
+# processes compile all their programs: those started together, and process 1
+# of two in each of its runs (jax writes the compilation cache from process 0
+# only, and process 1's programs are keyed apart from it).
+MODEL = 'layers=1,hidden=32,mlp=32,heads=2,kv_heads=2'
+
+
 def _poetx(args, devices, extra=()):
   env = {**os.environ, 'JAX_PLATFORMS': 'cpu', 'PYTHONUNBUFFERED': '1',
          'XLA_FLAGS': host_devices(devices)}
@@ -122,7 +130,7 @@ def test_two_processes_train_on_the_windows_of_one_with_its_losses(tmp_path):
     (corpus / f'doc{i:02d}.txt').write_text(' '.join(rng.choice(words, 400)) + '.\n')
 
   def args(name):
-    return ['--model-overrides', 'layers=1,hidden=32,mlp=64,heads=2,kv_heads=1',
+    return ['--model-overrides', MODEL,
             '--data', str(corpus), '--vocab-size', '300', '--seq-len', '32',
             '--batch-size', '8', '--steps', '6', '--block-size', '8', '--dtype', 'float32',
             '--merge-every', '2', '--log-every', '1', '--eval-every', '3',
@@ -202,7 +210,7 @@ def test_a_killed_peer_stops_the_other_naming_it(tmp_path):
   collective, stops within the peer timeout of its last heartbeat, naming it
   (exit 5; it used to abort with a C++ stack after XLA's heartbeat timeout)."""
   corpus, port, timeout = _corpus(tmp_path), _free_port(), 4
-  args = ['--model-overrides', 'layers=1,hidden=32,mlp=64,heads=2,kv_heads=1',
+  args = ['--model-overrides', MODEL,
           '--data', str(corpus), '--vocab-size', '300', '--seq-len', '32', '--batch-size', '8',
           '--steps', '100000', '--block-size', '8', '--dtype', 'float32',
           '--cache-dir', str(tmp_path / 'cache'), '--out-dir', str(tmp_path / 'run')]
