@@ -12,6 +12,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -389,3 +390,28 @@ def test_a_refused_fresh_run_writes_nothing(prepared, tmp_path, capsys, monkeypa
                    '--out-dir', str(out), '--cache-dir', str(tmp_path.parent / 'cache')]) == 2
   assert says.format(src=src) in _one_line_error(capsys, 'train')
   assert tree() == before
+
+
+def test_a_failed_pooled_prepare_leaves_no_pool_thread_or_worker(prepared, tmp_path):
+  """An error while the workers tokenize ends them and the pool's manager
+  thread before it propagates: nothing of the pool outlives the call."""
+  import concurrent.futures.process as cfp  # pylint: disable=g-import-not-at-top
+  import multiprocessing  # pylint: disable=g-import-not-at-top
+  from poetx_jax.pretrain.data import prepare_tasks  # pylint: disable=g-import-not-at-top
+  files = sorted((prepared.parent / 'src').iterdir())
+  todo = [{'index': i, 'out': str(tmp_path), 'tokenizer': str(prepared / 'tokenizer.json'),
+           'sources': [{'path': str(f), 'bytes': f.stat().st_size}], 'dtype': '<u2',
+           'shard_tokens': 700, 'text_field': 'text'} for i, f in enumerate(files)]
+  finished = []
+
+  def done(task, part):
+    finished.append(task['index'])
+    raise RuntimeError('the first part fails')
+
+  before = set(multiprocessing.active_children())
+  with pytest.raises(RuntimeError, match='the first part fails'):
+    prepare_tasks.run_tasks(todo, done, workers=2, progress=False, files=len(todo))
+  assert finished == [0]
+  assert not [t for t in threading.enumerate()
+              if isinstance(t, cfp._ExecutorManagerThread) and t.is_alive()]  # pylint: disable=protected-access
+  assert not [p for p in multiprocessing.active_children() if p not in before]

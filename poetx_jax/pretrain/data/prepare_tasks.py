@@ -148,9 +148,12 @@ def run_tasks(todo: list[dict], done: tp.Callable[[dict, dict], None], *,
         with _terminate_on_sigterm(pool):
           for task, part in zip(todo, pool.map(tokenize_task, todo)):
             finish(task, part)
-      except BaseException:  # an error, Ctrl-C: the other files' work is not awaited
+      except BaseException:  # an error, Ctrl-C, SIGTERM: the other files' work is not awaited
         _terminate(pool)
-        pool.shutdown(wait=False, cancel_futures=True)
+        # The pool's manager thread ends as it sees its workers gone; waiting
+        # for it leaves nothing of the pool running at exit (where CPython
+        # before 3.12.8 races its exit hook against that thread: EBADF).
+        pool.shutdown(wait=True, cancel_futures=True)
         raise
       pool.shutdown()
   finally:
