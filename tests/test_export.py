@@ -35,7 +35,7 @@ def run(tmp_path_factory):
   """One trained tiny run for the whole module."""
   tmp = tmp_path_factory.mktemp('export')
   (tmp / 'corpus').mkdir()
-  cfg = TrainConfig(model='tiny', model_overrides={'layers': 1, 'hidden': 32, 'mlp': 64,
+  cfg = TrainConfig(model='tiny', model_overrides={'layers': 1, 'hidden': 32, 'mlp': 32,
                                                    'heads': 2, 'kv_heads': 1},
                     data=[str(write_corpus(tmp / 'corpus'))], vocab_size=300, seq_len=32,
                     batch_size=4, steps=2, warmup=1, merge_every=2, block_size=8,
@@ -225,7 +225,7 @@ def test_an_exported_poet_run_starts_a_new_run_with_the_same_function(run, tmp_p
           'tokens' in refused('--tokenizer', str(tmp_path / 'tok.json')))
   hf_config = _json(exp / 'config.json')
   (exp / 'config.json').write_text(json.dumps({**hf_config, 'intermediate_size': 96}))
-  assert 'model.layers.0.mlp.gate_proj.weight has shape (64, 32)' in refused()
+  assert 'model.layers.0.mlp.gate_proj.weight has shape (32, 32)' in refused()
   (exp / 'config.json').write_text(json.dumps(hf_config))
   weights = exp / 'model.safetensors'
   raw = weights.read_bytes()

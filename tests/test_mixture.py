@@ -40,7 +40,7 @@ def corpora(tmp_path_factory):
 
 def _cfg(tmp, data, **kw):
   return TrainConfig(**{**dict(
-      model='tiny', model_overrides={'layers': 1, 'hidden': 32, 'mlp': 64, 'heads': 2,
+      model='tiny', model_overrides={'layers': 1, 'hidden': 32, 'mlp': 32, 'heads': 2,
                                      'kv_heads': 1},
       data=data, vocab_size=300, seq_len=32, batch_size=4, steps=6, warmup=1,
       merge_every=3, block_size=8, eval_every=3, eval_batches=2, log_every=1,

@@ -170,7 +170,7 @@ def test_compiler_options_reach_the_update_program(tmp_path):
   with pytest.raises(Exception, match='xla_no_such_option'):
     bogus(model, opt, _batches(1)[0])
 
-  cfg = TrainConfig(model='tiny', model_overrides={'layers': 1, 'hidden': 32, 'mlp': 64,
+  cfg = TrainConfig(model='tiny', model_overrides={'layers': 1, 'hidden': 32, 'mlp': 32,
                                                    'heads': 2, 'kv_heads': 1},
                     vocab_size=300, seq_len=16, batch_size=2, memory_slop=6, dtype='float32')
   plan = make_plan(cfg, 300)

@@ -19,7 +19,7 @@ from poetx_jax.pretrain.train import train
 from poetx_jax.pretrain.plan import make_plan
 from conftest import write_corpus
 
-TINY = dict(model='tiny', model_overrides={'layers': 1, 'hidden': 32, 'mlp': 64, 'heads': 2,
+TINY = dict(model='tiny', model_overrides={'layers': 1, 'hidden': 32, 'mlp': 32, 'heads': 2,
                                            'kv_heads': 1})
 
 

@@ -16,7 +16,7 @@ from conftest import write_corpus
 # with the learning rate as YAML writes it: text, which the field reads as a number.
 YAML = """\
 model: tiny
-model_overrides: {{layers: 1, hidden: 32, mlp: 64, heads: 2, kv_heads: 1}}
+model_overrides: {{layers: 1, hidden: 32, mlp: 32, heads: 2, kv_heads: 1}}
 data: {corpus}
 vocab_size: 300
 seq_len: 32
@@ -50,7 +50,7 @@ def test_run_json_trains_the_same_run_and_the_command_line_wins(tmp_path, capsys
                    '--plot', str(tmp_path / 'a.png')]) == 0
   cfg = rundir.read_config(first)
   assert cfg.steps == 12 and cfg.lr == 3e-3 and cfg.data == [str(tmp_path / 'corpus')]
-  assert cfg.model_overrides == {'layers': 1, 'hidden': 32, 'mlp': 64, 'heads': 2, 'kv_heads': 1}
+  assert cfg.model_overrides == {'layers': 1, 'hidden': 32, 'mlp': 32, 'heads': 2, 'kv_heads': 1}
   # run.json read back is the run's TrainConfig; trained again, the same losses
   assert config_with_file(first / 'run.json') == cfg
   assert cli.main(['train', '--config', str(first / 'run.json'), '--out-dir', str(again),
