@@ -16,15 +16,19 @@ from poetx_jax.pretrain.checkpoint import Checkpointer
 from poetx_jax.pretrain.config import TrainConfig
 from poetx_jax.pretrain.plan import make_plan
 
-SHAPE = dict(layers=1, hidden=64, mlp=128, heads=4, kv_heads=2)
+# One layer of 32 x 32 projections: one merge program per run. The stacked
+# runs are wider, so that half their MLP stack outweighs the embedding, which
+# FSDP gathers whole.
+SHAPE = dict(layers=1, hidden=32, mlp=32, heads=2, kv_heads=2)
+STACKED = dict(layers=2, hidden=64, mlp=128, heads=4, kv_heads=2)
 VOCAB = 128
 
 
 def train_config(scan=False, strategy='dp') -> TrainConfig:
-  """The run: the tiny POET Llama at B = 16, merging every 2 updates, at
-  constant rates (no warmup, no decay, no clipping); ``scan``: two stacked
-  layers."""
-  cfg = TrainConfig(model='tiny', model_overrides=dict(SHAPE, layers=2 if scan else 1),
+  """The run: the tiny POET Llama of ``SHAPE`` (``scan``: of ``STACKED``, its
+  two layers stacked) at B = 16, merging every 2 updates, at constant rates
+  (no warmup, no decay, no clipping)."""
+  cfg = TrainConfig(model='tiny', model_overrides=STACKED if scan else SHAPE,
                     scan_layers=scan, block_size=16, poet_lr=2e-2, lr=3e-3, warmup=0,
                     min_lr_ratio=1.0, clip=0.0, merge_every=2, batch_size=8, seq_len=16,
                     dtype='float32', strategy=strategy)
