@@ -24,7 +24,8 @@ ADAMW, POET = 'optimizer=adamw,lr=3e-3', 'optimizer=poetx,poet_lr=2.5e-3|5e-3,lr
 
 
 def _args(tmp, corpus, *runs):
-  return ['--model', 'tiny', '--seq-len', '64', '--batch-size', '8', '--steps', '30',
+  return ['--model', 'tiny', '--model-overrides', 'mlp=64',
+          '--seq-len', '64', '--batch-size', '8', '--steps', '30',
           '--warmup', '1', '--eval-every', '10', '--eval-batches', '4', '--log-every', '2',
           '--merge-every', '20', '--block-size', '16', '--vocab-size', '512',
           '--dtype', 'float32', '--data', str(corpus), '--cache-dir', str(tmp / 'cache'),
