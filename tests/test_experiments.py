@@ -27,9 +27,9 @@ def test_bench_layer_checks_and_times(tmp_path):
 def _bench_args(*argv):
   p = argparse.ArgumentParser()
   bench_train.add_run_args(p)
-  return p.parse_args(['--model', 'tiny', '--model-overrides', 'layers=1', '--seq-len', '32',
-                       '--batch-size', '2', '--vocab-size', '512', '--dtype', 'float32',
-                       *argv])
+  return p.parse_args(['--model', 'tiny', '--model-overrides', 'layers=1,mlp=64',
+                       '--seq-len', '32', '--batch-size', '2', '--vocab-size', '512',
+                       '--dtype', 'float32', *argv])
 
 
 def test_bench_train_runs_are_overrides_of_the_train_options():
@@ -40,7 +40,7 @@ def test_bench_train_runs_are_overrides_of_the_train_options():
   assert bench_train.runs_of(a) == ['optimizer=poetx', 'optimizer=adamw']
   cfg = bench_train.run_config(a, 'optimizer=poetx,mode=mem,remat=block,quantize=int8')
   assert (cfg.model, cfg.model_overrides, cfg.seq_len, cfg.batch_size, cfg.vocab_size) == (
-      'tiny', {'layers': 1}, 32, 2, 512)
+      'tiny', {'layers': 1, 'mlp': 64}, 32, 2, 512)
   assert (cfg.optimizer, cfg.mode, cfg.remat, cfg.quantize, cfg.lean_state) == (
       'poetx', 'mem', 'block', 'int8', True)
   assert (cfg.merge_every, cfg.steps) == (200, 1000)  # bench_train's own defaults
@@ -63,7 +63,7 @@ def test_bench_train_one_run(monkeypatch):
   # merges during the timed steps; the weight form; scanned layers, checked
   # as models too large for a dense copy are: one stacked layer exported.
   a = _bench_args('--lean-state', '--merge-every', '2', '--scan-layers', '--model-overrides',
-                  'layers=2')
+                  'layers=2,mlp=64')
   monkeypatch.setattr(bench_train, 'EXPORT_CHECK_MAX_PARAMS', 0)
   r = bench_train.one_run(bench_train.run_config(a, 'form=weight'), 'weight', warmup_steps=1,
                           timed_steps=2)
@@ -75,11 +75,11 @@ def test_bench_train_runs_each_run_in_a_process_of_its_own(tmp_path, monkeypatch
   a run that cannot be configured is refused before any starts."""
   monkeypatch.setenv('PYTHONPATH', str(ROOT))  # the children import this checkout
   out = tmp_path / 'r.json'
-  argv = ['--model', 'tiny', '--model-overrides', 'layers=1', '--seq-len', '32',
+  argv = ['--model', 'tiny', '--model-overrides', 'layers=1,mlp=64', '--seq-len', '32',
           '--batch-size', '2', '--vocab-size', '512', '--dtype', 'float32',
           '--warmup-steps', '1', '--timed-steps', '2', '--json', str(out)]
   bench_train.main(argv + ['--run', 'optimizer=adamw', '--run', 'lean:optimizer=poetx,'
-                           'lean_state=true,model_overrides={layers=1,hidden=32}'])
+                           'lean_state=true,model_overrides={layers=1,hidden=32,mlp=64}'])
   adamw, lean = json.loads(out.read_text())
   assert adamw['run'] == 'optimizer=adamw' and lean['run'] == 'lean'
   assert adamw['block_size'] is None and lean['block_size'] == 16
@@ -176,7 +176,7 @@ def test_profile_step_reports_a_real_step(tmp_path, monkeypatch):
   import profile_step
   monkeypatch.setenv('PYTHONPATH', str(ROOT))  # the child imports this checkout
   out = tmp_path / 'prof.json'
-  profile_step.main(['--model', 'tiny', '--model-overrides', 'layers=1', '--seq-len', '32',
+  profile_step.main(['--model', 'tiny', '--model-overrides', 'layers=1,mlp=64', '--seq-len', '32',
                      '--batch-size', '2', '--vocab-size', '512', '--dtype', 'float32',
                      '--timed-steps', '2', '--warmup-steps', '1', '--run', 'optimizer=poetx',
                      '--json', str(out)])
@@ -197,7 +197,7 @@ def test_compile_time_reports_each_program(tmp_path):
   compilation (the backend's compile among them, no JAX Python frames)."""
   import compile_time
   out = tmp_path / 'c.json'
-  compile_time.main(['--model', 'tiny', '--model-overrides', 'layers=1', '--seq-len', '32',
+  compile_time.main(['--model', 'tiny', '--model-overrides', 'layers=1,mlp=64', '--seq-len', '32',
                      '--batch-size', '2', '--vocab-size', '512', '--timed-steps', '1',
                      '--passes', '4', '--run', 'optimizer=poetx',
                      '--run', 'optimizer=adamw', '--json', str(out)])
