@@ -55,7 +55,7 @@ from poetx_jax.pretrain.plan import make_plan  # noqa: E402
 from poetx_jax.pretrain.train import train  # noqa: E402
 
 # A tiny POET-X run: merges every 3 updates, checkpoints every 4 steps.
-TINY = dict(model='tiny', model_overrides={'layers': 1, 'hidden': 32, 'mlp': 64,
+TINY = dict(model='tiny', model_overrides={'layers': 1, 'hidden': 32, 'mlp': 32,
                                            'heads': 2, 'kv_heads': 1},
             vocab_size=300, seq_len=32, batch_size=4, warmup=2, merge_every=3,
             block_size=8, eval_every=6, eval_batches=1, log_every=1, checkpoint_every=4,
