@@ -171,10 +171,11 @@ def restore(ckpt_dir, fsdp):
 
 def meshes():
   """The (data, fsdp) meshes of this process's devices that shard the state
-  (fsdp > 1) under FSDP, against one device: the default tiny Llama's shapes
-  (one layer; its MLP's 11 blocks), four micro-steps of two updates, each update a merge. Each mesh's losses'
-  largest distance from one device's, and whether the permutations match."""
-  cfg = TrainConfig(model='tiny', model_overrides={'layers': 1}, batch_size=8, seq_len=16,
+  (fsdp > 1) under FSDP, against one device: the model of ``SHAPE`` at its
+  block size 16, four micro-steps of two updates, each update a merge. Each
+  mesh's losses' largest distance from one device's, and whether the
+  permutations match."""
+  cfg = TrainConfig(model='tiny', model_overrides=SHAPE, batch_size=8, seq_len=16,
                     grad_accum=2, merge_every=1, warmup=0, dtype='float32', strategy='fsdp')
   batches = [{k: np.random.default_rng(i).integers(0, VOCAB, (8, 16)).astype(np.int32)
               for k in ('inputs', 'targets')} for i in range(4)]
