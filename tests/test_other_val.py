@@ -17,7 +17,8 @@ from conftest import write_corpus
 
 
 def _args(tmp, train, val, *other):
-  return ['--model', 'tiny', '--seq-len', '32', '--batch-size', '4', '--steps', '8',
+  return ['--model', 'tiny', '--model-overrides', 'layers=1,mlp=64', '--seq-len', '32',
+          '--batch-size', '4', '--steps', '8',
           '--warmup', '1', '--eval-every', '4', '--eval-batches', '3', '--log-every', '2',
           '--merge-every', '6', '--block-size', '16', '--vocab-size', '300',
           '--dtype', 'float32', '--data', str(train), '--val-data', str(val),
