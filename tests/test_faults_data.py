@@ -1,8 +1,9 @@
 """Faults in the data, injected on the CPU: prepared shards whose bytes changed
 or that hold ids outside the vocabulary, unreadable corpus files, options
 that contradict a prepared dataset, an unfinished prepare, and a prepare
-stopped by SIGTERM or kill -9. Each must end in one line on stderr with its
-exit status (cli.main), or, for the signals, with no process left behind."""
+stopped by SIGTERM or kill -9 or failing while its workers tokenize. Each must
+end in one line on stderr with its exit status (cli.main), or, for the signals
+and the failure, with no process (or pool thread) left behind."""
 
 import gzip
 import hashlib
@@ -412,6 +413,6 @@ def test_a_failed_pooled_prepare_leaves_no_pool_thread_or_worker(prepared, tmp_p
   with pytest.raises(RuntimeError, match='the first part fails'):
     prepare_tasks.run_tasks(todo, done, workers=2, progress=False, files=len(todo))
   assert finished == [0]
-  assert not [t for t in threading.enumerate()
-              if isinstance(t, cfp._ExecutorManagerThread) and t.is_alive()]  # pylint: disable=protected-access
+  manager = cfp._ExecutorManagerThread  # pylint: disable=protected-access
+  assert not [t for t in threading.enumerate() if isinstance(t, manager) and t.is_alive()]
   assert not [p for p in multiprocessing.active_children() if p not in before]
