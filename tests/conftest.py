@@ -103,6 +103,19 @@ def randomize_generators(layer, key, scale=0.1):
   layer.q_out[...] = skew_params(k2, layer.q_out.shape[0], b, scale)
 
 
+# The model of the app-level test runs: one layer whose projections are 32
+# wide (k and v 16: kv_heads 1 of 2), an MLP as wide as the hidden state, so
+# that a run has two layer shapes and compiles few merge and build programs;
+# SQUARE: every projection 32 x 32 (one shape). ``overrides`` gives either as
+# a --model-overrides value.
+SMALL = {'layers': 1, 'hidden': 32, 'mlp': 32, 'heads': 2, 'kv_heads': 1}
+SQUARE = {**SMALL, 'kv_heads': 2}
+
+
+def overrides(model: dict) -> str:
+  return ','.join(f'{k}={v}' for k, v in model.items())
+
+
 WORDS = ('the orthogonal factors rotate every weight while its singular values stay '
          'fixed and a merge folds them into the frozen base then new permutations '
          'are drawn').split()

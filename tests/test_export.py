@@ -24,7 +24,7 @@ from poetx_jax.pretrain.data import tokenizer_files
 from poetx_jax.pretrain.data.tokenizer import EOS, file_hash
 from poetx_jax.pretrain.train import train
 from poetx_jax.pretrain.plan import make_plan
-from conftest import write_corpus
+from conftest import SMALL, write_corpus
 
 HF_FILES = {'model.safetensors', 'config.json', 'generation_config.json', 'tokenizer.json',
             'tokenizer_config.json', 'special_tokens_map.json'}
@@ -35,8 +35,7 @@ def run(tmp_path_factory):
   """One trained tiny run for the whole module."""
   tmp = tmp_path_factory.mktemp('export')
   (tmp / 'corpus').mkdir()
-  cfg = TrainConfig(model='tiny', model_overrides={'layers': 1, 'hidden': 32, 'mlp': 32,
-                                                   'heads': 2, 'kv_heads': 1},
+  cfg = TrainConfig(model='tiny', model_overrides=SMALL,
                     data=[str(write_corpus(tmp / 'corpus'))], vocab_size=300, seq_len=32,
                     batch_size=4, steps=2, warmup=1, merge_every=2, block_size=8,
                     eval_every=2, eval_batches=1, log_every=1, dtype='float32',

@@ -19,6 +19,7 @@ import jax
 import pytest
 from flax import nnx
 
+from conftest import SMALL, overrides
 from poetx_jax.pretrain import cli, loading, rundir
 from poetx_jax.pretrain import train as train_lib
 from poetx_jax.pretrain.checkpoint import Checkpointer, DamagedCheckpoint
@@ -27,8 +28,7 @@ from poetx_jax.pretrain.factories import build_model, build_optimizer
 from poetx_jax.pretrain.plan import make_plan
 
 # Merges after updates 3, 6, 9, 12; checkpoints at 4, 8, 12.
-TINY = dict(model='tiny', model_overrides={'layers': 1, 'hidden': 32, 'mlp': 32,
-                                           'heads': 2, 'kv_heads': 1},
+TINY = dict(model='tiny', model_overrides=SMALL,
             vocab_size=300, seq_len=32, batch_size=4, steps=12, warmup=2, merge_every=3,
             block_size=8, eval_every=6, eval_batches=2, log_every=1, checkpoint_every=4,
             dtype='float32')
@@ -214,7 +214,7 @@ def test_non_finite_state_keeps_the_last_good_checkpoint_newest(tmp_path, corpus
   monkeypatch.setattr(train_lib, 'train', lambda *a, **k: _train(
       *a, hooks=[train_lib.Hook(poison, wait=False)], **k))
   run = tmp_path / 'run'
-  code = cli.main(['train', '--model-overrides', 'layers=1,hidden=32,mlp=32,heads=2,kv_heads=1',
+  code = cli.main(['train', '--model-overrides', overrides(SMALL),
                    '--data', str(corpus), '--vocab-size', '300', '--seq-len', '32',
                    '--batch-size', '4', '--steps', '12', '--block-size', '8',
                    '--dtype', 'float32', '--log-every', '6', '--checkpoint-every', '4',
@@ -232,7 +232,7 @@ _train = train_lib.train
 
 def test_a_second_writer_is_refused_and_signals_release_the_lock(tmp_path, corpus, capsys):
   run = tmp_path / 'run'
-  args = ['train', '--model-overrides', 'layers=1,hidden=32,mlp=32,heads=2,kv_heads=1',
+  args = ['train', '--model-overrides', overrides(SMALL),
           '--data', str(corpus), '--vocab-size', '300', '--seq-len', '32', '--batch-size',
           '4', '--steps', '100000', '--block-size', '8', '--dtype', 'float32',
           '--cache-dir', str(tmp_path.parent / 'cache'), '--out-dir', str(run)]

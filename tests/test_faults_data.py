@@ -19,12 +19,12 @@ import time
 import numpy as np
 import pytest
 
-from conftest import WORDS, write_corpus
+from conftest import SMALL, WORDS, overrides, write_corpus
 from poetx_jax.pretrain import cli, loading
 from poetx_jax.pretrain.data import windows as data, prepare, shards
 from poetx_jax.pretrain.config import TrainConfig
 
-TINY_ARGS = ['--model-overrides', 'layers=1,hidden=32,mlp=32,heads=2,kv_heads=1',
+TINY_ARGS = ['--model-overrides', overrides(SMALL),
              '--seq-len', '32', '--batch-size', '4', '--steps', '2', '--warmup', '1',
              '--merge-every', '3', '--block-size', '8', '--eval-every', '2',
              '--eval-batches', '1', '--log-every', '1', '--checkpoint-every', '2',

@@ -8,7 +8,7 @@ import grain
 import numpy as np
 import pytest
 
-from conftest import write_corpus
+from conftest import SMALL, write_corpus
 from poetx_jax.pretrain import cli, loading
 from poetx_jax.pretrain.data import mixture, prepare
 from poetx_jax.pretrain.checkpoint import CheckpointError
@@ -40,8 +40,7 @@ def corpora(tmp_path_factory):
 
 def _cfg(tmp, data, **kw):
   return TrainConfig(**{**dict(
-      model='tiny', model_overrides={'layers': 1, 'hidden': 32, 'mlp': 32, 'heads': 2,
-                                     'kv_heads': 1},
+      model='tiny', model_overrides=SMALL,
       data=data, vocab_size=300, seq_len=32, batch_size=4, steps=6, warmup=1,
       merge_every=3, block_size=8, eval_every=3, eval_batches=2, log_every=1,
       checkpoint_every=100, dtype='float32', out_dir=str(tmp / 'run'),

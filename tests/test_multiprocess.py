@@ -14,7 +14,7 @@ import time
 import numpy as np
 import pytest
 
-from conftest import host_devices
+from conftest import SQUARE, host_devices, overrides
 from poetx_jax.pretrain.data import windows as data_lib
 from poetx_jax.pretrain.checkpoint import Checkpointer
 
@@ -103,7 +103,7 @@ def _free_port() -> int:
 # processes compile all their programs: those started together, and process 1
 # of two in each of its runs (jax writes the compilation cache from process 0
 # only, and process 1's programs are keyed apart from it).
-MODEL = 'layers=1,hidden=32,mlp=32,heads=2,kv_heads=2'
+MODEL = overrides(SQUARE)
 
 
 def _poetx(args, devices, extra=()):

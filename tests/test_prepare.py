@@ -8,7 +8,7 @@ import pickle
 import numpy as np
 import pytest
 
-from conftest import write_corpus
+from conftest import SMALL, write_corpus
 from poetx_jax.pretrain import cli
 from poetx_jax.pretrain.data import windows as data, prepare, shards
 from poetx_jax.pretrain.config import TrainConfig
@@ -122,8 +122,7 @@ def test_train_streams_from_a_prepared_directory(sources, tmp_path, capsys):
   assert cli.main(['prepare', str(sources), '--out', str(tmp_path / 'ds'), '--vocab-size',
                    '300', '--workers', '1']) == 0
   assert 'tokens (uint16)' in capsys.readouterr().out
-  cfg = TrainConfig(model='tiny', model_overrides={'layers': 1, 'hidden': 32, 'mlp': 32,
-                                                   'heads': 2, 'kv_heads': 1},
+  cfg = TrainConfig(model='tiny', model_overrides=SMALL,
                     data=[str(tmp_path / 'ds')], seq_len=32, batch_size=4, steps=6,
                     warmup=1, merge_every=3, block_size=8, eval_every=3, eval_batches=2,
                     log_every=1, checkpoint_every=3, dtype='float32',

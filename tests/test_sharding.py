@@ -13,7 +13,7 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import host_devices
+from conftest import SQUARE, host_devices, overrides
 from poetx_jax import sharding
 
 HERE = pathlib.Path(__file__).resolve().parent
@@ -148,7 +148,7 @@ def test_an_fsdp_run_resumes_on_other_device_counts(tmp_path):
   run = tmp_path / 'run'
   # Every POET layer 32 x 32: one merge program per mesh and few programs to
   # build the model, in each of the three processes.
-  proc = _train(8, ['--model-overrides', 'layers=1,hidden=32,mlp=32,heads=2,kv_heads=2',
+  proc = _train(8, ['--model-overrides', overrides(SQUARE),
                     '--data', str(corpus), '--vocab-size', '300', '--seq-len', '32',
                     '--batch-size', '8', '--steps', '6', '--block-size', '8',
                     '--dtype', 'float32', '--merge-every', '2', '--log-every', '1',

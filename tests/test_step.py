@@ -11,7 +11,7 @@ from flax import nnx
 
 import poetx_jax
 
-from conftest import randomize_generators
+from conftest import SMALL, randomize_generators
 
 
 def _model(seed=0):
@@ -170,8 +170,7 @@ def test_compiler_options_reach_the_update_program(tmp_path):
   with pytest.raises(Exception, match='xla_no_such_option'):
     bogus(model, opt, _batches(1)[0])
 
-  cfg = TrainConfig(model='tiny', model_overrides={'layers': 1, 'hidden': 32, 'mlp': 32,
-                                                   'heads': 2, 'kv_heads': 1},
+  cfg = TrainConfig(model='tiny', model_overrides=SMALL,
                     vocab_size=300, seq_len=16, batch_size=2, memory_slop=6, dtype='float32')
   plan = make_plan(cfg, 300)
   model, opt = factories.abstract_state(plan)

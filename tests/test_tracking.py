@@ -17,10 +17,9 @@ from poetx_jax.pretrain import tracking
 from poetx_jax.pretrain.config import TrainConfig
 from poetx_jax.pretrain.train import train
 from poetx_jax.pretrain.plan import make_plan
-from conftest import write_corpus
+from conftest import SMALL, write_corpus
 
-TINY = dict(model='tiny', model_overrides={'layers': 1, 'hidden': 32, 'mlp': 32, 'heads': 2,
-                                           'kv_heads': 1})
+TINY = dict(model='tiny', model_overrides=SMALL)
 
 
 def read_events(directory: pathlib.Path) -> list[tuple[int, str, float]]:

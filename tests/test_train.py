@@ -16,7 +16,7 @@ from poetx_jax.pretrain.checkpoint import CheckpointError, Checkpointer, Damaged
 from poetx_jax.pretrain.config import TrainConfig, drop_shared_poet_options
 from poetx_jax.pretrain.loading import load_run
 from poetx_jax.pretrain.train import Hook, train
-from conftest import write_corpus
+from conftest import SMALL, overrides, write_corpus
 
 
 @pytest.fixture(scope='module')
@@ -25,8 +25,7 @@ def corpus(tmp_path_factory):
 
 
 def _cfg(tmp, corpus, **kw):
-  base = dict(model='tiny', model_overrides={'layers': 1, 'hidden': 32, 'mlp': 32,
-                                              'heads': 2, 'kv_heads': 1},
+  base = dict(model='tiny', model_overrides=SMALL,
               data=[str(corpus)], vocab_size=300, seq_len=32, batch_size=4,
               steps=12, warmup=2, merge_every=4, block_size=8, eval_every=6,
               eval_batches=2, log_every=1, checkpoint_every=100, dtype='float32',
@@ -162,7 +161,7 @@ def test_incompatible_and_corrupt_checkpoints(tmp_path, corpus):
 
 def test_cli_train_eval_export_plot(tmp_path, corpus, capsys):
   run = str(tmp_path / 'cli')
-  common = ['--model', 'tiny', '--model-overrides', 'layers=1,hidden=32,mlp=32,heads=2,kv_heads=1',
+  common = ['--model', 'tiny', '--model-overrides', overrides(SMALL),
             '--data', str(corpus), '--vocab-size', '300', '--seq-len', '32',
             '--batch-size', '4', '--steps', '4', '--block-size', '8', '--dtype', 'float32',
             '--cache-dir', str(tmp_path / 'cache'), '--out-dir', run]
@@ -201,7 +200,7 @@ def test_sigterm_saves_and_resume_continues(tmp_path, corpus):
   import time
   run = tmp_path / 'sig'
   args = [sys.executable, '-m', 'poetx_jax.pretrain.cli', 'train', '--model', 'tiny',
-          '--model-overrides', 'layers=1,hidden=32,mlp=32,heads=2,kv_heads=1',
+          '--model-overrides', overrides(SMALL),
           '--data', str(corpus), '--vocab-size', '300', '--seq-len', '32',
           '--batch-size', '4', '--steps', '100000', '--block-size', '8',
           '--dtype', 'float32', '--log-every', '1', '--checkpoint-every', '100000',
@@ -291,7 +290,7 @@ def test_scanned_layers_train_as_unrolled_and_resume_exactly(tmp_path, corpus):
   """scan_layers=True: the losses of the unrolled run up to the first merge
   (4; later merges draw other permutations), and a resume equal to an
   uninterrupted run, merges included."""
-  two = {'layers': 2, 'hidden': 32, 'mlp': 32, 'heads': 2, 'kv_heads': 1}
+  two = {**SMALL, 'layers': 2}
   unrolled = _cfg(tmp_path / 'u', corpus, model_overrides=two, steps=8)
   straight = _cfg(tmp_path / 'a', corpus, model_overrides=two, steps=8, scan_layers=True)
   train(unrolled, log=lambda *_: None)
@@ -509,7 +508,7 @@ def test_poetx_train_keeps_its_programs_in_the_compile_cache(tmp_path, corpus):
   env['JAX_PLATFORMS'] = 'cpu'
   cache = tmp_path / 'xla'
   args = [sys.executable, '-m', 'poetx_jax.pretrain.cli', 'train', '--data', str(corpus),
-          '--model-overrides', 'layers=1,hidden=32,mlp=32,heads=2,kv_heads=1',
+          '--model-overrides', overrides(SMALL),
           '--vocab-size', '300', '--seq-len', '32', '--batch-size', '4', '--block-size', '8',
           '--eval-batches', '1', '--dtype', 'float32', '--cache-dir', str(tmp_path / 'c'),
           '--plot', '']
