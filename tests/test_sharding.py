@@ -89,8 +89,7 @@ def test_checkpoint_from_8_devices_restores_on_fewer(restored, devices, fsdp):
 def test_every_sharding_fsdp_mesh_of_4_devices_trains_as_one_device():
   """POET-X under FSDP on (data, fsdp) = (2, 2) and (1, 4), merges and
   gradient accumulation included, gives one device's losses and
-  permutations. On (2, 2) XLA's partitioner used to abort (a check failure)
-  on the activation gathers when the permutations were split over fsdp."""
+  permutations."""
   r = _run(4, 'meshes')
   assert sorted(r) == ['2', '4'], r
   for fsdp, got in r.items():

@@ -252,8 +252,9 @@ def _spectrum_probe(calls):
 
 def test_probe_hook_records_without_changing_training(tmp_path, corpus):
   """A Hook with at_start calls the probe at step 0 and every ``every``
-  steps, writes its records to metrics.jsonl and leaves the run unchanged. POET-X keeps the initial weights' singular values across its
-  merges (step 12 is right after the third); AdamW's move."""
+  steps, writes its records to metrics.jsonl and leaves the run unchanged.
+  POET-X keeps the initial weights' singular values across its merges (step
+  12 is right after the third); AdamW's move."""
   calls = []
   probed = _cfg(tmp_path / 'a', corpus)  # poetx: merge every 4, evaluate every 6
   train(probed, log=lambda *_: None, hooks=[Hook(_spectrum_probe(calls), every=6,
