@@ -386,11 +386,14 @@ def _join_operation_threads(timeout_s: float = 30.0) -> None:
   After a failed save ``wait_until_finished`` returns on the first error
   while another of the save's threads (the one that writes the metadata
   after the commits) may still run; one still running as the interpreter
-  exits prints a traceback after the command's one error line."""
+  exits prints a traceback after the command's one error line. orbax's
+  threads raise their own error again from ``join``: that is the failed
+  save's, already being reported, so it is not raised here."""
   me = threading.current_thread()
   for thread in threading.enumerate():
     if thread is not me and type(thread).__module__.startswith('orbax.'):
-      thread.join(timeout_s)
+      with contextlib.suppress(Exception):
+        thread.join(timeout_s)
 
 
 def resumed_message(step: int, total: int, reached: int, unfinished: list[int]) -> str:
