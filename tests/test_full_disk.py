@@ -106,9 +106,9 @@ def test_a_checkpoint_over_the_file_size_limit_keeps_the_previous_one(
 
 def test_a_failed_saves_threads_are_joined_without_raising_its_error_again():
   """orbax's save threads raise their error again from ``join``. Joining
-  them once a save failed (before its DiskFull is raised) must pass over
-  that error, or the message naming the step is lost: the test above
-  failed so, now and then, when a thread was still being joined."""
+  them once a save failed (before its DiskFull is raised) passes over that
+  error; raised there, it would replace the message naming the step with a
+  generic one whenever a thread is still to be joined."""
   from orbax.checkpoint._src.futures import future  # pylint: disable=g-import-not-at-top
 
   async def refused():
