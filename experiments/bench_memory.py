@@ -59,6 +59,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_train  # noqa: E402
 from common import Column, print_table as table, progress, run_child  # noqa: E402
+from poetx_jax.pretrain.kv import format_overrides  # noqa: E402
 
 # Larger shapes than the named configs, for the size record (vocab 32000).
 LADDER = {
@@ -79,7 +80,7 @@ def point(name: str, seq: int, ladder: bool) -> str:
   (Llama-13B with larger shapes), at sequence length ``seq``."""
   overrides = LADDER.get(name, {}) if ladder else {}
   base = name if name in KNOWN else '13b'
-  kv = ','.join(f'{k}={v}' for k, v in overrides.items())
+  kv = format_overrides(overrides)
   return f'model={base},model_overrides={{{kv}}},seq_len={seq}'
 
 

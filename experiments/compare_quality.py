@@ -163,7 +163,8 @@ def expand(spec: str) -> list[list[tuple[str, str]]]:
 
 
 def _text(pairs) -> str:
-  return ','.join(f'{k}={v}' for k, v in pairs)
+  from poetx_jax.pretrain.kv import format_overrides
+  return format_overrides(pairs)
 
 
 def plan_runs(base, specs: list[str]) -> list[dict]:

@@ -11,6 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from poetx_jax.pretrain.kv import format_overrides
+
 # The suite compiles thousands of tiny programs and runs each a few times: on
 # CPUs, LLVM's optimisations cost more than they save (about a third of a
 # compile). Set before jax starts a backend; subprocesses inherit it (with
@@ -110,10 +112,7 @@ def randomize_generators(layer, key, scale=0.1):
 # a --model-overrides value.
 SMALL = {'layers': 1, 'hidden': 32, 'mlp': 32, 'heads': 2, 'kv_heads': 1}
 SQUARE = {**SMALL, 'kv_heads': 2}
-
-
-def overrides(model: dict) -> str:
-  return ','.join(f'{k}={v}' for k, v in model.items())
+overrides = format_overrides
 
 
 WORDS = ('the orthogonal factors rotate every weight while its singular values stay '

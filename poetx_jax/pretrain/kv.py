@@ -8,6 +8,7 @@ values their fields' types.
 from __future__ import annotations
 
 import json
+import typing as tp
 
 
 def parse_overrides(text: str) -> dict:
@@ -27,6 +28,20 @@ def parse_overrides(text: str) -> dict:
     except json.JSONDecodeError:
       out[k.strip()] = v
   return out
+
+
+
+def format_overrides(pairs: tp.Mapping[str, tp.Any] | tp.Iterable[tuple[str, tp.Any]]) -> str:
+  """``K=V,K=V`` text of a mapping or of ``(key, value)`` pairs, in their
+  order: what :func:`parse_overrides` reads back.
+
+    >>> format_overrides({'layers': 1, 'hidden': 32})
+    'layers=1,hidden=32'
+    >>> parse_overrides(format_overrides({'layers': 1, 'name': 'x'}))
+    {'layers': 1, 'name': 'x'}
+  """
+  items = pairs.items() if isinstance(pairs, tp.Mapping) else pairs
+  return ','.join(f'{k}={v}' for k, v in items)
 
 
 _OPEN, _CLOSE = '[{(', ']})'
