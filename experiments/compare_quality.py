@@ -90,7 +90,10 @@ command about 7.5 minutes on an H200)::
 GPU (a 130M model leaves most of an H200 idle). Each run's losses are those
 it has alone (tested on the CPU); its steady tokens/s are lower and depend on
 what shares the GPU with it, so with ``--jobs`` above 1 the equal-time table
-is not a comparison of speeds.
+is not a comparison of speeds. A run that fails there (its process exits
+non-zero: out of memory, killed) does not stop the others; the report covers
+the runs that finished and names the failed ones, and the script then exits
+non-zero.
 
 Short runs are dominated by compilation (each run's learning rates are
 constants of its update program, so every run compiles its own); the measured
@@ -442,8 +445,9 @@ def run_jobs(a, argv: list[str], out: pathlib.Path) -> list[dict]:
   The children inherit this process's environment, where :func:`main` turned
   XLA's preallocation off: each takes the accelerator's memory as it needs it,
   up to 0.9 / jobs of it (XLA_PYTHON_CLIENT_MEM_FRACTION, unless the
-  environment sets either). The summaries, in plan order; SystemExit naming
-  the runs that failed."""
+  environment sets either). The summaries of the runs that finished, in plan
+  order, and the names of those that failed (a child that exited non-zero or
+  wrote no summary); a failure does not stop the other runs."""
   env = dict(os.environ)
   env.setdefault('XLA_PYTHON_CLIENT_MEM_FRACTION', f'{0.9 / a.jobs:.3f}')
   (out / 'logs').mkdir(parents=True, exist_ok=True)
@@ -475,14 +479,12 @@ def run_jobs(a, argv: list[str], out: pathlib.Path) -> list[dict]:
         else:
           failed.append(name)
           progress(f'{name} failed (exit {proc.returncode}); see its log')
-  if failed:
-    raise SystemExit(f'runs {failed} failed; their logs: {out / "logs"}')
-  return [done[r['name']] for r in a.plan]
+  return [done[r['name']] for r in a.plan if r['name'] in done], failed
 
 
-def header(a, data, runs: list[dict]) -> dict:
+def header(a, data, runs: list[dict], failed: list[str] = ()) -> dict:
   """What the report says about the study: the base options, the data, the
-  device, the probes."""
+  device, the probes, the runs that failed."""
   import jax
   from poetx_jax.pretrain.plan import make_plan
   cfg = a.base
@@ -506,6 +508,7 @@ def header(a, data, runs: list[dict]) -> dict:
       'date': time.strftime('%Y-%m-%d'), 'probed_layers': runs[0]['probed_layers'],
       'probe_steps': [p['step'] for p in runs[0]['probes']],
       'spike_rule': f'loss > {R.SPIKE_FACTOR} x median of the previous {R.SPIKE_WINDOW} logged',
+      'failed_runs': list(failed),
   }
 
 
@@ -541,13 +544,16 @@ def main(argv=None):
   progress(f'{len(a.plan)} runs of {a.base.model}, {a.base.steps} updates x '
            f'{a.base.batch_size * a.base.seq_len:,} tokens, {a.jobs} at a time, on '
            f'{jax.devices()[0].device_kind}')
+  failed = []
   if a.jobs > 1:
-    results = run_jobs(a, argv, out)
+    results, failed = run_jobs(a, argv, out)
+    if not results:
+      raise SystemExit(f'every run failed; their logs: {out / "logs"}')
   else:
     results = []
     for run in a.plan:
       results.append(train_run(a, run, results, out))
-  res = {'header': header(a, data, results),
+  res = {'header': header(a, data, results, failed),
          'args': {'runs': a.runs, 'probe_every': a.probe_every,
                   'base': dataclasses.asdict(a.base)},
          **R.analyse(results)}
@@ -558,6 +564,9 @@ def main(argv=None):
   R.plot_spectrum(res, res['header']['probed_layers'], out / 'spectrum.png')
   print(md)
   progress(f'wrote {out / "quality.md"}, results.json, quality.png, spectrum.png')
+  if failed:
+    raise SystemExit(f'runs {failed} failed (their logs: {out / "logs"}); the report '
+                     f'covers the other {len(results)}')
   return res
 
 

@@ -321,7 +321,9 @@ def _intro(res: dict) -> list[str]:
       f"{h['date']}.", '',
       'Runs (overrides of the above; `|` alternatives, each combination a run): '
       + '; '.join(f'`{s}`' for s in h['runs']), '',
-      f"data: {h['data']}", '']
+      f"data: {h['data']}", '',
+      *([f"Failed, no result (their logs are in the study's logs/): "
+         + '; '.join(f'`{n}`' for n in h['failed_runs']), ''] if h.get('failed_runs') else [])]
 
 
 def _config_table(res: dict) -> list[str]:
@@ -431,7 +433,8 @@ def join(studies: list[dict]) -> dict:
   a second seed trained later on the same data with the same base options:
   runs whose overrides are the same set of ``K=V`` pairs but for ``seed`` are
   one configuration whatever the order they were written in. The header is
-  the first study's, its ``runs`` all the studies' specs."""
+  the first study's, its ``runs`` all the studies' specs and its
+  ``failed_runs`` those that failed in one study and have no result in any."""
   from poetx_jax.pretrain.kv import split_top
   if not studies:
     raise ValueError('join needs at least one study')
@@ -443,7 +446,9 @@ def join(studies: list[dict]) -> dict:
       names.add(r['name'])
       key = frozenset(split_top(r['config'], ',')) if r['config'] else frozenset()
       runs.append({**r, 'config': seen.setdefault(key, r['config'])})
-  header = {**studies[0]['header'], 'runs': [s for st in studies for s in st['header']['runs']]}
+  failed = [n for st in studies for n in st['header'].get('failed_runs', []) if n not in names]
+  header = {**studies[0]['header'], 'runs': [s for st in studies for s in st['header']['runs']],
+            'failed_runs': list(dict.fromkeys(failed))}
   return {'header': header, **analyse(runs)}
 
 

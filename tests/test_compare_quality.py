@@ -130,13 +130,26 @@ def test_compare_quality_end_to_end(serial, corpus):
     compare_quality.main(_args(tmp_path, corpus))
 
 
-def test_jobs_train_runs_side_by_side_with_the_same_results(serial, tmp_path, corpus):
+def test_jobs_train_runs_side_by_side_with_the_same_results(serial, tmp_path, corpus,
+                                                            monkeypatch):
   """--jobs 2: each run in a process of its own gives the perplexities of the
   one-at-a-time study; lr=best waits for the AdamW runs (one of which
-  diverges, is reported so and is never the best)."""
+  diverges, is reported so and is never the best). A run whose process fails
+  stops none of the others: the report covers them and names it, then the
+  script exits non-zero."""
   ref = {r['name']: r for r in serial[0]['runs']}
-  res = compare_quality.main(_args(tmp_path, corpus, ADAMW + ',seed=0', 'optimizer=adamw,lr=1e30',
-                                   'optimizer=poetx,poet_lr=2.5e-3,lr=best') + ['--jobs', '2'])
+  popen, lost = compare_quality.subprocess.Popen, 'optimizer=adamw,lr=2e-3'
+
+  def failing(cmd, **kw):  # the lost run's process dies at once, as a killed one does
+    killed = cmd[cmd.index('--only') + 1] == lost
+    return popen([sys.executable, '-c', 'raise SystemExit(3)'] if killed else cmd, **kw)
+  monkeypatch.setattr(compare_quality.subprocess, 'Popen', failing)
+  with pytest.raises(SystemExit, match=r"runs \['optimizer=adamw,lr=2e-3'\] failed .*"
+                                       r"the report covers the other 3"):
+    compare_quality.main(_args(tmp_path, corpus, ADAMW + ',seed=0', lost, 'optimizer=adamw,lr=1e30',
+                               'optimizer=poetx,poet_lr=2.5e-3,lr=best') + ['--jobs', '2'])
+  res = json.loads((tmp_path / 'out' / 'results.json').read_text())
+  assert res['header']['failed_runs'] == [lost]
   runs = {r['name']: r for r in res['runs']}
   assert list(runs) == ['optimizer=adamw,lr=3e-3,seed=0', 'optimizer=adamw,lr=1e30',
                         'optimizer=poetx,poet_lr=2.5e-3,lr=best']
@@ -150,9 +163,11 @@ def test_jobs_train_runs_side_by_side_with_the_same_results(serial, tmp_path, co
   assert res['best']['AdamW'] == 'optimizer=adamw,lr=3e-3'
   assert res['equal_time_s'] == min(runs[n]['steady_s'] for n in runs if n != bad['name'])
   logs = tmp_path / 'out' / 'logs'
-  assert sorted(p.name for p in logs.iterdir()) == sorted(f'{n}.log' for n in runs)
+  assert sorted(p.name for p in logs.iterdir()) == sorted(f'{n}.log' for n in [*runs, lost])
   md = (tmp_path / 'out' / 'quality.md').read_text()
   assert '| optimizer=adamw,lr=1e30 (diverged; last logged step' in md
+  assert f"Failed, no result (their logs are in the study's logs/): `{lost}`" in md
+  assert f'| {lost}' not in md
 
 
 def test_run_specs_expand_into_runs_and_configurations():
@@ -253,6 +268,13 @@ def test_join_reports_studies_of_other_seeds_as_one(serial, tmp_path):
     assert c['seeds'] == c1['seeds'] + [s + 10 for s in c1['seeds']]
     assert c['val_ppl_final']['mean'] == pytest.approx(c1['val_ppl_final']['mean'] + 0.5)
   assert (tmp_path / 'joined' / 'quality.md').is_file()
+  assert res['header']['failed_runs'] == []
+  # A run that failed in one study and has a result in another is not reported failed.
+  first['header']['failed_runs'] = [second['runs'][0]['name'], 'optimizer=sgd']
+  (tmp_path / 'a.json').write_text(json.dumps(first))
+  res = R.main(['--out', str(tmp_path / 'joined'), str(tmp_path / 'a.json'),
+                str(tmp_path / 'b.json')])
+  assert res['header']['failed_runs'] == ['optimizer=sgd']
   with pytest.raises(SystemExit):
     R.main(['--out', str(tmp_path / 'twice'), str(tmp_path / 'a.json'), str(tmp_path / 'a.json')])
 
