@@ -411,7 +411,10 @@ def train_run(a, run: dict, done: list[dict], out: pathlib.Path,
   """Trains one run with the spectrum hook; its summary (quality_report.summarise).
   ``lr=best`` is ``best_lr`` if given, else the best AdamW rate among ``done``.
   A run whose loss turns non-finite is summarised as diverged (up to its last
-  logged step), not raised: a sweep goes on past its unstable corners."""
+  logged step), not raised: a sweep goes on past its unstable corners. One
+  stopped before its last update (SIGTERM, SIGINT) has no summary: SystemExit
+  naming the step it reached (its checkpoint resumes with ``poetx train
+  --resume``)."""
   from poetx_jax.pretrain import train as train_lib
   from poetx_jax.pretrain.plan import make_plan
   if run['best_lr'] and best_lr is None:
@@ -426,7 +429,10 @@ def train_run(a, run: dict, done: list[dict], out: pathlib.Path,
   hook = spectrum_hook(a.probe_every)
   try:
     hooks = [hook] + ([other_val_hook(a.other_val, cfg.eval_every)] if a.other_val else [])
-    train_lib.train(cfg, log=lambda m, n=run['name']: progress(f'{n}: {m}'), hooks=hooks)
+    trained = train_lib.train(cfg, log=lambda m, n=run['name']: progress(f'{n}: {m}'), hooks=hooks)
+    if trained['stopped']:
+      raise SystemExit(f'{run["name"]}: stopped at step {trained["step"]} of {cfg.steps} '
+                       f'({trained["stopped"]}); not a result of the study')
   except train_lib.NonFiniteLoss as e:
     spec['diverged'] = str(e)
     progress(f'{run["name"]}: diverged: {e}')

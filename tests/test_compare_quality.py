@@ -170,6 +170,20 @@ def test_jobs_train_runs_side_by_side_with_the_same_results(serial, tmp_path, co
   assert f'| {lost}' not in md
 
 
+def test_a_run_stopped_before_its_last_update_is_not_a_result(tmp_path, corpus, monkeypatch):
+  """A --jobs child whose training a SIGTERM stopped early (here stop_after,
+  the same path) writes no summary and exits non-zero, so the parent counts
+  it failed instead of reporting its early perplexity as final."""
+  import functools
+  from poetx_jax.pretrain import train as train_lib
+  monkeypatch.setattr(train_lib, 'train', functools.partial(train_lib.train, stop_after=4))
+  name = 'optimizer=adamw,lr=3e-3'
+  with pytest.raises(SystemExit, match=f'{name}: stopped at step 4 of 30'):
+    compare_quality.main(_args(tmp_path, corpus, name) + ['--jobs', '2', '--only', name])
+  run_dir = tmp_path / 'out' / 'runs' / name
+  assert (run_dir / 'metrics.jsonl').is_file() and not (run_dir / 'summary.json').exists()
+
+
 def test_run_specs_expand_into_runs_and_configurations():
   from poetx_jax.pretrain.config import TrainConfig
   base = TrainConfig(model='tiny', steps=40, warmup=2, eval_every=10)
