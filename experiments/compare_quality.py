@@ -444,7 +444,7 @@ def train_run(a, run: dict, done: list[dict], out: pathlib.Path,
 
 
 # ------------------------------------------------------- runs side by side
-def run_jobs(a, argv: list[str], out: pathlib.Path) -> list[dict]:
+def run_jobs(a, argv: list[str], out: pathlib.Path) -> tuple[list[dict], list[str]]:
   """Trains the plan's runs ``a.jobs`` at a time, each in a process of its own
   (this script with ``--only NAME``) on the same devices, its output in
   OUT/logs/NAME.log; the ``lr=best`` runs start once every other run is done.
