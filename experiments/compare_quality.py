@@ -15,7 +15,11 @@ of the best AdamW configuration, by mean final validation perplexity; those
 runs come after the others.
 
 It reports, in OUT/quality.md (also printed), OUT/results.json, OUT/quality.png
-(quality_report.py):
+(quality_report.py), from what the study leaves on disk as it goes: OUT/study.json
+(the header and the plan, written before the first run) and each finished
+run's OUT/runs/NAME/summary.json. ``quality_report.py --out DIR OUT`` writes
+the same report anywhere from those files alone (no corpus needed), e.g. of a
+study stopped before its last run:
 
 * validation perplexity at equal tokens: at every evaluation and at the end;
 * validation perplexity at equal wall-clock time. Each run's clock is its
@@ -408,7 +412,8 @@ def other_val_hook(sets: list[tuple[str, pathlib.Path]], every: int):
 # ------------------------------------------------------------------------ main
 def train_run(a, run: dict, done: list[dict], out: pathlib.Path,
               best_lr: float | None = None) -> dict:
-  """Trains one run with the spectrum hook; its summary (quality_report.summarise).
+  """Trains one run with the spectrum hook; its summary (quality_report.summarise),
+  also written to its directory's summary.json.
   ``lr=best`` is ``best_lr`` if given, else the best AdamW rate among ``done``.
   A run whose loss turns non-finite is summarised as diverged (up to its last
   logged step), not raised: a sweep goes on past its unstable corners. One
@@ -438,6 +443,7 @@ def train_run(a, run: dict, done: list[dict], out: pathlib.Path,
     progress(f'{run["name"]}: diverged: {e}')
   r = R.summarise(spec, pathlib.Path(cfg.out_dir), cfg.batch_size * cfg.seq_len)
   r['probed_layers'] = hook.fn.paths or []
+  (pathlib.Path(cfg.out_dir) / 'summary.json').write_text(json.dumps(r))
   progress(f'{run["name"]}: val ppl {r["val_ppl_start"]:.2f} -> {r["val_ppl_final"]:.2f}, '
            f'{r["steady_s"]:.1f} s steady + {r["compile_s"]:.1f} s compiling')
   return r
@@ -488,9 +494,10 @@ def run_jobs(a, argv: list[str], out: pathlib.Path) -> tuple[list[dict], list[st
   return [done[r['name']] for r in a.plan if r['name'] in done], failed
 
 
-def header(a, data, runs: list[dict], failed: list[str] = ()) -> dict:
-  """What the report says about the study: the base options, the data, the
-  device, the probes, the runs that failed."""
+def header(a, data) -> dict:
+  """What the report says about the study, known before it trains: the base
+  options, the data, the device (quality_report.from_study adds the probes and
+  the runs that failed)."""
   import jax
   from poetx_jax.pretrain.plan import make_plan
   cfg = a.base
@@ -511,10 +518,8 @@ def header(a, data, runs: list[dict], failed: list[str] = ()) -> dict:
       'val_tokens': val_windows * cfg.seq_len, 'data': data.description,
       'device': f'{jax.device_count()} x {jax.devices()[0].device_kind}',
       'dtype': plan.dtype,
-      'date': time.strftime('%Y-%m-%d'), 'probed_layers': runs[0]['probed_layers'],
-      'probe_steps': [p['step'] for p in runs[0]['probes']],
+      'date': time.strftime('%Y-%m-%d'),
       'spike_rule': f'loss > {R.SPIKE_FACTOR} x median of the previous {R.SPIKE_WINDOW} logged',
-      'failed_runs': list(failed),
   }
 
 
@@ -537,9 +542,7 @@ def main(argv=None):
   if a.only is not None:  # one run of a --jobs study, in a process of its own
     out = pathlib.Path(a.out)
     run = next(r for r in a.plan if r['name'] == a.only)
-    r = train_run(a, run, [], out, best_lr=a.best_lr)
-    (out / 'runs' / run['name'] / 'summary.json').write_text(json.dumps(r))
-    return r
+    return train_run(a, run, [], out, best_lr=a.best_lr)
   if a.jobs > 1:  # the children take the accelerator's memory, not this process
     os.environ.setdefault('XLA_PYTHON_CLIENT_PREALLOCATE', 'false')
   import jax
@@ -547,6 +550,10 @@ def main(argv=None):
   out = _fresh_out(a)
   data = loading.load_data(run_config(a.base, a.plan[0], out))  # tokenized once, cached
   print(f'data: {data.description}', flush=True)
+  (out / 'study.json').write_text(json.dumps(
+      {'header': header(a, data), 'plan': [r['name'] for r in a.plan],
+       'args': {'runs': a.runs, 'probe_every': a.probe_every,
+                'base': dataclasses.asdict(a.base)}}, indent=1))
   progress(f'{len(a.plan)} runs of {a.base.model}, {a.base.steps} updates x '
            f'{a.base.batch_size * a.base.seq_len:,} tokens, {a.jobs} at a time, on '
            f'{jax.devices()[0].device_kind}')
@@ -559,10 +566,7 @@ def main(argv=None):
     results = []
     for run in a.plan:
       results.append(train_run(a, run, results, out))
-  res = {'header': header(a, data, results, failed),
-         'args': {'runs': a.runs, 'probe_every': a.probe_every,
-                  'base': dataclasses.asdict(a.base)},
-         **R.analyse(results)}
+  res = R.from_study(out)
   (out / 'results.json').write_text(json.dumps(res, indent=1))
   md = R.report(res)
   (out / 'quality.md').write_text(md)

@@ -428,6 +428,30 @@ def _other_val_table(res: dict) -> list[str]:
 
 
 # ------------------------------------------------------------ joined studies
+def from_study(out: pathlib.Path) -> dict:
+  """The analysed study of a compare_quality OUT directory, from what its runs
+  left there: OUT/study.json (the header written before training, the plan's
+  run names) and OUT/runs/NAME/summary.json of each run that finished. The
+  plan's runs without a summary (failed, stopped or not yet done) are the
+  header's ``failed_runs``. Raises ValueError when no run has finished."""
+  import json
+  out = pathlib.Path(out)
+  study = json.loads((out / 'study.json').read_text())
+  runs, failed = [], []
+  for name in study['plan']:
+    summary = out / 'runs' / name / 'summary.json'
+    if summary.is_file():
+      runs.append(json.loads(summary.read_text()))
+    else:
+      failed.append(name)
+  if not runs:
+    raise ValueError(f'{out}: none of the study\'s {len(failed)} runs has finished '
+                     f'(no runs/NAME/summary.json)')
+  header = {**study['header'], 'probed_layers': runs[0]['probed_layers'],
+            'probe_steps': [p['step'] for p in runs[0]['probes']], 'failed_runs': failed}
+  return {'header': header, 'args': study['args'], **analyse(runs)}
+
+
 def join(studies: list[dict]) -> dict:
   """One analysed study of the runs of several (their ``results.json``), e.g.
   a second seed trained later on the same data with the same base options:
@@ -453,16 +477,22 @@ def join(studies: list[dict]) -> dict:
 
 
 def main(argv=None) -> dict:
-  """``quality_report.py --out DIR A/results.json B/results.json ...``: the
-  report, results and plots of the joined studies (:func:`join`) in DIR."""
+  """``quality_report.py --out DIR A/results.json B/ ...``: the report,
+  results and plots of the joined studies (:func:`join`) in DIR; a directory
+  stands for the compare_quality study in it, read by :func:`from_study`."""
   import argparse
   import json
   p = argparse.ArgumentParser(description='Report several compare_quality studies as one.')
-  p.add_argument('results', nargs='+', help="compare_quality's results.json files")
+  p.add_argument('results', nargs='+',
+                 help="compare_quality's results.json files or its --out directories")
   p.add_argument('--out', required=True, help='writes quality.md, results.json and plots here')
   a = p.parse_args(argv)
+
+  def study(path):
+    path = pathlib.Path(path)
+    return from_study(path) if path.is_dir() else json.loads(path.read_text())
   try:
-    res = join([json.loads(pathlib.Path(f).read_text()) for f in a.results])
+    res = join([study(f) for f in a.results])
   except (OSError, ValueError, KeyError) as e:
     p.error(str(e))
   out = pathlib.Path(a.out)

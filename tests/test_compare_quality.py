@@ -88,6 +88,10 @@ def test_compare_quality_end_to_end(serial, corpus):
                         'optimizer=poetx,poet_lr=2.5e-3,lr=best',
                         'optimizer=poetx,poet_lr=5e-3,lr=best']
   assert all((out / 'runs' / name / 'metrics.jsonl').is_file() for name in runs)
+  # What a report rebuilt from the directory reads (quality_report.from_study).
+  study = json.loads((out / 'study.json').read_text())
+  assert study['plan'] == list(runs) and res['header']['failed_runs'] == []
+  assert all((out / 'runs' / name / 'summary.json').is_file() for name in runs)
   assert all(r['lr'] == 3e-3 for r in runs.values())  # POET-X's other lr: AdamW's best
   assert [r['seed'] for r in runs.values()] == [0, 1, 0, 0]
   for r in runs.values():
@@ -148,7 +152,13 @@ def test_jobs_train_runs_side_by_side_with_the_same_results(serial, tmp_path, co
                                        r"the report covers the other 3"):
     compare_quality.main(_args(tmp_path, corpus, ADAMW + ',seed=0', lost, 'optimizer=adamw,lr=1e30',
                                'optimizer=poetx,poet_lr=2.5e-3,lr=best') + ['--jobs', '2'])
-  res = json.loads((tmp_path / 'out' / 'results.json').read_text())
+  assert json.loads((tmp_path / 'out' / 'results.json').read_text())['header'][
+      'failed_runs'] == [lost]
+  # The report as a study stopped before its end leaves it: rebuilt elsewhere
+  # from its study.json and the runs' summaries, without the corpus.
+  for f in ('results.json', 'quality.md'):
+    (tmp_path / 'out' / f).unlink()
+  res = R.main(['--out', str(tmp_path / 'rebuilt'), str(tmp_path / 'out')])
   assert res['header']['failed_runs'] == [lost]
   runs = {r['name']: r for r in res['runs']}
   assert list(runs) == ['optimizer=adamw,lr=3e-3,seed=0', 'optimizer=adamw,lr=1e30',
@@ -164,7 +174,7 @@ def test_jobs_train_runs_side_by_side_with_the_same_results(serial, tmp_path, co
   assert res['equal_time_s'] == min(runs[n]['steady_s'] for n in runs if n != bad['name'])
   logs = tmp_path / 'out' / 'logs'
   assert sorted(p.name for p in logs.iterdir()) == sorted(f'{n}.log' for n in [*runs, lost])
-  md = (tmp_path / 'out' / 'quality.md').read_text()
+  md = (tmp_path / 'rebuilt' / 'quality.md').read_text()
   assert '| optimizer=adamw,lr=1e30 (diverged; last logged step' in md
   assert f"Failed, no result (their logs are in the study's logs/): `{lost}`" in md
   assert f'| {lost}' not in md
@@ -291,6 +301,11 @@ def test_join_reports_studies_of_other_seeds_as_one(serial, tmp_path):
   assert res['header']['failed_runs'] == ['optimizer=sgd']
   with pytest.raises(SystemExit):
     R.main(['--out', str(tmp_path / 'twice'), str(tmp_path / 'a.json'), str(tmp_path / 'a.json')])
+  # A study directory none of whose runs finished has nothing to report.
+  (tmp_path / 'empty').mkdir()
+  (tmp_path / 'empty' / 'study.json').write_bytes((serial[2] / 'out' / 'study.json').read_bytes())
+  with pytest.raises(ValueError, match='none of the study\'s 4 runs has finished'):
+    R.from_study(tmp_path / 'empty')
 
 
 def test_family_names_every_optimizer_of_the_app():
