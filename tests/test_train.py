@@ -224,6 +224,29 @@ def test_sigterm_saves_and_resume_continues(tmp_path, corpus):
   assert step == last_logged  # nothing trained after the save
 
 
+def test_a_sigterm_whose_exit_was_dropped_before_the_loop_still_stops_the_run(tmp_path, corpus):
+  """A SIGTERM whose SystemExit Python dropped (raised inside a ``__del__``
+  or a garbage-collection callback, as happened to a run started with 100,000
+  steps) still stops the run: after its first step, with a checkpoint."""
+  import os
+  import signal
+
+  class Dropping:  # its __del__ is where the handler runs and its exception is dropped
+    def __del__(self):
+      os.kill(os.getpid(), signal.SIGTERM)
+
+  def sigterm_at_start(run):
+    if run.step == 0:
+      Dropping()  # collected at once
+  cfg = _cfg(tmp_path, corpus, steps=50, log_every=1)
+  before = signal.getsignal(signal.SIGTERM)
+  s = train(cfg, log=lambda *_: None, hooks=[Hook(sigterm_at_start, at_start=True, every=10**6)])
+  assert s['stopped'] == 'SIGTERM' and s['step'] == 1
+  step, meta = Checkpointer(pathlib.Path(cfg.out_dir) / 'checkpoints').read_meta()
+  assert step == 1 and meta['reason'] == 'SIGTERM'
+  assert signal.getsignal(signal.SIGTERM) is before  # the handlers put back
+
+
 def test_xq_int4_run_checkpoints_and_resumes(tmp_path, corpus):
   cfg = _cfg(tmp_path, corpus, quantize='int4', group_size=16, steps=4)
   s = train(cfg, log=lambda *_: None, stop_after=2)

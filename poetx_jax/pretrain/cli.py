@@ -22,6 +22,7 @@ import sys
 import threading
 
 from poetx_jax.pretrain.files import DiskFull, full_disk, full_disk_remedy, full_disk_text
+from poetx_jax.pretrain import signals
 
 
 def _train_parser(sub, *, defaults: bool = True):
@@ -351,7 +352,7 @@ def build_parser() -> argparse.ArgumentParser:
   return parser
 
 
-_SIGTERM_EXIT = 143  # 128 + SIGTERM, the shells' convention
+_SIGTERM_EXIT = signals.EXIT_CODE
 
 
 @contextlib.contextmanager
@@ -363,12 +364,7 @@ def _sigterm_exits():
   if threading.current_thread() is not threading.main_thread():
     yield
     return
-
-  def exit_143(signum, frame):
-    del signum, frame
-    raise SystemExit(_SIGTERM_EXIT)
-
-  old = signal.signal(signal.SIGTERM, exit_143)
+  old = signals.install()
   try:
     yield
   finally:

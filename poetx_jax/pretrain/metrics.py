@@ -39,6 +39,7 @@ import typing as tp
 import jax
 import tqdm
 
+from poetx_jax.pretrain import signals
 from poetx_jax.pretrain.files import atomic_write, read_jsonl, writing
 
 # A merge whose factors are further than this from orthogonal is reported:
@@ -204,7 +205,9 @@ class TrainClock:
 
 
 class StopFlag:
-  """Turns SIGTERM / Ctrl-C into a flag checked between steps."""
+  """Turns SIGTERM / Ctrl-C into a flag checked between steps; raised from
+  the start if a SIGTERM came before it whose exit was dropped
+  (:mod:`~poetx_jax.pretrain.signals`)."""
 
   def __init__(self):
     self.signal = None
@@ -213,6 +216,8 @@ class StopFlag:
   def __enter__(self):
     for s in (signal.SIGINT, signal.SIGTERM):
       self._old[s] = signal.signal(s, self._handle)
+    if signals.take():
+      self.signal = 'SIGTERM'
     return self
 
   def _handle(self, signum, frame):

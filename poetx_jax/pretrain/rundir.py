@@ -35,7 +35,7 @@ import time
 import typing as tp
 
 from poetx_jax.pretrain.data import windows as data_lib
-from poetx_jax.pretrain import processes
+from poetx_jax.pretrain import processes, signals
 from poetx_jax.pretrain.checkpoint import CheckpointError, Checkpointer
 from poetx_jax.pretrain.config import PLAN_KEY, TrainConfig
 from poetx_jax.pretrain.files import Footprint, atomic_write, writing
@@ -69,11 +69,6 @@ def _process_start(pid: int) -> str | None:
     return None
 
 
-def _sigterm_exit(signum, frame):
-  """SIGTERM outside the training loop (which saves first): exit 143, unwinding."""
-  raise SystemExit(128 + signum)
-
-
 class RunLock:
   """``RUN/train.lock``: one training process at a time in a run directory.
 
@@ -105,7 +100,7 @@ class RunLock:
       self._take()
     finally:
       os.close(fd)  # releases the flock
-    self._sigterm = signal.signal(signal.SIGTERM, _sigterm_exit)
+    self._sigterm = signals.install()  # outside the loop (which saves first): exit 143
     return self
 
   def _take(self) -> None:
