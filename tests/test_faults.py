@@ -230,6 +230,39 @@ def test_non_finite_state_keeps_the_last_good_checkpoint_newest(tmp_path, corpus
 _train = train_lib.train
 
 
+def test_a_refused_second_writer_removes_nothing_the_owner_writes_meanwhile(
+    tmp_path, corpus, capsys, monkeypatch):
+  """A second ``poetx train`` on a run directory another training holds is
+  refused before it writes there, so it takes nothing back: files the owner
+  adds while it is being refused stay (they once went with it, the owner's
+  run.json among them, and the owner's own set-up then failed)."""
+  run = tmp_path / 'run'
+  run.mkdir()
+  take = rundir.RunLock._take
+
+  def owner_writes_meanwhile(lock):  # between the refused command's start and its refusal
+    (run / 'data.json').write_text('{}')
+    (run / 'checkpoints').mkdir()
+    return take(lock)
+  args = ['train', '--model-overrides', overrides(SMALL), '--data', str(corpus),
+          '--vocab-size', '300', '--seq-len', '32', '--batch-size', '4', '--steps', '4',
+          '--block-size', '8', '--dtype', 'float32', '--cache-dir', str(tmp_path / 'cache'),
+          '--out-dir', str(run)]
+  with rundir.RunLock(run):  # the owner, this process (alive, so the lock is not stale)
+    monkeypatch.setattr(rundir.RunLock, '_take', owner_writes_meanwhile)
+    assert cli.main(args) == 4
+    assert 'is in use by another training' in _one_line_error(capsys)
+    assert (run / 'data.json').is_file() and (run / 'checkpoints').is_dir()
+    assert (run / 'train.lock').is_file()
+  # Refused where it made the directory: the empty directory goes, as before.
+  fresh = tmp_path / 'a' / 'b'
+  monkeypatch.setattr(rundir.RunLock, '_take', lambda lock: (_ for _ in ()).throw(
+      rundir.RunLocked('held')))
+  assert cli.main(args[:-1] + [str(fresh)]) == 4
+  capsys.readouterr()
+  assert not (tmp_path / 'a').exists()
+
+
 def test_a_second_writer_is_refused_and_signals_release_the_lock(tmp_path, corpus, capsys):
   run = tmp_path / 'run'
   args = ['train', '--model-overrides', overrides(SMALL),

@@ -124,6 +124,21 @@ class Footprint:
       before = {e.name for e in path.iterdir()} if created is None and path.is_dir() else set()
       self._marks.append((path, created, before))
 
+  def undo_empty_dirs(self) -> None:
+    """Removes the directories created since that are still empty (a
+    command refused before it wrote anything), leaving whatever another
+    process put there."""
+    for path, created, _ in self._marks:
+      if created is None:
+        continue
+      for p in (path, *path.parents):
+        try:
+          p.rmdir()
+        except OSError:  # not empty, or gone
+          break
+        if p == created:
+          break
+
   def undo(self) -> None:
     """Removes the directories created since, and the entries added to those
     that existed (a file replaced in place is not restored)."""

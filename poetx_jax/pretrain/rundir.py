@@ -219,7 +219,9 @@ def open_run(cfg: TrainConfig, *, resume: bool,
   happens. Gives ``(out, set_up)``: a new run's ``run.json`` is written
   here, and until the caller calls ``set_up()`` (the run's data, model and
   state accepted) a failure removes everything the run wrote there, so that
-  a refused run leaves its run directory as it found it (the token and
+  a refused run leaves its run directory as it found it; one refused before
+  it held the lock wrote nothing there and removes nothing that another
+  training, holding it, writes meanwhile (the token and
   tokenizer cache of ``--cache-dir``, keyed by content and shared by runs,
   keeps what it gained). A resumed run's
   ``run.json`` is rewritten by :func:`write_config` only once it is set up
@@ -238,19 +240,22 @@ def open_run(cfg: TrainConfig, *, resume: bool,
   if resume:
     _check_resumable(run_file, cfg)
   footprint = Footprint([out])
-  state = {'set_up': resume}
+  state = {'set_up': resume, 'locked': False}
   try:
-    with _locked_run(out, cfg, resume, log) as opened:
+    with _locked_run(out, cfg, resume, log, state) as opened:
       yield opened, lambda: state.update(set_up=True)
   except BaseException:
     if not state['set_up'] and processes.is_primary():
-      footprint.undo()
+      if state['locked']:
+        footprint.undo()
+      else:  # refused before owning it: what appeared there is another run's
+        footprint.undo_empty_dirs()
     raise
 
 
 @contextlib.contextmanager
 def _locked_run(out: pathlib.Path, cfg: TrainConfig, resume: bool,
-                log) -> tp.Iterator[pathlib.Path]:
+                log, state: dict) -> tp.Iterator[pathlib.Path]:
   # One lock per run: the first process takes it and writes for all (the
   # processes of a multi-process run share the directory).
   with contextlib.ExitStack() as held:
@@ -258,6 +263,7 @@ def _locked_run(out: pathlib.Path, cfg: TrainConfig, resume: bool,
     def lock():
       _make_dir(out)
       held.enter_context(RunLock(out, log=log))
+      state['locked'] = True
 
     processes.on_primary('opening the run directory', lock)
     # Every process: orbax's checkpoint manager is collective.
