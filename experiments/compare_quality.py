@@ -450,16 +450,16 @@ def train_run(a, run: dict, done: list[dict], out: pathlib.Path,
 
 
 # ------------------------------------------------------- runs side by side
-def run_jobs(a, argv: list[str], out: pathlib.Path) -> tuple[list[dict], list[str]]:
+def run_jobs(a, argv: list[str], out: pathlib.Path) -> None:
   """Trains the plan's runs ``a.jobs`` at a time, each in a process of its own
   (this script with ``--only NAME``) on the same devices, its output in
   OUT/logs/NAME.log; the ``lr=best`` runs start once every other run is done.
   The children inherit this process's environment, where :func:`main` turned
   XLA's preallocation off: each takes the accelerator's memory as it needs it,
   up to 0.9 / jobs of it (XLA_PYTHON_CLIENT_MEM_FRACTION, unless the
-  environment sets either). The summaries of the runs that finished, in plan
-  order, and the names of those that failed (a child that exited non-zero or
-  wrote no summary); a failure does not stop the other runs."""
+  environment sets either). A run that fails (its process exits non-zero)
+  stops none of the others; what finished is what OUT/runs/NAME/summary.json
+  holds (quality_report.from_study)."""
   env = dict(os.environ)
   env.setdefault('XLA_PYTHON_CLIENT_MEM_FRACTION', f'{0.9 / a.jobs:.3f}')
   (out / 'logs').mkdir(parents=True, exist_ok=True)
@@ -491,7 +491,6 @@ def run_jobs(a, argv: list[str], out: pathlib.Path) -> tuple[list[dict], list[st
         else:
           failed.append(name)
           progress(f'{name} failed (exit {proc.returncode}); see its log')
-  return [done[r['name']] for r in a.plan if r['name'] in done], failed
 
 
 def header(a, data) -> dict:
@@ -557,16 +556,16 @@ def main(argv=None):
   progress(f'{len(a.plan)} runs of {a.base.model}, {a.base.steps} updates x '
            f'{a.base.batch_size * a.base.seq_len:,} tokens, {a.jobs} at a time, on '
            f'{jax.devices()[0].device_kind}')
-  failed = []
   if a.jobs > 1:
-    results, failed = run_jobs(a, argv, out)
-    if not results:
-      raise SystemExit(f'every run failed; their logs: {out / "logs"}')
+    run_jobs(a, argv, out)
   else:
     results = []
     for run in a.plan:
       results.append(train_run(a, run, results, out))
-  res = R.from_study(out)
+  try:
+    res = R.from_study(out)
+  except ValueError as e:  # no run finished
+    raise SystemExit(f'{e}; their logs: {out / "logs"}') from None
   (out / 'results.json').write_text(json.dumps(res, indent=1))
   md = R.report(res)
   (out / 'quality.md').write_text(md)
@@ -574,9 +573,10 @@ def main(argv=None):
   R.plot_spectrum(res, res['header']['probed_layers'], out / 'spectrum.png')
   print(md)
   progress(f'wrote {out / "quality.md"}, results.json, quality.png, spectrum.png')
+  failed = res['header']['failed_runs']
   if failed:
     raise SystemExit(f'runs {failed} failed (their logs: {out / "logs"}); the report '
-                     f'covers the other {len(results)}')
+                     f'covers the other {len(res["runs"])}')
   return res
 
 

@@ -352,9 +352,6 @@ def build_parser() -> argparse.ArgumentParser:
   return parser
 
 
-_SIGTERM_EXIT = signals.EXIT_CODE
-
-
 @contextlib.contextmanager
 def _sigterm_exits():
   """SIGTERM, while a command runs in the main thread, raises
@@ -391,7 +388,7 @@ def main(argv=None) -> int:
     print(f'poetx {command}: interrupted', file=sys.stderr)
     return 130
   except SystemExit as e:
-    if e.code == _SIGTERM_EXIT:
+    if e.code == signals.EXIT_CODE:
       print(f'poetx {command}: stopped by SIGTERM' + (
           a.kept() if a is not None else ' while starting: nothing was written'),
           file=sys.stderr)

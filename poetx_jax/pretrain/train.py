@@ -16,7 +16,6 @@ import contextlib
 import dataclasses
 import math
 import pathlib
-import signal
 import time
 import typing as tp
 
@@ -25,7 +24,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from poetx_jax.pretrain.data import windows as data_lib
-from poetx_jax.pretrain import hf_init, loading, processes, rundir
+from poetx_jax.pretrain import hf_init, loading, processes, rundir, signals
 from poetx_jax.pretrain.plan import Plan, finish_options, make_plan, recorded_plan
 from poetx_jax.pretrain.checkpoint import Checkpointer, full_disk_stop, resumed_message
 from poetx_jax.pretrain.config import TrainConfig
@@ -201,7 +200,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, step: int | None = None, lo
   try:
     cfg = finish_options(cfg, resume=resume, device_count=jax.device_count())
   except SystemExit as e:  # SIGTERM (poetx's handler) while the devices start
-    if e.code == _SIGTERM_EXIT:
+    if e.code == signals.EXIT_CODE:
       log('stopped by SIGTERM while starting, before the run directory was opened: '
           'nothing was written')
     raise
@@ -219,7 +218,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, step: int | None = None, lo
         with _stops_when_full(run):
           _start(run, log)
     except SystemExit as e:  # SIGTERM before the loop (rundir.RunLock): no save
-      if e.code == _SIGTERM_EXIT:
+      if e.code == signals.EXIT_CODE:
         log('stopped by SIGTERM while starting, ' + (
             'before training: resume again with --resume' if resume else
             'before any checkpoint: nothing to resume; run the command again (without '
@@ -318,7 +317,6 @@ def _after_step(run: Run, last: bool) -> None:
 
 
 _SIGNALS = (None, 'SIGINT', 'SIGTERM')
-_SIGTERM_EXIT = 128 + signal.SIGTERM  # rundir's SIGTERM handler exits with it
 
 
 def _agreed(signal: str | None, *, at_log: bool) -> str | None:
