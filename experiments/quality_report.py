@@ -457,7 +457,7 @@ def join(studies: list[dict]) -> dict:
   a second seed trained later on the same data with the same base options:
   runs whose overrides are the same set of ``K=V`` pairs but for ``seed`` are
   one configuration whatever the order they were written in. The header is
-  the first study's, its ``runs`` all the studies' specs and its
+  the first study's, its ``runs`` all the studies' specs (each once) and its
   ``failed_runs`` those that failed in one study and have no result in any."""
   from poetx_jax.pretrain.kv import split_top
   if not studies:
@@ -471,7 +471,8 @@ def join(studies: list[dict]) -> dict:
       key = frozenset(split_top(r['config'], ',')) if r['config'] else frozenset()
       runs.append({**r, 'config': seen.setdefault(key, r['config'])})
   failed = [n for st in studies for n in st['header'].get('failed_runs', []) if n not in names]
-  header = {**studies[0]['header'], 'runs': [s for st in studies for s in st['header']['runs']],
+  specs = [s for st in studies for s in st['header']['runs']]
+  header = {**studies[0]['header'], 'runs': list(dict.fromkeys(specs)),
             'failed_runs': list(dict.fromkeys(failed))}
   return {'header': header, **analyse(runs)}
 

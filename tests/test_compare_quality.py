@@ -293,12 +293,16 @@ def test_join_reports_studies_of_other_seeds_as_one(serial, tmp_path):
     assert c['val_ppl_final']['mean'] == pytest.approx(c1['val_ppl_final']['mean'] + 0.5)
   assert (tmp_path / 'joined' / 'quality.md').is_file()
   assert res['header']['failed_runs'] == []
-  # A run that failed in one study and has a result in another is not reported failed.
+  # A run that failed in one study and has a result in another is not reported
+  # failed; a spec that both studies ran (the failed run's, again) is listed once.
   first['header']['failed_runs'] = [second['runs'][0]['name'], 'optimizer=sgd']
   (tmp_path / 'a.json').write_text(json.dumps(first))
+  second['header']['runs'] = [*first['header']['runs'], 'optimizer=adamw,lr=7e-4']
+  (tmp_path / 'b.json').write_text(json.dumps(second))
   res = R.main(['--out', str(tmp_path / 'joined'), str(tmp_path / 'a.json'),
                 str(tmp_path / 'b.json')])
   assert res['header']['failed_runs'] == ['optimizer=sgd']
+  assert res['header']['runs'] == [*first['header']['runs'], 'optimizer=adamw,lr=7e-4']
   with pytest.raises(SystemExit):
     R.main(['--out', str(tmp_path / 'twice'), str(tmp_path / 'a.json'), str(tmp_path / 'a.json')])
   # A study directory none of whose runs finished has nothing to report.
