@@ -94,10 +94,11 @@ command about 7.5 minutes on an H200)::
 GPU (a 130M model leaves most of an H200 idle). Each run's losses are those
 it has alone (tested on the CPU); its steady tokens/s are lower and depend on
 what shares the GPU with it, so with ``--jobs`` above 1 the equal-time table
-is not a comparison of speeds. A run that fails there (its process exits
-non-zero: out of memory, killed) does not stop the others; the report covers
-the runs that finished and names the failed ones, and the script then exits
-non-zero.
+is not a comparison of speeds. A run that fails (with ``--jobs``, its
+process exits non-zero: out of memory, killed; one at a time, it raises, and
+its traceback goes to OUT/logs/NAME.log) does not stop the others; the report
+covers the runs that finished and names the failed ones, and the script then
+exits non-zero.
 
 Short runs are dominated by compilation (each run's learning rates are
 constants of its update program, so every run compiles its own); the measured
@@ -146,6 +147,7 @@ import shutil
 import subprocess
 import sys
 import time
+import traceback
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import quality_report as R  # noqa: E402
@@ -449,6 +451,23 @@ def train_run(a, run: dict, done: list[dict], out: pathlib.Path,
   return r
 
 
+def run_serial(a, out: pathlib.Path) -> None:
+  """Trains the plan's runs one after another in this process. A run that
+  raises (out of memory, say; a diverged run is a result, not an error) stops
+  none of the others: its traceback goes to OUT/logs/NAME.log, as a --jobs
+  child's output would, and it has no summary. A stop (SystemExit: SIGTERM,
+  SIGINT) or KeyboardInterrupt ends the study."""
+  done = []
+  for run in a.plan:
+    try:
+      done.append(train_run(a, run, done, out))
+    except Exception as e:  # noqa: BLE001 - reported, then the next run
+      log = out / 'logs' / f'{run["name"]}.log'
+      log.parent.mkdir(parents=True, exist_ok=True)
+      log.write_text(traceback.format_exc())
+      progress(f'{run["name"]} failed ({type(e).__name__}: {e}); traceback in {log}')
+
+
 # ------------------------------------------------------- runs side by side
 def run_jobs(a, argv: list[str], out: pathlib.Path) -> None:
   """Trains the plan's runs ``a.jobs`` at a time, each in a process of its own
@@ -559,9 +578,7 @@ def main(argv=None):
   if a.jobs > 1:
     run_jobs(a, argv, out)
   else:
-    results = []
-    for run in a.plan:
-      results.append(train_run(a, run, results, out))
+    run_serial(a, out)
   try:
     res = R.from_study(out)
   except ValueError as e:  # no run finished

@@ -194,6 +194,31 @@ def test_a_run_stopped_before_its_last_update_is_not_a_result(tmp_path, corpus, 
   assert (run_dir / 'metrics.jsonl').is_file() and not (run_dir / 'summary.json').exists()
 
 
+def test_a_run_that_raises_stops_none_of_the_others_one_at_a_time(tmp_path, corpus,
+                                                                    monkeypatch):
+  """Without --jobs, a run whose training raises is logged with its
+  traceback and has no result; the next run trains and the report names the
+  failed one, then the script exits non-zero."""
+  from poetx_jax.pretrain import train as train_lib
+  real, lost = train_lib.train, 'optimizer=adamw,lr=2e-3'
+
+  def train(cfg, **kw):
+    if cfg.lr == 2e-3:
+      raise RuntimeError('RESOURCE_EXHAUSTED: out of memory (injected)')
+    return real(cfg, **kw)
+  monkeypatch.setattr(train_lib, 'train', train)
+  with pytest.raises(SystemExit, match=rf"runs \['{lost}'\] failed .*the report covers the other 1"):
+    compare_quality.main(_args(tmp_path, corpus, lost, ADAMW))
+  out = tmp_path / 'out'
+  res = json.loads((out / 'results.json').read_text())
+  assert res['header']['failed_runs'] == [lost]
+  assert [r['name'] for r in res['runs']] == [ADAMW]
+  assert res['runs'][0]['val_ppl_final'] < 0.2 * res['runs'][0]['val_ppl_start']
+  log = (out / 'logs' / f'{lost}.log').read_text()
+  assert log.startswith('Traceback') and 'RESOURCE_EXHAUSTED: out of memory (injected)' in log
+  assert not (out / 'runs' / lost / 'summary.json').exists()
+
+
 def test_run_specs_expand_into_runs_and_configurations():
   from poetx_jax.pretrain.config import TrainConfig
   base = TrainConfig(model='tiny', steps=40, warmup=2, eval_every=10)
