@@ -465,7 +465,8 @@ def run_serial(a, out: pathlib.Path) -> None:
       log = out / 'logs' / f'{run["name"]}.log'
       log.parent.mkdir(parents=True, exist_ok=True)
       log.write_text(traceback.format_exc())
-      progress(f'{run["name"]} failed ({type(e).__name__}: {e}); traceback in {log}')
+      first = (str(e).splitlines() or [''])[0]  # XLA's errors run to many lines
+      progress(f'{run["name"]} failed ({type(e).__name__}: {first}); traceback in {log}')
 
 
 # ------------------------------------------------------- runs side by side
