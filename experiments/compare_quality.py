@@ -451,6 +451,11 @@ def train_run(a, run: dict, done: list[dict], out: pathlib.Path,
   return r
 
 
+def run_log(out: pathlib.Path, name: str) -> pathlib.Path:
+  """OUT/logs/NAME.log: a --jobs run's output, or a failed run's traceback."""
+  return out / 'logs' / f'{name}.log'
+
+
 def run_serial(a, out: pathlib.Path) -> None:
   """Trains the plan's runs one after another in this process. A run that
   raises (out of memory, say; a diverged run is a result, not an error) stops
@@ -462,7 +467,7 @@ def run_serial(a, out: pathlib.Path) -> None:
     try:
       done.append(train_run(a, run, done, out))
     except Exception as e:  # noqa: BLE001 - reported, then the next run
-      log = out / 'logs' / f'{run["name"]}.log'
+      log = run_log(out, run['name'])
       log.parent.mkdir(parents=True, exist_ok=True)
       log.write_text(traceback.format_exc())
       first = (str(e).splitlines() or [''])[0]  # XLA's errors run to many lines
@@ -478,8 +483,9 @@ def run_jobs(a, argv: list[str], out: pathlib.Path) -> None:
   XLA's preallocation off: each takes the accelerator's memory as it needs it,
   up to 0.9 / jobs of it (XLA_PYTHON_CLIENT_MEM_FRACTION, unless the
   environment sets either). A run that fails (its process exits non-zero)
-  stops none of the others; what finished is what OUT/runs/NAME/summary.json
-  holds (quality_report.from_study)."""
+  stops none of the others; the ``lr=best`` runs fail unstarted when no AdamW
+  run finished. What finished is what OUT/runs/NAME/summary.json holds
+  (quality_report.from_study)."""
   env = dict(os.environ)
   env.setdefault('XLA_PYTHON_CLIENT_MEM_FRACTION', f'{0.9 / a.jobs:.3f}')
   (out / 'logs').mkdir(parents=True, exist_ok=True)
@@ -487,18 +493,27 @@ def run_jobs(a, argv: list[str], out: pathlib.Path) -> None:
   failed = []
   for phase in (False, True):  # the lr=best runs after the others
     queue = [r for r in a.plan if r['best_lr'] == phase]
-    best = ['--best-lr', repr(R.best_adamw_lr(list(done.values())))] if phase and queue else []
+    best = []
+    if phase and queue:
+      try:
+        best = ['--best-lr', repr(R.best_adamw_lr(list(done.values())))]
+      except ValueError as e:  # no AdamW run finished: these cannot start
+        for run in queue:
+          failed.append(run['name'])
+          run_log(out, run['name']).write_text(f'not started: {e}\n')
+          progress(f'{run["name"]} failed ({e})')
+        queue = []
     live: dict[str, subprocess.Popen] = {}
     while queue or live:
       while queue and len(live) < a.jobs:
         run = queue.pop(0)
-        log = open(out / 'logs' / f'{run["name"]}.log', 'w')
+        log = open(run_log(out, run['name']), 'w')
         cmd = [sys.executable, str(pathlib.Path(__file__).resolve()), *argv,
                '--only', run['name'], *best]
         live[run['name']] = subprocess.Popen(cmd, env=env, stdout=log, stderr=log)
         log.close()
         progress(f'started {run["name"]} ({len(done) + len(failed) + len(live)}'
-                 f'/{len(a.plan)}), log {out / "logs" / (run["name"] + ".log")}')
+                 f'/{len(a.plan)}), log {run_log(out, run["name"])}')
       time.sleep(0.5)
       for name, proc in list(live.items()):
         if proc.poll() is None:

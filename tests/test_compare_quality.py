@@ -219,6 +219,24 @@ def test_a_run_that_raises_stops_none_of_the_others_one_at_a_time(tmp_path, corp
   assert not (out / 'runs' / lost / 'summary.json').exists()
 
 
+def test_lr_best_runs_fail_unstarted_when_no_adamw_run_finished(tmp_path, corpus, monkeypatch):
+  """--jobs: when every AdamW run failed, the lr=best runs have no rate to
+  take; they are reported failed without a process of their own (once, the
+  parent died of the ValueError and wrote nothing), and no run finished."""
+  popen, started = compare_quality.subprocess.Popen, []
+
+  def killed(cmd, **kw):  # every child dies at once
+    started.append(cmd[cmd.index('--only') + 1])
+    return popen([sys.executable, '-c', 'raise SystemExit(3)'], **kw)
+  monkeypatch.setattr(compare_quality.subprocess, 'Popen', killed)
+  best = 'optimizer=poetx,poet_lr=2.5e-3,lr=best'
+  with pytest.raises(SystemExit, match="none of the study's 2 runs has finished"):
+    compare_quality.main(_args(tmp_path, corpus, ADAMW, best) + ['--jobs', '2'])
+  assert started == [ADAMW]
+  assert (compare_quality.run_log(tmp_path / 'out', best).read_text()
+          == 'not started: lr=best needs an AdamW run before it\n')
+
+
 def test_run_specs_expand_into_runs_and_configurations():
   from poetx_jax.pretrain.config import TrainConfig
   base = TrainConfig(model='tiny', steps=40, warmup=2, eval_every=10)
