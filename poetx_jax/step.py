@@ -126,7 +126,7 @@ def _update_fn(value_and_grad: tp.Callable, base_key: jax.Array,
 
   def update(model, optimizer: nnx.Optimizer, batch):
     out, grads = value_and_grad(model, batch)
-    norm = optax.global_norm(grads) if grad_norm else None
+    norm = optax.tree.norm(grads) if grad_norm else None
     old_state = nnx.as_pure(optimizer.opt_state)
     optimizer.update(model, grads)
     if poetx_states(old_state):
