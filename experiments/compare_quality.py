@@ -97,8 +97,9 @@ what shares the GPU with it, so with ``--jobs`` above 1 the equal-time table
 is not a comparison of speeds. A run that fails (with ``--jobs``, its
 process exits non-zero: out of memory, killed; one at a time, it raises, and
 its traceback goes to OUT/logs/NAME.log) does not stop the others; the report
-covers the runs that finished and names the failed ones, and the script then
-exits non-zero.
+covers the runs that finished and names the failed ones, each with how far
+it got (the last update it logged and its last evaluation), and the script
+then exits non-zero.
 
 Short runs are dominated by compilation (each run's learning rates are
 constants of its update program, so every run compiles its own); the measured

@@ -323,7 +323,17 @@ def _intro(res: dict) -> list[str]:
       + '; '.join(f'`{s}`' for s in h['runs']), '',
       f"data: {h['data']}", '',
       *([f"Failed, no result (their logs are in the study's logs/): "
-         + '; '.join(f'`{n}`' for n in h['failed_runs']), ''] if h.get('failed_runs') else [])]
+         + '; '.join(f'`{n}`' + _last_eval(h, n) for n in h['failed_runs']), '']
+        if h.get('failed_runs') else [])]
+
+
+def _last_eval(h: dict, name: str) -> str:
+  """How far a run without a result got: its last evaluation, if any."""
+  e = h.get('last_evals', {}).get(name)
+  if not e:
+    return ''
+  return (f" (reached update {e['reached']:,} of {h['steps']:,}; last evaluation at "
+          f"{e['step']:,}, {_tokens(e['tokens'])} tokens: perplexity {e['val_ppl']:.2f})")
 
 
 def _config_table(res: dict) -> list[str]:
@@ -428,27 +438,51 @@ def _other_val_table(res: dict) -> list[str]:
 
 
 # ------------------------------------------------------------ joined studies
+def last_evaluation(run_dir: pathlib.Path, tokens_per_step: int) -> dict | None:
+  """The last validation evaluation of a run that has no result (failed or
+  stopped before its last update), from what its metrics.jsonl holds:
+  ``{'step', 'tokens', 'val_ppl', 'reached'}`` (``reached`` the last update
+  it logged), or None when it has no metrics or no evaluation. A last line
+  cut short by the stop is dropped."""
+  from poetx_jax.pretrain.metrics import read_metrics
+  try:
+    recs = read_metrics(run_dir, warn=lambda message: None)
+  except (OSError, ValueError):
+    return None
+  evals = [r for r in recs if 'val_ppl' in r]
+  if not evals:
+    return None
+  e = evals[-1]
+  return {'step': e['step'], 'tokens': e['step'] * tokens_per_step, 'val_ppl': e['val_ppl'],
+          'reached': max(r['step'] for r in recs)}
+
+
 def from_study(out: pathlib.Path) -> dict:
   """The analysed study of a compare_quality OUT directory, from what its runs
   left there: OUT/study.json (the header written before training, the plan's
   run names) and OUT/runs/NAME/summary.json of each run that finished. The
   plan's runs without a summary (failed, stopped or not yet done) are the
-  header's ``failed_runs``. Raises ValueError when no run has finished."""
+  header's ``failed_runs``, and the last evaluation of those that evaluated
+  its ``last_evals`` (:func:`last_evaluation`). Raises ValueError when no run
+  has finished."""
   import json
   out = pathlib.Path(out)
   study = json.loads((out / 'study.json').read_text())
-  runs, failed = [], []
+  runs, failed, last = [], [], {}
   for name in study['plan']:
     summary = out / 'runs' / name / 'summary.json'
     if summary.is_file():
       runs.append(json.loads(summary.read_text()))
     else:
       failed.append(name)
+      if (e := last_evaluation(out / 'runs' / name, study['header']['tokens_per_step'])):
+        last[name] = e
   if not runs:
     raise ValueError(f'{out}: none of the study\'s {len(failed)} runs has finished '
                      f'(no runs/NAME/summary.json)')
   header = {**study['header'], 'probed_layers': runs[0]['probed_layers'],
-            'probe_steps': [p['step'] for p in runs[0]['probes']], 'failed_runs': failed}
+            'probe_steps': [p['step'] for p in runs[0]['probes']], 'failed_runs': failed,
+            'last_evals': last}
   return {'header': header, 'args': study['args'], **analyse(runs)}
 
 
@@ -457,8 +491,9 @@ def join(studies: list[dict]) -> dict:
   a second seed trained later on the same data with the same base options:
   runs whose overrides are the same set of ``K=V`` pairs but for ``seed`` are
   one configuration whatever the order they were written in. The header is
-  the first study's, its ``runs`` all the studies' specs (each once) and its
-  ``failed_runs`` those that failed in one study and have no result in any."""
+  the first study's, its ``runs`` all the studies' specs (each once), its
+  ``failed_runs`` those that failed in one study and have no result in any,
+  with their ``last_evals``."""
   from poetx_jax.pretrain.kv import split_top
   if not studies:
     raise ValueError('join needs at least one study')
@@ -471,9 +506,11 @@ def join(studies: list[dict]) -> dict:
       key = frozenset(split_top(r['config'], ',')) if r['config'] else frozenset()
       runs.append({**r, 'config': seen.setdefault(key, r['config'])})
   failed = [n for st in studies for n in st['header'].get('failed_runs', []) if n not in names]
+  last = {n: e for st in studies for n, e in st['header'].get('last_evals', {}).items()
+          if n in failed}
   specs = [s for st in studies for s in st['header']['runs']]
   header = {**studies[0]['header'], 'runs': list(dict.fromkeys(specs)),
-            'failed_runs': list(dict.fromkeys(failed))}
+            'failed_runs': list(dict.fromkeys(failed)), 'last_evals': last}
   return {'header': header, **analyse(runs)}
 
 

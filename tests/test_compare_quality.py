@@ -355,6 +355,38 @@ def test_join_reports_studies_of_other_seeds_as_one(serial, tmp_path):
     R.from_study(tmp_path / 'empty')
 
 
+def test_a_run_without_a_result_is_reported_with_how_far_it_got(serial, tmp_path):
+  """A run stopped partway (metrics but no summary) is failed, and the
+  report says how far it got: the last update it logged and its last
+  evaluation (the line the stop cut short dropped). A join keeps that for
+  a run that has no result in any of its studies, and drops it where one has."""
+  import shutil
+  out, name = tmp_path / 'study', 'optimizer=adamw,lr=3e-3,seed=1'
+  shutil.copytree(serial[2] / 'out', out, ignore=shutil.ignore_patterns('checkpoints'))
+  run = out / 'runs' / name
+  (run / 'summary.json').unlink()
+  recs = [json.loads(line) for line in (run / 'metrics.jsonl').read_text().splitlines()]
+  (run / 'metrics.jsonl').write_text(
+      ''.join(json.dumps(r) + '\n' for r in recs if r['step'] <= 24) + '{"step": 26, "lo')
+  finished = next(r for r in serial[0]['runs'] if r['name'] == name)
+  ppl = next(e['val_ppl'] for e in finished['evals'] if e['step'] == 20)
+  res = R.main(['--out', str(tmp_path / 'report'), str(out)])
+  assert res['header']['failed_runs'] == [name]
+  assert res['header']['last_evals'] == {
+      name: {'step': 20, 'tokens': 20 * 8 * 64, 'val_ppl': ppl, 'reached': 24}}
+  assert name not in [r['name'] for r in res['runs']]
+  md = (tmp_path / 'report' / 'quality.md').read_text()
+  assert (f"`{name}` (reached update 24 of 30; last evaluation at 20, 10.2k tokens: "
+          f"perplexity {ppl:.2f})") in md
+  # Joined with a study where it finished, it is neither failed nor stopped.
+  done = {**serial[0], 'runs': [finished]}
+  joined = R.join([R.from_study(out), done])
+  assert joined['header']['failed_runs'] == [] and joined['header']['last_evals'] == {}
+  # A run that never evaluated (its metrics gone) is failed with nothing more.
+  (run / 'metrics.jsonl').unlink()
+  assert R.from_study(out)['header']['last_evals'] == {}
+
+
 def test_family_names_every_optimizer_of_the_app():
   """Every optimizer ``poetx train`` offers has a family in the reports (a
   Muon run once stopped the report with a KeyError after its training)."""
