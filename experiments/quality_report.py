@@ -462,20 +462,21 @@ def from_study(out: pathlib.Path) -> dict:
   left there: OUT/study.json (the header written before training, the plan's
   run names) and OUT/runs/NAME/summary.json of each run that finished. The
   plan's runs without a summary (failed, stopped or not yet done) are the
-  header's ``failed_runs``, and the last evaluation of those that evaluated
-  its ``last_evals`` (:func:`last_evaluation`). Raises ValueError when no run
-  has finished."""
+  header's ``failed_runs``; its ``last_evals`` says how far each of them
+  that evaluated got (:func:`last_evaluation`). Raises ValueError when no
+  run has finished."""
   import json
   out = pathlib.Path(out)
   study = json.loads((out / 'study.json').read_text())
   runs, failed, last = [], [], {}
+  tokens_per_step = study['header']['batch_size'] * study['header']['seq_len']
   for name in study['plan']:
     summary = out / 'runs' / name / 'summary.json'
     if summary.is_file():
       runs.append(json.loads(summary.read_text()))
     else:
       failed.append(name)
-      if (e := last_evaluation(out / 'runs' / name, study['header']['tokens_per_step'])):
+      if (e := last_evaluation(out / 'runs' / name, tokens_per_step)):
         last[name] = e
   if not runs:
     raise ValueError(f'{out}: none of the study\'s {len(failed)} runs has finished '
