@@ -1,4 +1,4 @@
-"""Training quality: POET-X against AdamW (and SkewAdam) on the same tokens in the same order.
+"""Training quality: POET-X against AdamW, Muon and SkewAdam on the same tokens in the same order.
 
 Every run is ``poetx_jax.pretrain.train.train`` with one ``TrainConfig``: the
 options are ``poetx train``'s (here by default model 60m, seq 256, batch 64,
