@@ -29,6 +29,7 @@ class Rule(tp.NamedTuple):
   structural: bool = False
 
 
+_INT32_MAX = 2**31 - 1
 _UNIT = Rule(lambda v: 0 <= v < 1, 'in [0, 1)')
 _NONNEGATIVE = Rule(lambda v: v >= 0, '>= 0')
 
@@ -37,8 +38,10 @@ RULES: dict[str, Rule] = {
     'b1': _UNIT,
     'b2': _UNIT,
     'eps': _NONNEGATIVE,
-    'merge_every': Rule(lambda v: v >= 1 and int(v) == v,
-                        'an int >= 1 (or None: never merge)'),
+    'weight_decay': _NONNEGATIVE,
+    # the cycle counter is an int32 on the device
+    'merge_every': Rule(lambda v: _is_int(v) and 1 <= v <= _INT32_MAX,
+                        f'an int in [1, {_INT32_MAX}] (or None: never merge)'),
     'max_norm': Rule(lambda v: v > 0, '> 0'),
     'min_ratio': Rule(lambda v: 0 < v <= 1, 'in (0, 1]'),
     'min_dim_size_to_factor': Rule(lambda v: v >= 1, 'an int >= 1', structural=True),

@@ -103,6 +103,7 @@ def lean_adamw(learning_rate, *, b1: float = 0.9, b2: float = 0.999, eps: float 
                weight_decay: float = 0.0, mu_dtype: tp.Any = jnp.bfloat16,
                min_dim_size_to_factor: int = 128) -> optax.GradientTransformation:
   """AdamW with :func:`scale_by_lean_adam`'s lean state (decoupled weight decay)."""
+  check_hyperparameters(learning_rate=learning_rate, weight_decay=weight_decay)
   return optax.chain(
       scale_by_lean_adam(b1, b2, eps, mu_dtype=mu_dtype,
                          min_dim_size_to_factor=min_dim_size_to_factor),

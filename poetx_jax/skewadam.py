@@ -25,6 +25,7 @@ from flax import nnx
 
 # FactoredRMSState stays importable from here, beside the tiers built on it.
 from poetx_jax.factored import FactoredRMSState, scale_by_factored_rms  # noqa: F401
+from poetx_jax.hyperparams import check_hyperparameters
 from poetx_jax.lean import scale_by_lean_adam
 from poetx_jax.linear import POETParam
 
@@ -171,6 +172,7 @@ def skewadam(learning_rate, labels=None, *, b1: float = 0.9, b2: float = 0.999,
   References:
     "SkewAdam", arXiv 2026 (cs.LG). Shazeer & Stern, Adafactor, ICML 2018.
   """
+  check_hyperparameters(learning_rate=learning_rate, weight_decay=weight_decay)
   return optax.chain(
       scale_by_skewadam(labels, b1=b1, b2=b2, eps=eps,
                         min_dim_size_to_factor=min_dim_size_to_factor),
@@ -206,6 +208,7 @@ def poetx_skewadam(labels, poet_tx: optax.GradientTransformation, learning_rate,
       as in :func:`skewadam`, for the tiers.
     wrt: with a model, the variables the optimizer updates (None: ``nnx.Param``).
   """
+  check_hyperparameters(learning_rate=learning_rate, weight_decay=weight_decay)
   tail = (optax.add_decayed_weights(weight_decay, mask),
           optax.scale_by_learning_rate(learning_rate))
   tiers = {k: optax.chain(tx, *tail)
