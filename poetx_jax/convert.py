@@ -62,7 +62,9 @@ def poetize(model, *, block_size: int, rngs: nnx.Rngs,
     **layer_kwargs: passed to :class:`POETLinear` (``terms``, ``mode``, ...).
 
   Returns:
-    The converted model (the input is left unchanged unless ``consume``).
+    The converted model. Unless ``consume``, it shares no Variable or array
+    with the input (the layers not converted are copies), so the input stays
+    usable, and unchanged, while the result trains.
 
   Example::
 
@@ -97,7 +99,19 @@ def poetize(model, *, block_size: int, rngs: nnx.Rngs,
         old.delete()
     return layer
 
-  return nnx.recursive_map(convert, model)
+  converted = nnx.recursive_map(convert, model)
+  return converted if consume else _detached(converted, model)
+
+
+def _detached(new, old):
+  """``new`` with none of ``old``'s Variables or arrays: each array the two
+  share is copied, so training ``new`` (whose step may donate its buffers)
+  leaves ``old`` usable and unchanged. Sharing within ``new`` is kept."""
+  old_arrays = jax.tree.leaves(nnx.state(old))  # held: their ids stay theirs
+  shared = {id(x) for x in old_arrays}
+  graphdef, state = nnx.split(new)
+  state = jax.tree.map(lambda x: jnp.copy(x) if id(x) in shared else x, state)
+  return nnx.merge(graphdef, state)
 
 
 def stack_from_linear(linear: nnx.Linear, *, block_size: int, rngs: nnx.Rngs,
@@ -225,9 +239,10 @@ def to_linear(layer: POETLinear, *, rngs: nnx.Rngs | None = None) -> nnx.Linear:
 def unpoetize(model):
   """Returns a copy of ``model`` with each POETLinear replaced by an
   ``nnx.Linear`` holding its effective kernel ``(R W0 P)^T``: zero POET
-  overhead for inference and export."""
+  overhead for inference and export. The copy shares no Variable or array
+  with ``model``, which may go on training."""
 
   def convert(path, node):
     return to_linear(node) if isinstance(node, POETLinear) else node
 
-  return nnx.recursive_map(convert, model)
+  return _detached(nnx.recursive_map(convert, model), model)

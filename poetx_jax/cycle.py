@@ -117,7 +117,7 @@ def merge(model, *, rngs: nnx.Rngs | Array) -> Array:
   model. The layers of a stack merge one after another inside one program
   that updates the stack in place: its old buffers are donated, so arrays
   read from a stacked layer before the merge are invalid after it. Under jit
-  it traces inline.
+  (the model's state traced, whether or not the key is) it traces inline.
 
   Args:
     model: a model containing POETLinear layers.
@@ -132,8 +132,10 @@ def merge(model, *, rngs: nnx.Rngs | Array) -> Array:
     learning rate too large for the block size).
   """
   key = rngs.params() if isinstance(rngs, nnx.Rngs) else rngs
-  traced = isinstance(key, jax.core.Tracer)
   layers = poet_layers(model)
+  # under jit the key may still be concrete (closed over): the layers tell
+  traced = any(isinstance(x, jax.core.Tracer)
+               for x in jax.tree.leaves((key, [nnx.state(layer) for _, layer in layers])))
   index = {id(layer): i for i, (_, layer) in enumerate(layers)}
   (ties, partial), drawn = tied_sides(model), {}
   if partial:

@@ -4,6 +4,7 @@ import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from flax import nnx
 
@@ -48,6 +49,28 @@ def test_poetize_replaces_intended_layers(keys):
   assert base_paths <= new_paths
 
 
+def test_the_input_and_an_unpoetized_copy_survive_training_with_donation(keys):
+  """Unless consume, poetize's result and unpoetize's share no array with
+  their input: a donating train step of the POET model leaves both usable and
+  unchanged (the embedding, head and biases were shared before)."""
+  base = Tiny(nnx.Rngs(0))
+  base.blocks[0]['up'].bias[...] = jax.random.normal(keys(), (44,))
+  tokens = jax.random.randint(keys(), (2, 7), 0, 50)
+  want = base(tokens)
+  model = poetx_jax.poetize(base, block_size=8, rngs=nnx.Rngs(1))
+  optimizer = nnx.Optimizer(model, poetx_jax.poetx_partition(
+      model, poetx_jax.poetx(1e-2), optax.sgd(1e-1)), wrt=nnx.Param)
+  step = poetx_jax.make_train_step(
+      lambda m, t: jnp.mean(optax.softmax_cross_entropy_with_integer_labels(m(t), t)))
+  step(model, optimizer, tokens)
+  dense = poetx_jax.unpoetize(model)
+  snapshot = dense(tokens)
+  step(model, optimizer, tokens)
+  np.testing.assert_array_equal(base(tokens), want)
+  np.testing.assert_array_equal(dense(tokens), snapshot)
+  assert rel_err(model(tokens), snapshot) > 1e-4  # the POET model trained on
+
+
 def test_poetize_consume_frees_converted_kernels(keys):
   tokens = jax.random.randint(keys(), (2, 7), 0, 50)
   want = poetx_jax.poetize(Tiny(nnx.Rngs(0)), block_size=8, rngs=nnx.Rngs(1))(tokens)
@@ -68,6 +91,22 @@ def test_poetize_options_and_errors():
   np.testing.assert_allclose(jnp.linalg.norm(layer.kernel[...], axis=0), 1.0, rtol=1e-5)
   with pytest.raises(ValueError, match="cannot poetize layer 'blocks/0/down'.*larger than"):
     poetx_jax.poetize(base, block_size=40, rngs=nnx.Rngs(1))
+
+
+def test_poetize_keeps_sharding_annotations_and_refuses_custom_products():
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ('model',))
+  dense = nnx.Linear(32, 16, rngs=nnx.Rngs(0), kernel_init=nnx.with_partitioning(
+      nnx.initializers.lecun_normal(), (None, 'model'), mesh=mesh),
+      bias_init=nnx.with_partitioning(nnx.initializers.zeros, ('model',), mesh=mesh))
+  layer = poetx_jax.poetize(nnx.Sequential(dense), block_size=8, rngs=nnx.Rngs(1)).layers[0]
+  assert layer.kernel.get_metadata()['out_sharding'] == (None, 'model')
+  assert layer.bias.get_metadata()['out_sharding'] == ('model',)
+  assert layer.kernel.get_metadata()['mesh'] is mesh
+  for option in (dict(preferred_element_type=jnp.float32),
+                 dict(dot_general=lambda *a, **k: jax.lax.dot_general(*a, **k))):
+    custom = nnx.Sequential(nnx.Linear(32, 16, rngs=nnx.Rngs(0), **option))
+    with pytest.raises(ValueError, match=f"layer 'layers/0'.*option\\(s\\) {next(iter(option))} set"):
+      poetx_jax.poetize(custom, block_size=8, rngs=nnx.Rngs(1))
 
 
 def test_merge_preserves_function_and_resets(keys):
@@ -111,13 +150,17 @@ def test_merge_reports_the_factors_orthogonality_error(keys):
   assert float(poetx_jax.merge(model, rngs=jax.random.key(2))) > 1.0
 
 
-def test_merge_under_jit_matches_eager(keys):
+@pytest.mark.parametrize('key_traced', [True, False], ids=['key-argument', 'key-closed-over'])
+def test_merge_under_jit_matches_eager(keys, key_traced):
   model = poetx_jax.poetize(Tiny(nnx.Rngs(0)), block_size=8, rngs=nnx.Rngs(1))
   _randomize_all(model, keys())
   twin = nnx.clone(model)
   key = jax.random.key(3)
   poetx_jax.merge(model, rngs=key)
-  nnx.jit(lambda m, k: poetx_jax.merge(m, rngs=k))(twin, key)
+  if key_traced:
+    nnx.jit(lambda m, k: poetx_jax.merge(m, rngs=k))(twin, key)
+  else:  # a concrete key under jit: the traced model decides that it traces inline
+    nnx.jit(lambda m: poetx_jax.merge(m, rngs=key))(twin)
   assert not any(l.q_in[...].any() for _, l in poetx_jax.poet_layers(twin))  # it merged
   chex.assert_trees_all_close(nnx.to_pure_dict(nnx.state(twin)),
                               nnx.to_pure_dict(nnx.state(model)), rtol=1e-6, atol=1e-7)
