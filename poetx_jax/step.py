@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from poetx_jax.convert import path_str
 from poetx_jax.cycle import MergeClock, merge, merge_due
 from poetx_jax.optim import poetx_states
 
@@ -62,7 +63,9 @@ def make_train_step(loss_fn: tp.Callable, *, merge_every: int | None = None,
       each batch split over all its axes. Each device then computes the
       gradients of its own rows and one all-reduce of exactly the trainable
       arrays averages them. The loss must be a mean (over rows, or over what
-      ``loss_weight`` counts) and the rows split evenly. Not with ``has_aux``.
+      ``loss_weight`` counts) and the rows split evenly. Not with ``has_aux``,
+      nor with a loss that writes variables other than ``nnx.Param`` s
+      (BatchNorm statistics, Dropout's RNG counters): refused when traced.
     loss_weight: with ``data_parallel``: ``loss_weight(batch)`` is how many
       items a device's loss averages over on its rows (e.g. its unmasked
       tokens). The devices' losses and gradients are then averaged with these
@@ -267,7 +270,10 @@ def _per_device_grads(loss_fn: tp.Callable, mesh: jax.sharding.Mesh,
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
 
     def local(params, rest, batch):
-      out = nnx.value_and_grad(loss_fn)(nnx.merge(graphdef, params, rest), batch)
+      local_model = nnx.merge(graphdef, params, rest)
+      before = _raw_values(local_model)
+      out = nnx.value_and_grad(loss_fn)(local_model, batch)
+      _refuse_state_changes(before, _raw_values(local_model))
       if loss_weight is None:
         return jax.lax.pmean(out, axes)
       w = jnp.asarray(loss_weight(batch), jnp.float32)
@@ -278,3 +284,24 @@ def _per_device_grads(loss_fn: tp.Callable, mesh: jax.sharding.Mesh,
                          check_vma=False)(params, rest, batch)
 
   return value_and_grad
+
+
+def _raw_values(model) -> dict:
+  """Each non-``nnx.Param`` variable's array, by path (as read, not copied)."""
+  return {path: v.get_raw_value() if isinstance(v, nnx.Variable) else v
+          for path, v in nnx.to_flat_state(nnx.state(model, nnx.Not(nnx.Param)))}
+
+
+def _refuse_state_changes(before: dict, after: dict) -> None:
+  """Raises if the loss wrote any variable that is not an ``nnx.Param``
+  (``data_parallel`` returns only the loss and the gradients, so the write
+  would be lost on every device, silently)."""
+  changed = [path_str(path) for path, a in after.items()
+             if path not in before or a is not before[path]]
+  if changed:
+    raise ValueError(
+        f'make_train_step(data_parallel=...): the loss changes state that is not an '
+        f'nnx.Param, which the data-parallel gradients would drop on every device: '
+        f'{", ".join(changed[:8])}{" ..." if len(changed) > 8 else ""} (batch statistics '
+        f'or RNG counters, e.g. of BatchNorm or Dropout); leave data_parallel unset '
+        f'(the compiler then partitions the step) or make those layers deterministic')

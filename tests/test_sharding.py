@@ -103,6 +103,39 @@ def test_per_device_gradients_refuse_aux():
                               data_parallel=sharding.make_mesh())
 
 
+def test_per_device_gradients_refuse_a_loss_that_writes_other_state():
+  """The data-parallel step returns only the loss and the gradients, so a
+  loss that writes batch statistics or RNG counters is refused by name, at
+  trace time, with the model left as it was."""
+  import jax
+  import jax.numpy as jnp
+  import optax
+  from flax import nnx
+  import poetx_jax
+
+  class Net(nnx.Module):
+    def __init__(self, rngs):
+      self.lin = nnx.Linear(16, 32, rngs=rngs)
+      self.bn = nnx.BatchNorm(32, rngs=rngs)
+      self.drop = nnx.Dropout(0.5, rngs=rngs)
+
+    def __call__(self, x):
+      return self.drop(self.bn(self.lin(x)))
+
+  model = poetx_jax.poetize(Net(nnx.Rngs(0)), block_size=4, rngs=nnx.Rngs(1))
+  optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+  step = poetx_jax.make_train_step(lambda m, x: jnp.mean(m(x) ** 2),
+                                   data_parallel=sharding.make_mesh())
+  def values(m):  # numpy copies; keys as their data
+    return jax.tree.map(lambda a: np.array(jax.random.key_data(a) if jax.dtypes.issubdtype(
+        a.dtype, jax.dtypes.prng_key) else a), nnx.to_pure_dict(nnx.state(m)))
+
+  before = values(model)
+  with pytest.raises(ValueError, match=r'not an nnx.Param.*: bn/mean, bn/var, drop/rngs/count \('):
+    step(model, optimizer, jnp.ones((8, 16)))
+  jax.tree.map(np.testing.assert_array_equal, values(model), before)
+
+
 def test_mesh_and_spec_rules():
   assert sharding.array_spec((64, 128), 'fsdp', 4) == sharding.P(None, 'fsdp')
   assert sharding.array_spec((6,), 'fsdp', 4) == sharding.P()
