@@ -18,6 +18,14 @@ from flax.nnx.nn import dtypes, initializers
 
 from poetx_jax import ops
 
+# nnx.Linear's product options and their defaults (POETLinear.from_linear
+# refuses a layer that changes any), and the variable metadata that says how
+# an array is sharded (carried over to the POET layer's kernel and bias).
+_LINEAR_PRODUCTS = (('dot_general', jax.lax.dot_general),
+                    ('promote_dtype', dtypes.promote_dtype),
+                    ('preferred_element_type', None))
+_SHARDING_METADATA = ('out_sharding', 'mesh')
+
 Array = jax.Array
 MODES = ('fast', 'mem')
 IMPLEMENTATIONS = ('auto', 'xla', 'pallas', 'fused')
@@ -148,8 +156,10 @@ class POETLinear(nnx.Module):
   singular values of the effective weight are those of W0, up to the series'
   orthogonality error.
 
-  It is a drop-in for ``nnx.Linear``: same positional sizes, keyword options
-  and state path. ``kernel`` (a :class:`FrozenKernel`, (I, O)) holds the
+  It is a drop-in for ``nnx.Linear``: same positional sizes, state path and
+  the options of its parameters (``use_bias``, ``dtype``, ``param_dtype``,
+  ``precision``, the initialisers; not Linear's product options, see
+  :meth:`from_linear`). ``kernel`` (a :class:`FrozenKernel`, (I, O)) holds the
   frozen base with the permutations folded in, ``Phi_I^T W0^T Phi_O`` (int8 /
   int4 with per-group scales in ``kernel_scale`` under POET-XQ), not the
   weight the layer applies: that is :meth:`effective_kernel`. Dimensions
@@ -279,10 +289,22 @@ class POETLinear(nnx.Module):
       normalize_rows: scale each output row of W (a kernel column) to unit
         L2 norm, as the published POET-X does on conversion.
       **kwargs: other POETLinear options (terms, mode, ...).
+
+    The kernel's and bias's sharding annotations (``out_sharding``, ``mesh``:
+    ``nnx.with_partitioning``) carry over to the new ones, which have the same
+    axes. ``linear``'s own products (``dot_general``, ``promote_dtype``,
+    ``preferred_element_type``) cannot: a POET layer computes with its own, so
+    a layer that sets any of them is refused, naming them.
     """
     kernel = linear.kernel[...]
     if kernel.ndim != 2:
       raise ValueError(f'POET needs a 2-D kernel (in, out), got shape {kernel.shape}')
+    custom = [name for name, default in _LINEAR_PRODUCTS
+              if getattr(linear, name, default) is not default]
+    if custom:
+      raise ValueError(f'nnx.Linear option(s) {", ".join(custom)} set: a POET layer computes '
+                       f'with its own products; leave them at their defaults, or exclude '
+                       f'the layer')
     if normalize_rows:
       norm = jnp.linalg.norm(kernel.astype(jnp.float32), axis=0, keepdims=True)
       kernel = (kernel / jnp.maximum(norm, 1e-12)).astype(kernel.dtype)
@@ -292,8 +314,15 @@ class POETLinear(nnx.Module):
     if opts['use_bias']:
       bias = linear.bias[...]
       opts['bias_init'] = lambda *_: bias
-    return cls(kernel.shape[0], kernel.shape[1], block_size=block_size,
-               kernel_init=lambda *_: kernel, rngs=rngs, **opts)
+    layer = cls(kernel.shape[0], kernel.shape[1], block_size=block_size,
+                kernel_init=lambda *_: kernel, rngs=rngs, **opts)
+    for old_var, new_var in ((linear.kernel, layer.kernel), (linear.bias, layer.bias)):
+      if old_var is not None and new_var is not None:
+        meta = old_var.get_metadata()
+        carried = {k: meta[k] for k in _SHARDING_METADATA if k in meta}
+        if carried:
+          new_var.set_metadata(**carried)
+    return layer
 
   def encode_base(self, kernel_IxO: Array) -> tuple[Array, Array | None]:
     """The stored form of a permuted base: (kernel, None), or (q, scales) for POET-XQ."""
