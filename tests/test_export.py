@@ -95,6 +95,40 @@ def test_export_names_the_special_tokens_transformers_reads(run, tmp_path, capsy
   assert tok.decode(tok.encode(text).ids) == text
 
 
+def test_eval_and_export_of_a_run_without_checkpoints_write_nothing(run, tmp_path, capsys):
+  bare = tmp_path / 'bare'
+  shutil.copytree(run, bare, ignore=shutil.ignore_patterns('checkpoints'))
+  before = sorted(p.relative_to(bare) for p in bare.rglob('*'))
+  for command in (['eval', str(bare)], ['export', str(bare), '--out', str(tmp_path / 'hf')]):
+    capsys.readouterr()
+    assert cli.main(command) == 2
+    assert 'no checkpoint in' in _one_line_error(capsys, command[0])
+  assert sorted(p.relative_to(bare) for p in bare.rglob('*')) == before
+  assert not (tmp_path / 'hf').exists()
+
+
+@pytest.mark.parametrize('name, text, why', [
+    ('run.json', 'x', 'Expecting value'), ('run.json', '[]', 'a JSON list, not an object'),
+    ('data.json', '{}', "no 'tokenizer', 'tokenizer_sha256'")])
+def test_a_damaged_run_record_is_named(run, tmp_path, capsys, name, text, why):
+  damaged = tmp_path / 'damaged'
+  shutil.copytree(run, damaged)
+  (damaged / name).write_text(text)
+  for command in (['eval', str(damaged)], ['export', str(damaged), '--out', str(tmp_path / 'hf')]):
+    capsys.readouterr()
+    assert cli.main(command) == 2
+    err = _one_line_error(capsys, command[0])
+    assert f'{damaged / name} is damaged ({why}' in err, err
+  assert not (tmp_path / 'hf').exists()
+
+
+def test_a_damaged_hugging_face_config_is_named(tmp_path):
+  (tmp_path / 'config.json').write_text('{"model_type": "llama",')
+  with pytest.raises(ValueError, match=f'{tmp_path / "config.json"} is damaged .*not a Hugging '
+                                       f'Face config'):
+    hf.from_hf(str(tmp_path))
+
+
 def test_export_refuses_an_existing_export_unless_forced(run, tmp_path, capsys):
   out = tmp_path / 'hf'
   old_umask = os.umask(0o022)

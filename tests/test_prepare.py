@@ -88,6 +88,16 @@ def test_rerun_is_a_no_op_and_an_interrupted_prepare_resumes(sources, tmp_path):
   # Other inputs into the same directory are refused.
   with pytest.raises(ValueError, match='other inputs'):
     prepare.prepare([sources / 'b.jsonl'], out, vocab_size=300, progress=False)
+  # So is another shard size (it would leave the shards as they are, silently).
+  stamps = {f.name: f.stat().st_mtime_ns for f in out.iterdir() if f.is_file()}
+  with pytest.raises(ValueError, match=f'shards of at most {m["shard_tokens"]} tokens, '
+                                       f'not --shard-tokens 77'):
+    _prepare(sources, out, shard_tokens=77)
+  assert {f.name: f.stat().st_mtime_ns for f in out.iterdir() if f.is_file()} == stamps
+  # A damaged manifest is named.
+  (out / 'manifest.json').write_text('{}')
+  with pytest.raises(ValueError, match=f"{out / 'manifest.json'} is damaged \\(no 'sources'"):
+    _prepare(sources, out)
 
 
 def test_damaged_dataset_and_bad_inputs_are_clear_errors(sources, tmp_path):
@@ -115,6 +125,10 @@ def test_damaged_dataset_and_bad_inputs_are_clear_errors(sources, tmp_path):
     prepare.prepare([tmp_path / 'nope'], tmp_path / 'b3', progress=False)
   with pytest.raises(ValueError, match='shard_tokens must be a positive int'):
     prepare.prepare([sources], tmp_path / 'b4', shard_tokens=0)
+  # A vocabulary too small for a BPE is refused before anything is written.
+  with pytest.raises(ValueError, match=r'vocab_size must be an int >= 257 .* got 100$'):
+    prepare.prepare([sources], tmp_path / 'b5', vocab_size=100, progress=False)
+  assert not (tmp_path / 'b5').exists()
   assert prepare.token_dtype(65536) == np.uint16 and prepare.token_dtype(65537) == np.uint32
 
 

@@ -184,8 +184,14 @@ def from_hf(source: str | os.PathLike | tuple[tp.Mapping, tp.Mapping], *,
     if not os.path.isfile(path):
       raise ValueError(f'{root} is not a Hugging Face model directory: it has no '
                        f'config.json')
-    with open(path, encoding='utf-8') as f:
-      hf = json.load(f)
+    try:
+      with open(path, encoding='utf-8') as f:
+        hf = json.load(f)
+    except ValueError as e:  # not JSON, or not UTF-8
+      raise ValueError(f'{path} is damaged ({e}): not a Hugging Face config') from None
+    if not isinstance(hf, dict):
+      raise ValueError(f'{path} is damaged (a JSON {type(hf).__name__}, not an object): '
+                       f'not a Hugging Face config')
     weights = hf_files.read_weights(root)
   else:
     hf, weights = source

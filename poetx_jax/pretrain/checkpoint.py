@@ -94,16 +94,21 @@ class Checkpointer:
   ``max_to_keep`` keeps the newest N steps.
 
   Args:
-    directory: where the step folders go (created if absent).
+    directory: where the step folders go (created if absent, unless ``create``
+      is off).
     max_to_keep: number of checkpoints kept.
     async_save: write in a background thread.
+    create: create ``directory`` if absent; off (to read checkpoints only),
+      an absent one is a ``CheckpointError`` and nothing is written.
   """
 
   def __init__(self, directory: str | pathlib.Path, *, max_to_keep: int = 3,
-               async_save: bool = True):
+               async_save: bool = True, create: bool = True):
     if max_to_keep < 1:
       raise ValueError(f'max_to_keep must be >= 1, got {max_to_keep}')
     self.directory = pathlib.Path(directory).absolute()
+    if not create and not self.directory.is_dir():
+      raise CheckpointError(f'no checkpoint in {self.directory} (no such directory)')
     self._async = async_save
     self._saving = None  # the step whose save is under way
     logger = logging.getLogger('absl')  # orbax logs there
@@ -113,7 +118,7 @@ class Checkpointer:
         self.directory,
         options=ocp.CheckpointManagerOptions(
             max_to_keep=max_to_keep, enable_async_checkpointing=async_save,
-            create=True,
+            create=create,
             async_options=ocp.AsyncOptions(
                 post_finalization_callback=self._write_digests) if async_save else None))
 

@@ -6,6 +6,7 @@ of space.
     atomic_write(out / 'run.json', lambda tmp: Path(tmp).write_text(text))
     atomic_write(out / 'tokens.npy', lambda tmp: write_array(tmp, tokens, npy=True))
     records = read_jsonl(out / 'metrics.jsonl', warn=print, required=('step',))
+    record = read_json(out / 'data.json', required=('tokenizer',))  # damage named
     write_digests(step_dir, ('model', 'opt', 'data', 'meta'))  # step_dir/digests.json
     why = check_digests(step_dir, ('model', 'data', 'meta'))   # None: as saved
     with writing(out / 'metrics.jsonl'): ...                   # a full disk: DiskFull
@@ -185,6 +186,28 @@ def read_jsonl(path: str | os.PathLike, *, warn: tp.Callable[[str], object],
                        f'that line') from None
     records.append(record)
   return records
+
+
+def read_json(path: str | os.PathLike, *, required: tuple[str, ...] = (),
+              error: type[Exception] = ValueError) -> dict:
+  """The JSON object of the file ``path``, with the keys ``required``.
+
+  Raises:
+    error: naming the file and what is wrong: unreadable, not JSON, not an
+      object, or missing a required key (FileNotFoundError when absent).
+  """
+  try:
+    record = json.loads(Path(path).read_bytes().decode())
+    if not isinstance(record, dict):
+      raise ValueError(f'a JSON {type(record).__name__}, not an object')
+    missing = [k for k in required if k not in record]
+    if missing:
+      raise ValueError(f'no {", ".join(map(repr, missing))}')
+  except FileNotFoundError:
+    raise
+  except (OSError, ValueError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+    raise error(f'{path} is damaged ({e}); it cannot be read as the record it should be') from None
+  return record
 
 
 DIGESTS = 'digests.json'

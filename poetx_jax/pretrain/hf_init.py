@@ -33,7 +33,7 @@ from poetx_jax.models.llama import LlamaConfig
 from poetx_jax.pretrain import processes
 from poetx_jax.pretrain.checkpoint import CheckpointError
 from poetx_jax.pretrain.config import TrainConfig
-from poetx_jax.pretrain.files import atomic_write
+from poetx_jax.pretrain.files import atomic_write, read_json
 from poetx_jax.pretrain.data.tokenizer import file_hash
 
 RECORD = 'init_from_hf'  # the key of data.json
@@ -104,7 +104,7 @@ def run_source(cfg: TrainConfig, out: pathlib.Path, *, resume: bool, log=print
     return None
   data_file = out / 'data.json'
   if resume:
-    config = recorded_config(json.loads(data_file.read_text()))
+    config = recorded_config(read_json(data_file, error=CheckpointError))
     if config is None:
       raise CheckpointError(f'{data_file} does not record the checkpoint the run started '
                             f'from ({cfg.init_from_hf}): it was rewritten since')
@@ -117,7 +117,7 @@ def run_source(cfg: TrainConfig, out: pathlib.Path, *, resume: bool, log=print
     entry = {'path': str(root), 'config_sha256': file_hash(root / 'config.json'),
              'weights_sha256': {name: file_hash(root / name) for name in files},
              'model': dataclasses.asdict(config)}
-    saved = {**json.loads(data_file.read_text()), RECORD: entry}
+    saved = {**read_json(data_file, error=CheckpointError), RECORD: entry}
     text = json.dumps(saved, indent=1)
     atomic_write(data_file, lambda tmp: pathlib.Path(tmp).write_text(text))
     return entry

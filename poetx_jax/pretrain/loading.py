@@ -201,7 +201,8 @@ def load_model(out_dir: str | pathlib.Path, *, step: int | None = None):
   plan = make_plan(read_config(out), record['vocab_size'], hf_init.recorded_config(record),
                    recorded=recorded_plan(out))
   shapes = nnx.eval_shape(lambda: build_model(plan))
-  model, step = Checkpointer(out / 'checkpoints').restore_model(shapes, step=step)
+  model, step = Checkpointer(out / 'checkpoints', create=False).restore_model(
+      shapes, step=step)
   return plan, model, step
 
 

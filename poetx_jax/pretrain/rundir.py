@@ -38,7 +38,7 @@ from poetx_jax.pretrain.data import windows as data_lib
 from poetx_jax.pretrain import processes, signals
 from poetx_jax.pretrain.checkpoint import CheckpointError, Checkpointer
 from poetx_jax.pretrain.config import PLAN_KEY, TrainConfig
-from poetx_jax.pretrain.files import Footprint, atomic_write, writing
+from poetx_jax.pretrain.files import Footprint, atomic_write, read_json, writing
 from poetx_jax.pretrain.data.tokenizer import file_hash
 
 RUN_FILE, DATA_FILE = 'run.json', 'data.json'
@@ -166,7 +166,12 @@ def saved_run(out: pathlib.Path) -> dict:
   if not (out / RUN_FILE).is_file():
     raise CheckpointError(f'--resume: {out} holds no run ({out / RUN_FILE} does not exist); '
                           f'nothing to resume')
-  return _options(json.loads((out / RUN_FILE).read_text()))
+  return _options(read_run_record(out / RUN_FILE))
+
+
+def read_run_record(path: pathlib.Path) -> dict:
+  """A run's ``run.json`` (CheckpointError naming it if damaged)."""
+  return read_json(path, error=CheckpointError)
 
 
 def _options(saved: dict) -> dict:
@@ -319,7 +324,7 @@ def read_data_record(out: pathlib.Path) -> dict:
     raise CheckpointError(f'{out} has no {DATA_FILE}: the run directory does not hold '
                           f'its tokenizer and data identity, so it cannot be evaluated, '
                           f'exported or resumed reliably')
-  record = json.loads(path.read_text())
+  record = read_json(path, required=('tokenizer', 'tokenizer_sha256'), error=CheckpointError)
   tok = path.parent / record['tokenizer']
   if not tok.is_file():
     raise CheckpointError(f'{out}: the run\'s tokenizer {tok.name} is missing')
@@ -360,7 +365,7 @@ def check_data(out: pathlib.Path, data: data_lib.TextData, splits: tuple[str, ..
 
 def data_sources(out: pathlib.Path) -> list[str]:
   """The corpus paths of a run, as recorded in its ``run.json``."""
-  saved = json.loads((pathlib.Path(out) / RUN_FILE).read_text())
+  saved = read_run_record(pathlib.Path(out) / RUN_FILE)
   return saved.get('data') or ['the built-in corpus']
 
 
@@ -370,7 +375,7 @@ def read_config(out: str | pathlib.Path) -> TrainConfig:
   if not run_file.is_file():
     raise CheckpointError(f'{out} is not a run directory (no run.json)')
   fields = {f.name for f in dataclasses.fields(TrainConfig)}
-  saved = _options(json.loads(run_file.read_text()))
+  saved = _options(read_run_record(run_file))
   unknown = sorted(set(saved) - fields)
   if unknown:
     raise CheckpointError(f'{run_file} has fields this version does not know: {unknown}')

@@ -12,6 +12,7 @@ read back with positioned reads; the tokenizer (``tokenizer.json``); and
     {"format": "poetx-tokens-1", "dtype": "uint16", "vocab_size": 4096,
      "eos_id": 4095, "tokenizer_sha256": ..., "text_field": "text",
      "bpe": {"vocab_size": 4096, "sample_chars": 100000000},
+     "shard_tokens": 16777216,
      "sources": [{"path": ..., "bytes": ..., "mtime_ns": ..., "lenient": false,
                   "documents": ..., "sha256": ...}, ...,
                  {"hf_dataset": ..., "config": ..., "split": ..., "data_files": ...,
@@ -58,9 +59,9 @@ import numpy as np
 
 from poetx_jax.pretrain.data import documents, shards
 from poetx_jax.pretrain.data.prepare_tasks import run_tasks, source_documents
-from poetx_jax.pretrain.files import (DiskFull, atomic_write, first_missing,
+from poetx_jax.pretrain.files import (DiskFull, atomic_write, first_missing, read_json,
                                       full_disk_remedy, full_disk_text, when_full)
-from poetx_jax.pretrain.data.tokenizer import Tokenizer, file_hash
+from poetx_jax.pretrain.data.tokenizer import MIN_BPE_VOCAB, Tokenizer, file_hash
 
 FORMAT = shards.FORMAT
 MANIFEST = shards.MANIFEST
@@ -153,7 +154,7 @@ def prepare(inputs: PathLike | tp.Sequence[PathLike], out: PathLike, *,
       are kept, the shards of the others removed, and the same call resumes.
   """
   _check_arguments(vocab_size=vocab_size, shard_tokens=shard_tokens,
-                   sample_chars=sample_chars, workers=workers)
+                   sample_chars=sample_chars, workers=workers, bpe=tokenizer is None)
   hf = None
   if hf_dataset is not None:
     from poetx_jax.pretrain.data import hfdata  # pylint: disable=g-import-not-at-top
@@ -162,7 +163,7 @@ def prepare(inputs: PathLike | tp.Sequence[PathLike], out: PathLike, *,
   plan = _plan(inputs, out, text_field, hf)
   bpe = None if tokenizer is not None else {'vocab_size': vocab_size,
                                             'sample_chars': sample_chars}
-  prepared = _prepared_manifest(plan, tokenizer, bpe)
+  prepared = _prepared_manifest(plan, tokenizer, bpe, shard_tokens)
   if prepared is not None:
     return prepared
   created = first_missing(plan.out)
@@ -174,7 +175,8 @@ def prepare(inputs: PathLike | tp.Sequence[PathLike], out: PathLike, *,
       dtype = token_dtype(tok.vocab_size)
       parts = _tokenize_sources(plan, tok_path, tok_hash, dtype, shard_tokens=shard_tokens,
                                 workers=workers, progress=progress)
-      return _write_manifest(plan, parts, tok, tok_path, tok_hash, dtype, bpe)
+      return _write_manifest(plan, parts, tok, tok_path, tok_hash, dtype, bpe,
+                             shard_tokens)
   except BaseException:
     if created is not None and not any(p.is_file() for p in created.rglob('*')):
       shutil.rmtree(created, ignore_errors=True)  # nothing done to resume from
@@ -207,12 +209,17 @@ def _resumable_when_full(plan: _Plan, shard_tokens: int) -> tp.ContextManager[No
   return when_full(stop)
 
 
-def _check_arguments(*, vocab_size, shard_tokens, sample_chars, workers) -> None:
-  """ValueError naming the first of the arguments that is not a positive int."""
+def _check_arguments(*, vocab_size, shard_tokens, sample_chars, workers, bpe: bool) -> None:
+  """ValueError naming the first of the arguments that is not a positive int
+  (``vocab_size``, when a BPE is to be trained, one of at least
+  ``MIN_BPE_VOCAB``), before anything is written."""
   for name, value in (('vocab_size', vocab_size), ('shard_tokens', shard_tokens),
                       ('sample_chars', sample_chars)):
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
       raise ValueError(f'{name} must be a positive int, got {value!r}')
+  if bpe and vocab_size < MIN_BPE_VOCAB:
+    raise ValueError(f'vocab_size must be an int >= {MIN_BPE_VOCAB} (256 bytes + '
+                     f'end of text) to train a BPE, got {vocab_size!r}')
   if workers is not None and (not isinstance(workers, int) or workers < 1):
     raise ValueError(f'workers must be a positive int, got {workers!r}')
 
@@ -233,23 +240,28 @@ def _plan(inputs: PathLike | tp.Sequence[PathLike], out: PathLike, text_field: s
 
 
 def _prepared_manifest(plan: _Plan, tokenizer: PathLike | None,
-                       bpe: dict | None) -> dict | None:
+                       bpe: dict | None, shard_tokens: int) -> dict | None:
   """The manifest of ``plan.out`` if it is already prepared from these inputs
-  (and ``tokenizer``, if given, or the ``bpe`` request); None if it holds no
-  manifest.
+  (and ``tokenizer``, if given, or the ``bpe`` request) in shards of at most
+  ``shard_tokens``; None if it holds no manifest.
 
   Raises:
-    ValueError: ``plan.out`` holds a dataset of other inputs, tokenizer or
-      BPE request.
+    ValueError: ``plan.out`` holds a dataset of other inputs, tokenizer,
+      BPE request or shard size (a manifest that does not record its shard
+      size, of an older prepare, passes).
   """
   manifest_path = plan.out / MANIFEST
   if not manifest_path.is_file():
     return None
-  old = json.loads(manifest_path.read_text())
+  old = read_json(manifest_path, required=('sources', 'tokenizer_sha256'))
   same_inputs = _same_sources(old['sources'], plan.sources)
   same_tokenizer = tokenizer is None or file_hash(tokenizer) == old['tokenizer_sha256']
   if same_inputs and same_tokenizer and old.get('text_field') == plan.text_field:
     _check_bpe(plan.out, old.get('bpe'), bpe)
+    if old.get('shard_tokens', shard_tokens) != shard_tokens:
+      raise ValueError(f'{plan.out} holds shards of at most {old["shard_tokens"]} tokens, '
+                       f'not --shard-tokens {shard_tokens}; give another --out, or remove '
+                       f'{plan.out} first to prepare it again')
     return old
   raise ValueError(f'{plan.out} holds a prepared dataset of other inputs or another '
                    f'tokenizer; give a new --out, or remove {plan.out} first')
@@ -346,7 +358,8 @@ def _tokenize_sources(plan: _Plan, tok_path: Path, tok_hash: str, dtype: np.dtyp
 
 
 def _write_manifest(plan: _Plan, parts: list[dict], tok: Tokenizer, tok_path: Path,
-                    tok_hash: str, dtype: np.dtype, bpe: dict | None) -> dict:
+                    tok_hash: str, dtype: np.dtype, bpe: dict | None,
+                    shard_tokens: int) -> dict:
   """Writes ``out/manifest.json`` of the source files' ``parts`` and returns it.
 
   Raises:
@@ -359,7 +372,7 @@ def _write_manifest(plan: _Plan, parts: list[dict], tok: Tokenizer, tok_path: Pa
   manifest = {'format': FORMAT, 'dtype': dtype.name, 'vocab_size': tok.vocab_size,
               'eos_id': tok.eos_id, 'tokenizer': tok_path.name,
               'tokenizer_sha256': tok_hash, 'text_field': plan.text_field, 'bpe': bpe,
-              'sources': [s for p in parts for s in p['sources']], 'shards': all_shards,
+              'shard_tokens': shard_tokens, 'sources': [s for p in parts for s in p['sources']], 'shards': all_shards,
               'documents': sum(p['documents'] for p in parts),
               'tokens': sum(s['tokens'] for s in all_shards)}
   text = json.dumps(manifest, indent=1)
