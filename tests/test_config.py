@@ -53,6 +53,10 @@ def test_skewadam_option_conflicts_are_named(options, match):
     ('profile_steps', '0:2', "profile_steps must be A:B, .* got '0:2'"),
     ('profile_steps', '500:601', "profile_steps='500:601' ends after the run's last "
                                  "micro-step, 600"),
+    ('out_dir', '', 'out_dir: an empty path'),
+    ('cache_dir', '', 'cache_dir: an empty path'),
+    ('data', ['corpus', ''], 'data: an empty path'),
+    ('init_from_hf', '', 'init_from_hf: an empty path'),
 ])
 def test_options_that_cannot_be_honoured_are_errors(field, value, message):
   with pytest.raises(ValueError, match=message):

@@ -256,6 +256,10 @@ def test_an_exported_poet_run_starts_a_new_run_with_the_same_function(run, tmp_p
   (tmp_path / 'tok.json').write_text(json.dumps(spec))
   assert (f'{exp} has a vocabulary of 300 (config.json vocab_size), the run\'s tokenizer 301 '
           'tokens' in refused('--tokenizer', str(tmp_path / 'tok.json')))
+  before = {p.name: p.read_bytes() for p in exp.iterdir()}  # an export is not a run directory
+  assert cli.main([*base, '--out-dir', str(exp)]) == 2
+  assert f'{exp} holds a Hugging Face export' in _one_line_error(capsys, 'train')
+  assert {p.name: p.read_bytes() for p in exp.iterdir()} == before
   hf_config = _json(exp / 'config.json')
   (exp / 'config.json').write_text(json.dumps({**hf_config, 'intermediate_size': 96}))
   assert 'model.layers.0.mlp.gate_proj.weight has shape (32, 32)' in refused()

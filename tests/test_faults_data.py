@@ -364,6 +364,8 @@ REFUSALS = {
     'seq-len too long': (['--data', '{src}', '--seq-len', '60000'], 'a window of 60001'),
     'corpus too small': (['--data', '{tmp}/small.txt'], 'corpus too small'),
     'unknown model field': (['--data', '{src}', '--model-overrides', 'colour=3'], 'colour'),
+    'not a HF checkpoint': (['--data', '{src}', '--init-from-hf', '{tmp}'],
+                            'is not a Hugging Face model directory'),
     'wandb missing': (['--data', '{src}', '--tracking', 'wandb'], 'wandb'),
 }
 

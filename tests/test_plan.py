@@ -141,6 +141,26 @@ def test_block_size_and_poet_lr_are_resolved_once_into_the_model():
     _plan(model='tiny', block_size=128)
   with pytest.raises(ValueError, match='the POET block size is its own option'):
     TrainConfig(model_overrides={'block_size': 32}).validate()
+  with pytest.raises(ValueError, match="model_overrides sets vocab_size=10: the vocabulary is "
+                                       "the tokenizer's"):
+    TrainConfig(model_overrides={'vocab_size': 10}).validate()
+
+
+def test_a_given_tokenizer_sets_the_vocabulary_and_a_contradicting_one_is_refused(tmp_path):
+  """With --tokenizer FILE the run records FILE's vocabulary; a --vocab-size
+  that contradicts it is refused (as one a prepared dataset contradicts)."""
+  from poetx_jax.pretrain.data.tokenizer import Tokenizer
+  from poetx_jax.pretrain.plan import command_options, finish_options
+  path = tmp_path / 'tok.json'
+  Tokenizer.train_bpe(['def f(x):\n  return x + 1\n'] * 50, vocab_size=300, path=path)
+  vocab = Tokenizer.load(path).vocab_size
+  cfg = TrainConfig(tokenizer=str(path), out_dir=str(tmp_path / 'run'))
+  assert finish_options(command_options(cfg, ['tokenizer']), resume=False).vocab_size == vocab
+  same = dataclasses.replace(cfg, vocab_size=vocab)
+  assert command_options(same, ['tokenizer', 'vocab_size']) == same
+  with pytest.raises(ValueError, match=f'--vocab-size 4096 disagrees with the tokenizer {path}, '
+                                       f'whose vocabulary is {vocab}'):
+    command_options(cfg, ['tokenizer', 'vocab_size'])
 
 
 def test_each_poet_only_option_with_adamw_is_refused_naming_it(capsys):
@@ -260,3 +280,15 @@ def test_muon_orthogonalises_the_decoder_matrices_only(scan):
   axes = (1, 2) if scan else (0, 1)
   assert {(d.reduction_axis, d.output_axis) for d in kernels.values()} == {axes}
   assert all(got[k] is None for k in got if 'embed' in k or 'norm' in k or 'lm_head' in k)
+
+
+def test_the_paths_a_run_records_are_absolute(tmp_path, monkeypatch):
+  """run.json names the data, tokenizer and checkpoint as absolute paths, so
+  that eval and --resume find them from any directory; a weight stays."""
+  from poetx_jax.pretrain.plan import expand_home
+  monkeypatch.chdir(tmp_path)
+  cfg = expand_home(TrainConfig(data=['corpus:0.7', 'web:0.3'], val_data=['held'],
+                                tokenizer='tok.json', init_from_hf='~/hf'))
+  assert cfg.data == [f'{tmp_path}/corpus:0.7', f'{tmp_path}/web:0.3']
+  assert cfg.val_data == [f'{tmp_path}/held'] and cfg.tokenizer == f'{tmp_path}/tok.json'
+  assert cfg.init_from_hf == str(pathlib.Path('~/hf').expanduser())

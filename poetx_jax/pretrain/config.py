@@ -236,9 +236,18 @@ class TrainConfig:
     hints = tp.get_type_hints(TrainConfig)
     for f in dataclasses.fields(self):
       _check(f.name, getattr(self, f.name), hints[f.name], f.metadata)
+    for name in ('out_dir', 'cache_dir', 'tokenizer', 'init_from_hf', 'data', 'val_data'):
+      value = getattr(self, name)
+      if value == '' or (isinstance(value, list) and '' in value):
+        raise ValueError(f'{name}: an empty path (""); name a file or directory, or leave '
+                         f'the option out')
     if 'block_size' in self.model_overrides:
       raise ValueError(f"model_overrides sets block_size={self.model_overrides['block_size']!r}: "
                        f'the POET block size is its own option, block_size (--block-size N)')
+    if 'vocab_size' in self.model_overrides:
+      raise ValueError(f"model_overrides sets vocab_size={self.model_overrides['vocab_size']!r}: "
+                       f'the vocabulary is the tokenizer\'s (vocab_size, --vocab-size N, '
+                       f'sizes the BPE a run trains)')
     poet = [f'{f.name}={getattr(self, f.name)!r}' for f in dataclasses.fields(self)
             if f.metadata.get('poet') and getattr(self, f.name) != f.default]
     if poet and not RECIPES[self.optimizer].poetizes:

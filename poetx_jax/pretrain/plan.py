@@ -223,13 +223,15 @@ def _first_prepared(cfg: TrainConfig) -> tuple[str, int] | None:
 
 
 def expand_home(cfg: TrainConfig) -> TrainConfig:
-  """``cfg`` with a leading ``~`` of its data, validation data, tokenizer and
-  starting checkpoint expanded to the home directory, as a shell does for a
-  flag's own word but not for ``--flag=~/...`` or a config file's value (the
-  run directory's: :func:`default_out_dir`). The caches keep their ``~``
-  (portable in ``run.json``) and expand it where they are opened."""
+  """``cfg`` with its data, validation data, tokenizer and starting checkpoint
+  made absolute paths, a leading ``~`` expanded to the home directory (as a
+  shell does for a flag's own word but not for ``--flag=~/...`` or a config
+  file's value), so that ``run.json`` names them wherever the run is later
+  evaluated or resumed from (the run directory's ``~``:
+  :func:`default_out_dir`). The caches keep their ``~`` (portable in
+  ``run.json``) and expand it where they are opened."""
   def one(path):
-    return None if path is None else os.path.expanduser(path)
+    return None if path is None else os.path.abspath(os.path.expanduser(path))
   return dataclasses.replace(
       cfg, tokenizer=one(cfg.tokenizer), init_from_hf=one(cfg.init_from_hf),
       data=None if cfg.data is None else [one(d) for d in cfg.data],
@@ -240,24 +242,47 @@ def finish_options(cfg: TrainConfig, *, resume: bool,
                    device_count: int | None = None) -> TrainConfig:
   """``cfg`` checked (``validate``, with ``device_count``) and finished: its
   paths' ``~`` expanded (:func:`expand_home`), its run directory named; for a
-  fresh run the tokenizer of the checkpoint it starts
-  from (where it names none and trains on no prepared dataset) and the
-  vocabulary of the prepared dataset it trains on, so that ``run.json``
-  records the tokenizer and vocabulary used."""
+  fresh run the vocabulary of the prepared dataset it trains on, or else the
+  tokenizer file it uses (:func:`given_tokenizer`) and its vocabulary, so
+  that ``run.json`` records the tokenizer and vocabulary used."""
   cfg = expand_home(cfg)
   cfg.validate(device_count=device_count)
   cfg = dataclasses.replace(cfg, out_dir=default_out_dir(cfg))
   if resume:
     return cfg
+  # What can be checked before the corpus is read (its tokenizer may take minutes):
+  if cfg.init_from_hf is None:
+    models.get_config(cfg.model, **cfg.model_overrides)
+  elif not (pathlib.Path(cfg.init_from_hf) / 'config.json').is_file():
+    raise ValueError(f'{cfg.init_from_hf} is not a Hugging Face model directory: it has no '
+                     f'config.json')
   vocab = prepared_vocab_size(cfg)
   if vocab is not None:
     return dataclasses.replace(cfg, vocab_size=vocab)
-  if cfg.init_from_hf is not None and cfg.tokenizer is None:
+  tokenizer = given_tokenizer(cfg)
+  if tokenizer is None:
+    return cfg
+  return dataclasses.replace(cfg, tokenizer=tokenizer, vocab_size=tokenizer_vocab(tokenizer))
+
+
+def given_tokenizer(cfg: TrainConfig) -> str | None:
+  """The tokenizer file a fresh run of ``cfg`` uses instead of training a
+  BPE: ``cfg.tokenizer``, else that of the checkpoint it starts from (the
+  first of ``hf_init.TOKENIZERS`` there), else None."""
+  if cfg.tokenizer is not None:
+    return os.path.expanduser(cfg.tokenizer)
+  if cfg.init_from_hf is not None:
     for name in hf_init.TOKENIZERS:
-      path = pathlib.Path(cfg.init_from_hf) / name
+      path = pathlib.Path(os.path.expanduser(cfg.init_from_hf)) / name
       if path.is_file():
-        return dataclasses.replace(cfg, tokenizer=str(path))
-  return cfg
+        return str(path)
+  return None
+
+
+def tokenizer_vocab(path: str) -> int:
+  """The vocabulary of the tokenizer file ``path``."""
+  from poetx_jax.pretrain.data.tokenizer import Tokenizer
+  return Tokenizer.load(path).vocab_size
 
 
 def command_options(cfg: TrainConfig, given: tp.Iterable[str], *,
@@ -267,7 +292,8 @@ def command_options(cfg: TrainConfig, given: tp.Iterable[str], *,
   TrainConfig's defaults), of which ``given`` were on the command line, set
   over a ``config_file``'s options, or with ``resume`` over the run's
   ``run.json`` (:func:`resumed_options`). Raises ValueError for a config file
-  with ``resume``, and for a ``--vocab-size`` a prepared dataset contradicts."""
+  with ``resume``, and for a ``--vocab-size`` that the prepared dataset or
+  the tokenizer file the run uses contradicts."""
   given = set(given)
   if config_file is not None:
     if resume:
@@ -279,13 +305,22 @@ def command_options(cfg: TrainConfig, given: tp.Iterable[str], *,
     given |= set(read_config_file(config_file))
   if resume:
     return resumed_options(cfg, given, device_count=device_count, log=log)
-  path, vocab = (_first_prepared(cfg) if 'vocab_size' in given else None) or (None, None)
+  if 'vocab_size' not in given:
+    return cfg
+  path, vocab = _first_prepared(cfg) or (None, None)
   if vocab is not None and vocab != cfg.vocab_size:
     raise ValueError(f'--vocab-size {cfg.vocab_size} disagrees with the prepared dataset '
                      f'{path}, whose tokenizer has a vocabulary of {vocab} (the run '
                      f'tokenizes all its data with it): leave --vocab-size out (the run '
                      f'records {vocab}), or prepare the corpus again with --vocab-size '
                      f'{cfg.vocab_size}')
+  tokenizer = given_tokenizer(cfg) if vocab is None else None
+  if tokenizer is not None and pathlib.Path(tokenizer).is_file():
+    vocab = tokenizer_vocab(tokenizer)
+    if vocab != cfg.vocab_size:
+      raise ValueError(f'--vocab-size {cfg.vocab_size} disagrees with the tokenizer '
+                       f'{tokenizer}, whose vocabulary is {vocab} (the run tokenizes its '
+                       f'data with it): leave --vocab-size out (the run records {vocab})')
   return cfg
 
 
@@ -321,4 +356,4 @@ def recorded_plan(out: str | pathlib.Path) -> dict | None:
   """The plan a run directory's ``run.json`` recorded, or None (a run from
   before plans were recorded, or one that stopped while starting)."""
   path = pathlib.Path(out) / rundir.RUN_FILE
-  return json.loads(path.read_text()).get('plan') if path.is_file() else None
+  return rundir.read_run_record(path).get('plan') if path.is_file() else None

@@ -236,7 +236,8 @@ def open_run(cfg: TrainConfig, *, resume: bool,
   Raises:
     CheckpointError: resuming without a ``run.json`` (nothing is created) or
       a checkpoint, or with a configuration the run cannot continue with; or
-      starting afresh where checkpoints exist.
+      starting afresh where checkpoints exist, or in a Hugging Face export
+      (``config.json`` without ``run.json``: nothing is created).
     RunLocked: another training process holds the directory.
     ValueError: the directory cannot be created or written.
   """
@@ -244,6 +245,10 @@ def open_run(cfg: TrainConfig, *, resume: bool,
   run_file = out / RUN_FILE
   if resume:
     _check_resumable(run_file, cfg)
+  elif (out / 'config.json').is_file() and not run_file.is_file():
+    raise CheckpointError(f'{out} holds a Hugging Face export (config.json), not a run: a '
+                          f'run there would replace its tokenizer; choose another --out-dir '
+                          f'(start from the export with --init-from-hf {out})')
   footprint = Footprint([out])
   state = {'set_up': resume, 'locked': False}
   try:
