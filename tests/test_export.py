@@ -195,7 +195,11 @@ def test_export_writes_bfloat16_shards_with_an_index_covering_each_tensor_once(
   capsys.readouterr()
   bad = tmp_path / 'bad'
   assert cli.main(['export', str(run), '--out', str(bad), '--max-shard-size', '5 parsecs']) == 2
-  assert "size '5 parsecs' is not a number of bytes" in _one_line_error(capsys, 'export')
+  assert ("max_shard_size (--max-shard-size): size '5 parsecs' is not a number of bytes"
+          in _one_line_error(capsys, 'export'))
+  assert cli.main(['export', str(run), '--out', str(bad), '--max-shard-size', '0']) == 2
+  assert ("--max-shard-size): size must be at least one byte, got '0'"
+          in _one_line_error(capsys, 'export'))
   with pytest.raises(SystemExit):  # argparse: not one of the choices
     cli.main(['export', str(run), '--out', str(bad), '--dtype', 'int8'])
   assert not bad.exists()
@@ -366,6 +370,8 @@ def test_plot_prints_the_path_written_and_refuses_runs_without_losses(run, tmp_p
     err = _one_line_error(capsys, 'plot')
     assert f'nothing to plot for run {bad}' in err
   assert not (tmp_path / 'bad.png').exists()
+  assert cli.main(['plot', str(run), '--out', '']) == 2
+  assert "--out '': an empty path" in _one_line_error(capsys, 'plot')
 
 
 def test_plot_tells_runs_of_the_same_folder_name_apart(run, tmp_path, monkeypatch):

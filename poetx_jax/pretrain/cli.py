@@ -229,6 +229,8 @@ def cmd_export(a) -> int:
 
 def cmd_plot(a) -> int:
   from poetx_jax.pretrain.metrics import plot_runs
+  if not a.out:
+    raise ValueError('--out \'\': an empty path; name the image file to write')
   print(f'wrote {plot_runs(a.runs, a.out)}')
   return 0
 

@@ -175,7 +175,10 @@ def _checked_options(dtype: str, max_shard_size: int | str) -> int:
   """The largest shard in bytes; ValueError for a dtype or size that is none."""
   if dtype not in hf.DTYPES:
     raise ValueError(f'dtype must be one of {", ".join(hf.DTYPES)}, got {dtype!r}')
-  return hf_files.parse_size(max_shard_size)
+  try:
+    return hf_files.parse_size(max_shard_size)
+  except ValueError as e:
+    raise ValueError(f'max_shard_size (--max-shard-size): {e}') from None
 
 
 def _weight_files(state: dict, max_bytes: int) -> dict[str, tp.Callable[[str], object]]:
