@@ -106,6 +106,19 @@ def test_a_refused_resume_writes_nothing(tmp_path, reference, capsys):
   assert cli.main(['eval', cfg.out_dir]) == 0
 
 
+def test_a_resume_refused_for_a_missing_tracker_moves_no_checkpoint(
+    tmp_path, reference, capsys, monkeypatch):
+  """--resume --step 8 --tracking wandb without wandb: refused before the
+  newer checkpoint is set aside."""
+  monkeypatch.setitem(sys.modules, 'wandb', None)  # import wandb raises ImportError
+  cfg = _copy(reference, tmp_path)
+  before = _tree(cfg.out_dir)
+  assert cli.main(['train', '--resume', '--step', '8', '--out-dir', cfg.out_dir,
+                   '--tracking', 'wandb']) == 2
+  assert '--tracking wandb needs the wandb package' in _one_line_error(capsys)
+  assert _tree(cfg.out_dir) == before
+
+
 def test_each_abandonment_keeps_its_checkpoints(tmp_path, reference, capsys):
   """--resume --step 8 sets 12 aside and writes a new 12; --resume --step 4
   then sets 8 and the new 12 aside in a folder of their own: nothing lost."""
@@ -121,6 +134,9 @@ def test_each_abandonment_keeps_its_checkpoints(tmp_path, reference, capsys):
   (second,) = (n for n in os.listdir(run / 'abandoned-checkpoints') if n.endswith('-from-4'))
   assert (f'moved the newer checkpoint steps [8, 12] to '
           f'{run / "abandoned-checkpoints" / second}') in out
+  assert ('resumed from step 8, as --step chose: the run had reached step 12, so steps 9-12 '
+          'are trained again') in out
+  assert 'resumed from step 4, as --step chose' in out and 'a kill or crash' not in out
   _assert_same_run(cfg, reference)
 
 

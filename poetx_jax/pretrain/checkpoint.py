@@ -401,11 +401,12 @@ def _join_operation_threads(timeout_s: float = 30.0) -> None:
         thread.join(timeout_s)
 
 
-def resumed_message(step: int, total: int, reached: int, unfinished: list[int]) -> str:
+def resumed_message(step: int, total: int, reached: int, unfinished: list[int], *,
+                    chosen: bool = False) -> str:
   """What a resume from checkpoint ``step`` of a ``total``-step run continues
   from, and what it trains again: the steps up to ``reached`` (the last the
   run logged) and why they were not saved (a save ``unfinished``, or none
-  begun).
+  begun), or, where ``step`` was ``chosen`` (``--resume --step``), that.
 
     >>> resumed_message(8, 20, 14, [12])[:60]
     'resumed from step 8, its newest whole checkpoint: the run ha'
@@ -415,13 +416,16 @@ def resumed_message(step: int, total: int, reached: int, unfinished: list[int]) 
            f'to extend it'
   if reached <= step:
     return f'resumed from step {step}'
+  again = (f'step {reached} is' if reached == step + 1 else
+           f'steps {step + 1}-{reached} are')
+  if chosen:
+    return (f'resumed from step {step}, as --step chose: the run had reached step {reached}, '
+            f'so {again} trained again')
   struck = [s for s in unfinished if step < s <= reached]
   why = (f'the save of step {struck[-1]} had not finished when the run stopped (a kill, a '
          f'crash or a full disk struck while it was written)' if struck else
          'the run stopped before its next checkpoint (a kill or crash: a SIGTERM or Ctrl-C '
          'saves first)')
-  again = (f'step {reached} is' if reached == step + 1 else
-           f'steps {step + 1}-{reached} are')
   return (f'resumed from step {step}, its newest whole checkpoint: the run had reached step '
           f'{reached}, so {again} trained again; {why}')
 

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib
 import json
 import os
 import pathlib
@@ -106,11 +107,7 @@ class TensorBoard:
   process wrote (before a crash) are purged from TensorBoard's view."""
 
   def __init__(self, directory: pathlib.Path, *, resume_step: int = 0):
-    try:
-      from tensorboardX import SummaryWriter
-    except ImportError as e:
-      raise ImportError('--tracking tensorboard needs tensorboardX (the pretrain extra '
-                        'installs it: pip install tensorboardX)') from e
+    SummaryWriter = tracker_module('tensorboard').SummaryWriter
     self.writer = SummaryWriter(str(directory),
                                 purge_step=resume_step + 1 if resume_step else None)
 
@@ -129,10 +126,7 @@ class Wandb:
   continues the same W&B run."""
 
   def __init__(self, out: pathlib.Path, cfg: TrainConfig, *, resume_step: int = 0):
-    try:
-      import wandb
-    except ImportError as e:
-      raise ImportError('--tracking wandb needs the wandb package (pip install wandb)') from e
+    wandb = tracker_module('wandb')
     ids = out / 'wandb.json'
     if resume_step and ids.is_file():
       run_id = json.loads(ids.read_text())['id']
@@ -148,6 +142,23 @@ class Wandb:
 
   def close(self) -> None:
     self.run.finish()
+
+
+# The package of each tracker, and what installs it.
+_PACKAGES = {'tensorboard': ('tensorboardX', 'tensorboardX (the pretrain extra installs it: '
+                                             'pip install tensorboardX)'),
+             'wandb': ('wandb', 'the wandb package (pip install wandb)')}
+
+
+def tracker_module(name: str):
+  """The package tracker ``name`` writes with, imported (ImportError saying
+  what to install). A run calls it for each of its trackers before it
+  changes anything, so that a missing one refuses the run untouched."""
+  module, what = _PACKAGES[name]
+  try:
+    return importlib.import_module(module)
+  except ImportError as e:
+    raise ImportError(f'--tracking {name} needs {what}') from e
 
 
 def open_tracker(name: str, out: pathlib.Path, cfg: TrainConfig, *, resume_step: int = 0):

@@ -35,7 +35,7 @@ from poetx_jax.pretrain.factories import (abstract_state, build_state, make_step
 from poetx_jax.pretrain.hooks import Hook
 from poetx_jax.pretrain.metrics import (Metrics, Progress, StopFlag, TrainClock,
                                         merge_reporter, read_metrics)
-from poetx_jax.pretrain.tracking import Tracking
+from poetx_jax.pretrain.tracking import Tracking, tracker_module
 
 
 class NonFiniteLoss(FloatingPointError):
@@ -348,6 +348,8 @@ def set_up(cfg: TrainConfig, out: pathlib.Path, *, resume: bool, step: int | Non
   train step built and placed on the devices, the state restored when
   resuming (from ``step``, else the newest intact checkpoint; on one device
   into the state's shapes, no random model drawn first)."""
+  for name in cfg.tracking:  # a missing package refuses the run before anything moves
+    tracker_module(name)
   data = loading.run_data(out, cfg, resume=resume)
   log(f'data: {data.description}')
   source = hf_init.run_source(cfg, out, resume=resume, log=log)  # --init-from-hf
@@ -375,10 +377,12 @@ def set_up(cfg: TrainConfig, out: pathlib.Path, *, resume: bool, step: int | Non
   if resume:  # metrics.jsonl read (and refused if damaged) before anything moves
     records = processes.on_primary('reading metrics.jsonl', lambda: (
         read_metrics(out, warn=log) if (out / 'metrics.jsonl').exists() else ()))
+    chosen = step is not None
     step, data_state = ckpt.resume(model, optimizer, step=step, run=out, log=log)
     batches.set_state(data_state)
     reached = max((r['step'] for r in records or () if 'loss' in r), default=step)
-    log(resumed_message(step, plan.micro_steps, reached, ckpt.unfinished_steps()))
+    log(resumed_message(step, plan.micro_steps, reached, ckpt.unfinished_steps(),
+                        chosen=chosen))
   tracking = Tracking(plan, out, resume_step=step or 0, write=processes.is_primary(), log=log)
   metrics = Metrics(out, step or 0, write=processes.is_primary(), records=records or (),
                     sinks=[tracking])
