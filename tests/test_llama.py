@@ -362,6 +362,29 @@ def test_scanned_layers_are_the_same_model(keys, remat):
     scanned.layers[2]
 
 
+class _Wrapped(nnx.Module):
+  """A decoder layer inside a module of another class, its branch doubled."""
+
+  def __init__(self, inner):
+    self.inner = inner
+
+  def __call__(self, h, positions=None):
+    out, stats = self.inner(h, positions)
+    return h + 2 * (out - h), stats
+
+
+@pytest.mark.parametrize('remat', ['none', 'block'])
+def test_the_layers_convert_layer_returns_run_scanned_or_not(keys, remat):
+  """Each decoder layer runs its own __call__, whatever class convert_layer
+  made it: unrolled and scanned compute the same, and not the plain model."""
+  cfg = get_config('tiny', layers=2)
+  tokens = _tokens(keys(), 2, 16, cfg.vocab_size)
+  out = {scan: Llama(cfg, remat=remat, rngs=nnx.Rngs(0), scan_layers=scan,
+                     convert_layer=_Wrapped)(tokens) for scan in (False, True)}
+  assert rel_err(out[True], out[False]) < 1e-6
+  assert rel_err(out[False], Llama(cfg, remat=remat, rngs=nnx.Rngs(0))(tokens)) > 1e-3
+
+
 def test_scanned_remat_block_saves_only_layer_inputs():
   cfg = get_config('tiny', layers=2, vocab_size=97)
   tokens = jnp.arange(2 * 12, dtype=jnp.int32).reshape(2, 12) % 97

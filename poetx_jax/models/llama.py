@@ -435,10 +435,13 @@ class Llama(nnx.Module):
     policy = REMAT_POLICIES[self.remat]
     if isinstance(self.layers, StackedLayers):
       return self.layers(h, positions, policy=policy, totals=totals)
-    call = self.decoder_layer.__call__
-    if policy is not None:
-      call = nnx.remat(call, policy=policy)
+    calls = {}  # each layer's own __call__ (convert_layer may give another class)
     for layer in self.layers:
+      call = calls.get(type(layer))
+      if call is None:
+        call = type(layer).__call__
+        calls[type(layer)] = call = (nnx.remat(call, policy=policy) if policy is not None
+                                     else call)
       h, stats = call(layer, h, positions)
       totals = jax.tree.map(jnp.add, totals, stats)
     return h, totals
