@@ -48,6 +48,7 @@ def test_skewadam_option_conflicts_are_named(options, match):
     ('seed', -1, r'seed must be an int in \[0, 9223372036854775806\], got -1'),
     ('tracking', ['mlflow'], r"tracking must be a list of \('tensorboard', 'wandb'\)"),
     ('tracking', 'wandb', r"tracking must be a list of .*, got 'wandb'"),
+    ('tracking', ['tensorboard', 'tensorboard'], 'tracking names tensorboard twice'),
     ('profile_steps', '5', "profile_steps must be A:B, .* got '5'"),
     ('profile_steps', '3:2', "profile_steps must be A:B, .*1 <= A <= B.* got '3:2'"),
     ('profile_steps', '0:2', "profile_steps must be A:B, .* got '0:2'"),
@@ -148,3 +149,16 @@ def test_an_experiment_parser_has_its_own_defaults_and_runs_are_k_v_overrides(ca
       ('optimizer=adamw,quantize=int8', "quantize='int8': option of the POET layers")):
     with pytest.raises(ValueError, match=message):
       apply_overrides(cfg, text)
+
+
+def test_model_overrides_refuse_a_key_twice_and_numbers_that_are_not_finite():
+  from poetx_jax.models import get_config
+  from poetx_jax.pretrain.kv import parse_overrides
+  assert parse_overrides('layers=1,hidden=32,name=x') == {'layers': 1, 'hidden': 32, 'name': 'x'}
+  with pytest.raises(ValueError, match='--model-overrides: layers is given twice'):
+    parse_overrides('layers=1,hidden=32,layers=2')
+  for bad in ('rope_theta=Infinity', 'init_std=NaN', 'norm_eps=-Infinity'):
+    with pytest.raises(ValueError, match='is not a finite number'):
+      parse_overrides(bad)
+  with pytest.raises(ValueError, match='rope_theta must be a finite positive number, got inf'):
+    get_config('tiny', rope_theta=float('inf'))  # 1e999 in JSON

@@ -1,6 +1,7 @@
 """``poetx train --config FILE``: a run's options from JSON or YAML, the
 command line over them; a run's own run.json trains the same run again."""
 
+import argparse
 import dataclasses
 import json
 import pathlib
@@ -8,7 +9,7 @@ import pathlib
 import pytest
 
 from poetx_jax.pretrain import cli, rundir
-from poetx_jax.pretrain.config import TrainConfig
+from poetx_jax.pretrain.config import TrainConfig, add_options, config_from_args
 from poetx_jax.pretrain.config_text import config_with_file, read_config_file
 from conftest import write_corpus
 
@@ -73,12 +74,28 @@ def test_bad_config_files_are_refused_by_name(tmp_path, capsys):
       ('b.json', '{"steps": 1,}', 'not valid JSON'),
       ('c.yaml', 'steps: [1', 'not valid YAML'),
       ('d.toml', 'steps = 1', r"JSON \(.json\) or YAML \(.yaml, .yml\), got the suffix '.toml'"),
-      ('e.yaml', 'lr: fast', "lr must be a number or none, got 'fast'")]:
-    (tmp_path / name).write_text(text)
+      ('e.yaml', 'lr: fast', "lr must be a number or none, got 'fast'"),
+      ('g.yaml', 'steps: 4\nsteps: 2\n', r"'steps' is given twice \(4, then 2\)"),
+      ('h.json', '{"steps": 4, "steps": 8}', r"'steps' is given twice \(4, then 8\)"),
+      ('i.yaml', b'steps: 4 # \xff\n', 'cannot be read as UTF-8 text'),
+      ('j.yaml/', '', 'cannot be read as UTF-8 text')]:
+    if name.endswith('/'):  # a directory of a config file's name
+      (tmp_path / name).mkdir()
+    elif isinstance(text, bytes):
+      (tmp_path / name).write_bytes(text)
+    else:
+      (tmp_path / name).write_text(text)
     with pytest.raises(ValueError, match=match):
       read_config_file(tmp_path / name)
+  # YAML 1.2's core schema: no base-60 numbers, octal 010 or yes/no bools.
+  (tmp_path / 'k.yaml').write_text('profile_steps: 2:3\nseed: 010\nwarmup: 0o7\nlr: 1e-3\n')
+  assert read_config_file(tmp_path / 'k.yaml') == dict(profile_steps='2:3', seed=10, warmup=7,
+                                                       lr=1e-3)
+  (tmp_path / 'l.yaml').write_text('cache_dir: ~\n')  # YAML's null, named with the file
+  with pytest.raises(ValueError, match='l.yaml: cache_dir must be a str, got None'):
+    config_with_file(tmp_path / 'l.yaml')
   (tmp_path / 'f.json').write_text('{"steps": 0}')
-  with pytest.raises(ValueError, match='steps must be an int >= 1, got 0'):
+  with pytest.raises(ValueError, match='f.json: steps must be an int >= 1, got 0'):
     config_with_file(tmp_path / 'f.json')
   assert config_with_file(tmp_path / 'f.json', {'steps': 5}) == TrainConfig(steps=5)
   assert cli.main(['train', '--config', str(tmp_path / 'f.json'), '--resume']) == 2
@@ -108,3 +125,18 @@ def test_paths_under_home_in_a_config_file_are_the_home_directory(tmp_path, monk
                             resume=True)
   assert resumed == dataclasses.replace(cfg, steps=700)
   assert not (tmp_path / '~').exists()
+
+
+def test_a_config_files_true_bool_is_turned_off_on_the_command_line(tmp_path):
+  """Every bool has a --no- flag, so a config file's (or a run.json's) true
+  can be undone: the command line overrides the file."""
+  from poetx_jax.pretrain.plan import command_options
+  config = tmp_path / 'run.yaml'
+  config.write_text('scan_layers: true\ntie_permutations: true\n')
+  argv = ['--no-scan-layers']
+  full, bare = argparse.ArgumentParser(), argparse.ArgumentParser()
+  add_options(full)
+  add_options(bare, defaults=False)  # holds only the options given
+  cfg = command_options(config_from_args(full.parse_args(argv)), vars(bare.parse_args(argv)),
+                        config_file=str(config))
+  assert (cfg.scan_layers, cfg.tie_permutations) == (False, True)

@@ -111,8 +111,9 @@ class LlamaConfig:
       raise ValueError(f'block_size must be >= 2, got {self.block_size!r}')
     for name in ('rope_theta', 'norm_eps', 'init_std'):
       v = getattr(self, name)
-      if not isinstance(v, (int, float, np.floating)) or isinstance(v, bool) or not v > 0:
-        raise ValueError(f'{name} must be a positive number, got {v!r}')
+      if (not isinstance(v, (int, float, np.floating)) or isinstance(v, bool) or not v > 0
+          or not np.isfinite(v)):
+        raise ValueError(f'{name} must be a finite positive number, got {v!r}')
     if not isinstance(self.tie_embeddings, (bool, np.bool_)):
       raise ValueError(f'tie_embeddings must be a bool, got {self.tie_embeddings!r}')
     if self.hidden % self.heads:

@@ -236,6 +236,9 @@ class TrainConfig:
     hints = tp.get_type_hints(TrainConfig)
     for f in dataclasses.fields(self):
       _check(f.name, getattr(self, f.name), hints[f.name], f.metadata)
+    twice = sorted({t for t in self.tracking if self.tracking.count(t) > 1})
+    if twice:
+      raise ValueError(f'tracking names {", ".join(twice)} twice (each tracker once)')
     for name in ('out_dir', 'cache_dir', 'tokenizer', 'init_from_hf', 'data', 'val_data'):
       value = getattr(self, name)
       if value == '' or (isinstance(value, list) and '' in value):
@@ -395,8 +398,8 @@ def add_options(parser: argparse.ArgumentParser, *, defaults: bool = True,
       which then holds exactly the options given (what ``--resume`` checks
       against ``run.json``).
     overrides: defaults of this parser instead of TrainConfig's (an
-      experiment's own), by field name; shown in ``--help``. A bool whose
-      default is True gets a ``--no-`` flag too.
+      experiment's own), by field name; shown in ``--help``. Every bool gets
+      a ``--no-`` flag too.
     exclude: fields that get no flag (an experiment that sets them itself);
       :func:`config_from_args` gives them TrainConfig's default.
   """
@@ -414,9 +417,9 @@ def add_options(parser: argparse.ArgumentParser, *, defaults: bool = True,
     choices = md.get('choices')
     kw = dict(help=_help(md, value, choices), metavar=md.get('metavar'))
     default = value if defaults else argparse.SUPPRESS
-    if typ is bool:  # a True or None default: --flag / --no-flag
-      action = argparse.BooleanOptionalAction if value is not False else 'store_true'
-      parser.add_argument(flag, action=action, default=default, help=kw['help'])
+    if typ is bool:  # --flag / --no-flag (the latter to undo a config file's true)
+      parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default,
+                          help=kw['help'])
     elif typ is list:
       parser.add_argument(flag, nargs='*', default=default, choices=choices, **kw)
     elif 'parse' in md:  # read from text by config_from_args

@@ -17,7 +17,7 @@ again; options given on the command line override the file's::
     model: tiny
     model_overrides: {layers: 4, hidden: 128}
     data: [corpus/]
-    lr: 1e-3          # YAML reads this as text: it is read as the field's type
+    lr: 1e-3          # YAML 1.2's core schema: a float, as 010 is 10 and 2:3 text
 
     poetx train --config run.yaml --steps 100
 """
@@ -29,7 +29,7 @@ import json
 import pathlib
 import typing as tp
 
-from poetx_jax.pretrain.config import PLAN_KEY, TrainConfig, _base_type, _field_names
+from poetx_jax.pretrain.config import PLAN_KEY, TrainConfig, _base_type, _check, _field_names
 from poetx_jax.pretrain.kv import parse_overrides, split_assignments, split_top
 
 # ------------------------------------------------------------------- K=V overrides
@@ -111,30 +111,35 @@ SUFFIXES = ('.json', '.yaml', '.yml')
 def read_config_file(path: str | pathlib.Path) -> dict[str, tp.Any]:
   """The TrainConfig fields a ``.json``, ``.yaml`` or ``.yml`` file sets.
 
-  A value written as text where the field is not text (YAML reads ``1e-3``
-  as a string; ``none``) is read as :func:`field_value`
-  reads a ``K=V`` override. Raises ValueError naming the file and what is
-  wrong with it: another suffix, text that does not parse, not a mapping, a
-  key that is no option (and the valid ones); FileNotFoundError if it is
-  missing.
+  YAML is read by the YAML 1.2 core schema (:func:`_read_yaml`). A value
+  written as text where the field is not text (``none``, ``'1e-3'``) is read
+  as :func:`field_value` reads a ``K=V`` override. Raises ValueError naming
+  the file and what is wrong with it: another suffix, a file that cannot be
+  read as UTF-8 text, text that does not parse, a key given twice, not a
+  mapping, a key that is no option (and the valid ones); FileNotFoundError
+  if it is missing.
   """
   path = pathlib.Path(path)
   suffix = path.suffix.lower()
   if suffix not in SUFFIXES:
     raise ValueError(f'--config {path}: the file must be JSON (.json) or YAML (.yaml, '
                      f'.yml), got the suffix {suffix!r}')
-  text = path.read_text()
-  if suffix == '.json':
-    try:
-      values = json.loads(text)
-    except json.JSONDecodeError as e:
-      raise ValueError(f'--config {path}: not valid JSON: {e}') from None
-  else:
-    import yaml  # the pretrain extra's; only for a YAML file
-    try:
-      values = yaml.safe_load(text)
-    except yaml.YAMLError as e:
-      raise ValueError(f'--config {path}: not valid YAML: {" ".join(str(e).split())}') from None
+  try:
+    text = path.read_text(encoding='utf-8')
+  except FileNotFoundError:
+    raise FileNotFoundError(f'--config {path}: no such file') from None
+  except (OSError, UnicodeDecodeError) as e:
+    raise ValueError(f'--config {path}: cannot be read as UTF-8 text: {e}') from None
+  try:
+    if suffix == '.json':
+      try:
+        values = json.loads(text, object_pairs_hook=_no_duplicates)
+      except json.JSONDecodeError as e:
+        raise ValueError(f'not valid JSON: {e}') from None
+    else:
+      values = _read_yaml(text)
+  except ValueError as e:
+    raise ValueError(f'--config {path}: {e}') from None
   if not isinstance(values, dict):
     raise ValueError(f'--config {path}: must hold a mapping of options to values, got '
                      f'{type(values).__name__}')
@@ -151,11 +156,77 @@ def read_config_file(path: str | pathlib.Path) -> dict[str, tp.Any]:
     raise ValueError(f'--config {path}: {e}') from None
 
 
+def _no_duplicates(pairs: list[tuple[str, tp.Any]]) -> dict:
+  """A JSON object's (or YAML mapping's) pairs as a dict; ValueError for a
+  key given twice (a silent last-one-wins would hide the first)."""
+  out = {}
+  for k, v in pairs:
+    if k in out:
+      raise ValueError(f'{k!r} is given twice ({out[k]!r}, then {v!r})')
+    out[k] = v
+  return out
+
+
+def _read_yaml(text: str):
+  """YAML text read by the YAML 1.2 core schema: ``2:3`` and ``010`` are the
+  text ``'2:3'`` and the int 10, ``yes`` / ``on`` text, not YAML 1.1's base-60
+  number 123, octal 8 and True; a mapping's key given twice is a ValueError."""
+  import yaml  # the pretrain extra's; only for a YAML file
+  try:
+    return yaml.load(text, Loader=_yaml_loader(yaml))  # noqa: S506 (a SafeLoader)
+  except yaml.YAMLError as e:
+    raise ValueError(f'not valid YAML: {" ".join(str(e).split())}') from None
+
+
+def _yaml_loader(yaml):
+  """A ``yaml.SafeLoader`` with YAML 1.2's core schema for bools, ints and
+  floats, and mappings that refuse a key given twice."""
+  import re  # pylint: disable=g-import-not-at-top
+  core = {'bool': (r'^(?:true|True|TRUE|false|False|FALSE)$', 'tTfF'),
+          'int': (r'^(?:[-+]?[0-9]+|0o[0-7]+|0x[0-9a-fA-F]+)$', '-+0123456789'),
+          'float': (r'^(?:[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?'
+                    r'|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$', '-+0123456789.')}
+  tags = {f'tag:yaml.org,2002:{name}' for name in core}
+
+  class Loader(yaml.SafeLoader):  # pylint: disable=too-many-ancestors
+    def construct_mapping(self, node, deep=False):
+      self.flatten_mapping(node)
+      return _no_duplicates([(self.construct_object(k, deep=deep),
+                              self.construct_object(v, deep=deep)) for k, v in node.value])
+
+  def construct_int(loader, node):
+    text = loader.construct_scalar(node)
+    return int(text[2:], 8) if text.startswith('0o') else int(text, 16 if text.startswith('0x')
+                                                              else 10)
+
+  Loader.yaml_implicit_resolvers = {
+      first: [(tag, regexp) for tag, regexp in resolvers if tag not in tags]
+      for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+  for name, (regexp, first) in core.items():
+    Loader.add_implicit_resolver(f'tag:yaml.org,2002:{name}', re.compile(regexp), list(first))
+  Loader.add_constructor('tag:yaml.org,2002:int', construct_int)
+  Loader.add_constructor('tag:yaml.org,2002:bool',
+                         lambda loader, node: loader.construct_scalar(node).lower() == 'true')
+  return Loader
+
+
 def config_with_file(path: str | pathlib.Path,
                      given: tp.Mapping[str, tp.Any] | None = None) -> TrainConfig:
   """The :class:`TrainConfig` of a config file (:func:`read_config_file`)
   with the fields in ``given`` (the options on the command line) set over
-  it, the rest TrainConfig's defaults; checked by ``validate()``."""
-  cfg = TrainConfig(**{**read_config_file(path), **(given or {})})
+  it, the rest TrainConfig's defaults; checked by ``validate()``, after each
+  of the file's values that ``given`` leaves is checked alone, so that an
+  error in the file names it."""
+  given = dict(given or {})
+  values = read_config_file(path)
+  hints = tp.get_type_hints(TrainConfig)
+  metadata = {f.name: f.metadata for f in dataclasses.fields(TrainConfig)}
+  for k, v in values.items():
+    if k not in given:
+      try:
+        _check(k, v, hints[k], metadata[k])
+      except ValueError as e:
+        raise ValueError(f'--config {path}: {e}') from None
+  cfg = TrainConfig(**{**values, **given})
   cfg.validate()
   return cfg

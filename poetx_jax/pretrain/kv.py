@@ -13,7 +13,8 @@ import typing as tp
 
 def parse_overrides(text: str) -> dict:
   """The ``--model-overrides`` text as a dict, values read as JSON where they
-  parse, else kept as strings.
+  parse, else kept as strings; a key given twice, and ``NaN`` or
+  ``Infinity``, are ValueErrors.
 
     >>> parse_overrides('layers=4,hidden=128,name=x')
     {'layers': 4, 'hidden': 128, 'name': 'x'}
@@ -23,11 +24,18 @@ def parse_overrides(text: str) -> dict:
     if '=' not in item:
       raise ValueError(f'--model-overrides wants K=V pairs, got {item!r}')
     k, v = item.split('=', 1)
+    k = k.strip()
+    if k in out:
+      raise ValueError(f'--model-overrides: {k} is given twice')
     try:
-      out[k.strip()] = json.loads(v)
+      out[k] = json.loads(v, parse_constant=_finite_only)
     except json.JSONDecodeError:
-      out[k.strip()] = v
+      out[k] = v
   return out
+
+
+def _finite_only(name: str):
+  raise ValueError(f'--model-overrides: {name} is not a finite number')
 
 
 
