@@ -7,6 +7,8 @@ layer (:func:`poetx_jax.ops.poet_linear`'s ``kernel_scale``), so under
 
 from __future__ import annotations
 
+import numbers
+
 import jax
 import jax.numpy as jnp
 
@@ -28,7 +30,8 @@ def quantize_kernel(kernel_IxO: Array, *, bits: str = 'int8',
   """
   if bits not in QUANT_BITS:
     raise ValueError(f'bits must be one of {tuple(QUANT_BITS)}, got {bits!r}')
-  if not isinstance(group_size, int) or group_size < 1:
+  if (not isinstance(group_size, numbers.Integral) or isinstance(group_size, bool)
+      or group_size < 1):
     raise ValueError(f'group_size must be an int >= 1, got {group_size!r}')
   dtype, qmax = QUANT_BITS[bits]
   i, o = kernel_IxO.shape

@@ -53,6 +53,8 @@ def test_config_json_round_trips_and_unsupported_fields_are_refused_by_name():
     back = hf.llama_config(hf.hf_config(config, bos_token_id=1, eos_token_id=2))
     assert back == dataclasses.replace(config, block_size=16)  # min(256, kv heads * 16)
   assert hf.llama_config(hf.hf_config(CFG), block_size=8).block_size == 8
+  ids = hf.hf_config(CFG, bos_token_id=np.int64(1), eos_token_id=np.int32(2))  # numpy ids
+  assert json.loads(json.dumps(ids))['eos_token_id'] == 2 and type(ids['bos_token_id']) is int
   base = hf.hf_config(CFG)
   # Hugging Face's defaults, transformers 5's rope_parameters, metadata ignored.
   lean = {k: v for k, v in base.items() if k not in ('num_key_value_heads', 'rope_theta')}
@@ -73,10 +75,19 @@ def test_config_json_round_trips_and_unsupported_fields_are_refused_by_name():
     hf.llama_config({k: v for k, v in base.items() if k != 'hidden_size'})
   with pytest.raises(ValueError, match='heads must be divisible by kv_heads'):
     hf.llama_config({**base, 'num_key_value_heads': 3})
+  with pytest.raises(ValueError, match='kv_heads must be a positive int, got 0'):
+    hf.llama_config({**base, 'num_key_value_heads': 0})  # not taken for "absent"
+  assert hf.llama_config({**base, 'rope_parameters': 'default'}).rope_theta == CFG.rope_theta
+  with pytest.raises(ValueError, match=r'^llama_config\(block_size=1\): block_size must be'):
+    hf.llama_config(base, block_size=1)
   with pytest.raises(ValueError, match='torch_dtype must be one of'):
     hf.hf_config(CFG, torch_dtype='float16')
-  with pytest.raises(ValueError, match='MoELlama'):
+  with pytest.raises(ValueError, match='import reads the Hugging Face Llama layout into a dense '
+                                       'Llama.*a MoELlama'):
     hf.build_from_hf(get_config('moe-tiny'), {})
+  with pytest.raises(ValueError, match=r'a model directory or a \(config.json dict, state dict\) '
+                                       'pair, got dict'):
+    hf.from_hf(base)
 
 
 def test_weights_are_checked_by_name_and_shape(model):
@@ -163,6 +174,11 @@ def test_weight_files_sharded_or_not_are_read_or_refused_by_name(model, tmp_path
   last.unlink()
   with pytest.raises(ValueError, match=f'names the shard {last.name}, which is missing'):
     hf.from_hf(path)
+  index = path / hf_files.INDEX
+  for damaged in (b'{"weight_map": ', b'[]', b'\xff{}', b'{"weight_map": {"a": 1}}'):
+    index.write_bytes(damaged)
+    with pytest.raises(ValueError, match=f'{index}'):  # named, whatever is wrong with it
+      hf.from_hf(path)
   (tmp_path / 'bin').mkdir()
   (tmp_path / 'bin' / 'config.json').write_text(json.dumps(hf.hf_config(CFG)))
   (tmp_path / 'bin' / 'pytorch_model.bin').write_bytes(b'')

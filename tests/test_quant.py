@@ -2,6 +2,7 @@
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from flax import nnx
 
@@ -27,6 +28,11 @@ def test_quantize_roundtrip_error_bound(keys, bits):
   assert bool(jnp.all(err <= bound * (1 + 1e-6)))
   with pytest.raises(ValueError, match="bits must be one of"):
     ops.quantize_kernel(w, bits='int3')
+  for bad in (True, 0, 2.0):  # a bool is no group size; a numpy int is one
+    with pytest.raises(ValueError, match=f'group_size must be an int >= 1, got {bad!r}'):
+      ops.quantize_kernel(w, bits=bits, group_size=bad)
+  q64, _ = ops.quantize_kernel(w, bits=bits, group_size=np.int64(128))
+  np.testing.assert_array_equal(q64, q)
 
 
 @pytest.mark.parametrize('bits', ['int8', 'int4'])

@@ -193,8 +193,11 @@ def from_hf(source: str | os.PathLike | tuple[tp.Mapping, tp.Mapping], *,
       raise ValueError(f'{path} is damaged (a JSON {type(hf).__name__}, not an object): '
                        f'not a Hugging Face config')
     weights = hf_files.read_weights(root)
-  else:
+  elif isinstance(source, tp.Sequence) and len(source) == 2:
     hf, weights = source
+  else:
+    raise ValueError(f'from_hf takes a model directory or a (config.json dict, state dict) '
+                     f'pair, got {type(source).__name__}')
   config = llama_config(hf, block_size=block_size)
   check_weights(config, weights)
   return config, weights
@@ -252,7 +255,7 @@ def load_hf_weights(model: Llama, weights: tp.Mapping[str, tp.Any]) -> Llama:
   """
   if not isinstance(model, Llama):
     raise ValueError(f'model must be a dense Llama, got {type(model).__name__}')
-  check_exportable(model.config)
+  check_exportable(model.config, doing='import')
   check_weights(model.config, weights)
   if isinstance(model.layers, StackedLayers):
     _fill_layer(model.layers.layer, weights, range(model.config.layers))
@@ -296,7 +299,7 @@ def build_from_hf(config: LlamaConfig, weights: tp.Mapping[str, tp.Any], *,
     >>> bool(jnp.allclose(copy(tokens), model(tokens), atol=1e-5))
     True
   """
-  check_exportable(config)
+  check_exportable(config, doing='import')
   if 'rngs' in kwargs:
     raise ValueError('build_from_hf draws no weights: give no rngs')
   if place is not None and not scan_layers:

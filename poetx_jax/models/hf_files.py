@@ -122,8 +122,13 @@ def read_weights(directory: str | os.PathLike) -> Weights:
   """
   root = pathlib.Path(directory)
   if (root / INDEX).is_file():
-    weight_map = json.loads((root / INDEX).read_text()).get('weight_map')
-    if not isinstance(weight_map, dict) or not weight_map:
+    try:
+      index = json.loads((root / INDEX).read_bytes().decode())
+    except ValueError as e:  # not JSON, or not UTF-8
+      raise ValueError(f'{root / INDEX} is damaged ({e})') from None
+    weight_map = index.get('weight_map') if isinstance(index, dict) else None
+    if (not isinstance(weight_map, dict) or not weight_map
+        or not all(isinstance(f, str) for f in weight_map.values())):
       raise ValueError(f'{root / INDEX} has no "weight_map" of tensor names to files')
     for shard in sorted(set(weight_map.values())):
       if not (root / shard).is_file():

@@ -7,6 +7,8 @@ generation_config.json's :func:`hf_generation_config`) and back
 
 from __future__ import annotations
 
+import numbers
+
 import dataclasses
 import typing as tp
 
@@ -16,12 +18,17 @@ from poetx_jax.models.llama import Llama, LlamaConfig
 DTYPES = ('float32', 'bfloat16')
 
 
-def check_exportable(config: LlamaConfig) -> None:
+def check_exportable(config: LlamaConfig, *, doing: str = 'export') -> None:
   """Raises ValueError unless ``config`` describes a model with a Hugging Face
   ``LlamaForCausalLM`` form: a dense :class:`Llama` (a mixture-of-experts
-  model has no export yet)."""
+  model has none yet). ``doing``: ``'export'``, or ``'import'`` for the
+  message of a model to be read from one."""
   if not isinstance(config, LlamaConfig) or config.model_class is not Llama:
     what = getattr(config, 'model_class', type(config)).__name__
+    if doing == 'import':
+      raise ValueError(f'import reads the Hugging Face Llama layout into a dense Llama (its '
+                       f'LlamaConfig from from_hf); a {what} ({type(config).__name__}) has '
+                       f'no such form yet')
     raise ValueError(f'export writes the Hugging Face Llama layout: a {what} '
                      f'({type(config).__name__}) has no export yet')
 
@@ -84,13 +91,14 @@ def hf_generation_config(config: LlamaConfig, *, bos_token_id: int, eos_token_id
 
 
 def _token_ids(config: LlamaConfig, **ids: int | None) -> dict[str, int]:
-  """The given ids, each checked to be a token of the model's vocabulary."""
+  """The given ids (Python or numpy ints), each checked to be a token of the
+  model's vocabulary, as Python ints."""
   for name, i in ids.items():
-    if i is not None and not (isinstance(i, int) and not isinstance(i, bool)
+    if i is not None and not (isinstance(i, numbers.Integral) and not isinstance(i, bool)
                               and 0 <= i < config.vocab_size):
       raise ValueError(f'{name}={i!r} is not a token id of a vocabulary of '
                        f'{config.vocab_size}: expected an int in [0, {config.vocab_size})')
-  return {name: i for name, i in ids.items() if i is not None}
+  return {name: int(i) for name, i in ids.items() if i is not None}  # numpy ints: JSON's
 
 
 
@@ -179,11 +187,13 @@ def llama_config(hf: tp.Mapping[str, tp.Any], *, block_size: int | None = None
   def get(key):  # a field absent or null takes Hugging Face's default
     return hf[key] if hf.get(key) is not None else _DEFAULTS[key]
 
-  rope = hf.get('rope_parameters') or {}
+  rope = hf.get('rope_parameters')
+  rope = rope if isinstance(rope, tp.Mapping) else {}  # None or 'default' (checked above)
+  kv_heads = get('num_key_value_heads')  # 0 is refused below, not taken for "absent"
   kw = dict(vocab_size=get('vocab_size'), hidden=get('hidden_size'),
             mlp=get('intermediate_size'), layers=get('num_hidden_layers'),
             heads=get('num_attention_heads'),
-            kv_heads=get('num_key_value_heads') or get('num_attention_heads'),
+            kv_heads=kv_heads if kv_heads is not None else get('num_attention_heads'),
             max_seq_len=get('max_position_embeddings'), norm_eps=get('rms_norm_eps'),
             rope_theta=rope.get('rope_theta', get('rope_theta')),
             tie_embeddings=get('tie_word_embeddings'), init_std=get('initializer_range'))
@@ -191,9 +201,12 @@ def llama_config(hf: tp.Mapping[str, tp.Any], *, block_size: int | None = None
         and isinstance(v, int) and not isinstance(v, bool) else v for k, v in kw.items()}
   try:
     config = LlamaConfig(**kw)
-    if block_size is None:
-      dims = (config.hidden, config.mlp, config.kv_heads * config.head_dim)
-      block_size = min(256, *dims)
-    return dataclasses.replace(config, block_size=block_size)
   except ValueError as e:
     raise ValueError(f'config.json does not describe a valid Llama: {e}') from None
+  if block_size is None:
+    dims = (config.hidden, config.mlp, config.kv_heads * config.head_dim)
+    block_size = min(256, *dims)
+  try:
+    return dataclasses.replace(config, block_size=block_size)
+  except ValueError as e:  # the argument's, not config.json's
+    raise ValueError(f'llama_config(block_size={block_size!r}): {e}') from None
