@@ -22,7 +22,7 @@ import numpy as np
 from flax import nnx
 from flax.nnx.nn import initializers
 
-from poetx_jax.linear import POETLinear
+from poetx_jax.linear import POETLinear, carry_sharding, check_linear_products
 
 Array = jax.Array
 
@@ -104,14 +104,22 @@ def poetize(model, *, block_size: int, rngs: nnx.Rngs,
 
 
 def _detached(new, old):
-  """``new`` with none of ``old``'s Variables or arrays: each array the two
-  share is copied, so training ``new`` (whose step may donate its buffers)
-  leaves ``old`` usable and unchanged. Sharing within ``new`` is kept."""
-  old_arrays = jax.tree.leaves(nnx.state(old))  # held: their ids stay theirs
-  shared = {id(x) for x in old_arrays}
+  """``new`` with none of ``old``'s Variables or JAX arrays: each array the
+  two share is copied (once, however many of ``new``'s Variables hold it), so
+  training ``new`` (whose step may donate its buffers) leaves ``old`` usable
+  and unchanged. Values that are not JAX arrays are kept as they are."""
+  old_arrays = [x for x in jax.tree.leaves(nnx.state(old)) if isinstance(x, jax.Array)]
+  copies = {id(x): None for x in old_arrays}  # old_arrays holds them: their ids stay theirs
+
+  def own(x):
+    if not isinstance(x, jax.Array) or id(x) not in copies:
+      return x
+    if copies[id(x)] is None:
+      copies[id(x)] = jnp.copy(x)
+    return copies[id(x)]
+
   graphdef, state = nnx.split(new)
-  state = jax.tree.map(lambda x: jnp.copy(x) if id(x) in shared else x, state)
-  return nnx.merge(graphdef, state)
+  return nnx.merge(graphdef, jax.tree.map(own, state))
 
 
 def stack_from_linear(linear: nnx.Linear, *, block_size: int, rngs: nnx.Rngs,
@@ -123,8 +131,9 @@ def stack_from_linear(linear: nnx.Linear, *, block_size: int, rngs: nnx.Rngs,
   ``POETLinear.from_linear`` of layer ``idx`` (layers in row-major order, each
   drawing its permutations from ``rngs`` in turn), so its ``stack_shape`` is
   the leading axes. The kernel's ``layer_axis`` metadata (a scanned stack's)
-  is copied to every variable of the result, no other. ``kwargs``: as for
-  ``from_linear``.
+  is copied to every variable of the result, and the kernel's and bias's
+  sharding annotations to the stack's kernel and bias; product options are
+  refused as by ``from_linear``. ``kwargs``: as for ``from_linear``.
 
   A bias shared by the whole stack (shape ``(O,)`` beside a ``(..., I, O)``
   kernel) is refused, as is any bias not shaped ``(..., O)``: every variable
@@ -138,6 +147,7 @@ def stack_from_linear(linear: nnx.Linear, *, block_size: int, rngs: nnx.Rngs,
   if kernel.ndim < 3:
     raise ValueError(f'a stack needs a kernel with leading axes (..., in, out), '
                      f'got shape {kernel.shape}')
+  check_linear_products(linear)
   lead = kernel.shape[:-2]
   bias = linear.bias[...] if linear.bias is not None else None
   if bias is not None and bias.shape != lead + kernel.shape[-1:]:
@@ -163,6 +173,7 @@ def stack_from_linear(linear: nnx.Linear, *, block_size: int, rngs: nnx.Rngs,
     for _, v in nnx.iter_graph(layer):
       if isinstance(v, nnx.Variable):
         v.set_metadata(**meta)
+  carry_sharding(linear, layer)
   return layer
 
 
@@ -236,13 +247,16 @@ def to_linear(layer: POETLinear, *, rngs: nnx.Rngs | None = None) -> nnx.Linear:
   return linear
 
 
-def unpoetize(model):
+def unpoetize(model, *, detach: bool = True):
   """Returns a copy of ``model`` with each POETLinear replaced by an
   ``nnx.Linear`` holding its effective kernel ``(R W0 P)^T``: zero POET
   overhead for inference and export. The copy shares no Variable or array
-  with ``model``, which may go on training."""
+  with ``model``, which may go on training; ``detach=False`` lets the layers
+  not converted (embeddings, norms, head) share them, for a copy made only
+  to be read once (an export), without their memory twice."""
 
   def convert(path, node):
     return to_linear(node) if isinstance(node, POETLinear) else node
 
-  return _detached(nnx.recursive_map(convert, model), model)
+  converted = nnx.recursive_map(convert, model)
+  return _detached(converted, model) if detach else converted

@@ -26,6 +26,29 @@ _LINEAR_PRODUCTS = (('dot_general', jax.lax.dot_general),
                     ('preferred_element_type', None))
 _SHARDING_METADATA = ('out_sharding', 'mesh')
 
+
+def check_linear_products(linear: nnx.Linear) -> None:
+  """ValueError naming the product options (``dot_general``,
+  ``promote_dtype``, ``preferred_element_type``) ``linear`` sets: a POET
+  layer computes with its own, so it cannot honour them."""
+  custom = [name for name, default in _LINEAR_PRODUCTS
+            if getattr(linear, name, default) is not default]
+  if custom:
+    raise ValueError(f'nnx.Linear option(s) {", ".join(custom)} set: a POET layer computes '
+                     f'with its own products; leave them at their defaults, or exclude '
+                     f'the layer')
+
+
+def carry_sharding(linear: nnx.Linear, layer: 'POETLinear') -> None:
+  """Gives ``layer``'s kernel and bias the sharding annotations of
+  ``linear``'s (same axes: ``(..., I, O)`` and ``(..., O)``)."""
+  for old_var, new_var in ((linear.kernel, layer.kernel), (linear.bias, layer.bias)):
+    if old_var is not None and new_var is not None:
+      meta = old_var.get_metadata()
+      carried = {k: meta[k] for k in _SHARDING_METADATA if k in meta}
+      if carried:
+        new_var.set_metadata(**carried)
+
 Array = jax.Array
 MODES = ('fast', 'mem')
 IMPLEMENTATIONS = ('auto', 'xla', 'pallas', 'fused')
@@ -299,12 +322,7 @@ class POETLinear(nnx.Module):
     kernel = linear.kernel[...]
     if kernel.ndim != 2:
       raise ValueError(f'POET needs a 2-D kernel (in, out), got shape {kernel.shape}')
-    custom = [name for name, default in _LINEAR_PRODUCTS
-              if getattr(linear, name, default) is not default]
-    if custom:
-      raise ValueError(f'nnx.Linear option(s) {", ".join(custom)} set: a POET layer computes '
-                       f'with its own products; leave them at their defaults, or exclude '
-                       f'the layer')
+    check_linear_products(linear)
     if normalize_rows:
       norm = jnp.linalg.norm(kernel.astype(jnp.float32), axis=0, keepdims=True)
       kernel = (kernel / jnp.maximum(norm, 1e-12)).astype(kernel.dtype)
@@ -316,12 +334,7 @@ class POETLinear(nnx.Module):
       opts['bias_init'] = lambda *_: bias
     layer = cls(kernel.shape[0], kernel.shape[1], block_size=block_size,
                 kernel_init=lambda *_: kernel, rngs=rngs, **opts)
-    for old_var, new_var in ((linear.kernel, layer.kernel), (linear.bias, layer.bias)):
-      if old_var is not None and new_var is not None:
-        meta = old_var.get_metadata()
-        carried = {k: meta[k] for k in _SHARDING_METADATA if k in meta}
-        if carried:
-          new_var.set_metadata(**carried)
+    carry_sharding(linear, layer)
     return layer
 
   def encode_base(self, kernel_IxO: Array) -> tuple[Array, Array | None]:

@@ -157,7 +157,7 @@ def test_model_overrides_refuse_a_key_twice_and_numbers_that_are_not_finite():
   assert parse_overrides('layers=1,hidden=32,name=x') == {'layers': 1, 'hidden': 32, 'name': 'x'}
   with pytest.raises(ValueError, match='--model-overrides: layers is given twice'):
     parse_overrides('layers=1,hidden=32,layers=2')
-  for bad in ('rope_theta=Infinity', 'init_std=NaN', 'norm_eps=-Infinity'):
+  for bad in ('rope_theta=Infinity', 'init_std=NaN', 'norm_eps=-Infinity', 'rope_theta=1e999'):
     with pytest.raises(ValueError, match='is not a finite number'):
       parse_overrides(bad)
   with pytest.raises(ValueError, match='rope_theta must be a finite positive number, got inf'):

@@ -71,6 +71,18 @@ def test_the_input_and_an_unpoetized_copy_survive_training_with_donation(keys):
   assert rel_err(model(tokens), snapshot) > 1e-4  # the POET model trained on
 
 
+def test_poetize_keeps_values_that_are_not_arrays_as_they_are():
+  """Only JAX arrays are copied away from the input: a Variable's text, int
+  or numpy value stays what it was."""
+  base = Tiny(nnx.Rngs(0))
+  base.note = nnx.Variable('gelu')
+  base.count = nnx.Variable(3)
+  base.table = nnx.Variable(np.arange(4))
+  model = poetx_jax.poetize(base, block_size=8, rngs=nnx.Rngs(1))
+  assert model.note.get_value() == 'gelu' and type(model.count.get_value()) is int
+  assert type(model.table.get_value()) is np.ndarray
+
+
 def test_poetize_consume_frees_converted_kernels(keys):
   tokens = jax.random.randint(keys(), (2, 7), 0, 50)
   want = poetx_jax.poetize(Tiny(nnx.Rngs(0)), block_size=8, rngs=nnx.Rngs(1))(tokens)
@@ -102,11 +114,24 @@ def test_poetize_keeps_sharding_annotations_and_refuses_custom_products():
   assert layer.kernel.get_metadata()['out_sharding'] == (None, 'model')
   assert layer.bias.get_metadata()['out_sharding'] == ('model',)
   assert layer.kernel.get_metadata()['mesh'] is mesh
+  # A stack of layers (a kernel with a leading axis) alike.
+  stack = nnx.Linear(32, 16, rngs=nnx.Rngs(0))
+  stack.kernel = nnx.Param(jnp.stack([stack.kernel[...]] * 3), out_sharding=(None, None, 'model'),
+                           mesh=mesh)
+  stack.bias = nnx.Param(jnp.zeros((3, 16)), out_sharding=(None, 'model'), mesh=mesh)
+  layer = poetx_jax.poetize(nnx.Sequential(stack), block_size=8, rngs=nnx.Rngs(1)).layers[0]
+  assert layer.stack_shape == (3,)
+  assert layer.kernel.get_metadata()['out_sharding'] == (None, None, 'model')
+  assert layer.bias.get_metadata()['out_sharding'] == (None, 'model')
   for option in (dict(preferred_element_type=jnp.float32),
                  dict(dot_general=lambda *a, **k: jax.lax.dot_general(*a, **k))):
-    custom = nnx.Sequential(nnx.Linear(32, 16, rngs=nnx.Rngs(0), **option))
-    with pytest.raises(ValueError, match=f"layer 'layers/0'.*option\\(s\\) {next(iter(option))} set"):
-      poetx_jax.poetize(custom, block_size=8, rngs=nnx.Rngs(1))
+    for stacked in (False, True):
+      custom = nnx.Linear(32, 16, rngs=nnx.Rngs(0), **option)
+      if stacked:
+        custom.kernel = nnx.Param(jnp.stack([custom.kernel[...]] * 3))
+        custom.bias = nnx.Param(jnp.zeros((3, 16)))
+      with pytest.raises(ValueError, match=f"layer 'layers/0'.*option\\(s\\) {next(iter(option))} set"):
+        poetx_jax.poetize(nnx.Sequential(custom), block_size=8, rngs=nnx.Rngs(1))
 
 
 def test_merge_preserves_function_and_resets(keys):

@@ -119,6 +119,21 @@ def test_a_resume_refused_for_a_missing_tracker_moves_no_checkpoint(
   assert _tree(cfg.out_dir) == before
 
 
+def test_a_run_json_of_relative_paths_resumes(tmp_path, reference, monkeypatch):
+  """A run.json from before paths were recorded absolute (data and tokenizer
+  relative to the directory training ran in) resumes from there as it was."""
+  cfg = _copy(reference, tmp_path)
+  run = pathlib.Path(cfg.out_dir)
+  saved = json.loads((run / 'run.json').read_text())
+  monkeypatch.chdir(tmp_path)
+  saved.update(data=[os.path.relpath(d, tmp_path) for d in saved['data']],
+               tokenizer='run/tokenizer.json')
+  assert not any(os.path.isabs(d) for d in saved['data'])
+  (run / 'run.json').write_text(json.dumps(saved))
+  assert cli.main(['train', '--resume', '--step', '8', '--out-dir', 'run']) == 0
+  _assert_same_run(cfg, reference)
+
+
 def test_each_abandonment_keeps_its_checkpoints(tmp_path, reference, capsys):
   """--resume --step 8 sets 12 aside and writes a new 12; --resume --step 4
   then sets 8 and the new 12 aside in a folder of their own: nothing lost."""

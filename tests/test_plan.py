@@ -285,9 +285,9 @@ def test_muon_orthogonalises_the_decoder_matrices_only(scan):
 def test_the_paths_a_run_records_are_absolute(tmp_path, monkeypatch):
   """run.json names the data, tokenizer and checkpoint as absolute paths, so
   that eval and --resume find them from any directory; a weight stays."""
-  from poetx_jax.pretrain.plan import expand_home
+  from poetx_jax.pretrain.plan import resolve_paths
   monkeypatch.chdir(tmp_path)
-  cfg = expand_home(TrainConfig(data=['corpus:0.7', 'web:0.3'], val_data=['held'],
+  cfg = resolve_paths(TrainConfig(data=['corpus:0.7', 'web:0.3'], val_data=['held'],
                                 tokenizer='tok.json', init_from_hf='~/hf'))
   assert cfg.data == [f'{tmp_path}/corpus:0.7', f'{tmp_path}/web:0.3']
   assert cfg.val_data == [f'{tmp_path}/held'] and cfg.tokenizer == f'{tmp_path}/tok.json'

@@ -77,8 +77,9 @@ def test_bad_config_files_are_refused_by_name(tmp_path, capsys):
       ('e.yaml', 'lr: fast', "lr must be a number or none, got 'fast'"),
       ('g.yaml', 'steps: 4\nsteps: 2\n', r"'steps' is given twice \(4, then 2\)"),
       ('h.json', '{"steps": 4, "steps": 8}', r"'steps' is given twice \(4, then 8\)"),
-      ('i.yaml', b'steps: 4 # \xff\n', 'cannot be read as UTF-8 text'),
-      ('j.yaml/', '', 'cannot be read as UTF-8 text')]:
+      ('i.yaml', b'steps: 4 # \xff\n', 'not UTF-8 text'),
+      ('j.yaml/', '', r'cannot be read \(Is a directory\)'),
+      ('m.yaml', '? [1, 2]\n: 3\n', 'a mapping key that is not a plain value')]:
     if name.endswith('/'):  # a directory of a config file's name
       (tmp_path / name).mkdir()
     elif isinstance(text, bytes):
@@ -91,6 +92,10 @@ def test_bad_config_files_are_refused_by_name(tmp_path, capsys):
   (tmp_path / 'k.yaml').write_text('profile_steps: 2:3\nseed: 010\nwarmup: 0o7\nlr: 1e-3\n')
   assert read_config_file(tmp_path / 'k.yaml') == dict(profile_steps='2:3', seed=10, warmup=7,
                                                        lr=1e-3)
+  # A merge (<<) is overridden by the mapping's own keys, not a key given twice.
+  from poetx_jax.pretrain.config_text import _read_yaml
+  assert _read_yaml('a: &a {x: 1, y: 2}\nb: {<<: *a, y: 3}\nd: 2024-01-01\n') == {
+      'a': {'x': 1, 'y': 2}, 'b': {'x': 1, 'y': 3}, 'd': '2024-01-01'}
   (tmp_path / 'l.yaml').write_text('cache_dir: ~\n')  # YAML's null, named with the file
   with pytest.raises(ValueError, match='l.yaml: cache_dir must be a str, got None'):
     config_with_file(tmp_path / 'l.yaml')

@@ -128,8 +128,10 @@ def read_config_file(path: str | pathlib.Path) -> dict[str, tp.Any]:
     text = path.read_text(encoding='utf-8')
   except FileNotFoundError:
     raise FileNotFoundError(f'--config {path}: no such file') from None
-  except (OSError, UnicodeDecodeError) as e:
-    raise ValueError(f'--config {path}: cannot be read as UTF-8 text: {e}') from None
+  except UnicodeDecodeError as e:
+    raise ValueError(f'--config {path}: not UTF-8 text ({e})') from None
+  except OSError as e:
+    raise ValueError(f'--config {path}: cannot be read ({e.strerror or e})') from None
   try:
     if suffix == '.json':
       try:
@@ -169,8 +171,10 @@ def _no_duplicates(pairs: list[tuple[str, tp.Any]]) -> dict:
 
 def _read_yaml(text: str):
   """YAML text read by the YAML 1.2 core schema: ``2:3`` and ``010`` are the
-  text ``'2:3'`` and the int 10, ``yes`` / ``on`` text, not YAML 1.1's base-60
-  number 123, octal 8 and True; a mapping's key given twice is a ValueError."""
+  text ``'2:3'`` and the int 10, ``yes`` / ``on`` and ``2024-01-01`` text, not
+  YAML 1.1's base-60 number 123, octal 8, True and a date; a mapping's key
+  given twice is a ValueError (a merged ``<<`` key is overridden, as YAML
+  merges do)."""
   import yaml  # the pretrain extra's; only for a YAML file
   try:
     return yaml.load(text, Loader=_yaml_loader(yaml))  # noqa: S506 (a SafeLoader)
@@ -186,13 +190,19 @@ def _yaml_loader(yaml):
           'int': (r'^(?:[-+]?[0-9]+|0o[0-7]+|0x[0-9a-fA-F]+)$', '-+0123456789'),
           'float': (r'^(?:[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?'
                     r'|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$', '-+0123456789.')}
-  tags = {f'tag:yaml.org,2002:{name}' for name in core}
+  tags = {f'tag:yaml.org,2002:{name}' for name in (*core, 'timestamp')}  # no dates either
 
   class Loader(yaml.SafeLoader):  # pylint: disable=too-many-ancestors
     def construct_mapping(self, node, deep=False):
-      self.flatten_mapping(node)
-      return _no_duplicates([(self.construct_object(k, deep=deep),
-                              self.construct_object(v, deep=deep)) for k, v in node.value])
+      own = sum(k.tag != 'tag:yaml.org,2002:merge' for k, _ in node.value)
+      self.flatten_mapping(node)  # merged (<<) pairs first, the mapping's own last
+      pairs = [(self.construct_object(k, deep=deep), self.construct_object(v, deep=deep))
+               for k, v in node.value]
+      cut = len(pairs) - own
+      try:  # the mapping's own keys override merged ones; twice among its own: refused
+        return {**dict(pairs[:cut]), **_no_duplicates(pairs[cut:])}
+      except TypeError as e:  # a key that is a list or mapping
+        raise ValueError(f'a mapping key that is not a plain value ({e})') from None
 
   def construct_int(loader, node):
     text = loader.construct_scalar(node)

@@ -131,8 +131,8 @@ def export_model(model, mc: models.LlamaConfig, out_dir: str | pathlib.Path,
                        f'model a vocabulary of {mc.vocab_size}: they must be equal')
     ids = {'bos_token_id': special.bos[1], 'eos_token_id': special.eos[1],
            'pad_token_id': special.pad[1]}
-  files.update(_weight_files(hf.hf_state_dict(poetx_jax.unpoetize(model), dtype=dtype),
-                             max_bytes))
+  dense = poetx_jax.unpoetize(model, detach=False)  # read once, here
+  files.update(_weight_files(hf.hf_state_dict(dense, dtype=dtype), max_bytes))
   files['config.json'] = _json_writer(hf.hf_config(mc, torch_dtype=dtype, **ids))
   if tokenizer_path is not None:
     files['generation_config.json'] = _json_writer(hf.hf_generation_config(mc, **ids))

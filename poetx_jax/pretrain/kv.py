@@ -8,6 +8,7 @@ values their fields' types.
 from __future__ import annotations
 
 import json
+import math
 import typing as tp
 
 
@@ -31,6 +32,8 @@ def parse_overrides(text: str) -> dict:
       out[k] = json.loads(v, parse_constant=_finite_only)
     except json.JSONDecodeError:
       out[k] = v
+    if isinstance(out[k], float) and not math.isfinite(out[k]):  # 1e999
+      _finite_only(v)
   return out
 
 

@@ -222,7 +222,7 @@ def _first_prepared(cfg: TrainConfig) -> tuple[str, int] | None:
     return None
 
 
-def expand_home(cfg: TrainConfig) -> TrainConfig:
+def resolve_paths(cfg: TrainConfig) -> TrainConfig:
   """``cfg`` with its data, validation data, tokenizer and starting checkpoint
   made absolute paths, a leading ``~`` expanded to the home directory (as a
   shell does for a flag's own word but not for ``--flag=~/...`` or a config
@@ -241,11 +241,11 @@ def expand_home(cfg: TrainConfig) -> TrainConfig:
 def finish_options(cfg: TrainConfig, *, resume: bool,
                    device_count: int | None = None) -> TrainConfig:
   """``cfg`` checked (``validate``, with ``device_count``) and finished: its
-  paths' ``~`` expanded (:func:`expand_home`), its run directory named; for a
+  paths made absolute (:func:`resolve_paths`), its run directory named; for a
   fresh run the vocabulary of the prepared dataset it trains on, or else the
   tokenizer file it uses (:func:`given_tokenizer`) and its vocabulary, so
   that ``run.json`` records the tokenizer and vocabulary used."""
-  cfg = expand_home(cfg)
+  cfg = resolve_paths(cfg)
   cfg.validate(device_count=device_count)
   cfg = dataclasses.replace(cfg, out_dir=default_out_dir(cfg))
   if resume:

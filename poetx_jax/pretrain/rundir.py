@@ -50,6 +50,9 @@ LOCATIONS = ('out_dir', 'cache_dir', 'compile_cache', 'data', 'val_data')
 # restore onto any mesh), and plan.resumed_options fits a saved fsdp to the
 # devices present.
 LAYOUT = ('strategy', 'fsdp', 'memory_slop')
+# Options that name a file or directory that is not a location (the run
+# trains with what they hold): compared on --resume as absolute paths.
+PATHS = ('tokenizer', 'init_from_hf')
 # Options that say where the metrics also go and what is profiled: --resume
 # may change them.
 REPORTING = ('tracking', 'profile_steps')
@@ -193,6 +196,9 @@ def _check_resumable(run_file: pathlib.Path, cfg: TrainConfig) -> None:
   saved ones."""
   # A field newer than the run (absent from its run.json) holds its default.
   saved = {**dataclasses.asdict(TrainConfig()), **saved_run(run_file.parent)}
+  for key in PATHS:  # a run.json older than absolute paths holds them as given
+    if isinstance(saved.get(key), str):
+      saved[key] = _absolute(saved[key])
   now = dataclasses.asdict(cfg)
   diff = {k: (saved.get(k), v) for k, v in now.items()
           if k not in LOCATIONS + LAYOUT + REPORTING + ('steps',) and saved.get(k) != v}
@@ -329,7 +335,8 @@ def read_data_record(out: pathlib.Path) -> dict:
     raise CheckpointError(f'{out} has no {DATA_FILE}: the run directory does not hold '
                           f'its tokenizer and data identity, so it cannot be evaluated, '
                           f'exported or resumed reliably')
-  record = read_json(path, required=('tokenizer', 'tokenizer_sha256'), error=CheckpointError)
+  record = read_json(path, required=('tokenizer', 'tokenizer_sha256', 'vocab_size'),
+                     error=CheckpointError)
   tok = path.parent / record['tokenizer']
   if not tok.is_file():
     raise CheckpointError(f'{out}: the run\'s tokenizer {tok.name} is missing')
@@ -353,7 +360,8 @@ def check_data(out: pathlib.Path, data: data_lib.TextData, splits: tuple[str, ..
   those the run was trained with."""
   record = read_data_record(out)
   recorded = data_sources(out)
-  given = recorded if sources is None else (list(sources) or ['the built-in corpus'])
+  given = (recorded if sources is None else
+           [_absolute(d) for d in sources] or ['the built-in corpus'])
   which = (f'{", ".join(recorded)} changed since' if given == recorded else
            f'the corpus read, {", ".join(given)}, is not the one the run was trained '
            f'on ({", ".join(recorded)}) or that one changed since')
@@ -371,7 +379,13 @@ def check_data(out: pathlib.Path, data: data_lib.TextData, splits: tuple[str, ..
 def data_sources(out: pathlib.Path) -> list[str]:
   """The corpus paths of a run, as recorded in its ``run.json``."""
   saved = read_run_record(pathlib.Path(out) / RUN_FILE)
-  return saved.get('data') or ['the built-in corpus']
+  return [_absolute(d) for d in saved.get('data') or ()] or ['the built-in corpus']
+
+
+def _absolute(path: str) -> str:
+  """``path`` as ``run.json`` records it now (plan.resolve_paths): absolute,
+  ``~`` expanded; a relative one of an older run read from here."""
+  return os.path.abspath(os.path.expanduser(path))
 
 
 def read_config(out: str | pathlib.Path) -> TrainConfig:

@@ -348,8 +348,10 @@ def set_up(cfg: TrainConfig, out: pathlib.Path, *, resume: bool, step: int | Non
   train step built and placed on the devices, the state restored when
   resuming (from ``step``, else the newest intact checkpoint; on one device
   into the state's shapes, no random model drawn first)."""
-  for name in cfg.tracking:  # a missing package refuses the run before anything moves
-    tracker_module(name)
+  # The process that reports opens the trackers: a missing package refuses the
+  # run there before anything moves.
+  processes.on_primary('importing the trackers',
+                       lambda: [tracker_module(name) for name in cfg.tracking])
   data = loading.run_data(out, cfg, resume=resume)
   log(f'data: {data.description}')
   source = hf_init.run_source(cfg, out, resume=resume, log=log)  # --init-from-hf
