@@ -377,7 +377,7 @@ def check_data(out: pathlib.Path, data: data_lib.TextData, splits: tuple[str, ..
 
 
 def data_sources(out: pathlib.Path) -> list[str]:
-  """The corpus paths of a run, as recorded in its ``run.json``."""
+  """The corpus paths of a run's ``run.json``, absolute (:func:`_absolute`)."""
   saved = read_run_record(pathlib.Path(out) / RUN_FILE)
   return [_absolute(d) for d in saved.get('data') or ()] or ['the built-in corpus']
 
