@@ -431,7 +431,7 @@ def train_run(a, run: dict, done: list[dict], out: pathlib.Path,
   plan = make_plan(cfg)
   lr = plan.lr
   spec = {'name': run['name'], 'config': run['config'], 'optimizer': cfg.optimizer,
-          'lr': lr, 'poet_lr': cfg.poet_lr, 'seed': cfg.seed, 'block_size': plan.block_size,
+          'lr': lr, 'poet_lr': plan.poet_lr, 'seed': cfg.seed, 'block_size': plan.block_size,
           'tiers': cfg.skew_tiers, 'merge_every': plan.merge_every}
   progress(f'run {len(done) + 1}/{len(a.plan)}: {run["name"]} (lr {lr:g})')
   hook = spectrum_hook(a.probe_every)

@@ -112,12 +112,14 @@ def family(r: dict) -> str:
 
 
 def stat(values: list[float | None]) -> dict:
-  """Mean, sample standard deviation (None for one value), min, max and n;
-  all None when a value is missing."""
+  """Mean, sample standard deviation (None for one value, or where a value
+  is not finite: a diverged run's inf or nan), min, max and n; all None when
+  a value is missing."""
   if any(v is None for v in values):
     return {'mean': None, 'sd': None, 'min': None, 'max': None, 'n': len(values)}
+  finite = all(math.isfinite(v) for v in values)
   return {'mean': statistics.fmean(values),
-          'sd': statistics.stdev(values) if len(values) > 1 else None,
+          'sd': statistics.stdev(values) if len(values) > 1 and finite else None,
           'min': min(values), 'max': max(values), 'n': len(values)}
 
 
@@ -487,24 +489,43 @@ def from_study(out: pathlib.Path) -> dict:
   return {'header': header, 'args': study['args'], **analyse(runs)}
 
 
+# The header fields that make runs comparable: a join refuses studies that differ in any.
+SETUP = ('model', 'model_overrides', 'seq_len', 'batch_size', 'steps', 'warmup',
+         'min_lr_ratio', 'clip', 'eval_every', 'vocab_size')
+
+
 def join(studies: list[dict]) -> dict:
   """One analysed study of the runs of several (their ``results.json``), e.g.
   a second seed trained later on the same data with the same base options:
   runs whose overrides are the same set of ``K=V`` pairs but for ``seed`` are
-  one configuration whatever the order they were written in. The header is
-  the first study's, its ``runs`` all the studies' specs (each once), its
+  one configuration whatever the order they were written in (``lr=best`` by
+  the rate it resolved to); a configuration and seed twice, or studies whose
+  :data:`SETUP` differs, are refused. The header is the first study's, its ``runs`` all the studies' specs (each once), its
   ``failed_runs`` those that failed in one study and have no result in any,
   with their ``last_evals``."""
   from poetx_jax.pretrain.kv import split_top
   if not studies:
     raise ValueError('join needs at least one study')
-  names, seen, runs = set(), {}, []
+  first = studies[0]['header']
+  for study in studies[1:]:
+    differ = {k: (first.get(k), study['header'].get(k)) for k in SETUP
+              if first.get(k) != study['header'].get(k)}
+    if differ:
+      raise ValueError(f'the studies differ in their setup (first, other): {differ}; only '
+                       f'studies of the same model, batch and schedule join')
+  names, seen, runs, keyed = set(), {}, [], set()
   for study in studies:
     for r in study['runs']:
       if r['name'] in names:
         raise ValueError(f'run {r["name"]!r} is in more than one study')
       names.add(r['name'])
-      key = frozenset(split_top(r['config'], ',')) if r['config'] else frozenset()
+      pairs = split_top(r['config'], ',') if r['config'] else []
+      # lr=best is the rate it resolved to: runs of other rates are other configurations
+      key = frozenset(f'lr={r["lr"]!r}' if p == 'lr=best' else p for p in pairs)
+      if (key, r['seed']) in keyed:
+        raise ValueError(f'run {r["name"]!r} repeats a configuration and seed of another '
+                         f'run (its K=V pairs in another order?)')
+      keyed.add((key, r['seed']))
       runs.append({**r, 'config': seen.setdefault(key, r['config'])})
   failed = [n for st in studies for n in st['header'].get('failed_runs', []) if n not in names]
   last = {n: e for st in studies for n, e in st['header'].get('last_evals', {}).items()

@@ -348,6 +348,20 @@ def test_join_reports_studies_of_other_seeds_as_one(serial, tmp_path):
   assert res['header']['runs'] == [*first['header']['runs'], 'optimizer=adamw,lr=7e-4']
   with pytest.raises(SystemExit):
     R.main(['--out', str(tmp_path / 'twice'), str(tmp_path / 'a.json'), str(tmp_path / 'a.json')])
+  # The same configuration and seed again (its pairs reordered) is refused, as
+  # are studies of another setup; a diverged seed leaves the mean inf, no sd.
+  again = json.loads(json.dumps(second))
+  for r, r1 in zip(again['runs'], first['runs']):
+    r['seed'], r['name'] = r1['seed'], f"{r['config']},again"
+  with pytest.raises(ValueError, match='repeats a configuration and seed of another run'):
+    R.join([first, again])
+  other = json.loads(json.dumps(second))
+  other['header']['batch_size'] *= 2
+  with pytest.raises(ValueError, match=r"differ in their setup .*'batch_size'"):
+    R.join([first, other])
+  second['runs'][0]['val_ppl_final'] = second['runs'][0]['val_ppl_best'] = float('inf')
+  c = R.join([first, second])['configurations'][0]
+  assert c['val_ppl_final']['mean'] == float('inf') and c['val_ppl_final']['sd'] is None
   # A study directory none of whose runs finished has nothing to report.
   (tmp_path / 'empty').mkdir()
   (tmp_path / 'empty' / 'study.json').write_bytes((serial[2] / 'out' / 'study.json').read_bytes())
