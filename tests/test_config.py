@@ -155,7 +155,7 @@ def test_model_overrides_refuse_a_key_twice_and_numbers_that_are_not_finite():
   from poetx_jax.models import get_config
   from poetx_jax.pretrain.kv import parse_overrides
   assert parse_overrides('layers=1,hidden=32,name=x') == {'layers': 1, 'hidden': 32, 'name': 'x'}
-  with pytest.raises(ValueError, match='--model-overrides: layers is given twice'):
+  with pytest.raises(ValueError, match=r'layers is given twice in --model-overrides \(1, then 2\)'):
     parse_overrides('layers=1,hidden=32,layers=2')
   for bad in ('rope_theta=Infinity', 'init_std=NaN', 'norm_eps=-Infinity', 'rope_theta=1e999'):
     with pytest.raises(ValueError, match='is not a finite number'):

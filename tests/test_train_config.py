@@ -75,8 +75,8 @@ def test_bad_config_files_are_refused_by_name(tmp_path, capsys):
       ('c.yaml', 'steps: [1', 'not valid YAML'),
       ('d.toml', 'steps = 1', r"JSON \(.json\) or YAML \(.yaml, .yml\), got the suffix '.toml'"),
       ('e.yaml', 'lr: fast', "lr must be a number or none, got 'fast'"),
-      ('g.yaml', 'steps: 4\nsteps: 2\n', r"'steps' is given twice \(4, then 2\)"),
-      ('h.json', '{"steps": 4, "steps": 8}', r"'steps' is given twice \(4, then 8\)"),
+      ('g.yaml', 'steps: 4\nsteps: 2\n', r"steps is given twice \(4, then 2\)"),
+      ('h.json', '{"steps": 4, "steps": 8}', r"steps is given twice \(4, then 8\)"),
       ('i.yaml', b'steps: 4 # \xff\n', 'not UTF-8 text'),
       ('j.yaml/', '', r'cannot be read \(Is a directory\)'),
       ('m.yaml', '? [1, 2]\n: 3\n', 'a mapping key that is not a plain value')]:

@@ -23,7 +23,6 @@ both given here)::
 from __future__ import annotations
 
 import functools
-import json
 import os
 import typing as tp
 
@@ -184,14 +183,7 @@ def from_hf(source: str | os.PathLike | tuple[tp.Mapping, tp.Mapping], *,
     if not os.path.isfile(path):
       raise ValueError(f'{root} is not a Hugging Face model directory: it has no '
                        f'config.json')
-    try:
-      with open(path, encoding='utf-8') as f:
-        hf = json.load(f)
-    except ValueError as e:  # not JSON, or not UTF-8
-      raise ValueError(f'{path} is damaged ({e}): not a Hugging Face config') from None
-    if not isinstance(hf, dict):
-      raise ValueError(f'{path} is damaged (a JSON {type(hf).__name__}, not an object): '
-                       f'not a Hugging Face config')
+    hf = hf_files.read_json_object(path, ': not a Hugging Face config')
     weights = hf_files.read_weights(root)
   elif isinstance(source, tp.Sequence) and len(source) == 2:
     hf, weights = source

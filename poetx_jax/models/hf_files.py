@@ -110,6 +110,18 @@ class Weights(collections.abc.Mapping):
     return len(self.files)
 
 
+def read_json_object(path: str | os.PathLike, what: str = '') -> dict:
+  """The JSON object of the file ``path``; ValueError naming the file (and
+  ``what`` it should be) if it is not UTF-8 JSON or not an object."""
+  try:
+    value = json.loads(pathlib.Path(path).read_bytes().decode())
+  except ValueError as e:  # not JSON, or not UTF-8
+    raise ValueError(f'{path} is damaged ({e}){what}') from None
+  if not isinstance(value, dict):
+    raise ValueError(f'{path} is damaged (a JSON {type(value).__name__}, not an object){what}')
+  return value
+
+
 def read_weights(directory: str | os.PathLike) -> Weights:
   """The weights of a Hugging Face model directory: ``model.safetensors`` or
   the shards its ``model.safetensors.index.json`` names.
@@ -122,11 +134,7 @@ def read_weights(directory: str | os.PathLike) -> Weights:
   """
   root = pathlib.Path(directory)
   if (root / INDEX).is_file():
-    try:
-      index = json.loads((root / INDEX).read_bytes().decode())
-    except ValueError as e:  # not JSON, or not UTF-8
-      raise ValueError(f'{root / INDEX} is damaged ({e})') from None
-    weight_map = index.get('weight_map') if isinstance(index, dict) else None
+    weight_map = read_json_object(root / INDEX).get('weight_map')
     if (not isinstance(weight_map, dict) or not weight_map
         or not all(isinstance(f, str) for f in weight_map.values())):
       raise ValueError(f'{root / INDEX} has no "weight_map" of tensor names to files')

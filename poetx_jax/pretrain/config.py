@@ -233,9 +233,7 @@ class TrainConfig:
       device_count: the devices the run will use; when given, ``fsdp`` must
         divide it.
     """
-    hints = tp.get_type_hints(TrainConfig)
-    for f in dataclasses.fields(self):
-      _check(f.name, getattr(self, f.name), hints[f.name], f.metadata)
+    check_fields({f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
     twice = sorted({t for t in self.tracking if self.tracking.count(t) > 1})
     if twice:
       raise ValueError(f'tracking names {", ".join(twice)} twice (each tracker once)')
@@ -318,6 +316,16 @@ def _bounds(md: tp.Mapping) -> str:
   if lo:
     return f'{">=" if lo[0] == "[" else ">"} {lo[1]}'
   return f'{"<=" if hi[0] == "]" else "<"} {hi[1]}' if hi else ''
+
+
+def check_fields(values: tp.Mapping[str, tp.Any]) -> None:
+  """Raises ValueError for the first of ``values`` (TrainConfig fields by
+  name) that its field cannot take alone: its type, choices and bounds (how
+  the fields go together: :meth:`TrainConfig.validate`)."""
+  hints = tp.get_type_hints(TrainConfig)
+  metadata = {f.name: f.metadata for f in dataclasses.fields(TrainConfig)}
+  for name, value in values.items():
+    _check(name, value, hints[name], metadata[name])
 
 
 def _check(name: str, value: tp.Any, hint, md: tp.Mapping) -> None:

@@ -29,8 +29,8 @@ import json
 import pathlib
 import typing as tp
 
-from poetx_jax.pretrain.config import PLAN_KEY, TrainConfig, _base_type, _check, _field_names
-from poetx_jax.pretrain.kv import parse_overrides, split_assignments, split_top
+from poetx_jax.pretrain.config import PLAN_KEY, TrainConfig, _base_type, _field_names, check_fields
+from poetx_jax.pretrain.kv import parse_overrides, split_assignments, split_top, unique_keys
 
 # ------------------------------------------------------------------- K=V overrides
 
@@ -135,7 +135,7 @@ def read_config_file(path: str | pathlib.Path) -> dict[str, tp.Any]:
   try:
     if suffix == '.json':
       try:
-        values = json.loads(text, object_pairs_hook=_no_duplicates)
+        values = json.loads(text, object_pairs_hook=unique_keys)
       except json.JSONDecodeError as e:
         raise ValueError(f'not valid JSON: {e}') from None
     else:
@@ -156,17 +156,6 @@ def read_config_file(path: str | pathlib.Path) -> dict[str, tp.Any]:
     return {k: field_value(k, v) if isinstance(v, str) else v for k, v in values.items()}
   except ValueError as e:
     raise ValueError(f'--config {path}: {e}') from None
-
-
-def _no_duplicates(pairs: list[tuple[str, tp.Any]]) -> dict:
-  """A JSON object's (or YAML mapping's) pairs as a dict; ValueError for a
-  key given twice (a silent last-one-wins would hide the first)."""
-  out = {}
-  for k, v in pairs:
-    if k in out:
-      raise ValueError(f'{k!r} is given twice ({out[k]!r}, then {v!r})')
-    out[k] = v
-  return out
 
 
 def _read_yaml(text: str):
@@ -200,7 +189,7 @@ def _yaml_loader(yaml):
                for k, v in node.value]
       cut = len(pairs) - own
       try:  # the mapping's own keys override merged ones; twice among its own: refused
-        return {**dict(pairs[:cut]), **_no_duplicates(pairs[cut:])}
+        return {**dict(pairs[:cut]), **unique_keys(pairs[cut:])}
       except TypeError as e:  # a key that is a list or mapping
         raise ValueError(f'a mapping key that is not a plain value ({e})') from None
 
@@ -229,14 +218,10 @@ def config_with_file(path: str | pathlib.Path,
   error in the file names it."""
   given = dict(given or {})
   values = read_config_file(path)
-  hints = tp.get_type_hints(TrainConfig)
-  metadata = {f.name: f.metadata for f in dataclasses.fields(TrainConfig)}
-  for k, v in values.items():
-    if k not in given:
-      try:
-        _check(k, v, hints[k], metadata[k])
-      except ValueError as e:
-        raise ValueError(f'--config {path}: {e}') from None
+  try:
+    check_fields({k: v for k, v in values.items() if k not in given})
+  except ValueError as e:
+    raise ValueError(f'--config {path}: {e}') from None
   cfg = TrainConfig(**{**values, **given})
   cfg.validate()
   return cfg

@@ -20,20 +20,29 @@ def parse_overrides(text: str) -> dict:
     >>> parse_overrides('layers=4,hidden=128,name=x')
     {'layers': 4, 'hidden': 128, 'name': 'x'}
   """
-  out = {}
+  pairs = []
   for item in filter(None, text.split(',')):
     if '=' not in item:
       raise ValueError(f'--model-overrides wants K=V pairs, got {item!r}')
     k, v = item.split('=', 1)
-    k = k.strip()
-    if k in out:
-      raise ValueError(f'--model-overrides: {k} is given twice')
     try:
-      out[k] = json.loads(v, parse_constant=_finite_only)
+      value = json.loads(v, parse_constant=_finite_only)
     except json.JSONDecodeError:
-      out[k] = v
-    if isinstance(out[k], float) and not math.isfinite(out[k]):  # 1e999
+      value = v
+    if isinstance(value, float) and not math.isfinite(value):  # 1e999
       _finite_only(v)
+    pairs.append((k.strip(), value))
+  return unique_keys(pairs, ' in --model-overrides')
+
+
+def unique_keys(pairs: tp.Iterable[tuple[tp.Any, tp.Any]], where: str = '') -> dict:
+  """``(key, value)`` pairs as a dict; ValueError naming a key given twice
+  (``where`` it was: a silent last-one-wins would hide the first)."""
+  out = {}
+  for k, v in pairs:
+    if k in out:
+      raise ValueError(f'{k} is given twice{where} ({out[k]!r}, then {v!r})')
+    out[k] = v
   return out
 
 
@@ -83,8 +92,5 @@ def split_assignments(text: str) -> list[tuple[str, str]]:
       raise ValueError(f'{item.strip()!r} in {text!r} is not K=V')
     k, v = item.split('=', 1)
     pairs.append((k.strip().replace('-', '_'), v.strip()))
-  keys = [k for k, _ in pairs]
-  for k in keys:
-    if keys.count(k) > 1:
-      raise ValueError(f'{k} is given twice in {text!r}')
+  unique_keys(pairs, f' in {text!r}')
   return pairs

@@ -231,7 +231,7 @@ def resolve_paths(cfg: TrainConfig) -> TrainConfig:
   :func:`default_out_dir`). The caches keep their ``~`` (portable in
   ``run.json``) and expand it where they are opened."""
   def one(path):
-    return None if path is None else os.path.abspath(os.path.expanduser(path))
+    return None if path is None else rundir.absolute_path(path)
   return dataclasses.replace(
       cfg, tokenizer=one(cfg.tokenizer), init_from_hf=one(cfg.init_from_hf),
       data=None if cfg.data is None else [one(d) for d in cfg.data],
@@ -270,10 +270,10 @@ def given_tokenizer(cfg: TrainConfig) -> str | None:
   BPE: ``cfg.tokenizer``, else that of the checkpoint it starts from (the
   first of ``hf_init.TOKENIZERS`` there), else None."""
   if cfg.tokenizer is not None:
-    return os.path.expanduser(cfg.tokenizer)
+    return rundir.absolute_path(cfg.tokenizer)
   if cfg.init_from_hf is not None:
     for name in hf_init.TOKENIZERS:
-      path = pathlib.Path(os.path.expanduser(cfg.init_from_hf)) / name
+      path = pathlib.Path(rundir.absolute_path(cfg.init_from_hf)) / name
       if path.is_file():
         return str(path)
   return None

@@ -198,7 +198,7 @@ def _check_resumable(run_file: pathlib.Path, cfg: TrainConfig) -> None:
   saved = {**dataclasses.asdict(TrainConfig()), **saved_run(run_file.parent)}
   for key in PATHS:  # a run.json older than absolute paths holds them as given
     if isinstance(saved.get(key), str):
-      saved[key] = _absolute(saved[key])
+      saved[key] = absolute_path(saved[key])
   now = dataclasses.asdict(cfg)
   diff = {k: (saved.get(k), v) for k, v in now.items()
           if k not in LOCATIONS + LAYOUT + REPORTING + ('steps',) and saved.get(k) != v}
@@ -361,7 +361,7 @@ def check_data(out: pathlib.Path, data: data_lib.TextData, splits: tuple[str, ..
   record = read_data_record(out)
   recorded = data_sources(out)
   given = (recorded if sources is None else
-           [_absolute(d) for d in sources] or ['the built-in corpus'])
+           [absolute_path(d) for d in sources] or ['the built-in corpus'])
   which = (f'{", ".join(recorded)} changed since' if given == recorded else
            f'the corpus read, {", ".join(given)}, is not the one the run was trained '
            f'on ({", ".join(recorded)}) or that one changed since')
@@ -377,14 +377,15 @@ def check_data(out: pathlib.Path, data: data_lib.TextData, splits: tuple[str, ..
 
 
 def data_sources(out: pathlib.Path) -> list[str]:
-  """The corpus paths of a run's ``run.json``, absolute (:func:`_absolute`)."""
+  """The corpus paths of a run's ``run.json``, absolute (:func:`absolute_path`)."""
   saved = read_run_record(pathlib.Path(out) / RUN_FILE)
-  return [_absolute(d) for d in saved.get('data') or ()] or ['the built-in corpus']
+  return [absolute_path(d) for d in saved.get('data') or ()] or ['the built-in corpus']
 
 
-def _absolute(path: str) -> str:
-  """``path`` as ``run.json`` records it now (plan.resolve_paths): absolute,
-  ``~`` expanded; a relative one of an older run read from here."""
+def absolute_path(path: str) -> str:
+  """``path`` as ``run.json`` records it (:func:`plan.resolve_paths`):
+  absolute, a leading ``~`` expanded (a relative one, of an older run or of
+  an option, read from the working directory)."""
   return os.path.abspath(os.path.expanduser(path))
 
 

@@ -61,7 +61,7 @@ from poetx_jax.pretrain.data import documents, shards
 from poetx_jax.pretrain.data.prepare_tasks import run_tasks, source_documents
 from poetx_jax.pretrain.files import (DiskFull, atomic_write, first_missing, read_json,
                                       full_disk_remedy, full_disk_text, when_full)
-from poetx_jax.pretrain.data.tokenizer import MIN_BPE_VOCAB, Tokenizer, file_hash
+from poetx_jax.pretrain.data.tokenizer import Tokenizer, check_bpe_vocab, file_hash
 
 FORMAT = shards.FORMAT
 MANIFEST = shards.MANIFEST
@@ -211,15 +211,14 @@ def _resumable_when_full(plan: _Plan, shard_tokens: int) -> tp.ContextManager[No
 
 def _check_arguments(*, vocab_size, shard_tokens, sample_chars, workers, bpe: bool) -> None:
   """ValueError naming the first of the arguments that is not a positive int
-  (``vocab_size``, when a BPE is to be trained, one of at least
-  ``MIN_BPE_VOCAB``), before anything is written."""
+  (``vocab_size``, when a BPE is to be trained, one it can be:
+  ``check_bpe_vocab``), before anything is written."""
   for name, value in (('vocab_size', vocab_size), ('shard_tokens', shard_tokens),
                       ('sample_chars', sample_chars)):
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
       raise ValueError(f'{name} must be a positive int, got {value!r}')
-  if bpe and vocab_size < MIN_BPE_VOCAB:
-    raise ValueError(f'vocab_size must be an int >= {MIN_BPE_VOCAB} (256 bytes + '
-                     f'end of text) to train a BPE, got {vocab_size!r}')
+  if bpe:
+    check_bpe_vocab(vocab_size)
   if workers is not None and (not isinstance(workers, int) or workers < 1):
     raise ValueError(f'workers must be a positive int, got {workers!r}')
 

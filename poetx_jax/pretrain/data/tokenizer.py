@@ -26,6 +26,14 @@ MIN_BPE_VOCAB = 257
 _EOS_CANDIDATES = (EOS, '</s>', '<|end_of_text|>', '<eos>')
 
 
+def check_bpe_vocab(vocab_size) -> None:
+  """ValueError unless ``vocab_size`` is a BPE vocabulary that can be trained
+  (an int of at least :data:`MIN_BPE_VOCAB`)."""
+  if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < MIN_BPE_VOCAB:
+    raise ValueError(f'vocab_size must be an int >= {MIN_BPE_VOCAB} (256 bytes + {EOS}), '
+                     f'got {vocab_size!r}')
+
+
 def corpus_hash(docs: tp.Sequence[str]) -> str:
   """A sha256 hex digest of the documents and their boundaries."""
   h = hashlib.sha256()
@@ -110,9 +118,7 @@ class Tokenizer:
     import tokenizers  # pylint: disable=g-import-not-at-top
 
     alphabet = pre_tokenizers.ByteLevel.alphabet()
-    if not isinstance(vocab_size, int) or vocab_size < MIN_BPE_VOCAB:
-      raise ValueError(f'vocab_size must be an int >= {MIN_BPE_VOCAB} '
-                       f'(256 bytes + {EOS}), got {vocab_size!r}')
+    check_bpe_vocab(vocab_size)
     if not docs:
       raise ValueError('train_bpe needs at least one document, got none')
     tok = tokenizers.Tokenizer(models.BPE())
