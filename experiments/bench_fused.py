@@ -1,10 +1,15 @@
 """The fused gather + block-product kernels against the XLA ops they replace.
 
-For bf16 activations of T tokens by N features and block size B
+For bf16 activations of T tokens by N features, block size B and
+permutations of each run length c of ``--chunks`` (1: element permutations;
+c > 1: chunk permutations of aligned runs of c features, poetx_jax.perms)
 (pallas_kernels.fused_rotate):
 
   copy                    x + 1: one read and one write of x, the memory floor
-  gather xla              ops.permute (a column gather)
+  gather xla              ops.permute (a column gather; of whole runs for c > 1)
+  gather xla, words of W  c > 1: the run gather moving each run as W-byte words
+  gather xla fwd+bwd      the gather and its backward (the inverse gather):
+                          measured against twice the copy
   rotate xla              ops.rotate_features (the block products)
   gather+rotate xla       ops.rotate_features(ops.permute(x, p), g): what
                           gather_rotate replaces
@@ -26,8 +31,8 @@ in bf16, dG in float32), and TB/s is that over the time; for the fwd+bwd rows
 the inputs are x, g, p and the cotangent, the outputs v, dx and dg, and each
 chained step also adds v to dx (one elementwise pass, counted in neither).
 
-    python3 experiments/bench_fused.py                    # the H200 run, ~4 minutes
-    python3 experiments/bench_fused.py --widths 4096 --json out.json
+    python3 experiments/bench_fused.py                    # element and c = 16, one GPU
+    python3 experiments/bench_fused.py --chunks 1,16,64 --widths 4096 --json out.json
     python3 experiments/bench_fused.py --smoke            # tiny, interpreted (CPU)
 """
 
@@ -54,6 +59,7 @@ GATHER_ROTATE_CONFIGS = {
     'M 32 C 256': fr.Config(tile_m=32, tile_c=256),
     'K 128 stages 3': fr.Config(tile_k=128, num_stages=3),
 }
+RUN_WORDS = (2, 4)  # bytes of the words a run gather moves (ops.run_gather)
 TOL = 2e-2  # bf16 results (one rounding each) against XLA's bf16 composition
 
 
@@ -71,14 +77,15 @@ def chained_grad(f, n):
   return jax.jit(run)
 
 
-def bench(t, n, b, iters, chain, key, interpret):
+def bench(t, n, b, iters, chain, key, interpret, chunk=1, configs=None):
   k = -(-n // b)
   ks = jax.random.split(key, 5)
   x = jax.random.normal(ks[0], (t, n), jnp.bfloat16)
   dy = jax.random.normal(ks[1], (t, n), jnp.bfloat16)
   g = (jnp.eye(b) + 0.1 * jax.random.normal(ks[2], (k, b, b)) / np.sqrt(b)).astype(jnp.bfloat16)
-  p = ops.random_permutation(ks[3], n)
+  p = ops.random_permutation(ks[3], n, chunk)
   inv = ops.invert_permutation(p)
+  c = chunk
   act, blocks, idx = t * n * 2, k * b * b * 2, n * 4   # bytes of x, G, an index
   rows, moved, errs = {}, {}, {}
 
@@ -100,13 +107,33 @@ def bench(t, n, b, iters, chain, key, interpret):
     rows[name], moved[name] = (ms / chain, sd / chain), nbytes
     return out
 
-  kw = {'interpret': interpret}
+  kw = {'interpret': interpret, 'chunk': c}
   run('copy', lambda x: x + 1, (x,), 2 * act)
-  run('gather xla', lambda x, p: ops.permute(x, p, inv), (x, p), 2 * act + idx)
+  want = x[:, p]
+  gathered = run('gather xla', lambda x, p: ops.permute(x, p, inv, chunk=c), (x, p),
+                 2 * act + idx)
+  if gathered is not None and not bool((gathered == want).all()):
+    print('  gather xla: wrong result', flush=True)
+  if c > 1:
+    runs = ops.run_index(p, c)
+    for w in RUN_WORDS:
+      run(f'gather xla, words of {w}', lambda x, r, w=w: ops.run_gather(x, r, c, word_bytes=w),
+          (x, runs), 2 * act + idx, want)
+
+  def gather_grad(x, p, ct):
+    y, pull = jax.vjp(lambda x: ops.permute(x, p, inv, chunk=c), x)
+    return y + pull(ct)[0]
+
+  run('gather xla fwd+bwd', gather_grad, (x, p, dy), 4 * act + 2 * idx,
+      timer=jax.jit(lambda x, p, ct: jax.lax.fori_loop(
+          0, chain, lambda _, x: gather_grad(x, p, ct), x)))
   run('rotate xla', ops.rotate_features, (x, g), 2 * act + blocks)
-  ref = run('gather+rotate xla', lambda x, p, g: ops.rotate_features(ops.permute(x, p, inv), g),
+  ref = run('gather+rotate xla',
+            lambda x, p, g: ops.rotate_features(ops.permute(x, p, inv, chunk=c), g),
             (x, p, g), 2 * act + blocks + idx)
   for name, cfg in GATHER_ROTATE_CONFIGS.items():
+    if configs is not None and name not in configs:
+      continue
     try:
       cfg.resolve(b)
     except ValueError as e:
@@ -114,21 +141,22 @@ def bench(t, n, b, iters, chain, key, interpret):
       continue
     run(f'gather_rotate {name}', lambda x, p, g, cfg=cfg: fr.gather_rotate(
         x, p, g, config=cfg, **kw), (x, p, g), 2 * act + blocks + idx, ref)
-  ref = run('rotate+unpermute xla', lambda w, g, p: ops.unpermute(ops.rotate_features(w, g), p, inv),
+  ref = run('rotate+unpermute xla',
+            lambda w, g, p: ops.unpermute(ops.rotate_features(w, g), p, inv, chunk=c),
             (x, g, p), 2 * act + blocks + idx)
   run('rotate_scatter', lambda w, g, p: fr.rotate_scatter(w, g, p, **kw), (x, g, p),
       2 * act + blocks + idx, ref)
   gram_bytes = 2 * act + idx + 2 * blocks
-  ref = run('gram xla', lambda dy, x, p: fref.block_gram_reference(dy, x, b, b_src=p),
+  ref = run('gram xla', lambda dy, x, p: fref.block_gram_reference(dy, x, b, b_src=p, chunk=c),
             (dy, x, p), gram_bytes, reduce=True)
   run('block_gram', lambda dy, x, p: fr.block_gram(dy, x, block_size=b, b_src=p, **kw),
       (dy, x, p), gram_bytes, ref, reduce=True)
   step_bytes = 4 * act + 2 * blocks + idx
   for what, fused, xla in (
       ('permute_rotate', lambda x, g, p: fr.permute_rotate(x, p, g, **kw),
-       lambda x, g, p: ops.rotate_features(ops.permute(x, p, inv), g)),
+       lambda x, g, p: ops.rotate_features(ops.permute(x, p, inv, chunk=c), g)),
       ('rotate_unpermute', lambda x, g, p: fr.rotate_unpermute(x, g, p, **kw),
-       lambda x, g, p: ops.unpermute(ops.rotate_features(x, g), p, inv))):
+       lambda x, g, p: ops.unpermute(ops.rotate_features(x, g), p, inv, chunk=c))):
     def once(f):
       def vjp(x, g, p, ct):
         v, pull = jax.vjp(lambda x, g: f(x, g, p), x, g)
@@ -158,6 +186,11 @@ def main(argv=None):
   p.add_argument('--chain', type=int, default=10, help='applications per timed program')
   p.add_argument('--smoke', action='store_true',
                  help='tiny shapes (T=40, N=96, B=64), chain 2, one iteration, interpreted')
+  p.add_argument('--chunks', default='1,16',
+                 help='run lengths of the permutations (1: element permutations)')
+  p.add_argument('--configs', default=None,
+                 help='gather_rotate tile variants to time, comma-separated names of '
+                      f'{", ".join(GATHER_ROTATE_CONFIGS)} (default: all)')
   p.add_argument('--json', default=None)
   a = p.parse_args(argv)
   interpret = jax.default_backend() != 'gpu'
@@ -165,17 +198,25 @@ def main(argv=None):
     a.widths, a.block, a.tokens, a.iters, a.chain = '96', 64, 40, 1, 2
   elif interpret:
     p.error('the kernels run interpreted off GPUs: use --smoke there')
+  chunks = [int(c) for c in a.chunks.split(',')]
+  configs = None if a.configs is None else a.configs.split(',')
+  for c in chunks:
+    ops.check_chunk_size(c, a.block, what='--chunks')
+  for name in configs or ():
+    if name not in GATHER_ROTATE_CONFIGS:
+      p.error(f'--configs: unknown variant {name!r}; known: {", ".join(GATHER_ROTATE_CONFIGS)}')
   print(f'device: {jax.devices()[0].device_kind}, jax {jax.__version__}, T={a.tokens}, '
         f'B={a.block}, bf16', flush=True)
   results = []
   for n in map(int, a.widths.split(',')):
-    rows, moved, errs = bench(a.tokens, n, a.block, a.iters, a.chain,
-                              jax.random.key(n), interpret)
-    print(f'\nT={a.tokens} N={n} B={a.block}')
-    print_table(rows, moved, rows.get('copy', (float('nan'),))[0])
-    results.append({'width': n, 'block': a.block, 'tokens': a.tokens, 'ms': rows,
-                    'bytes': moved, 'errors': errs})
-    sys.stdout.flush()
+    for c in chunks:
+      rows, moved, errs = bench(a.tokens, n, a.block, a.iters, a.chain,
+                                jax.random.key(n), interpret, c, configs)
+      print(f'\nT={a.tokens} N={n} B={a.block} chunk={c}')
+      print_table(rows, moved, rows.get('copy', (float('nan'),))[0])
+      results.append({'width': n, 'block': a.block, 'tokens': a.tokens, 'chunk': c,
+                      'ms': rows, 'bytes': moved, 'errors': errs})
+      sys.stdout.flush()
   dump_json(a.json, results)
 
 

@@ -75,11 +75,11 @@ def fused_kernels(block_size: int, *, always: bool = False,
                   interpret: bool | None = None) -> dict[str, tp.Callable]:
   """The fused gather + block-product kernels of a POET layer
   (:mod:`pallas_kernels.fused_rotate`) as ``poetx_jax.ops.Implementation``
-  fields: ``permute_rotate``, ``rotate_unpermute`` and ``fuse(x, g)``, which
-  says whether they take a call: 16-bit activations and, unless ``always``,
-  a side whose (width, block size) is in ``fused_rotate.FASTER`` (measured
-  faster than XLA's gather and block products on the H200,
-  experiments/bench_fused.py). ``{}`` where the block size is not one the
+  fields: ``permute_rotate``, ``rotate_unpermute`` and ``fuse(x, g,
+  chunk)``, which says whether they take a call: 16-bit activations and,
+  unless ``always``, a side whose (width, block size, run length of its
+  permutation) is in ``fused_rotate.FASTER`` (measured faster than XLA's
+  gather and block products on a Hopper GPU, experiments/bench_fused.py). ``{}`` where the block size is not one the
   kernels take (a power of two from 16 to 512) or, unless ``always``, no
   side of this block size was measured faster: XLA then runs every piece.
   What ``POETLinear(implementation='auto')`` runs on GPUs.
@@ -93,17 +93,17 @@ def fused_kernels(block_size: int, *, always: bool = False,
   b = block_size
   if not fused_rotate.MIN_B <= b <= fused_rotate.MAX_B or b & (b - 1):
     return {}
-  if not always and not any(fb == b for _, fb in fused_rotate.FASTER):
+  if not always and not any(fb == b for _, fb, _ in fused_rotate.FASTER):
     return {}
   interpret = default_interpret() if interpret is None else interpret
 
-  def fuse(x, g) -> bool:
+  def fuse(x, g, chunk=1) -> bool:
     width, blocks = x.shape[-1], g.shape[-1]
     return (x.dtype.itemsize == 2 and blocks == b
-            and (always or (width, blocks) in fused_rotate.FASTER))
+            and (always or (width, blocks, chunk) in fused_rotate.FASTER))
 
   return {'fuse': fuse,
-          'permute_rotate': lambda x, perm, g: fused_rotate.permute_rotate(
-              x, perm, g, interpret=interpret),
-          'rotate_unpermute': lambda w, g, dst: fused_rotate.rotate_unpermute(
-              w, g, dst, interpret=interpret)}
+          'permute_rotate': lambda x, perm, g, chunk=1: fused_rotate.permute_rotate(
+              x, perm, g, interpret=interpret, chunk=chunk),
+          'rotate_unpermute': lambda w, g, dst, chunk=1: fused_rotate.rotate_unpermute(
+              w, g, dst, interpret=interpret, chunk=chunk)}

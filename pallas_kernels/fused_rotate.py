@@ -68,11 +68,12 @@ Array = jax.Array
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 MIN_B, MAX_B = 16, 512
 TARGET_PROGRAMS = 264  # block_gram's splits: about two waves of an H200's 132 SMs
-# (N, B) of the layer sides where experiments/bench_fused.py measured the
-# fused kernels faster than XLA's gather and block products on the H200,
-# forward and backward together: where implementation='auto' runs them
-# (pallas_kernels.fused_kernels). Measured: none (BENCHMARKS.md).
-FASTER: frozenset[tuple[int, int]] = frozenset()
+# (N, B, chunk) of the layer sides where experiments/bench_fused.py measured
+# the fused kernels faster than XLA's gather and block products on a Hopper
+# GPU, forward and backward together (chunk: the run length of the side's
+# permutation, 1 for an element permutation): where implementation='auto'
+# runs them (pallas_kernels.fused_kernels). Measured: none (BENCHMARKS.md).
+FASTER: frozenset[tuple[int, int, int]] = frozenset()
 
 
 def _pow2(v) -> bool:
@@ -182,23 +183,59 @@ def _split(pid, *sizes):
   return (pid, *reversed(digits))
 
 
-def _load_tile(ref, src_ref, row0, col0, tm, width, t, n):
-  """ref[row0:row0+M, col0:col0+width] (through ``src_ref``'s index when given),
-  rows >= T and columns >= N read as 0."""
+def _columns(idx_ref, cols, n, chunk, other):
+  """The columns ``cols`` map to through an index: ``idx[cols]`` for an
+  element index (``chunk`` 1); for a run table (``chunk`` > 1, one entry
+  per run, :func:`run_table`) ``idx[cols // chunk] * chunk + cols %
+  chunk``, one index load per run and contiguous columns within it (what
+  lets Triton see runs of ``chunk`` contiguous addresses). Columns >= N give
+  ``other``."""
+  if chunk == 1:
+    return pltriton.load(idx_ref.at[cols], mask=cols < n, other=other)
+  run = pltriton.load(idx_ref.at[jax.lax.div(cols, chunk)], mask=cols < n, other=0)
+  return jnp.where(cols < n, run * chunk + jax.lax.rem(cols, chunk), other)
+
+
+def _load_tile(ref, src_ref, row0, col0, tm, width, t, n, chunk=1):
+  """ref[row0:row0+M, col0:col0+width] (through ``src_ref``'s index when given,
+  :func:`_columns`), rows >= T and columns >= N read as 0."""
   rows = row0 + _iota((tm, width), 0)
   cols = col0 + _iota((width,), 0)
   mask = (rows < t) & (cols < n)[None, :]
   if src_ref is None:
     view = ref.at[pl.ds(row0, tm), pl.ds(col0, width)]
   else:
-    src = pltriton.load(src_ref.at[cols], mask=cols < n, other=0)
+    src = _columns(src_ref, cols, n, chunk, 0)
     view = ref.at[rows, jnp.broadcast_to(src[None, :], (tm, width))]
   return pltriton.load(view, mask=mask, other=0)
 
 
+def run_table(perm_N: Array, chunk: int) -> Array:
+  """The index the kernels read for a chunk permutation of runs of
+  ``chunk`` (> 1) features: one entry per run, ``ceil(N / chunk)``, the
+  run each position's run takes (``perm[::chunk] // chunk`` over the full
+  runs, then the ragged last run, which stays last)."""
+  n = perm_N.shape[-1]
+  full = n // chunk
+  runs = jax.lax.div(perm_N[:full * chunk:chunk].astype(jnp.int32), jnp.int32(chunk))
+  if n % chunk:
+    runs = jnp.concatenate([runs, jnp.full((1,), n // chunk, jnp.int32)])
+  return runs
+
+
+def _kernel_index(idx_N: Array, n: int, chunk: int, what: str) -> Array:
+  """The index a kernel reads: the permutation itself (``chunk`` 1) or its
+  run table."""
+  idx_N = _check_index(idx_N, n, what)
+  if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 1:
+    raise ValueError(f'chunk must be an int >= 1 (the run length of {what}), got {chunk!r}')
+  return idx_N if chunk == 1 else run_table(idx_N, chunk)
+
+
 # ----------------------------------------------------------------- kernels
-def _rotate_call(x_TxN, g_KxBxB, src_N, dst_N, config, interpret, name):
-  """The shared body of gather_rotate (src) and rotate_scatter (dst)."""
+def _rotate_call(x_TxN, g_KxBxB, src_N, dst_N, config, interpret, name, chunk=1):
+  """The shared body of gather_rotate (src) and rotate_scatter (dst), each
+  an index :func:`_kernel_index` made for ``chunk``."""
   t, n = x_TxN.shape
   k, b = _check_blocks(g_KxBxB, n)
   tm, tc, tk = (config or Config()).resolve(b)
@@ -216,7 +253,7 @@ def _rotate_call(x_TxN, g_KxBxB, src_N, dst_N, config, interpret, name):
     row0 = i * tm
 
     def step(q, acc):
-      u = _load_tile(x_ref, src_ref, row0, kk * b + q * tk, tm, tk, t, n)
+      u = _load_tile(x_ref, src_ref, row0, kk * b + q * tk, tm, tk, t, n, chunk)
       g = g_ref[kk, pl.ds(cc * tc, tc), pl.ds(q * tk, tk)]     # rows C of G_k, cols Q
       return acc + pltriton.dot(u, g, trans_b=True, precision=prec)  # (M, Q) @ (Q, C)
 
@@ -229,7 +266,7 @@ def _rotate_call(x_TxN, g_KxBxB, src_N, dst_N, config, interpret, name):
     else:
       # Masked lanes get column N (past the end) so that they never alias a
       # real column (the interpreter drops their writes; Triton masks them).
-      dst = pltriton.load(dst_ref.at[cols], mask=cols < n, other=n)
+      dst = _columns(dst_ref, cols, n, chunk, n)
       view = y_ref.at[rows, jnp.broadcast_to(dst[None, :], (tm, tc))]
     pltriton.store(view, acc.astype(dtype), mask=mask)
 
@@ -248,13 +285,16 @@ def _rotate_call(x_TxN, g_KxBxB, src_N, dst_N, config, interpret, name):
 
 
 def gather_rotate(x_TxN: Array, src_N: Array, g_KxBxB: Array, *,
-                  config: Config | None = None, interpret: bool = False) -> Array:
+                  config: Config | None = None, interpret: bool = False,
+                  chunk: int = 1) -> Array:
   """``rotate_features(x[:, src], g)`` in one kernel (no custom VJP).
 
   Args:
     x_TxN: (T, N) activations, bf16, fp16 or float32.
     src_N: the gather index (int, each in [0, N); a permutation for the
-      layers, though any index works).
+      layers, though any index works with ``chunk`` 1).
+    chunk: ``src`` is a chunk permutation of runs of this many features
+      (:mod:`poetx_jax.perms`): the kernel reads one index per run.
     g_KxBxB: K = ceil(N / B) blocks, B a power of two from 16 to 512; cast to
       x's dtype.
     config: tiles (:class:`Config`).
@@ -264,12 +304,14 @@ def gather_rotate(x_TxN: Array, src_N: Array, g_KxBxB: Array, *,
     v (T, N) in x's dtype, ``v[:, kB+i] = sum_j G[k,i,j] x[:, src[kB+j]]``.
   """
   t, n = _check_x(x_TxN, 'x')
-  src_N = _check_index(src_N, n, 'src')
-  return _rotate_call(x_TxN, g_KxBxB, src_N, None, config, interpret, 'poetx_gather_rotate')
+  src_N = _kernel_index(src_N, n, chunk, 'src')
+  return _rotate_call(x_TxN, g_KxBxB, src_N, None, config, interpret, 'poetx_gather_rotate',
+                      chunk)
 
 
 def rotate_scatter(w_TxN: Array, g_KxBxB: Array, dst_N: Array, *,
-                   config: Config | None = None, interpret: bool = False) -> Array:
+                   config: Config | None = None, interpret: bool = False,
+                   chunk: int = 1) -> Array:
   """``y[:, dst[c]] = rotate_features(w, g)[:, c]`` in one kernel (no custom VJP).
 
   ``dst`` must be a permutation of range(N) (every column of y is written
@@ -277,8 +319,9 @@ def rotate_scatter(w_TxN: Array, g_KxBxB: Array, dst_N: Array, *,
   :func:`gather_rotate`.
   """
   t, n = _check_x(w_TxN, 'w')
-  dst_N = _check_index(dst_N, n, 'dst')
-  return _rotate_call(w_TxN, g_KxBxB, None, dst_N, config, interpret, 'poetx_rotate_scatter')
+  dst_N = _kernel_index(dst_N, n, chunk, 'dst')
+  return _rotate_call(w_TxN, g_KxBxB, None, dst_N, config, interpret, 'poetx_rotate_scatter',
+                      chunk)
 
 
 def _splits(tiles: int, programs: int) -> tuple[int, int]:
@@ -290,11 +333,12 @@ def _splits(tiles: int, programs: int) -> tuple[int, int]:
 
 def block_gram(a_TxN: Array, b_TxN: Array, *, block_size: int, a_src: Array | None = None,
                b_src: Array | None = None, config: Config | None = None,
-               interpret: bool = False) -> Array:
+               interpret: bool = False, chunk: int = 1) -> Array:
   """``dG[k,i,j] = sum_t A[t,kB+i] B[t,kB+j]`` in float32, (K, B, B).
 
   ``A = a[:, a_src]`` when ``a_src`` is given, else a (likewise B); columns
-  past N count as zero. Program (s, k, i, j) accumulates a (C, Q) tile of
+  past N count as zero; ``chunk``: the indices are chunk permutations of
+  runs of this many features (as for :func:`gather_rotate`). Program (s, k, i, j) accumulates a (C, Q) tile of
   dG_k over its split's token tiles (M tokens a step); the S float32
   partials are summed by XLA.
   """
@@ -309,7 +353,7 @@ def block_gram(a_TxN: Array, b_TxN: Array, *, block_size: int, a_src: Array | No
   nc, nk = b // tc, b // tk
   s, per = _splits(-(-t // tm), k * nc * nk)
   prec = _precision(a_TxN.dtype)
-  srcs = [_check_index(i, n, name) for i, name in ((a_src, 'a_src'), (b_src, 'b_src'))
+  srcs = [_kernel_index(i, n, chunk, name) for i, name in ((a_src, 'a_src'), (b_src, 'b_src'))
           if i is not None]
 
   def body(*refs):
@@ -321,8 +365,8 @@ def block_gram(a_TxN: Array, b_TxN: Array, *, block_size: int, a_src: Array | No
 
     def step(step_j, acc):
       row0 = (ss * per + step_j) * tm
-      at = _load_tile(a_ref, a_src_ref, row0, kk * b + ii * tc, tm, tc, t, n)
-      bt = _load_tile(b_ref, b_src_ref, row0, kk * b + jj * tk, tm, tk, t, n)
+      at = _load_tile(a_ref, a_src_ref, row0, kk * b + ii * tc, tm, tc, t, n, chunk)
+      bt = _load_tile(b_ref, b_src_ref, row0, kk * b + jj * tk, tm, tk, t, n, chunk)
       return acc + pltriton.dot(at, bt, trans_a=True, precision=prec)  # (C, M) @ (M, Q)
 
     acc = jax.lax.fori_loop(0, per, step, jnp.zeros((tc, tk), jnp.float32))
@@ -347,46 +391,48 @@ def _flat(x):
   return x.reshape(-1, x.shape[-1])
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _permute_rotate(x_TxN, perm_N, g_KxBxB, config, interpret):
-  return gather_rotate(x_TxN, perm_N, g_KxBxB, config=config, interpret=interpret)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _permute_rotate(x_TxN, perm_N, g_KxBxB, config, interpret, chunk):
+  return gather_rotate(x_TxN, perm_N, g_KxBxB, config=config, interpret=interpret, chunk=chunk)
 
 
-def _permute_rotate_fwd(x_TxN, perm_N, g_KxBxB, config, interpret):
-  return _permute_rotate(x_TxN, perm_N, g_KxBxB, config, interpret), (x_TxN, perm_N, g_KxBxB)
+def _permute_rotate_fwd(x_TxN, perm_N, g_KxBxB, config, interpret, chunk):
+  return (_permute_rotate(x_TxN, perm_N, g_KxBxB, config, interpret, chunk),
+          (x_TxN, perm_N, g_KxBxB))
 
 
-def _permute_rotate_bwd(config, interpret, res, dv_TxN):
+def _permute_rotate_bwd(config, interpret, chunk, res, dv_TxN):
   # v = u G^T blockwise with u = x[:, perm]: du = dv G (the blocks transposed),
   # dx[:, perm[c]] = du[:, c] (a scatter by perm), dG_k = dv_k^T u_k.
   x_TxN, perm_N, g_KxBxB = res
   dx = rotate_scatter(dv_TxN, jnp.swapaxes(g_KxBxB, 1, 2), perm_N, config=config,
-                      interpret=interpret)
+                      interpret=interpret, chunk=chunk)
   dg = block_gram(dv_TxN, x_TxN, block_size=g_KxBxB.shape[-1], b_src=perm_N, config=config,
-                  interpret=interpret)
+                  interpret=interpret, chunk=chunk)
   return dx, None, dg.astype(g_KxBxB.dtype)
 
 
 _permute_rotate.defvjp(_permute_rotate_fwd, _permute_rotate_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _rotate_unpermute(w_TxN, g_KxBxB, dst_N, config, interpret):
-  return rotate_scatter(w_TxN, g_KxBxB, dst_N, config=config, interpret=interpret)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _rotate_unpermute(w_TxN, g_KxBxB, dst_N, config, interpret, chunk):
+  return rotate_scatter(w_TxN, g_KxBxB, dst_N, config=config, interpret=interpret, chunk=chunk)
 
 
-def _rotate_unpermute_fwd(w_TxN, g_KxBxB, dst_N, config, interpret):
-  return _rotate_unpermute(w_TxN, g_KxBxB, dst_N, config, interpret), (w_TxN, g_KxBxB, dst_N)
+def _rotate_unpermute_fwd(w_TxN, g_KxBxB, dst_N, config, interpret, chunk):
+  return (_rotate_unpermute(w_TxN, g_KxBxB, dst_N, config, interpret, chunk),
+          (w_TxN, g_KxBxB, dst_N))
 
 
-def _rotate_unpermute_bwd(config, interpret, res, dy_TxN):
+def _rotate_unpermute_bwd(config, interpret, chunk, res, dy_TxN):
   # y[:, dst[c]] = z[:, c] with z = w G^T blockwise: dz = dy[:, dst] (a gather
   # by dst), dw = dz G, dG_k = dz_k^T w_k.
   w_TxN, g_KxBxB, dst_N = res
   dw = gather_rotate(dy_TxN, dst_N, jnp.swapaxes(g_KxBxB, 1, 2), config=config,
-                     interpret=interpret)
+                     interpret=interpret, chunk=chunk)
   dg = block_gram(dy_TxN, w_TxN, block_size=g_KxBxB.shape[-1], a_src=dst_N, config=config,
-                  interpret=interpret)
+                  interpret=interpret, chunk=chunk)
   return dw, dg.astype(g_KxBxB.dtype), None
 
 
@@ -394,7 +440,8 @@ _rotate_unpermute.defvjp(_rotate_unpermute_fwd, _rotate_unpermute_bwd)
 
 
 def permute_rotate(x_TxN: Array, perm_N: Array, g_KxBxB: Array, *,
-                   config: Config | None = None, interpret: bool = False) -> Array:
+                   config: Config | None = None, interpret: bool = False,
+                   chunk: int = 1) -> Array:
   """``ops.rotate_features(ops.permute(x, perm), g)``, a POET layer's input
   side, on the fused kernels; differentiable in x and g.
 
@@ -405,6 +452,9 @@ def permute_rotate(x_TxN: Array, perm_N: Array, g_KxBxB: Array, *,
       products), K = ceil(N / B), B a power of two from 16 to 512.
     config: tiles (:class:`Config`), static.
     interpret: run in the Pallas interpreter (CPU tests), static.
+    chunk: ``perm`` is a chunk permutation of runs of this many features
+      (:mod:`poetx_jax.perms`; 1: any permutation), static: the kernels
+      read whole runs.
 
   Returns:
     v with x's shape and dtype. Backward: ``dx`` by :func:`rotate_scatter`
@@ -423,12 +473,13 @@ def permute_rotate(x_TxN: Array, perm_N: Array, g_KxBxB: Array, *,
   """
   n = x_TxN.shape[-1]
   v = _permute_rotate(_flat(x_TxN), _check_index(perm_N, n, 'perm'), g_KxBxB,
-                      config, bool(interpret))
+                      config, bool(interpret), chunk)
   return v.reshape(x_TxN.shape)
 
 
 def rotate_unpermute(w_TxN: Array, g_KxBxB: Array, dst_N: Array, *,
-                     config: Config | None = None, interpret: bool = False) -> Array:
+                     config: Config | None = None, interpret: bool = False,
+                     chunk: int = 1) -> Array:
   """``y[..., dst[c]] = ops.rotate_features(w, g)[..., c]``: with ``dst =
   perm_out`` this is ``ops.unpermute(ops.rotate_features(w, g), perm_out)``,
   a POET layer's output side; ``dst`` may be any permutation of range(N)
@@ -442,7 +493,7 @@ def rotate_unpermute(w_TxN: Array, g_KxBxB: Array, dst_N: Array, *,
   """
   n = w_TxN.shape[-1]
   y = _rotate_unpermute(_flat(w_TxN), g_KxBxB, _check_index(dst_N, n, 'dst'),
-                        config, bool(interpret))
+                        config, bool(interpret), chunk)
   return y.reshape(w_TxN.shape)
 
 

@@ -26,8 +26,8 @@ __version__ = '0.1.0'
 
 # The module of poetx_jax that defines each public name.
 _MODULES = {
-    'convert': 'effective_kernel for_each_layer orthogonality_error poet_layers poetize '
-               'to_linear unpoetize',
+    'convert': 'check_permutations effective_kernel for_each_layer orthogonality_error '
+               'poet_layers poetize to_linear unpoetize',
     'cycle': 'MergeClock merge merge_due merge_layer',
     'factored': 'FactoredRMSState factored_moments_like is_factored scale_by_factored_rms '
                 'update_factored_moment',

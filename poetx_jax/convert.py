@@ -22,6 +22,7 @@ import numpy as np
 from flax import nnx
 from flax.nnx.nn import initializers
 
+from poetx_jax import ops
 from poetx_jax.linear import POETLinear, carry_sharding, check_linear_products
 
 Array = jax.Array
@@ -181,6 +182,27 @@ def poet_layers(model) -> list[tuple[str, POETLinear]]:
   """All POETLinear layers of ``model`` as (path, layer), in graph order."""
   return [(path_str(p), n) for p, n in nnx.iter_graph(model)
           if isinstance(n, POETLinear)]
+
+
+def check_permutations(model) -> None:
+  """Raises ValueError naming the first POET layer of ``model`` whose
+  permutations are not what it draws: index arrays of a permutation of its
+  features, and for ``permutation='chunk'`` chunk permutations of its chunk
+  size (:func:`poetx_jax.ops.is_chunk_permutation`), which its gathers take
+  on trust. Reads the values (e.g. after a checkpoint is restored); arrays
+  not all on this process are skipped."""
+  for path, layer in poet_layers(model):
+    for side, var in (('perm_in', layer.perm_in), ('perm_out', layer.perm_out)):
+      perm = var[...]
+      if isinstance(perm, jax.core.Tracer) or (
+          isinstance(perm, jax.Array) and not perm.is_fully_addressable):
+        continue
+      if not ops.is_chunk_permutation(np.asarray(perm), layer.chunk):
+        what = ('a permutation of its features' if layer.chunk == 1 else
+                f'a chunk permutation of runs of {layer.chunk} features')
+        raise ValueError(f'POET layer {path!r}: its {side} is not {what} (permutation='
+                         f'{layer.permutation!r}, chunk_size={layer.chunk_size}); was the '
+                         f'state written by a model that draws its permutations otherwise?')
 
 
 def for_each_layer(layer: POETLinear, fn: tp.Callable, *args, update: bool = False):

@@ -47,18 +47,16 @@ Array = jax.Array
 
 def draw_permutations(layer: POETLinear, key: Array) -> tuple[Array, Array]:
   """The ``(perm_in, perm_out)`` that :func:`merge_layer` draws from ``key``
-  (for a stack, stacked: layer ``j`` from ``jax.random.split(key, stack)[j]``)."""
+  (:meth:`POETLinear.draw_permutations`: element or chunk permutations, as
+  the layer draws them; for a stack, stacked: layer ``j`` from
+  ``jax.random.split(key, stack)[j]``)."""
   if layer.stack_shape:
     keys = jax.random.split(key, layer.stack_shape)
-    draw = lambda k: _draw(k, layer.in_features, layer.out_features)  # noqa: E731
+    draw = layer.draw_permutations
     for _ in layer.stack_shape:
       draw = jax.vmap(draw)
     return draw(keys)
-  return _draw(key, layer.in_features, layer.out_features)
-
-
-def _draw(key, i, o):
-  return ops.random_permutations(key, (i, o))
+  return layer.draw_permutations(key)
 
 
 def merge_layer(layer: POETLinear, key: Array, perm_in: Array | None = None,
@@ -87,11 +85,11 @@ def merge_layer(layer: POETLinear, key: Array, perm_in: Array | None = None,
   blocks = layer.rotation_blocks()  # one series for the error and the merged kernel
   error = layer.orthogonality_error(blocks)
   merged = layer.effective_kernel(blocks)
-  drawn_in, drawn_out = _draw(key, layer.in_features, layer.out_features)
+  drawn_in, drawn_out = layer.draw_permutations(key)
   # A given permutation is copied: each layer's state holds a buffer of its own.
   perm_in = drawn_in if perm_in is None else jnp.copy(perm_in)
   perm_out = drawn_out if perm_out is None else jnp.copy(perm_out)
-  base, scale = layer.encode_base(ops.permute_kernel(merged, perm_in, perm_out))
+  base, scale = layer.encode_base(ops.permute_kernel(merged, perm_in, perm_out, layer.chunk))
   layer.kernel[...] = base
   if scale is not None:
     layer.kernel_scale[...] = scale

@@ -93,37 +93,37 @@ def linear_operands(layer: nnx.Linear | POETLinear, x: Array) -> tuple[Array, Ar
 
 
 def input_orders(layers: tp.Sequence[nnx.Linear | POETLinear], x: Array
-                 ) -> list[tuple[Array, Array | None]] | None:
+                 ) -> list[tuple[Array, Array | None, int]] | None:
   """Where the POET layers ``layers`` all read ``x`` through their input
   gathers apart from their block products (the input form, no fused
-  gather): each layer's ``(perm_in, its inverse or None)``, the same pair
-  for all when their input permutations are tied; else None."""
+  gather): each layer's ``(perm_in, its inverse or None, its run length)``,
+  the same triple for all when their input permutations are tied; else None."""
   if not all(isinstance(m, POETLinear) for m in layers) or any(
       m.form_for((*x.shape[:-1], m.in_features)) != 'input'
       or fuses_gather(m, m.in_features, m.compute_dtype(x.dtype)) for m in layers):
     return None
-  order = lambda m: (m.perm_in[...], (given_inverses(m) or (None,))[0])
+  order = lambda m: (m.perm_in[...], (given_inverses(m) or (None,))[0], m.chunk)
   if tied([(m, 'in') for m in layers]):
     return [order(layers[0])] * len(layers)
   return [order(m) for m in layers]
 
 
 def rms_norm_in_orders(norm: nnx.Module, x: Array,
-                       orders: tp.Sequence[tuple[Array, Array | None]]) -> list[Array]:
-  """``[permute(norm(x), perm) for perm, _ in orders]`` with each gather moved
-  into the norm: the row scale (the same in every order) from ``x``, then
-  ``x``, gathered, times it and the gathered weight, in one pass that
-  writes each output once. Elementwise the same operations as the norm's,
-  so the values are exactly those of the norm's output gathered; a pair
-  repeated (tied permutations) is computed once. ``norm`` is an RMSNorm
-  (its ``weight`` and ``row_scale``)."""
+                       orders: tp.Sequence[tuple[Array, Array | None, int]]) -> list[Array]:
+  """``[permute(norm(x), perm, chunk=c) for perm, _, c in orders]`` with
+  each gather moved into the norm: the row scale (the same in every order)
+  from ``x``, then ``x``, gathered, times it and the gathered weight, in one
+  pass that writes each output once. Elementwise the same operations as the
+  norm's, so the values are exactly those of the norm's output gathered; a
+  triple repeated (tied permutations) is computed once. ``norm`` is an
+  RMSNorm (its ``weight`` and ``row_scale``)."""
   scale = norm.row_scale(x)
   weight, out = norm.weight[...].astype(jnp.float32), {}
-  for perm, inverse in orders:
+  for perm, inverse, chunk in orders:
     if id(perm) not in out:
-      xp = ops.permute(x, perm, inverse).astype(jnp.float32)
+      xp = ops.permute(x, perm, inverse, chunk=chunk).astype(jnp.float32)
       out[id(perm)] = (xp * scale * jnp.take(weight, perm)).astype(x.dtype)
-  return [out[id(perm)] for perm, _ in orders]
+  return [out[id(perm)] for perm, _, _ in orders]
 
 
 def normed(norm: nnx.Module, x: Array, layers: tp.Sequence, *, in_orders: bool
@@ -151,7 +151,8 @@ def project(layers: tp.Sequence[nnx.Linear | POETLinear], x: Array | None, *,
       m.form_for((*x.shape[:-1], m.in_features)) == 'input' for m in layers)):
     return [m(x, **kw) for m in layers]
   inverses = given_inverses(layers[0])
-  xp = ops.permute(x, layers[0].perm_in[...], None if inverses is None else inverses[0])
+  xp = ops.permute(x, layers[0].perm_in[...], None if inverses is None else inverses[0],
+                   chunk=layers[0].chunk)
   return [m(xp, permute_input=False, **kw) for m in layers]
 
 
@@ -215,14 +216,15 @@ def swiglu(gate: nnx.Linear | POETLinear, up: nnx.Linear | POETLinear,
 
   def joined(lin):  # lin's output in down's input order, one gather
     dtype = (inputs[0] if inputs else x).dtype
-    if fuses_gather(lin, lin.out_features, lin.compute_dtype(dtype)):
+    chunk = ops.joint_chunk(lin.chunk, down.chunk)  # the composed index's run length
+    if lin.chunk == chunk and fuses_gather(lin, lin.out_features, lin.compute_dtype(dtype)):
       # the gather in lin's output kernel: placed straight in down's order
       inverse_in = ops.invert_permutation(perm) if inverse is None else inverse[0]
       return call(lin, output_dst=jnp.take(inverse_in, lin.perm_out[...]))
     h, inverses = call(lin, permute_output=False), given_inverses(lin)
     if inverses is None or inverse is None:
-      return ops.permute(h, ops.gather_between(lin.perm_out[...], perm))
+      return ops.permute(h, ops.gather_between(lin.perm_out[...], perm), chunk=chunk)
     return ops.permute(h, ops.gather_between(lin.perm_out[...], perm, inverses[1]),
-                       jnp.take(inverse[0], lin.perm_out[...]))
+                       jnp.take(inverse[0], lin.perm_out[...]), chunk=chunk)
 
   return down(name(activation(joined(gate)) * joined(up)), permute_input=False)

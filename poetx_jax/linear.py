@@ -69,16 +69,18 @@ def given_inverses(layer: 'POETLinear') -> tuple[jax.Array, jax.Array] | None:
   return None if given is None else given[3]
 
 
-def fuses_gather(layer: 'POETLinear', width: int, dtype) -> bool:
+def fuses_gather(layer: 'POETLinear', width: int, dtype, chunk: int | None = None) -> bool:
   """Whether ``layer``'s implementation runs a side of ``width`` features
   in ``dtype`` with its gather fused into the block products (then a gather
-  joining it to another layer is best fused too: ``output_dst``)."""
+  joining it to another layer is best fused too: ``output_dst``);
+  ``chunk``: the run length of that gather (default: the layer's)."""
   impl = implementation_for(layer.implementation, layer.block_size)
   if impl is None or impl.fuse is None:
     return False
   b = layer.block_size
   return bool(impl.fuse(jax.ShapeDtypeStruct((1, width), jnp.dtype(dtype)),
-                        jax.ShapeDtypeStruct((1, b, b), jnp.dtype(dtype))))
+                        jax.ShapeDtypeStruct((1, b, b), jnp.dtype(dtype)),
+                        layer.chunk if chunk is None else chunk))
 
 
 GENERATOR_DTYPES = ('float32', 'bfloat16')
@@ -95,7 +97,9 @@ class FrozenKernel(nnx.Variable):
 
 
 class Permutation(nnx.Variable):
-  """An int32 permutation of the features of one side of a POET layer."""
+  """An int32 permutation of the features of one side of a POET layer (an
+  element or a chunk permutation, :mod:`poetx_jax.perms`, as the layer's
+  ``permutation`` says)."""
 
 
 def implementation_for(name: str, block_size: int) -> ops.Implementation | None:
@@ -128,12 +132,16 @@ def implementation_for(name: str, block_size: int) -> ops.Implementation | None:
 
 
 def _check_arguments(in_features, out_features, block_size, mode, form, implementation, dtype,
-                     terms, max_generator_norm, quantize, generator_dtype):
+                     terms, max_generator_norm, quantize, generator_dtype, permutation,
+                     chunk_size):
   """POETLinear's argument checks: each error names the value and what is valid."""
   for name, d in (('in_features', in_features), ('out_features', out_features)):
     if not isinstance(d, int) or d < 1:
       raise ValueError(f'{name} must be a positive int, got {d!r}')
   ops.check_block_size(block_size, in_features, out_features)
+  if permutation not in ops.PERMUTATIONS:
+    raise ValueError(f'permutation must be one of {ops.PERMUTATIONS}, got {permutation!r}')
+  ops.check_chunk_size(chunk_size, block_size if permutation == 'chunk' else None)
   if mode not in MODES:
     raise ValueError(f'mode must be one of {MODES}, got {mode!r}')
   if form not in ops.FORMS:
@@ -177,7 +185,9 @@ class POETLinear(nnx.Module):
   rotate blocks, frozen GEMM, rotate blocks, permute) and ``R W0 P`` is never
   formed; ``form='weight'`` forms it from block products instead. The
   singular values of the effective weight are those of W0, up to the series'
-  orthogonality error.
+  orthogonality error. ``permutation='chunk'`` draws every permutation as a
+  permutation of aligned runs of ``chunk_size`` features (the same training,
+  :mod:`poetx_jax.perms` says why, with gathers that move whole runs).
 
   It is a drop-in for ``nnx.Linear``: same positional sizes, state path and
   the options of its parameters (``use_bias``, ``dtype``, ``param_dtype``,
@@ -222,6 +232,18 @@ class POETLinear(nnx.Module):
       tests; B a multiple of 64, at most 512) or ``'fused'`` (the fused
       kernels on every 16-bit side; B a power of two, 16 to 512). Results agree with
       ``poetx_jax.ops`` either way (:func:`implementation_for`).
+    permutation: how ``perm_in`` and ``perm_out`` are drawn (at
+      initialisation and at every merge): ``'element'``, a uniformly random
+      permutation of the features (the published POET-X); ``'chunk'``, a
+      uniformly random permutation of aligned runs of ``chunk_size``
+      features, a block taking ``block_size / chunk_size`` whole runs (a
+      ragged last run of a width not divisible by it stays last). Only the
+      partition of the features into blocks matters to training, and the
+      gathers of whole runs read memory in whole sectors:
+      :mod:`poetx_jax.perms`.
+    chunk_size: features per run of ``permutation='chunk'``; must divide
+      ``block_size`` (16 bf16 features are one 32-byte sector). Unused by
+      ``'element'``.
     quantize: POET-XQ: store W0 as ``'int8'`` or ``'int4'`` with one float32
       scale per ``group_size`` input rows of each output column (symmetric),
       dequantised on the fly and re-quantised at every merge. None keeps W0
@@ -251,6 +273,8 @@ class POETLinear(nnx.Module):
       mode: str = 'fast',
       form: str = 'input',
       implementation: str = 'auto',
+      permutation: str = 'element',
+      chunk_size: int = 16,
       quantize: str | None = None,
       group_size: int = 128,
       generator_dtype: tp.Any = jnp.float32,
@@ -263,17 +287,20 @@ class POETLinear(nnx.Module):
       rngs: nnx.Rngs,
   ):
     _check_arguments(in_features, out_features, block_size, mode, form, implementation,
-                     dtype, terms, max_generator_norm, quantize, generator_dtype)
+                     dtype, terms, max_generator_norm, quantize, generator_dtype, permutation,
+                     chunk_size)
+    self.permutation = permutation
+    self.chunk_size = chunk_size
     kernel = kernel_init(rngs.params(), (in_features, out_features), param_dtype)
     if kernel.shape != (in_features, out_features):
       raise ValueError(f'kernel_init gave shape {kernel.shape}, expected '
                        f'{(in_features, out_features)}')
-    perm_in = ops.random_permutation(rngs.params(), in_features)
-    perm_out = ops.random_permutation(rngs.params(), out_features)
+    perm_in = ops.random_permutation(rngs.params(), in_features, self.chunk)
+    perm_out = ops.random_permutation(rngs.params(), out_features, self.chunk)
     self.quantize = quantize
     self.group_size = group_size
     self.param_dtype = param_dtype
-    base, scale = self.encode_base(ops.permute_kernel(kernel, perm_in, perm_out))
+    base, scale = self.encode_base(ops.permute_kernel(kernel, perm_in, perm_out, self.chunk))
     self.kernel = FrozenKernel(base)
     self.kernel_scale = FrozenKernel(scale) if scale is not None else nnx.data(None)
     self.bias = (nnx.Param(bias_init(rngs.params(), (out_features,), param_dtype))
@@ -336,6 +363,17 @@ class POETLinear(nnx.Module):
                 kernel_init=lambda *_: kernel, rngs=rngs, **opts)
     carry_sharding(linear, layer)
     return layer
+
+  @property
+  def chunk(self) -> int:
+    """The run length of this layer's permutations: ``chunk_size`` for
+    ``permutation='chunk'``, 1 (single features) for ``'element'``."""
+    return self.chunk_size if self.permutation == 'chunk' else 1
+
+  def draw_permutations(self, key: Array) -> tuple[Array, Array]:
+    """``(perm_in, perm_out)`` drawn from ``key`` as this layer draws them
+    (of its ``permutation`` and chunk size; one layer's, not a stack's)."""
+    return ops.random_permutations(key, (self.in_features, self.out_features), self.chunk)
 
   def encode_base(self, kernel_IxO: Array) -> tuple[Array, Array | None]:
     """The stored form of a permuted base: (kernel, None), or (q, scales) for POET-XQ."""
@@ -400,7 +438,7 @@ class POETLinear(nnx.Module):
                                                           self.block_size),
                         kernel_scale=scale, permute_input=permute_input,
                         permute_output=permute_output, blocks=blocks, inverses=inverses,
-                        output_dst=output_dst)
+                        output_dst=output_dst, chunk=self.chunk)
     if bias is not None:
       y = y + bias
     return y
@@ -432,7 +470,8 @@ class POETLinear(nnx.Module):
     self._one_layer('effective_kernel', 'poetx_jax.effective_kernel(layer) takes a stack')
     return ops.poet_kernel(self.frozen_kernel(), self.q_in[...], self.q_out[...],
                            self.perm_in[...], self.perm_out[...], block_size=self.block_size,
-                           terms=self.terms, blocks=blocks, max_norm=self.max_generator_norm)
+                           terms=self.terms, blocks=blocks, max_norm=self.max_generator_norm,
+                           chunk=self.chunk)
 
   def compute_kernel(self, dtype) -> Array:
     """The kernel the layer multiplies activations of ``dtype`` by in the
@@ -446,7 +485,8 @@ class POETLinear(nnx.Module):
     def form(kernel, scale, q_in, q_out, perm_in, perm_out):
       return ops.poet_kernel(kernel, q_in, q_out, perm_in, perm_out, dtype=dtype,
                              block_size=self.block_size, terms=self.terms,
-                             kernel_scale=scale, max_norm=self.max_generator_norm)
+                             kernel_scale=scale, max_norm=self.max_generator_norm,
+                             chunk=self.chunk)
 
     if self.mode == 'mem':
       form = jax.checkpoint(form, policy=jax.checkpoint_policies.nothing_saveable)

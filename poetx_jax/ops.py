@@ -51,9 +51,11 @@ import typing as tp
 import jax
 import jax.numpy as jnp
 
+from poetx_jax import perms
 from poetx_jax.perms import (  # noqa: F401
-    gather_between, invert_permutation, invert_permutations, permute, permute_rows,
-    random_permutation, random_permutations, unpermute, unpermute_rows)
+    PERMUTATIONS, check_chunk_size, chunk_permutation, gather_between, invert_permutation,
+    invert_permutations, is_chunk_permutation, joint_chunk, permute, permute_rows,
+    random_permutation, random_permutations, run_gather, run_index, unpermute, unpermute_rows)
 from poetx_jax.quant import QUANT_BITS, dequantize_kernel, quantize_kernel  # noqa: F401
 from poetx_jax.series import (  # noqa: F401
     DEFAULT_TERMS, cayley_neumann, orthogonality_error, rotation_blocks, rotation_blocks_batched,
@@ -72,12 +74,15 @@ class Implementation(tp.NamedTuple):
 
   ``series`` stands for :func:`cayley_neumann` (``series(q_KxBxB, terms)``),
   ``rotate`` for :func:`block_rotate` (``rotate(x, g_KxBxB, precision)``),
-  ``permute`` for :func:`permute` (``permute(x, perm_N)``).
-  ``permute_rotate(x, perm_N, g_KxBxB)`` stands for ``rotate_features(permute(x,
-  perm), g)`` and ``rotate_unpermute(w, g_KxBxB, dst_N)`` for
-  ``unpermute(rotate_features(w, g), dst)``, a layer side's gather fused into
-  its block products, used where ``fuse(x, g_KxBxB)`` says they take the
-  call (a per-shape choice; elsewhere the jnp pieces run).
+  ``permute`` for :func:`permute` (``permute(x, perm_N)``, any index).
+  ``permute_rotate(x, perm_N, g_KxBxB, chunk)`` stands for
+  ``rotate_features(permute(x, perm, chunk=chunk), g)`` and
+  ``rotate_unpermute(w, g_KxBxB, dst_N, chunk)`` for
+  ``unpermute(rotate_features(w, g), dst, chunk=chunk)``, a layer side's
+  gather fused into its block products (``chunk``: the permutation's run
+  length, 1 for an element permutation), used where ``fuse(x, g_KxBxB,
+  chunk)`` says they take the call (a per-shape choice; elsewhere the jnp
+  pieces run).
   ``Implementation(**pallas_kernels.layer_kernels(B))`` is what
   ``POETLinear(implementation='pallas')`` uses, and
   ``Implementation(**pallas_kernels.fused_kernels())`` what ``'auto'`` uses
@@ -163,48 +168,52 @@ def resolve_form(form: str, x_shape: tp.Sequence[int], in_features: int, out_fea
   return choose_form(math.prod(x_shape[:-1]), in_features, out_features, block_size)
 
 
-def _fuses(impl, x, g) -> bool:
-  return impl.fuse is not None and bool(impl.fuse(x, g))
+def _fuses(impl, x, g, chunk) -> bool:
+  return impl.fuse is not None and bool(impl.fuse(x, g, chunk))
 
 
 def _poet_core(x, kernel_IxO, g_in, g_out, perm_in, perm_out, inverses, precision, impl,
-               sides, output_dst=None):
+               sides, chunks, output_dst=None):
   rot = functools.partial(rotate_features, precision=precision, rotate=impl.rotate)
-  if sides[0] and _fuses(impl, x, g_in):
-    v = impl.permute_rotate(x, perm_in, g_in)
+  c_in, c_out = chunks
+  if sides[0] and _fuses(impl, x, g_in, c_in):
+    v = impl.permute_rotate(x, perm_in, g_in, c_in)
   else:
-    v = rot(_poet_input(x, perm_in, inverses, impl, sides), g_in)
+    v = rot(_poet_input(x, perm_in, inverses, impl, sides, c_in), g_in)
   w = jnp.matmul(v, jax.lax.stop_gradient(kernel_IxO), precision=precision)
-  if sides[1] and _fuses(impl, w, g_out):
-    return impl.rotate_unpermute(w, g_out, perm_out if output_dst is None else output_dst)
+  if sides[1] and _fuses(impl, w, g_out, c_out):
+    return impl.rotate_unpermute(w, g_out, perm_out if output_dst is None else output_dst,
+                                 c_out)
   z = rot(w, g_out)
   if not sides[1]:
     return z
   if output_dst is not None:
-    return unpermute(z, output_dst)
+    return unpermute(z, output_dst, chunk=c_out)
   inverse_out = None if inverses is None else inverses[1]
   if impl.permute is not None:  # a gather kernel; it forms its own backward's inverse
     return impl.permute(z, invert_permutation(perm_out) if inverse_out is None else inverse_out)
-  return unpermute(z, perm_out, inverse_out)
+  return unpermute(z, perm_out, inverse_out, chunk=c_out)
 
 
-def _poet_input(x, perm_in, inverses, impl, sides):
+def _poet_input(x, perm_in, inverses, impl, sides, chunk=1):
   """The input side's gather (u = x[..., perm_in]) where it runs apart."""
   if not sides[0]:
     return x
   if impl.permute is not None:
     return impl.permute(x, perm_in)
-  return permute(x, perm_in, None if inverses is None else inverses[0])
+  return permute(x, perm_in, None if inverses is None else inverses[0], chunk=chunk)
 
 
 def rotate_weight(kernel_IxO, g_in, g_out, perm_in, perm_out, precision=None, *,
-                  permute_input=True, permute_output=True, dtype=None, inverses=None):
+                  permute_input=True, permute_output=True, dtype=None, inverses=None,
+                  chunks=(1, 1)):
   """``Phi_I G_P^T kernel G_R^T Phi_O^T`` from the blocks of both factors: block
   products on the weight in its own (I, O) layout (no transposes), rounded to
   ``dtype`` (default: the kernel's), then the gathers, which so move
   ``dtype``'s bytes (without ``Phi_I`` / ``Phi_O^T`` where ``permute_input`` /
   ``permute_output`` is False, as in :func:`poet_linear`). ``inverses``: the
-  permutations' inverses, if already formed."""
+  permutations' inverses, if already formed; ``chunks``: the run lengths of
+  ``perm_in`` and ``perm_out`` (1: element permutations)."""
   i = kernel_IxO.shape[0]
   k, b, _ = g_in.shape
   a = rotate_features(kernel_IxO, g_out, precision=precision)             # kernel G_R^T
@@ -214,24 +223,24 @@ def rotate_weight(kernel_IxO, g_in, g_out, perm_in, perm_out, precision=None, *,
   a = a if dtype is None else a.astype(dtype)
   inv_in, inv_out = (None, None) if inverses is None else inverses
   if permute_input:
-    a = unpermute_rows(a, perm_in, inv_in)                                 # Phi_I (...)
+    a = unpermute_rows(a, perm_in, inv_in, chunk=chunks[0])                # Phi_I (...)
   if permute_output:
-    a = unpermute(a, perm_out, inv_out)                                    # (...) Phi_O^T
+    a = unpermute(a, perm_out, inv_out, chunk=chunks[1])                   # (...) Phi_O^T
   return a
 
 
 def _poet_weight_core(x, kernel_IxO, g_in, g_out, perm_in, perm_out, inverses, precision,
-                      rot_precision, sides):
+                      rot_precision, sides, chunks):
   # The kernel is rotated in float32 and rounded to x's dtype once.
   kernel = rotate_weight(jax.lax.stop_gradient(kernel_IxO).astype(jnp.float32),
                          g_in, g_out, perm_in, perm_out, rot_precision,
                          permute_input=sides[0], permute_output=sides[1], dtype=x.dtype,
-                         inverses=inverses)
+                         inverses=inverses, chunks=chunks)
   return jnp.matmul(x, kernel, precision=precision)
 
 
 def _poet_layer(x, kernel, scale, q_in, q_out, perm_in, perm_out, blocks, inverses, output_dst,
-                *, block_size, terms, form, precision, impl, sides, max_norm):
+                *, block_size, terms, form, precision, impl, sides, max_norm, chunks):
   """The body of :func:`poet_linear` (rematerialised whole under ``remat``)."""
   i, o = perm_in.shape[-1], perm_out.shape[-1]
   cn_precision = series_precision(x.dtype)
@@ -251,11 +260,11 @@ def _poet_layer(x, kernel, scale, q_in, q_out, perm_in, perm_out, blocks, invers
     g_in, g_out = blocks
   if form == 'input':
     return _poet_core(x, kernel, g_in.astype(x.dtype), g_out.astype(x.dtype),
-                      perm_in, perm_out, inverses, precision, impl, sides, output_dst)
+                      perm_in, perm_out, inverses, precision, impl, sides, chunks, output_dst)
   if output_dst is not None:  # the weight's output columns go where dst says
     perm_out, inverses = output_dst, None if inverses is None else (inverses[0], None)
   return _poet_weight_core(x, kernel, g_in, g_out, perm_in, perm_out, inverses, precision,
-                           cn_precision, sides)
+                           cn_precision, sides, chunks)
 
 
 def _check_poet_inputs(x_TxI, i, output_dst, permute_output):
@@ -276,7 +285,7 @@ def poet_linear(x_TxI: Array, kernel_IxO: Array, q_in_KxP: Array, q_out_KxP: Arr
                 permute_output: bool = True, max_norm: float | None = None,
                 blocks: tuple[Array, Array] | None = None,
                 inverses: tuple[Array, Array] | None = None,
-                output_dst: Array | None = None) -> Array:
+                output_dst: Array | None = None, chunk: int | tuple[int, int] = 1) -> Array:
   """The POET-X layer ``y = x @ effective_kernel``.
 
   Two orders of the same product (equal up to rounding): ``form='input'``
@@ -324,6 +333,11 @@ def poet_linear(x_TxI: Array, kernel_IxO: Array, q_in_KxP: Array, q_out_KxP: Arr
       (``output_dst = perm_out_O`` gives y itself; a SwiGLU join passes the
       one that puts y in the next layer's input order,
       ``inverse(perm_in_next)[perm_out_O]``). Needs ``permute_output``.
+    chunk: the permutations' run length (an int for both sides, or a pair:
+      input side, output side; :mod:`poetx_jax.perms`): with ``chunk > 1``
+      ``perm_in_I`` and ``perm_out_O`` (and ``output_dst``) must be chunk
+      permutations of it, and the gathers move whole runs; 1: element
+      permutations.
 
   Returns:
     y of shape (..., O) in x's dtype (no bias), ``y[..., perm_out_O]``, or
@@ -339,18 +353,26 @@ def poet_linear(x_TxI: Array, kernel_IxO: Array, q_in_KxP: Array, q_out_KxP: Arr
   layer = functools.partial(
       _poet_layer, block_size=block_size, terms=terms, form=form, precision=precision,
       impl=Implementation() if implementation is None else implementation,
-      sides=(bool(permute_input), bool(permute_output)), max_norm=max_norm)
+      sides=(bool(permute_input), bool(permute_output)), max_norm=max_norm,
+      chunks=_chunk_pair(chunk))
   if remat:  # the series too: its saved powers are K x B x B float32 arrays per side
     layer = jax.checkpoint(layer, policy=jax.checkpoint_policies.nothing_saveable)
   return layer(x_TxI, kernel_IxO, kernel_scale, q_in_KxP, q_out_KxP, perm_in_I, perm_out_O,
                blocks, inverses, output_dst)
 
 
+def _chunk_pair(chunk) -> tuple[int, int]:
+  pair = (chunk, chunk) if isinstance(chunk, int) else tuple(chunk)
+  if len(pair) != 2:
+    raise ValueError(f'chunk must be an int or a pair (input side, output side), got {chunk!r}')
+  return tuple(check_chunk_size(c, what='chunk') for c in pair)
+
+
 def poet_kernel(kernel_IxO: Array, q_in_KxP: Array, q_out_KxP: Array, perm_in_I: Array,
                 perm_out_O: Array, *, block_size: int, terms: int = DEFAULT_TERMS,
                 dtype: tp.Any = jnp.float32, kernel_scale: Array | None = None,
                 blocks: tuple[Array, Array] | None = None,
-                max_norm: float | None = None) -> Array:
+                max_norm: float | None = None, chunk: int | tuple[int, int] = 1) -> Array:
   """The effective kernel ``(R W0 P)^T`` in the (in, out) layout of
   ``nnx.Linear``, (I, O) in ``dtype``, formed from block products
   (``Phi_I G_P^T kernel G_R^T Phi_O^T``): the weight a POET layer applies.
@@ -372,6 +394,7 @@ def poet_kernel(kernel_IxO: Array, q_in_KxP: Array, q_out_KxP: Array, perm_in_I:
     blocks: ``(G_P, G_R)`` blocks of :func:`rotation_blocks_pair`, when
       already computed (then ``q_in_KxP``, ``q_out_KxP`` are unused).
     max_norm: :func:`cap_generators` before the series, as in :func:`poet_linear`.
+    chunk: the permutations' run length(s), as for :func:`poet_linear`.
   """
   i, o = perm_in_I.shape[-1], perm_out_O.shape[-1]
   exact = jnp.dtype(dtype).itemsize >= 4
@@ -384,9 +407,17 @@ def poet_kernel(kernel_IxO: Array, q_in_KxP: Array, q_out_KxP: Array, perm_in_I:
     blocks = rotation_blocks_pair(q_in_KxP, q_out_KxP, i, o, block_size, terms, cn_precision,
                                   max_norm=max_norm)
   return rotate_weight(jax.lax.stop_gradient(kernel).astype(jnp.float32), *blocks,
-                       perm_in_I, perm_out_O, cn_precision, dtype=dtype)
+                       perm_in_I, perm_out_O, cn_precision, dtype=dtype,
+                       chunks=_chunk_pair(chunk))
 
 
-def permute_kernel(kernel_IxO: Array, perm_in_I: Array, perm_out_O: Array) -> Array:
-  """Folds permutations into a plain kernel: ``Phi_I^T K Phi_O`` (= W0'^T)."""
-  return jnp.take(jnp.take(kernel_IxO, perm_in_I, axis=0), perm_out_O, axis=1)
+def permute_kernel(kernel_IxO: Array, perm_in_I: Array, perm_out_O: Array,
+                   chunk: int | tuple[int, int] = 1) -> Array:
+  """Folds permutations into a plain kernel: ``Phi_I^T K Phi_O`` (= W0'^T);
+  ``chunk``: their run length(s), as for :func:`poet_linear` (chunk
+  permutations fold by gathers of whole runs of rows and columns)."""
+  c_in, c_out = _chunk_pair(chunk)
+  if c_in == c_out == 1:
+    return jnp.take(jnp.take(kernel_IxO, perm_in_I, axis=0), perm_out_O, axis=1)
+  rows = perms._take_rows(kernel_IxO, perm_in_I, c_in)
+  return perms._gather(rows, perm_out_O, c_out)

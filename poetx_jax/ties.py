@@ -78,6 +78,10 @@ def _check_groups(groups: tp.Sequence[Group]) -> None:
     if len(sizes) > 1:
       raise ValueError(f'the sides of a tied group must have the same shape; got '
                        f'{sorted(sizes)}')
+    chunks = {layer.chunk for layer, _ in group}
+    if len(chunks) > 1:
+      raise ValueError(f'the layers of a tied group must draw their permutations alike; '
+                       f'got run lengths {sorted(chunks)} (permutation and chunk_size)')
     for layer, side in group:
       if (id(layer), side) in seen:
         raise ValueError(f"a layer's {side!r} side is in more than one tied group")
@@ -113,14 +117,17 @@ def tie_permutations(module):
   layer; tie a stack of POET-XQ layers before stacking it.
 
   Not the published POET-X (its permutations are independent draws): the
-  groups' rotation blocks cover the same features in every merge cycle.
+  groups' rotation blocks cover the same features in every merge cycle. A
+  group's layers must draw alike (one ``permutation`` and chunk size): a
+  group of chunk layers shares one chunk permutation.
 
   Returns:
     ``module``.
 
   Raises:
     ValueError: a layer's generators are not zero, the sides of a group
-      differ in size, one side is in two groups, or a stack of POET-XQ
+      differ in size or in how they draw (element or chunk permutations of
+      another run length), one side is in two groups, or a stack of POET-XQ
       layers would need re-folding. Nothing is changed then.
   """
   declared = _declared(module)

@@ -126,9 +126,9 @@ def gathered(fn, *args) -> list[tuple[int, ...]]:
   shapes = []
 
   def counted(gather):
-    def run(a, *perms):
+    def run(a, *perms, **kw):
       shapes.append(a.shape)
-      return gather(a, *perms)
+      return gather(a, *perms, **kw)
     return run
 
   with contextlib.ExitStack() as stack:

@@ -138,13 +138,15 @@ def test_swiglu_with_fused_kernels_matches_xla(keys, monkeypatch, tie):
 def test_auto_takes_the_kernels_only_for_measured_16_bit_sides(monkeypatch):
   """fused_kernels: nothing where no side of the block size was measured
   faster, or the block size is not one the kernels take; ``fuse`` says yes
-  for 16-bit activations of a measured (width, block size) only."""
+  for 16-bit activations of a measured (width, block size, run length) only."""
   from pallas_kernels import fused_rotate
   assert pk.fused_kernels(48) == {} and pk.fused_kernels(1024, always=True) == {}
-  monkeypatch.setattr(fused_rotate, 'FASTER', frozenset({(2048, 256)}))
+  monkeypatch.setattr(fused_rotate, 'FASTER', frozenset({(2048, 256, 16)}))
   assert pk.fused_kernels(128) == {}
   fuse = pk.fused_kernels(256)['fuse']
   sds = jax.ShapeDtypeStruct
   g = sds((8, 256, 256), jnp.bfloat16)
-  assert fuse(sds((4, 2048), jnp.bfloat16), g)
-  assert not fuse(sds((4, 2048), jnp.float32), g) and not fuse(sds((4, 4096), jnp.bfloat16), g)
+  assert fuse(sds((4, 2048), jnp.bfloat16), g, 16)
+  assert not fuse(sds((4, 2048), jnp.bfloat16), g, 1)  # an element permutation: not measured
+  assert not fuse(sds((4, 2048), jnp.float32), g, 16)
+  assert not fuse(sds((4, 4096), jnp.bfloat16), g, 16)

@@ -39,6 +39,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 from flax import nnx
 
+import poetx_jax
 from poetx_jax.pretrain import processes
 from poetx_jax.pretrain.checkpoint_faults import (NO_FULL_DISK_ERRORS, first_line, flat_shapes,
                                                   quiet, tree_diff)
@@ -215,7 +216,15 @@ class Checkpointer:
       state = nnx.state(node)
       nnx.replace_by_pure_dict(state, out[k])
       nnx.update(node, state)
+    self._check_permutations(step, model)
     return step, out['data'], out['meta']
+
+  def _check_permutations(self, step: int, model) -> None:
+    try:
+      poetx_jax.check_permutations(model)
+    except ValueError as e:
+      raise CheckpointError(f'checkpoint step {step} in {self.directory} does not fit this '
+                            f'model: {e}') from None
 
   def restore_model(self, abstract_model, step: int | None = None) -> tuple[tp.Any, int]:
     """The model of checkpoint ``step`` (the newest if None), built from its arrays.
@@ -230,7 +239,9 @@ class Checkpointer:
     graphdef, state = nnx.split(abstract_model)
     out = self._read(step, {'model': nnx.to_pure_dict(state)})
     nnx.replace_by_pure_dict(state, out['model'])
-    return nnx.merge(graphdef, state), step
+    model = nnx.merge(graphdef, state)
+    self._check_permutations(step, model)
+    return model, step
 
   def _read(self, step: int, targets: dict) -> dict:
     """The items of checkpoint ``step``: ``data``, ``meta`` and one per

@@ -143,6 +143,16 @@ class TrainConfig:
       'gate/up inputs and one for the gate/up outputs and down input (a mixture-of-experts '
       'layer: the q/k/v inputs only); fewer activation gathers, and not the published '
       'POET-X, which draws each independently')
+  permutation: str | None = _poet(
+      None, 'how the POET permutations are drawn, at the start and at every merge: element '
+      '(a uniformly random permutation of the features, the published POET-X) or chunk (a '
+      'uniformly random permutation of aligned runs of --chunk-size features, each block '
+      'made of whole runs: the same training, since only which features share a block '
+      'matters, with gathers that move whole runs)', choices=ops.PERMUTATIONS,
+      none='element')
+  chunk_size: int = _poet(16, 'features per run of --permutation chunk; must divide the '
+                          'block size (16 bf16 features fill one 32-byte memory sector)',
+                          min=1)
   mode: str = _poet('fast', 'POET-X fast (keeps activations) or mem (recomputes)',
                       choices=linear.MODES)
   form: str | None = _poet(

@@ -97,7 +97,8 @@ def _layer_converter(plan: 'Plan'):
                               block_size=plan.block_size, mode=cfg.mode,
                               form=plan.form, implementation=cfg.implementation,
                               quantize=cfg.quantize, group_size=cfg.group_size,
-                              generator_dtype=cfg.generator_dtype)
+                              generator_dtype=cfg.generator_dtype,
+                              permutation=plan.permutation, chunk_size=cfg.chunk_size)
     return poetx_jax.tie_permutations(layer) if cfg.tie_permutations else layer
 
   return convert

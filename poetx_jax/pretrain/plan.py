@@ -42,7 +42,9 @@ from poetx_jax.pretrain.recipes import (DEFAULT_LR, DEFAULT_MERGE_EVERY, RECIPES
 # What a plan resolves that a resumed run keeps as recorded (Plan.record):
 # the training defaults, not the compute dtype, which follows the machine.
 PINNED = ('lr', 'weight_decay', 'poet_lr', 'merge_every', 'block_size', 'form',
-          'normalize_rows')
+          'normalize_rows', 'permutation')
+# How the POET permutations are drawn when --permutation leaves it open.
+DEFAULT_PERMUTATION = 'element'
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,6 +64,9 @@ class Plan:
     block_size, merge_every, form, normalize_rows: the POET layers' block
       size, the merge interval in updates, their product order and whether
       conversion scales W0's rows to unit norm (None / False without POET).
+    permutation: how the POET layers draw their permutations, ``'element'``
+      or ``'chunk'`` (of ``options.chunk_size`` features a run); None
+      without POET.
     merge_period: the merge interval in micro-steps (``merge_every *
       grad_accum``; None without POET).
     dtype: the compute dtype's name (``'auto'`` resolved for this backend).
@@ -79,6 +84,7 @@ class Plan:
   merge_period: int | None
   form: str | None
   normalize_rows: bool
+  permutation: str | None
   dtype: str
   updates: int
   micro_steps: int
@@ -105,7 +111,8 @@ class Plan:
             'poet_lr': self.poet_lr,
             'block_size': self.block_size, 'merge_every': self.merge_every,
             'merge_period': self.merge_period, 'form': self.form,
-            'normalize_rows': self.normalize_rows, 'dtype': self.dtype,
+            'normalize_rows': self.normalize_rows, 'permutation': self.permutation,
+            'dtype': self.dtype,
             'updates': self.updates, 'micro_steps': self.micro_steps,
             'model': dataclasses.asdict(self.model)}
 
@@ -154,7 +161,7 @@ def make_plan(cfg: TrainConfig, vocab_size: int | None = None,
   lr = cfg.lr if cfg.lr is not None else (
       recipe.wide_lr if wide and recipe.wide_lr is not None else DEFAULT_LR)
   poet = dict(poet_lr=None, block_size=None, merge_every=None, form=None,
-              normalize_rows=False)
+              normalize_rows=False, permutation=None)
   if recipe.poetizes:
     block = cfg.block_size if cfg.block_size is not None else mc.block_size
     poet = dict(
@@ -165,17 +172,22 @@ def make_plan(cfg: TrainConfig, vocab_size: int | None = None,
         form=cfg.form if cfg.form is not None else 'auto' if wide else 'input',
         # Never for a run started from a checkpoint, whose function it would change.
         normalize_rows=(cfg.normalize_rows if cfg.normalize_rows is not None else
-                        cfg.init_from_hf is None and wide))
+                        cfg.init_from_hf is None and wide),
+        permutation=cfg.permutation if cfg.permutation is not None else DEFAULT_PERMUTATION)
   wd = cfg.weight_decay if cfg.weight_decay is not None else (
       recipe.wide_weight_decay if wide else 0.0)
   values = {'lr': lr, 'weight_decay': wd, **poet}
   for k in PINNED if recorded else ():
     if getattr(cfg, k) is None and k in recorded:
       values[k] = recorded[k]
+  if recorded and recipe.poetizes and 'permutation' not in recorded:
+    values['permutation'] = 'element'  # recorded before the option: element draws
   if recipe.poetizes:
     block = values['block_size']
     ops.check_block_size(block, mc.hidden, getattr(mc, 'expert_inner', mc.mlp),
                          mc.kv_heads * mc.head_dim, what='block_size')
+    if values['permutation'] == 'chunk':
+      ops.check_chunk_size(cfg.chunk_size, block, what='chunk_size')
     mc = dataclasses.replace(mc, block_size=block)
   every = values['merge_every']
   return Plan(options=cfg, model=mc, recipe=recipe, poetize=recipe.poetizes,
