@@ -13,13 +13,16 @@ c > 1: chunk permutations of aligned runs of c features, poetx_jax.perms)
   rotate xla              ops.rotate_features (the block products)
   gather+rotate xla       ops.rotate_features(ops.permute(x, p), g): what
                           gather_rotate replaces
-  gather_rotate ...       the fused kernel, per Config
+  gather_rotate ...       the fused kernel (Pallas Triton), per Config
+  gather_rotate mosaic    c > 1: pallas_kernels.run_rotate's kernel (Mosaic GPU)
   rotate+unpermute xla    ops.unpermute(ops.rotate_features(w, g), p) (the
                           inverse given, as a layer can have it formed once)
   rotate_scatter          the fused kernel
+  rotate_scatter mosaic   c > 1: run_rotate's
   gram xla                dG = einsum of dy and x[:, p] (float32 out)
   block_gram              the fused kernel, x read through p
   permute_rotate fwd+bwd  value, dx and dg (jax.vjp), against the ops composition
+                          (xla, fused, and for c > 1 mosaic: run_rotate)
   rotate_unpermute fwd+bwd
 
 Every fused kernel is first checked against its XLA composition on fresh
@@ -49,6 +52,7 @@ from bench_kernels import chained
 from bench_layer import dump_json, rel_err, timeit
 from pallas_kernels import fused_reference as fref
 from pallas_kernels import fused_rotate as fr
+from pallas_kernels import run_rotate as rr
 from poetx_jax import ops
 
 WIDTHS = '768,2048,5632,4096,14336'   # the 130M, 1B and 8B layer sides
@@ -77,7 +81,7 @@ def chained_grad(f, n):
   return jax.jit(run)
 
 
-def bench(t, n, b, iters, chain, key, interpret, chunk=1, configs=None):
+def bench(t, n, b, iters, chain, key, interpret, chunk=1, configs=None, fused=True):
   k = -(-n // b)
   ks = jax.random.split(key, 5)
   x = jax.random.normal(ks[0], (t, n), jnp.bfloat16)
@@ -108,6 +112,7 @@ def bench(t, n, b, iters, chain, key, interpret, chunk=1, configs=None):
     return out
 
   kw = {'interpret': interpret, 'chunk': c}
+  mkw = {'interpret': interpret}
   run('copy', lambda x: x + 1, (x,), 2 * act)
   want = x[:, p]
   gathered = run('gather xla', lambda x, p: ops.permute(x, p, inv, chunk=c), (x, p),
@@ -127,8 +132,10 @@ def bench(t, n, b, iters, chain, key, interpret, chunk=1, configs=None):
   run('gather xla fwd+bwd', gather_grad, (x, p, dy), 4 * act + 2 * idx,
       timer=jax.jit(lambda x, p, ct: jax.lax.fori_loop(
           0, chain, lambda _, x: gather_grad(x, p, ct), x)))
+  if not fused:
+    return rows, moved, errs
   run('rotate xla', ops.rotate_features, (x, g), 2 * act + blocks)
-  ref = run('gather+rotate xla',
+  ref_gr = ref = run('gather+rotate xla',
             lambda x, p, g: ops.rotate_features(ops.permute(x, p, inv, chunk=c), g),
             (x, p, g), 2 * act + blocks + idx)
   for name, cfg in GATHER_ROTATE_CONFIGS.items():
@@ -141,7 +148,7 @@ def bench(t, n, b, iters, chain, key, interpret, chunk=1, configs=None):
       continue
     run(f'gather_rotate {name}', lambda x, p, g, cfg=cfg: fr.gather_rotate(
         x, p, g, config=cfg, **kw), (x, p, g), 2 * act + blocks + idx, ref)
-  ref = run('rotate+unpermute xla',
+  ref_rs = ref = run('rotate+unpermute xla',
             lambda w, g, p: ops.unpermute(ops.rotate_features(w, g), p, inv, chunk=c),
             (x, g, p), 2 * act + blocks + idx)
   run('rotate_scatter', lambda w, g, p: fr.rotate_scatter(w, g, p, **kw), (x, g, p),
@@ -152,11 +159,21 @@ def bench(t, n, b, iters, chain, key, interpret, chunk=1, configs=None):
   run('block_gram', lambda dy, x, p: fr.block_gram(dy, x, block_size=b, b_src=p, **kw),
       (dy, x, p), gram_bytes, ref, reduce=True)
   step_bytes = 4 * act + 2 * blocks + idx
-  for what, fused, xla in (
+  mosaic = c > 1 and rr.supports(n, b, c, x.dtype)
+  if mosaic:  # the Mosaic GPU run kernels (chunk permutations only)
+    runs = rr.run_table(p, c)
+    run('gather_rotate mosaic', lambda x, r, g: rr.gather_rotate(x, r, g, chunk=c, **mkw),
+        (x, runs, g), 2 * act + blocks + idx, ref_gr)
+    run('rotate_scatter mosaic', lambda w, g, r: rr.rotate_scatter(w, g, r, chunk=c, **mkw),
+        (x, g, runs), 2 * act + blocks + idx, ref_rs)
+  sides = [
       ('permute_rotate', lambda x, g, p: fr.permute_rotate(x, p, g, **kw),
-       lambda x, g, p: ops.rotate_features(ops.permute(x, p, inv, chunk=c), g)),
+       lambda x, g, p: ops.rotate_features(ops.permute(x, p, inv, chunk=c), g),
+       lambda x, g, p: rr.permute_rotate(x, p, g, chunk=c, **mkw)),
       ('rotate_unpermute', lambda x, g, p: fr.rotate_unpermute(x, g, p, **kw),
-       lambda x, g, p: ops.unpermute(ops.rotate_features(x, g), p, inv, chunk=c))):
+       lambda x, g, p: ops.unpermute(ops.rotate_features(x, g), p, inv, chunk=c),
+       lambda x, g, p: rr.rotate_unpermute(x, g, p, chunk=c, **mkw))]
+  for what, fused, xla, mosaic_side in sides:
     def once(f):
       def vjp(x, g, p, ct):
         v, pull = jax.vjp(lambda x, g: f(x, g, p), x, g)
@@ -166,6 +183,9 @@ def bench(t, n, b, iters, chain, key, interpret, chunk=1, configs=None):
               timer=chained_grad(xla, chain))
     run(f'{what} fwd+bwd fused', once(fused), (x, g, p, dy), step_bytes, ref,
         timer=chained_grad(fused, chain))
+    if mosaic:
+      run(f'{what} fwd+bwd mosaic', once(mosaic_side), (x, g, p, dy), step_bytes, ref,
+          timer=chained_grad(mosaic_side, chain))
   return rows, moved, errs
 
 
@@ -185,17 +205,21 @@ def main(argv=None):
   p.add_argument('--iters', type=int, default=10)
   p.add_argument('--chain', type=int, default=10, help='applications per timed program')
   p.add_argument('--smoke', action='store_true',
-                 help='tiny shapes (T=40, N=96, B=64), chain 2, one iteration, interpreted')
+                 help='tiny shapes (T=40, N=96 and 128, B=64), chain 2, one iteration, interpreted')
   p.add_argument('--chunks', default='1,16',
                  help='run lengths of the permutations (1: element permutations)')
   p.add_argument('--configs', default=None,
                  help='gather_rotate tile variants to time, comma-separated names of '
                       f'{", ".join(GATHER_ROTATE_CONFIGS)} (default: all)')
+  p.add_argument('--fused-widths', default=None,
+                 help='the widths at which the fused kernels and the XLA compositions they '
+                      'replace are timed (default: every width; elsewhere only the copy and '
+                      'the gathers)')
   p.add_argument('--json', default=None)
   a = p.parse_args(argv)
   interpret = jax.default_backend() != 'gpu'
   if a.smoke:
-    a.widths, a.block, a.tokens, a.iters, a.chain = '96', 64, 40, 1, 2
+    a.widths, a.block, a.tokens, a.iters, a.chain = '96,128', 64, 40, 1, 2
   elif interpret:
     p.error('the kernels run interpreted off GPUs: use --smoke there')
   chunks = [int(c) for c in a.chunks.split(',')]
@@ -208,10 +232,13 @@ def main(argv=None):
   print(f'device: {jax.devices()[0].device_kind}, jax {jax.__version__}, T={a.tokens}, '
         f'B={a.block}, bf16', flush=True)
   results = []
+  fused_widths = (None if a.fused_widths is None else
+                  {int(w) for w in a.fused_widths.split(',') if w})
   for n in map(int, a.widths.split(',')):
     for c in chunks:
       rows, moved, errs = bench(a.tokens, n, a.block, a.iters, a.chain,
-                                jax.random.key(n), interpret, c, configs)
+                                jax.random.key(n), interpret, c, configs,
+                                fused=fused_widths is None or n in fused_widths)
       print(f'\nT={a.tokens} N={n} B={a.block} chunk={c}')
       print_table(rows, moved, rows.get('copy', (float('nan'),))[0])
       results.append({'width': n, 'block': a.block, 'tokens': a.tokens, 'chunk': c,

@@ -264,7 +264,9 @@ def finish_options(cfg: TrainConfig, *, resume: bool,
     return cfg
   # What can be checked before the corpus is read (its tokenizer may take minutes):
   if cfg.init_from_hf is None:
-    models.get_config(cfg.model, **cfg.model_overrides)
+    mc = models.get_config(cfg.model, **cfg.model_overrides)
+    if RECIPES[cfg.optimizer].poetizes and cfg.permutation == 'chunk':
+      ops.check_chunk_size(cfg.chunk_size, cfg.block_size or mc.block_size, what='chunk_size')
   elif not (pathlib.Path(cfg.init_from_hf) / 'config.json').is_file():
     raise ValueError(f'{cfg.init_from_hf} is not a Hugging Face model directory: it has no '
                      f'config.json')
