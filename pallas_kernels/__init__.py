@@ -8,7 +8,9 @@ against its ``poetx_jax.ops`` counterpart by the tests:
   indexed load on Hopper).
 * ``fused_rotate`` — the layer's gathers fused into its block products
   (``permute_rotate``, ``rotate_unpermute`` and their gradients; Pallas
-  Triton, through pointer-tensor loads and stores).
+  Triton, through pointer-tensor loads and stores: any permutation);
+* ``run_rotate`` — the same for chunk permutations, whose gathers move whole
+  runs of features (Mosaic GPU: a TMA box per run, one WGMMA per run).
 
 Off GPUs every kernel runs in its interpreter. :func:`layer_kernels` is the
 choice of kernels that ``POETLinear(implementation='pallas')`` runs.
@@ -73,23 +75,27 @@ def layer_kernels(block_size: int, *, every_kernel: bool = False,
 
 def fused_kernels(block_size: int, *, always: bool = False,
                   interpret: bool | None = None) -> dict[str, tp.Callable]:
-  """The fused gather + block-product kernels of a POET layer
-  (:mod:`pallas_kernels.fused_rotate`) as ``poetx_jax.ops.Implementation``
-  fields: ``permute_rotate``, ``rotate_unpermute`` and ``fuse(x, g,
-  chunk)``, which says whether they take a call: 16-bit activations and,
-  unless ``always``, a side whose (width, block size, run length of its
-  permutation) is in ``fused_rotate.FASTER`` (measured faster than XLA's
-  gather and block products on a Hopper GPU, experiments/bench_fused.py). ``{}`` where the block size is not one the
-  kernels take (a power of two from 16 to 512) or, unless ``always``, no
-  side of this block size was measured faster: XLA then runs every piece.
-  What ``POETLinear(implementation='auto')`` runs on GPUs.
+  """The fused gather + block-product kernels of a POET layer as
+  ``poetx_jax.ops.Implementation`` fields: ``permute_rotate``,
+  ``rotate_unpermute`` and ``fuse(x, g, chunk)``, which says whether they
+  take a call: 16-bit activations and, unless ``always``, a side whose
+  (width, block size, run length of its permutation) is in
+  ``fused_rotate.FASTER`` (measured faster than XLA's gathers and block
+  products on a Hopper GPU, experiments/bench_fused.py). A side with a chunk
+  permutation whose shape :func:`run_rotate.supports` runs on the Mosaic GPU
+  run kernels (:mod:`pallas_kernels.run_rotate`), any other on the Pallas
+  Triton ones (:mod:`pallas_kernels.fused_rotate`). ``{}`` where the block
+  size is not one the kernels take (a power of two from 16 to 512) or,
+  unless ``always``, no side of this block size was measured faster: XLA
+  then runs every piece. What ``POETLinear(implementation='auto')`` runs on
+  GPUs.
 
   Args:
     block_size: B.
     always: every 16-bit call on the kernels (tests and benchmarks).
     interpret: run in the interpreters (default: off GPUs).
   """
-  from pallas_kernels import fused_rotate
+  from pallas_kernels import fused_rotate, run_rotate
   b = block_size
   if not fused_rotate.MIN_B <= b <= fused_rotate.MAX_B or b & (b - 1):
     return {}
@@ -102,8 +108,14 @@ def fused_kernels(block_size: int, *, always: bool = False,
     return (x.dtype.itemsize == 2 and blocks == b
             and (always or (width, blocks, chunk) in fused_rotate.FASTER))
 
-  return {'fuse': fuse,
-          'permute_rotate': lambda x, perm, g, chunk=1: fused_rotate.permute_rotate(
-              x, perm, g, interpret=interpret, chunk=chunk),
-          'rotate_unpermute': lambda w, g, dst, chunk=1: fused_rotate.rotate_unpermute(
-              w, g, dst, interpret=interpret, chunk=chunk)}
+  def permute_rotate(x, perm, g, chunk=1):
+    if chunk > 1 and run_rotate.supports(x.shape[-1], b, chunk, x.dtype):
+      return run_rotate.permute_rotate(x, perm, g, chunk=chunk, interpret=interpret)
+    return fused_rotate.permute_rotate(x, perm, g, interpret=interpret, chunk=chunk)
+
+  def rotate_unpermute(w, g, dst, chunk=1):
+    if chunk > 1 and run_rotate.supports(w.shape[-1], b, chunk, w.dtype):
+      return run_rotate.rotate_unpermute(w, g, dst, chunk=chunk, interpret=interpret)
+    return fused_rotate.rotate_unpermute(w, g, dst, interpret=interpret, chunk=chunk)
+
+  return {'fuse': fuse, 'permute_rotate': permute_rotate, 'rotate_unpermute': rotate_unpermute}

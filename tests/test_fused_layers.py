@@ -150,3 +150,54 @@ def test_auto_takes_the_kernels_only_for_measured_16_bit_sides(monkeypatch):
   assert not fuse(sds((4, 2048), jnp.bfloat16), g, 1)  # an element permutation: not measured
   assert not fuse(sds((4, 2048), jnp.float32), g, 16)
   assert not fuse(sds((4, 4096), jnp.bfloat16), g, 16)
+
+
+@pytest.mark.parametrize('hidden, inner', [(128, 192), (96, 160)],
+                         ids=['run-kernels', 'ragged-triton'])
+@pytest.mark.parametrize('tie', [False, True])
+def test_chunk_swiglu_on_the_kernels_matches_xla(keys, monkeypatch, hidden, inner, tie):
+  """A SwiGLU of chunk-permutation layers (runs of 16, B = 64) on the
+  kernels against the XLA path, tied and untied: sides whose width is a
+  multiple of B take the Mosaic run kernels (pallas_kernels.run_rotate),
+  ragged ones the Triton kernels reading one index per run; the values and
+  gradients are the XLA path's, and no XLA gather runs."""
+  from pallas_kernels import fused_rotate, run_rotate
+  calls = []
+  for mod in (run_rotate, fused_rotate):
+    for name in ('permute_rotate', 'rotate_unpermute'):
+      monkeypatch.setattr(mod, name, (lambda f, tag: lambda *a, **k: (
+          calls.append(tag), f(*a, **k))[1])(getattr(mod, name), mod.__name__))
+  mlp = nnx.Dict(gate=nnx.Linear(hidden, inner, use_bias=False, rngs=nnx.Rngs(0)),
+                 up=nnx.Linear(hidden, inner, use_bias=False, rngs=nnx.Rngs(1)),
+                 down=nnx.Linear(inner, hidden, use_bias=False, rngs=nnx.Rngs(2)))
+  poet = poetx_jax.poetize(mlp, block_size=64, rngs=nnx.Rngs(3), dtype=jnp.bfloat16,
+                           permutation='chunk', chunk_size=16)
+  if tie:
+    poet['gate'].tie_out = poet['up'].tie_out = poet['down'].tie_in = 'h'
+    poet['down'].perm_in[...] = poet['gate'].perm_out[...]
+    poet['up'].perm_out[...] = poet['gate'].perm_out[...]
+  for name in ('gate', 'up', 'down'):
+    assert ops.is_chunk_permutation(poet[name].perm_in[...], 16)
+    randomize_generators(poet[name], keys())
+  x = jax.random.normal(keys(), (2, 36, hidden)).astype(jnp.bfloat16)
+
+  def loss(m, x):
+    y = poetx_jax.swiglu(m['gate'], m['up'], m['down'], x)
+    return jnp.sum(jnp.sin(y.astype(jnp.float32)))
+
+  def run():
+    return nnx.value_and_grad(loss, argnums=(0, 1))(poet, x)
+
+  (v_x, (gm_x, gx_x)) = run()
+  assert calls == []
+  fused = _fused(64)
+  monkeypatch.setattr(linear, 'implementation_for',
+                      lambda name, b: fused if name == 'auto' else None)
+  (v_f, (gm_f, gx_f)) = run()
+  expect = 'pallas_kernels.run_rotate' if hidden % 64 == 0 else 'pallas_kernels.fused_rotate'
+  assert calls and set(calls) == {expect}, set(calls)
+  assert abs(float(v_f) - float(v_x)) < 2e-2 * abs(float(v_x))
+  assert rel_err(gx_f, gx_x) < TOL[jnp.bfloat16]
+  for a, w in zip(jax.tree.leaves(nnx.state(gm_f, poetx_jax.POETParam)),
+                  jax.tree.leaves(nnx.state(gm_x, poetx_jax.POETParam))):
+    assert rel_err(a, w) < TOL[jnp.bfloat16]
