@@ -49,8 +49,8 @@ the model's layers. Other calls belong to :mod:`pallas_kernels.fused_rotate`
 Measured on one H100 (docs/results/chunk-permutations) they compute the
 right values but are slower than XLA's composition of a gather of runs and
 the block products, which XLA fuses into one pass (at N 14336, B 256, c 16,
-fwd+bwd: 1.47 ms against 1.16 ms): one TMA box of (64, 16) bf16 is 2 KiB,
-and a token tile of a block issues B / c of them. They are what
+fwd+bwd: 1.47 ms against 1.16 ms; not profiled: a token tile of a block
+is B / c boxes of 2 KiB at c = 16, and the tiles were not tuned). They are what
 ``implementation='fused'`` runs for the shapes they take; ``'auto'`` runs
 XLA.
 
