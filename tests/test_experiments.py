@@ -120,19 +120,29 @@ def test_bench_kernels_checks_every_kernel(tmp_path):
 
 def test_bench_fused_checks_and_times(tmp_path):
   """--smoke: every fused kernel runs interpreted, matches its XLA composition
-  and is timed beside it, with the bytes it moves."""
+  and is timed beside it, with the bytes it moves; for a chunk permutation
+  the run gathers too, and where the width is a multiple of B the Mosaic run
+  kernels."""
   pytest.importorskip('pallas_kernels.fused_rotate')
   import bench_fused
   out = tmp_path / 'fused.json'
-  bench_fused.main(['--smoke', '--json', str(out)])
-  (r,) = json.loads(out.read_text())
+  bench_fused.main(['--smoke', '--chunks', '1,16', '--json', str(out)])
+  results = {(r['width'], r['chunk']): r for r in json.loads(out.read_text())}
+  assert set(results) == {(96, 1), (96, 16), (128, 1), (128, 16)}
   fused = ({f'gather_rotate {n}' for n, c in bench_fused.GATHER_ROTATE_CONFIGS.items()
             if c.tile_c in (None, 64)}
            | {'rotate_scatter', 'block_gram', 'permute_rotate fwd+bwd fused',
               'rotate_unpermute fwd+bwd fused'})
-  assert set(r['errors']) == fused and max(r['errors'].values()) < bench_fused.TOL
-  assert fused < set(r['ms']) and {'copy', 'gather+rotate xla', 'gram xla'} < set(r['ms'])
-  assert set(r['bytes']) == set(r['ms']) and r['bytes']['copy'] == 2 * 40 * 96 * 2
+  runs = {f'gather xla, words of {w}' for w in bench_fused.RUN_WORDS}
+  mosaic = {'gather_rotate mosaic', 'rotate_scatter mosaic', 'permute_rotate fwd+bwd mosaic',
+            'rotate_unpermute fwd+bwd mosaic'}
+  for (n, c), r in results.items():
+    checked = fused | (runs if c > 1 else set()) | (mosaic if (n, c) == (128, 16) else set())
+    assert set(r['errors']) == checked, (n, c)
+    assert max(r['errors'].values()) < bench_fused.TOL
+    assert checked < set(r['ms']) and {'copy', 'gather xla', 'gather xla fwd+bwd',
+                                       'gather+rotate xla', 'gram xla'} < set(r['ms'])
+    assert set(r['bytes']) == set(r['ms']) and r['bytes']['copy'] == 2 * 40 * n * 2
 
 
 def test_bench_memory_state_only(tmp_path):
