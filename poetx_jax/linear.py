@@ -134,14 +134,15 @@ def implementation_for(name: str, block_size: int) -> ops.Implementation | None:
 def _check_arguments(in_features, out_features, block_size, mode, form, implementation, dtype,
                      terms, max_generator_norm, quantize, generator_dtype, permutation,
                      chunk_size):
-  """POETLinear's argument checks: each error names the value and what is valid."""
+  """POETLinear's argument checks: each error names the value and what is
+  valid. Returns ``chunk_size`` as a Python int."""
   for name, d in (('in_features', in_features), ('out_features', out_features)):
     if not isinstance(d, int) or d < 1:
       raise ValueError(f'{name} must be a positive int, got {d!r}')
   ops.check_block_size(block_size, in_features, out_features)
   if permutation not in ops.PERMUTATIONS:
     raise ValueError(f'permutation must be one of {ops.PERMUTATIONS}, got {permutation!r}')
-  ops.check_chunk_size(chunk_size, block_size if permutation == 'chunk' else None)
+  return ops.check_chunk_size(chunk_size, block_size if permutation == 'chunk' else None)
   if mode not in MODES:
     raise ValueError(f'mode must be one of {MODES}, got {mode!r}')
   if form not in ops.FORMS:
@@ -286,11 +287,11 @@ class POETLinear(nnx.Module):
       bias_init: tp.Callable = initializers.zeros_init(),
       rngs: nnx.Rngs,
   ):
-    _check_arguments(in_features, out_features, block_size, mode, form, implementation,
-                     dtype, terms, max_generator_norm, quantize, generator_dtype, permutation,
-                     chunk_size)
+    chunk_size = _check_arguments(in_features, out_features, block_size, mode, form,
+                                  implementation, dtype, terms, max_generator_norm, quantize,
+                                  generator_dtype, permutation, chunk_size)
     self.permutation = permutation
-    self.chunk_size = chunk_size
+    self.chunk_size = chunk_size  # a Python int: static, hashable
     kernel = kernel_init(rngs.params(), (in_features, out_features), param_dtype)
     if kernel.shape != (in_features, out_features):
       raise ValueError(f'kernel_init gave shape {kernel.shape}, expected '

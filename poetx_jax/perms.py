@@ -48,8 +48,9 @@ def check_chunk_size(chunk: int, block_size: int | None = None, what: str = 'chu
   """``chunk`` if it is a valid run length (an int >= 1 dividing
   ``block_size``, so that every block takes whole runs); else ValueError
   naming the value and what is valid."""
-  if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+  if isinstance(chunk, (bool, np.bool_)) or not isinstance(chunk, (int, np.integer)) or chunk < 1:
     raise ValueError(f'{what} must be an int >= 1 (features per run), got {chunk!r}')
+  chunk = int(chunk)
   if block_size is not None and block_size % chunk:
     valid = [d for d in range(1, block_size + 1) if block_size % d == 0]
     raise ValueError(f'{what}={chunk} must divide the block size {block_size}, so that '
