@@ -142,7 +142,7 @@ def _check_arguments(in_features, out_features, block_size, mode, form, implemen
   ops.check_block_size(block_size, in_features, out_features)
   if permutation not in ops.PERMUTATIONS:
     raise ValueError(f'permutation must be one of {ops.PERMUTATIONS}, got {permutation!r}')
-  return ops.check_chunk_size(chunk_size, block_size if permutation == 'chunk' else None)
+  chunk_size = ops.check_chunk_size(chunk_size, block_size if permutation == 'chunk' else None)
   if mode not in MODES:
     raise ValueError(f'mode must be one of {MODES}, got {mode!r}')
   if form not in ops.FORMS:
@@ -172,6 +172,7 @@ def _check_arguments(in_features, out_features, block_size, mode, form, implemen
   if name not in GENERATOR_DTYPES:
     raise ValueError(f'generator_dtype must be one of {GENERATOR_DTYPES}, '
                      f'got {generator_dtype!r}')
+  return chunk_size
 
 
 class POETLinear(nnx.Module):
