@@ -205,7 +205,7 @@ def main(argv=None):
   p.add_argument('--iters', type=int, default=10)
   p.add_argument('--chain', type=int, default=10, help='applications per timed program')
   p.add_argument('--smoke', action='store_true',
-                 help='tiny shapes (T=40, N=96 and 128, B=64), chain 2, one iteration, interpreted')
+                 help='tiny shapes (T=40, N=128, B=64), chain 2, one iteration, interpreted')
   p.add_argument('--chunks', default='1,16',
                  help='run lengths of the permutations (1: element permutations)')
   p.add_argument('--configs', default=None,
@@ -219,7 +219,7 @@ def main(argv=None):
   a = p.parse_args(argv)
   interpret = jax.default_backend() != 'gpu'
   if a.smoke:
-    a.widths, a.block, a.tokens, a.iters, a.chain = '96,128', 64, 40, 1, 2
+    a.widths, a.block, a.tokens, a.iters, a.chain = '128', 64, 40, 1, 2
   elif interpret:
     p.error('the kernels run interpreted off GPUs: use --smoke there')
   chunks = [int(c) for c in a.chunks.split(',')]
