@@ -104,6 +104,18 @@ def test_clear_errors(tmp_path, corpus):
     train(_cfg(tmp_path, corpus, poet_lr=0.0))
 
 
+def test_the_device_counts_train_at_the_largest_values_their_options_take(tmp_path, corpus):
+  """warmup, merge_every and clip_ramp reach the device as int32 counts
+  (optax's schedule boundary, the merge cycle, the clip's ramp): at their
+  largest value, INT32_MAX, a run trains (one past it: refused,
+  test_config)."""
+  from poetx_jax.pretrain.config import INT32_MAX
+  s = train(_cfg(tmp_path, corpus, steps=2, warmup=INT32_MAX, merge_every=INT32_MAX,
+                 clip_ramp=INT32_MAX, eval_every=INT32_MAX, log_every=INT32_MAX,
+                 checkpoint_every=INT32_MAX, keep=INT32_MAX), log=lambda *_: None)
+  assert s['step'] == 2 and s['stopped'] is None
+
+
 def test_merges_record_orthogonality_and_warn_when_it_is_lost(tmp_path, corpus):
   """Every merge writes its factors' orthogonality error to metrics.jsonl; a
   POET learning rate far too large for the block size gets a warning naming
@@ -387,8 +399,8 @@ def test_fsdp_must_divide_the_devices(tmp_path, corpus, capsys):
   with pytest.raises(ValueError, match=r'fsdp=2 must divide the 1 device'):
     train(_cfg(tmp_path, corpus, strategy='fsdp', fsdp=2))
   assert not (tmp_path / 'run').exists()  # refused before anything was written
-  for flags, message in ((['--eval-batches', '0'], 'eval_batches must be an int >= 1, got 0'),
-                         (['--block-size', '0'], 'block_size must be an int >= 2'),
+  for flags, message in ((['--eval-batches', '0'], r'eval_batches must be an int in \[1, 2147483647\], got 0'),
+                         (['--block-size', '0'], r'block_size must be an int in \[2, '),
                          (['--strategy', 'fsdp', '--fsdp', '2'], 'fsdp=2 must divide')):
     assert cli.main(['train', '--out-dir', str(tmp_path / 'cli'), *flags]) == 2
     err = capsys.readouterr().err.strip()

@@ -22,16 +22,21 @@ PathLike = tp.Union[str, os.PathLike]
 EOS = '<|endoftext|>'
 # The smallest trained BPE vocabulary: the 256 byte tokens and EOS.
 MIN_BPE_VOCAB = 257
+# The largest: the tokenizers BPE trainer allocates about 66 bytes per entry of
+# the vocabulary asked for before it reads the corpus (2^31 entries: 141 GB, an
+# abort), and 2^24 is 64 times the largest vocabularies in use (262,144).
+MAX_BPE_VOCAB = 2 ** 24
 # End-of-document tokens looked for, in order, in a loaded tokenizer.json.
 _EOS_CANDIDATES = (EOS, '</s>', '<|end_of_text|>', '<eos>')
 
 
 def check_bpe_vocab(vocab_size) -> None:
   """ValueError unless ``vocab_size`` is a BPE vocabulary that can be trained
-  (an int of at least :data:`MIN_BPE_VOCAB`)."""
-  if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < MIN_BPE_VOCAB:
-    raise ValueError(f'vocab_size must be an int >= {MIN_BPE_VOCAB} (256 bytes + {EOS}), '
-                     f'got {vocab_size!r}')
+  (an int in [:data:`MIN_BPE_VOCAB`, :data:`MAX_BPE_VOCAB`])."""
+  if (isinstance(vocab_size, bool) or not isinstance(vocab_size, int)
+      or not MIN_BPE_VOCAB <= vocab_size <= MAX_BPE_VOCAB):
+    raise ValueError(f'vocab_size must be an int in [{MIN_BPE_VOCAB}, {MAX_BPE_VOCAB}] (at '
+                     f'least 256 bytes + {EOS}), got {vocab_size!r}')
 
 
 def corpus_hash(docs: tp.Sequence[str]) -> str:
