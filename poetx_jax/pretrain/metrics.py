@@ -40,7 +40,8 @@ import jax
 import tqdm
 
 from poetx_jax.pretrain import signals
-from poetx_jax.pretrain.files import atomic_write, read_jsonl, writing
+from poetx_jax.pretrain.files import (atomic_write, check_writable, read_jsonl,
+                                      refused_unless_writable, writing)
 
 # A merge whose factors are further than this from orthogonal is reported:
 # healthy runs stay at a few 1e-2 or less (docs/quality.md); the series
@@ -299,7 +300,10 @@ def plot_runs(runs, out: str | pathlib.Path) -> pathlib.Path:
   Raises:
     NothingToPlot: a run has no metrics.jsonl or no training-loss record in it
       (nothing is written).
+    ValueError: the directory of ``out`` cannot be written in (nothing is drawn).
   """
+  where = pathlib.Path(out).parent
+  check_writable(where, f'--out {out}: the directory')
   curves = []
   for run in runs:
     try:
@@ -331,7 +335,10 @@ def plot_runs(runs, out: str | pathlib.Path) -> pathlib.Path:
     if ax.get_legend_handles_labels()[0]:
       ax.legend()
   fig.tight_layout()
-  path.parent.mkdir(parents=True, exist_ok=True)
-  fig.savefig(path, dpi=110)
-  plt.close(fig)
+  try:
+    with refused_unless_writable(where, f'--out {out}: the directory'):
+      path.parent.mkdir(parents=True, exist_ok=True)
+      fig.savefig(path, dpi=110)
+  finally:
+    plt.close(fig)
   return path
