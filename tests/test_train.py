@@ -239,27 +239,71 @@ def test_sigterm_saves_and_resume_continues(tmp_path, corpus):
   assert step == last_logged  # nothing trained after the save
 
 
-def test_a_sigterm_whose_exit_was_dropped_before_the_loop_still_stops_the_run(tmp_path, corpus):
-  """A SIGTERM whose SystemExit Python dropped (raised inside a ``__del__``
-  or a garbage-collection callback, as happened to a run started with 100,000
-  steps) still stops the run: after its first step, with a checkpoint."""
+@pytest.mark.parametrize('name', ['SIGTERM', 'SIGINT'])
+@pytest.mark.parametrize('phase', ['devices', 'data', 'first validation'])
+@pytest.mark.filterwarnings('ignore::pytest.PytestUnraisableExceptionWarning')
+def test_a_signal_whose_exception_was_dropped_while_starting_stops_with_nothing_written(
+    tmp_path, corpus, monkeypatch, capsys, name, phase):
+  """poetx train given a SIGTERM or SIGINT whose exception Python dropped
+  (raised inside a ``__del__`` or a garbage-collection callback, as JAX's)
+  while the devices start, the data is read or the initial model is
+  validated: the run stops before its loop (exit 143 or 130), the run
+  directory gone, the handlers put back."""
   import os
   import signal
+  from poetx_jax.pretrain import loading
+  from poetx_jax.pretrain import train as train_lib
 
   class Dropping:  # its __del__ is where the handler runs and its exception is dropped
     def __del__(self):
-      os.kill(os.getpid(), signal.SIGTERM)
+      os.kill(os.getpid(), getattr(signal, name))
 
-  def sigterm_at_start(run):
-    if run.step == 0:
+  def dropping(fn):
+    def wrapped(*a, **k):
+      out = fn(*a, **k)
       Dropping()  # collected at once
+      return out
+    return wrapped
+
+  module, fn = {'devices': (train_lib, 'finish_options'), 'data': (loading, 'run_data'),
+                'first validation': (train_lib, '_start')}[phase]
+  monkeypatch.setattr(module, fn, dropping(getattr(module, fn)))
   cfg = _cfg(tmp_path, corpus, steps=50, log_every=1)
-  before = signal.getsignal(signal.SIGTERM)
-  s = train(cfg, log=lambda *_: None, hooks=[Hook(sigterm_at_start, at_start=True, every=10**6)])
-  assert s['stopped'] == 'SIGTERM' and s['step'] == 1
-  step, meta = Checkpointer(pathlib.Path(cfg.out_dir) / 'checkpoints').read_meta()
-  assert step == 1 and meta['reason'] == 'SIGTERM'
-  assert signal.getsignal(signal.SIGTERM) is before  # the handlers put back
+  config = tmp_path / 'run.json'
+  config.write_text(json.dumps(dataclasses.asdict(cfg)))
+  before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+  if name == 'SIGTERM':
+    with pytest.raises(SystemExit) as e:
+      cli.main(['train', '--config', str(config), '--plot', ''])
+    assert e.value.code == 143
+  else:
+    assert cli.main(['train', '--config', str(config), '--plot', '']) == 130
+  said = capsys.readouterr()
+  assert f'stopped by {name} while starting' in said.out, said.out
+  assert said.err.strip().splitlines()[-1] == ('poetx train: stopped by SIGTERM' if name == 'SIGTERM'
+                                               else 'poetx train: interrupted'), said.err
+  assert not pathlib.Path(cfg.out_dir).exists()
+  assert {s: signal.getsignal(s) for s in before} == before  # the handlers put back
+
+
+def test_a_sigterm_with_the_last_step_leaves_the_run_complete(tmp_path, corpus):
+  """A SIGTERM that comes with the run's last step stops nothing: the run
+  ends complete (its final checkpoint the last step's), saying so, not
+  asking for a resume."""
+  import os
+  import signal
+
+  def sigterm(run):
+    if run.step == 4:
+      os.kill(os.getpid(), signal.SIGTERM)
+  logged = []
+  s = train(_cfg(tmp_path, corpus, steps=4, checkpoint_every=4), log=logged.append,
+            hooks=[Hook(sigterm, wait=False)])
+  assert s['step'] == 4 and s['stopped'] is None
+  assert 'SIGTERM came with the last step: the run is complete' in logged
+  assert not any('--resume' in l for l in logged), logged
+  step, meta = Checkpointer(tmp_path / 'run' / 'checkpoints').read_meta()
+  assert step == 4 and meta['reason'] == 'final'
 
 
 def test_xq_int4_run_checkpoints_and_resumes(tmp_path, corpus):

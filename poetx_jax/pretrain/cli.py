@@ -355,11 +355,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 @contextlib.contextmanager
-def _sigterm_exits():
-  """SIGTERM, while a command runs in the main thread, raises
-  ``SystemExit(143)``: the command unwinds (a fresh run's directory removed,
-  locks released) instead of dying where it stands; the training loop and
-  ``prepare``'s worker pool put handlers of their own over it."""
+def _signals_exit():
+  """SIGTERM and SIGINT, while a command runs in the main thread, raise
+  ``SystemExit(143)`` and ``KeyboardInterrupt`` and are recorded
+  (:mod:`~poetx_jax.pretrain.signals`): the command unwinds (a fresh run's
+  directory removed, locks released) instead of dying where it stands, and
+  one whose exception Python dropped stops it at its next safe point; the
+  training loop puts handlers of its own over them."""
   if threading.current_thread() is not threading.main_thread():
     yield
     return
@@ -367,7 +369,7 @@ def _sigterm_exits():
   try:
     yield
   finally:
-    signal.signal(signal.SIGTERM, old)
+    signals.restore(old)
 
 
 def main(argv=None) -> int:
@@ -381,7 +383,7 @@ def main(argv=None) -> int:
   command = next((x for x in args if not x.startswith('-')), '')
   a = None
   try:
-    with _sigterm_exits():
+    with _signals_exit():
       a = build_parser().parse_args(args)
       a.argv = args
       a.kept = lambda: ''  # what a command stopped by SIGTERM kept, for its message

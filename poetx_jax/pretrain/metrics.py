@@ -207,8 +207,8 @@ class TrainClock:
 
 class StopFlag:
   """Turns SIGTERM / Ctrl-C into a flag checked between steps; raised from
-  the start if a SIGTERM came before it whose exit was dropped
-  (:mod:`~poetx_jax.pretrain.signals`)."""
+  the start with the signal that came before it, its exit dropped, if one
+  did (:mod:`~poetx_jax.pretrain.signals`)."""
 
   def __init__(self):
     self.signal = None
@@ -217,8 +217,7 @@ class StopFlag:
   def __enter__(self):
     for s in (signal.SIGINT, signal.SIGTERM):
       self._old[s] = signal.signal(s, self._handle)
-    if signals.take():
-      self.signal = 'SIGTERM'
+    self.signal = signals.take()
     return self
 
   def _handle(self, signum, frame):
