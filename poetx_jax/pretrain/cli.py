@@ -89,7 +89,9 @@ def cmd_train(a) -> int:
     raise ValueError(f'--step must be a checkpoint step >= 0, got {a.step}')
   cluster = {'coordinator_address': a.coordinator, 'num_processes': a.num_processes,
              'process_id': a.process_id}
-  given = [k for k, v in cluster.items() if v is not None]
+  flags = {'coordinator_address': '--coordinator', 'num_processes': '--num-processes',
+           'process_id': '--process-id'}
+  given = [flags[k] for k, v in cluster.items() if v is not None]
   if given and not a.distributed:
     raise ValueError(f'--coordinator, --num-processes and --process-id need --distributed '
                      f'(given: {", ".join(given)})')

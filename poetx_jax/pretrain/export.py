@@ -68,11 +68,13 @@ def _json_writer(obj) -> tp.Callable[[str], object]:
   return lambda tmp: pathlib.Path(tmp).write_text(json.dumps(obj, indent=1) + '\n')
 
 
-def check_destination(out_dir: str | pathlib.Path, *, force: bool = False) -> list[str]:
+def check_destination(out_dir: str | pathlib.Path, *, force: bool = False,
+                      force_name: str = 'force=True') -> list[str]:
   """The export files already in ``out_dir`` (which may not exist yet).
 
   Raises:
-    ValueError: ``out_dir`` is a file, or holds an export and not ``force``.
+    ValueError: ``out_dir`` is a file, or holds an export and not ``force``
+      (the message says to give ``force_name``).
   """
   out = pathlib.Path(out_dir)
   if out.exists() and not out.is_dir():
@@ -83,7 +85,7 @@ def check_destination(out_dir: str | pathlib.Path, *, force: bool = False) -> li
     held += sorted(p.name for p in out.iterdir() if hf_files.SHARD.fullmatch(p.name))
   if held and not force:
     raise ValueError(f'{out} already holds an export ({", ".join(held)}); replace it '
-                     f'with --force (force=True), or choose another directory')
+                     f'with {force_name}, or choose another directory')
   return held
 
 
@@ -208,7 +210,7 @@ def export_run(run: str | pathlib.Path, out_dir: str | pathlib.Path,
   if pathlib.Path(out_dir).resolve() == pathlib.Path(run).resolve():
     raise ValueError(f'the export directory {out_dir} is the run directory; choose '
                      f'another one')
-  check_destination(out_dir, force=force)  # before the checkpoint is read
+  check_destination(out_dir, force=force, force_name='--force')  # before the checkpoint is read
   check_writable(out_dir, '--out')
   _checked_options(dtype, max_shard_size)
   cfg = rundir.read_config(run)
