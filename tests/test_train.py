@@ -108,12 +108,15 @@ def test_the_device_counts_train_at_the_largest_values_their_options_take(tmp_pa
   """warmup, merge_every and clip_ramp reach the device as int32 counts
   (optax's schedule boundary, the merge cycle, the clip's ramp): at their
   largest value, INT32_MAX, a run trains (one past it: refused,
-  test_config)."""
+  test_config), saying that it is all warmup."""
   from poetx_jax.pretrain.config import INT32_MAX
+  logged = []
   s = train(_cfg(tmp_path, corpus, steps=2, warmup=INT32_MAX, merge_every=INT32_MAX,
                  clip_ramp=INT32_MAX, eval_every=INT32_MAX, log_every=INT32_MAX,
-                 checkpoint_every=INT32_MAX, keep=INT32_MAX), log=lambda *_: None)
+                 checkpoint_every=INT32_MAX, keep=INT32_MAX), log=logged.append)
   assert s['step'] == 2 and s['stopped'] is None
+  assert (f'warning: --warmup {INT32_MAX} is not below --steps 2: every update is in the '
+          f'warmup, and the learning rate never reaches its peak') in logged
 
 
 def test_merges_record_orthogonality_and_warn_when_it_is_lost(tmp_path, corpus):
@@ -241,7 +244,6 @@ def test_sigterm_saves_and_resume_continues(tmp_path, corpus):
 
 @pytest.mark.parametrize('name', ['SIGTERM', 'SIGINT'])
 @pytest.mark.parametrize('phase', ['devices', 'data', 'first validation'])
-@pytest.mark.filterwarnings('ignore::pytest.PytestUnraisableExceptionWarning')
 def test_a_signal_whose_exception_was_dropped_while_starting_stops_with_nothing_written(
     tmp_path, corpus, monkeypatch, capsys, name, phase):
   """poetx train given a SIGTERM or SIGINT whose exception Python dropped
@@ -559,8 +561,9 @@ def test_hooks_are_checked_before_anything_is_written(tmp_path, corpus):
 
 
 def test_compile_cache_off_or_already_set_is_left_alone(tmp_path):
-  """--compile-cache '' sets no cache, and a cache the process set already is
-  kept; otherwise the directory is set, every program cached."""
+  """--compile-cache '' sets no cache, a file (or a path under one) is
+  refused, and a cache the process set already is kept; otherwise the
+  directory is set, every program cached."""
   from poetx_jax.pretrain.train import _use_compile_cache  # pylint: disable=protected-access
   names = ('jax_compilation_cache_dir', 'jax_persistent_cache_min_compile_time_secs')
   saved = {n: getattr(jax.config, n) for n in names}
@@ -569,6 +572,12 @@ def test_compile_cache_off_or_already_set_is_left_alone(tmp_path):
     jax.config.update(names[1], 1.0)
     _use_compile_cache('')
     assert jax.config.jax_compilation_cache_dir is None
+    (tmp_path / 'afile').write_text('')
+    for given in ('afile', 'afile/xla'):  # a file, or under one: refused, nothing set
+      with pytest.raises(ValueError, match=f'--compile-cache {tmp_path / given} cannot be a '
+                                           f'compilation cache: {tmp_path / "afile"} is a file'):
+        _use_compile_cache(str(tmp_path / given))
+      assert jax.config.jax_compilation_cache_dir is None
     _use_compile_cache(str(tmp_path / 'xla'))
     assert jax.config.jax_compilation_cache_dir == str(tmp_path / 'xla')
     assert jax.config.jax_persistent_cache_min_compile_time_secs == 0

@@ -366,15 +366,25 @@ _UNWRITABLE = {errno.EACCES: 'permission denied (a read-only directory?)',
                errno.EROFS: 'it is on a read-only file system'}
 
 
+def not_a_directory(directory: str | os.PathLike) -> str | None:
+  """Why ``directory`` can be no directory: the nearest of it and its parents
+  that exists is a file (said so); None if that one is a directory."""
+  for p in (Path(directory).absolute(), *Path(directory).absolute().parents):
+    if p.exists():
+      return None if p.is_dir() else f'{p} is a file, not a directory'
+  return None
+
+
 def _why_unwritable(directory: str | os.PathLike) -> str | None:
   """Why this process cannot create files in ``directory``, or create it:
   the nearest of it and its parents that exists is a file, or a directory
   it may not write in (its mode, or a read-only file system); None if it can."""
+  why = not_a_directory(directory)
+  if why is not None:
+    return why
   for p in (Path(directory).absolute(), *Path(directory).absolute().parents):
     if not p.exists():
       continue
-    if not p.is_dir():
-      return f'{p} is a file, not a directory'
     if os.access(p, os.W_OK | os.X_OK):
       return None
     try:

@@ -9,7 +9,8 @@ exception surfaces, so :func:`stop` both raises (``SystemExit(143)`` for
 SIGTERM, ``KeyboardInterrupt`` for SIGINT: the command unwinds at once
 wherever that is possible) and records the signal. The command's safe points
 call :func:`check`, which raises the exit of a recorded signal again, so a
-signal whose exception was dropped still stops the command there; the
+signal whose exception was dropped still stops the command there (and
+Python's "Exception ignored" report of it is left out); the
 training loop's stop flag (``metrics.StopFlag``), which takes the signals
 over from :func:`stop` for the loop, takes a recorded one (:func:`take`)
 before the loop starts, so that a run stopped while starting writes
@@ -24,12 +25,14 @@ nothing::
 from __future__ import annotations
 
 import signal
+import sys
 
 EXIT_CODE = 128 + signal.SIGTERM  # 143, the shells' convention
 INTERRUPTED = 128 + signal.SIGINT  # 130
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 _received: str | None = None
+_raised: BaseException | None = None  # the exception stop() raised last
 
 
 def exit_of(name: str) -> BaseException:
@@ -42,27 +45,45 @@ def stop(signum, frame) -> None:
   """The handler of SIGTERM and SIGINT while a command runs outside the
   training loop: records the signal and raises its :func:`exit_of`."""
   del frame
-  global _received
+  global _received, _raised
   _received = signal.Signals(signum).name
-  raise exit_of(_received)
+  _raised = exit_of(_received)
+  raise _raised
+
+
+def _unraisable(previous):
+  """``sys.unraisablehook`` that leaves out the exception of :func:`stop`
+  (dropped where it was raised, and recorded: acted on at the next safe
+  point) and passes every other to ``previous``."""
+  def hook(unraisable):
+    if _raised is None or unraisable.exc_value is not _raised:
+      previous(unraisable)
+  hook.previous = previous
+  return hook
 
 
 def install() -> dict:
-  """Makes :func:`stop` the handler of SIGTERM and SIGINT; returns the
-  handlers it replaces, by signal (:func:`restore` puts them back).
-  Installed afresh (not over itself), it forgets a signal recorded by an
-  earlier command of this process."""
+  """Makes :func:`stop` the handler of SIGTERM and SIGINT (and has
+  ``sys.unraisablehook`` leave out its dropped exceptions); returns the
+  handlers it replaces (:func:`restore` puts them back). Installed afresh
+  (not over itself), it forgets a signal recorded by an earlier command of
+  this process."""
   global _received
   old = {s: signal.signal(s, stop) for s in SIGNALS}
+  old['unraisablehook'] = sys.unraisablehook
   if old[signal.SIGTERM] is not stop:
     _received = None
+    sys.unraisablehook = _unraisable(sys.unraisablehook)
   return old
 
 
 def restore(old: dict) -> None:
   """Puts back the handlers :func:`install` returned."""
   for s, handler in old.items():
-    signal.signal(s, handler)
+    if s == 'unraisablehook':
+      sys.unraisablehook = handler
+    else:
+      signal.signal(s, handler)
 
 
 def take() -> str | None:

@@ -29,7 +29,7 @@ from poetx_jax.pretrain.plan import Plan, finish_options, make_plan, recorded_pl
 from poetx_jax.pretrain.checkpoint import Checkpointer, full_disk_stop, resumed_message
 from poetx_jax.pretrain.config import TrainConfig
 from poetx_jax.pretrain.evaluation import evaluate, place_batch
-from poetx_jax.pretrain.files import when_full
+from poetx_jax.pretrain.files import not_a_directory, when_full
 from poetx_jax.pretrain.factories import (abstract_state, build_state, make_step,
                                           make_training_mesh, state_sizes)
 from poetx_jax.pretrain.hooks import Hook
@@ -211,6 +211,9 @@ def train(cfg: TrainConfig, *, resume: bool = False, step: int | None = None, lo
     raise
   primary = processes.is_primary()  # of several processes, the first reports
   log = log if primary else (lambda *_: None)
+  if cfg.warmup >= cfg.steps:
+    log(f'warning: --warmup {cfg.warmup} is not below --steps {cfg.steps}: every update is '
+        f'in the warmup, and the learning rate never reaches its peak')
   _use_compile_cache(cfg.compile_cache)
   with rundir.open_run(cfg, resume=resume, log=log) as (out, accepted), \
        contextlib.ExitStack() as loop_signals:
@@ -284,8 +287,13 @@ def _use_compile_cache(directory: str) -> None:
   """Sets jax's persistent compilation cache to ``directory`` (every program,
   however quick to compile: the many small ones of building the model add up,
   and a threshold in seconds would make what is cached depend on the
-  machine's load), unless it is "" or the process set a cache already."""
+  machine's load), unless it is "" or the process set a cache already.
+  ValueError if ``directory`` is a file or under one."""
   if directory and not jax.config.jax_compilation_cache_dir:
+    why = not_a_directory(pathlib.Path(directory).expanduser())
+    if why is not None:
+      raise ValueError(f'--compile-cache {directory} cannot be a compilation cache: {why}; '
+                       f'give a directory, or "" for none')
     jax.config.update('jax_compilation_cache_dir', str(pathlib.Path(directory).expanduser()))
     jax.config.update('jax_persistent_cache_min_compile_time_secs', 0.0)
 
