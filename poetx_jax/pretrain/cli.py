@@ -107,6 +107,7 @@ def cmd_train(a) -> int:
   from poetx_jax.pretrain.config import TrainConfig, config_from_args
   from poetx_jax.pretrain.plan import command_options
   from poetx_jax.pretrain.train import train
+  signals.check()  # a signal that came while jax was imported
   cfg = config_from_args(a)
   if getattr(a, 'argv', None) is not None:  # the options on the command line
     given = vars(_train_parser(argparse.ArgumentParser().add_subparsers(),
@@ -389,7 +390,9 @@ def main(argv=None) -> int:
       a = build_parser().parse_args(args)
       a.argv = args
       a.kept = lambda: ''  # what a command stopped by SIGTERM kept, for its message
-      return a.func(a)
+      code = a.func(a)
+      signals.check()  # a signal recorded and not yet acted on (one inside an import)
+      return code
   except KeyboardInterrupt:
     print(f'poetx {command}: interrupted', file=sys.stderr)
     return 130

@@ -4,13 +4,16 @@ command at once, and a record of the signal acted on at the next safe point.
 Python runs a signal handler between two bytecodes of the main thread,
 wherever they are, also inside a garbage-collection callback (JAX's
 ``_xla_gc_callback``) or a ``__del__``, where an exception is printed and
-dropped ("Exception ignored in ..."). A stop must not depend on where its
-exception surfaces, so :func:`stop` both raises (``SystemExit(143)`` for
-SIGTERM, ``KeyboardInterrupt`` for SIGINT: the command unwinds at once
-wherever that is possible) and records the signal. The command's safe points
-call :func:`check`, which raises the exit of a recorded signal again, so a
-signal whose exception was dropped still stops the command there (and
-Python's "Exception ignored" report of it is left out); the
+dropped ("Exception ignored in ..."), or inside an import, where it leaves a
+module half-initialised (jaxlib's, imported again as the process exits,
+aborts it). A stop must not depend on where its exception surfaces, so
+:func:`stop` records the signal, and raises (``SystemExit(143)`` for
+SIGTERM, ``KeyboardInterrupt`` for SIGINT: the command unwinds at once)
+unless it runs inside an import or a garbage-collection callback. The
+command's safe points call :func:`check`, which raises the exit of a
+recorded signal, so a signal not raised, or whose exception was dropped,
+still stops the command there (and Python's "Exception ignored" report of
+it is left out); the
 training loop's stop flag (``metrics.StopFlag``), which takes the signals
 over from :func:`stop` for the loop, takes a recorded one (:func:`take`)
 before the loop starts, so that a run stopped while starting writes
@@ -24,6 +27,7 @@ nothing::
 
 from __future__ import annotations
 
+import gc
 import signal
 import sys
 
@@ -41,12 +45,27 @@ def exit_of(name: str) -> BaseException:
   return SystemExit(EXIT_CODE) if name == 'SIGTERM' else KeyboardInterrupt()
 
 
+def _inside_import_or_gc(frame) -> bool:
+  """Whether ``frame`` (the one a signal interrupted) runs inside an import
+  or a garbage-collection callback, its callers included."""
+  callbacks = {getattr(cb, '__code__', None) for cb in gc.callbacks}
+  while frame is not None:
+    code = frame.f_code
+    if code.co_filename.startswith('<frozen importlib') or code in callbacks:
+      return True
+    frame = frame.f_back
+  return False
+
+
 def stop(signum, frame) -> None:
   """The handler of SIGTERM and SIGINT while a command runs outside the
-  training loop: records the signal and raises its :func:`exit_of`."""
-  del frame
+  training loop: records the signal and raises its :func:`exit_of`, but
+  inside an import or a garbage-collection callback (there the next safe
+  point, :func:`check`, raises it)."""
   global _received, _raised
   _received = signal.Signals(signum).name
+  if _inside_import_or_gc(frame):
+    return
   _raised = exit_of(_received)
   raise _raised
 
