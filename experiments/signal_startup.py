@@ -22,9 +22,9 @@ loop). Each outcome is one of:
   checkpoint saved); ``poetx train --resume`` ends it with the uninterrupted
   run's losses and final state, bit for bit;
 * ``complete``: the signal came with the last step (exit 0, the run saying
-  so), after the process ended, or once ``poetx`` had returned and put the
-  default handlers back (the process died by it); the run is the
-  uninterrupted one.
+  so), once the command had printed its last line (exit 0), after the
+  process ended, or once ``poetx`` had returned and put the default handlers
+  back (the process died by it); the run is the uninterrupted one.
 
 Anything else (a traceback, a run directory without a checkpoint, a state
 that differs, an ``Exception ignored`` report on stderr) is a failure: a
@@ -132,11 +132,13 @@ def one(name: str, at: float, corpus: str, root: pathlib.Path) -> dict:
     result['ok'] = proc.returncode == -signal.Signals[name] or (
         proc.returncode == code and 'Traceback' not in err)
   elif proc.returncode == 0 or proc.returncode == -signal.Signals[name]:
-    # Exit 0: the signal came with the last step (the run says so), or after
-    # the process ended; killed by it: it came once poetx had returned.
+    # Exit 0: the signal came with the last step (the run says so), or once
+    # the command had ended (its last line, the speed, printed: poetx's
+    # handlers act on any signal before it) or the process had; killed by
+    # it: it came once poetx had returned and put the default handlers back.
     result['outcome'] = 'complete'
-    result['ok'] = ((proc.returncode != 0 or not sent or f'{name} came with the last step' in out)
-                    and _same(run, corpus, root))
+    told = f'{name} came with the last step' in out or 'tokens/s over' in out
+    result['ok'] = (proc.returncode != 0 or not sent or told) and _same(run, corpus, root)
   elif proc.returncode == code and any((run / 'checkpoints').glob('[0-9]*')):
     result['outcome'] = 'resumed exactly'
     resumed = subprocess.run(_args(run, corpus, root) + ['--resume'], capture_output=True,

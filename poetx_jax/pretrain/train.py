@@ -248,9 +248,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, step: int | None = None, lo
           run.step += 1
           _after_step(run, last=run.step == total)
           signal = _agreed(stop.signal, at_log=run.step % cfg.log_every == 0)
-          if signal and run.step == total:  # too late to stop anything
-            log(f'{signal} came with the last step: the run is complete')
-            signal = None
+          signal = signal if run.step < total else None  # too late to stop anything
           if signal or (stop_after is not None and run.step - run.start >= stop_after):
             run.stopped = signal or 'stop_after'
             if run.saved_at != run.step:
@@ -258,6 +256,8 @@ def train(cfg: TrainConfig, *, resume: bool = False, step: int | None = None, lo
                 run.save(run.stopped)
             break
       loop_signals.close()  # the command's handlers back: a signal exits at once
+      if stop.signal and run.stopped is None:
+        log(f'{stop.signal} came with the last step: the run is complete')
       run.progress.close()
       return _finish(run, log)
 
