@@ -3,7 +3,7 @@ each must end in a stop that wrote nothing (before the training loop) or in
 a run that ``--resume`` ends exactly as the uninterrupted one (after).
 
     python experiments/signal_startup.py --instants 50 --out /tmp/signals   # the full sweep
-    python experiments/signal_startup.py --instants 5 --seed 1              # a quick sample
+    python experiments/signal_startup.py --instants 5 --draw-seed 1         # a quick sample
 
 A tiny run of a few steps is first trained uninterrupted, in a process of its
 own as every run here, and timed from launch to exit (``T``; about 3.5 s on
@@ -180,7 +180,7 @@ def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
   p.add_argument('--instants', type=int, default=50,
                  help='instants for each signal (default: %(default)s)')
-  p.add_argument('--seed', type=int, default=0, help='draws the instants (default: 0)')
+  p.add_argument('--draw-seed', type=int, default=0, help='draws the instants (default: 0)')
   p.add_argument('--span', type=float, default=None,
                  help='draw the instants in [0, SPAN] seconds after the launch (default: '
                       '1.1 x the uninterrupted run\'s wall time)')
@@ -199,7 +199,7 @@ def main(argv=None) -> int:
     from conftest import write_corpus  # pylint: disable=g-import-not-at-top
     (root / 'corpus').mkdir(parents=True)
     corpus = str(write_corpus(root / 'corpus'))
-  results = sweep(corpus, root, a.instants, a.seed, span=a.span,
+  results = sweep(corpus, root, a.instants, a.draw_seed, span=a.span,
                   log=lambda m: print(m, file=sys.stderr))
   failed = [r for r in results if not r['ok']]
   for name in SIGNALS:

@@ -250,6 +250,8 @@ def optimizers(ckpt_dir):
     cfg.validate()
     return make_plan(cfg, VOCAB)
 
+  step_fns = {}  # by (options, devices): a resumed run's step is its fresh run's
+
   def train(plan, n, steps=range(4), restore=None, save=None):
     """Trains ``steps`` on the first ``n`` devices (restored from ``restore``
     first; saved to ``save`` after the 2nd update)."""
@@ -261,7 +263,10 @@ def optimizers(ckpt_dir):
       model, opt = factories.build_state(plan, mesh)
     if restore is not None:
       Checkpointer(restore).restore(model, opt)
-    step = factories.make_step(plan, mesh=mesh)
+    key = (repr(plan.options), n)
+    if key not in step_fns:
+      step_fns[key] = factories.make_step(plan, mesh=mesh)
+    step = step_fns[key]
     losses = []
     for i in steps:
       losses.append(float(step(model, opt, evaluation.place_batch(batches[i], mesh))))

@@ -445,8 +445,9 @@ def test_fsdp_must_divide_the_devices(tmp_path, corpus, capsys):
   with pytest.raises(ValueError, match=r'fsdp=2 must divide the 1 device'):
     train(_cfg(tmp_path, corpus, strategy='fsdp', fsdp=2))
   assert not (tmp_path / 'run').exists()  # refused before anything was written
-  for flags, message in ((['--eval-batches', '0'], r'eval_batches must be an int in \[1, 2147483647\], got 0'),
-                         (['--block-size', '0'], r'block_size must be an int in \[2, '),
+  for flags, message in ((['--eval-batches', '0'],
+                          'eval_batches must be an int in [1, 2147483647], got 0'),
+                         (['--block-size', '0'], 'block_size must be an int in [2, '),
                          (['--strategy', 'fsdp', '--fsdp', '2'], 'fsdp=2 must divide')):
     assert cli.main(['train', '--out-dir', str(tmp_path / 'cli'), *flags]) == 2
     err = capsys.readouterr().err.strip()

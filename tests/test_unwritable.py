@@ -117,8 +117,8 @@ def test_a_full_cache_dir_names_the_file(what, corpus, tmp_path, capsys, monkeyp
   line naming the cache file; no run directory."""
   cache = tmp_path / 'cache'
   if what == 'tokenizer':
-    def full(path, write):
-      raise Exception('No space left on device (os error 28)')  # pylint: disable=broad-exception-raised
+    def full(path, write):  # as the tokenizers library says it
+      raise Exception('No space left on device (os error 28)')  # pylint: disable=broad-except
     monkeypatch.setattr(tokenizer_lib, 'atomic_write', full)
   else:
     def full(path, array, npy=False):
