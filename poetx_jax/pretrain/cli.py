@@ -149,7 +149,7 @@ def _report(summary: dict, plot: str | None) -> None:
   from poetx_jax.pretrain.metrics import plot_runs
   png = plot or str(pathlib.Path(summary['out_dir']) / 'loss.png')
   try:
-    print(f"loss curves: {plot_runs([summary['out_dir']], png)}")
+    print(f"loss curves: {plot_runs([summary['out_dir']], png, option='--plot')}")
   except ImportError:
     print('no loss plot: matplotlib is not installed (metrics.jsonl has the curves)')
   except (ValueError, OSError) as e:

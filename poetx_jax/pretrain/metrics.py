@@ -285,13 +285,15 @@ def run_labels(runs: tp.Sequence[str | os.PathLike]) -> list[str]:
   return labels
 
 
-def plot_runs(runs, out: str | pathlib.Path) -> pathlib.Path:
+def plot_runs(runs, out: str | pathlib.Path, *, option: str = '--out') -> pathlib.Path:
   """Training loss (left) and validation perplexity (right) against step.
 
   Args:
     runs: run directories, each with a ``metrics.jsonl`` holding loss records.
     out: the image to write: its suffix picks the format (``.png``, ``.pdf``,
       ``.svg``, ... any matplotlib writes); any other name gets ``.png`` appended.
+    option: the flag that gave ``out``, for the message of a directory that
+      cannot be written in.
 
   Returns:
     The path written.
@@ -302,7 +304,7 @@ def plot_runs(runs, out: str | pathlib.Path) -> pathlib.Path:
     ValueError: the directory of ``out`` cannot be written in (nothing is drawn).
   """
   where = pathlib.Path(out).parent
-  check_writable(where, f'--out {out}: the directory')
+  check_writable(where, f'{option} {out}: the directory')
   curves = []
   for run in runs:
     try:
@@ -335,7 +337,7 @@ def plot_runs(runs, out: str | pathlib.Path) -> pathlib.Path:
       ax.legend()
   fig.tight_layout()
   try:
-    with refused_unless_writable(where, f'--out {out}: the directory'):
+    with refused_unless_writable(where, f'{option} {out}: the directory'):
       path.parent.mkdir(parents=True, exist_ok=True)
       fig.savefig(path, dpi=110)
   finally:
