@@ -64,7 +64,7 @@ def test_eval_and_resume_with_a_read_only_cache_that_lost_its_tokens(
     reference, tmp_path, capsys, monkeypatch):
   """A run whose cache is read-only and no longer holds its token stream:
   poetx eval and --resume stop in one line naming the cache (exit 2) and
-  leave the run directory as it was."""
+  leave the run directory as it was; eval with another --cache-dir scores it."""
   run = tmp_path / 'run'
   shutil.copytree(reference[0].out_dir, run)
   ro = tmp_path / 'ro'
@@ -80,6 +80,7 @@ def test_eval_and_resume_with_a_read_only_cache_that_lost_its_tokens(
                    '--plot', '']) == 2
   assert f'--cache-dir {ro} cannot be written: permission denied' in _one_line_error(capsys)
   assert _tree(run) == before and list(ro.iterdir()) == []
+  assert cli.main(['eval', str(run), '--cache-dir', str(tmp_path / 'other')]) == 0  # elsewhere
 
 
 @pytest.mark.parametrize('command', ['prepare', 'export', 'plot'])

@@ -205,7 +205,8 @@ def cmd_eval(a) -> int:
   from poetx_jax.pretrain.evaluation import evaluate
   from poetx_jax.pretrain.loading import load_run
   count = _eval_batches(a.eval_batches)
-  plan, data, model, step = load_run(a.run, step=a.step)
+  plan, data, model, step = load_run(a.run, step=a.step, data=a.data, val_data=a.val_data,
+                                     cache_dir=a.cache_dir)
   cfg = plan.options
   count = cfg.eval_batches if count == 'run' else count
   windows = data.val_windows[:None if count is None else count * cfg.batch_size]
@@ -335,6 +336,13 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument('run', help='the run directory (the --out-dir of poetx train)')
   p.add_argument('--step', type=int, default=None,
                  help='the checkpoint step to evaluate (default: the newest)')
+  p.add_argument('--data', nargs='+', default=None, metavar='PATH',
+                 help='where the run\'s --data is now, if it moved (the same text: its '
+                      'splits are checked against the run\'s)')
+  p.add_argument('--val-data', nargs='+', default=None, metavar='PATH',
+                 help='where the run\'s --val-data is now, if it moved')
+  p.add_argument('--cache-dir', default=None, metavar='DIR',
+                 help='the token cache to use (default: the run\'s)')
   p.add_argument('--eval-batches', default='run', metavar='N',
                  help='score the first N batches of the run\'s --batch-size validation '
                       'windows, or every window ("all"); default "run": the run\'s own '
