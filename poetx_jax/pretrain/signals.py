@@ -13,11 +13,10 @@ unless it runs inside an import or a garbage-collection callback. The
 command's safe points call :func:`check`, which raises the exit of a
 recorded signal, so a signal not raised, or whose exception was dropped,
 still stops the command there (and Python's "Exception ignored" report of
-it is left out); the
-training loop's stop flag (``metrics.StopFlag``), which takes the signals
-over from :func:`stop` for the loop, takes a recorded one (:func:`take`)
-before the loop starts, so that a run stopped while starting writes
-nothing::
+it is left out); the training loop's stop flag (``metrics.StopFlag``),
+which takes the signals over from :func:`stop` for the loop, takes a
+recorded one (:func:`take`) before the loop starts, so that a run stopped
+while starting writes nothing::
 
     old = signals.install()      # SIGTERM and SIGINT: stop()
     ...                          # start-up: a signal raises here, or is recorded
@@ -32,7 +31,6 @@ import signal
 import sys
 
 EXIT_CODE = 128 + signal.SIGTERM  # 143, the shells' convention
-INTERRUPTED = 128 + signal.SIGINT  # 130
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 _received: str | None = None
@@ -77,7 +75,6 @@ def _unraisable(previous):
   def hook(unraisable):
     if _raised is None or unraisable.exc_value is not _raised:
       previous(unraisable)
-  hook.previous = previous
   return hook
 
 
