@@ -6,14 +6,14 @@ a run that ``--resume`` ends exactly as the uninterrupted one (after).
     python experiments/signal_startup.py --instants 5 --draw-seed 1         # a quick sample
 
 A tiny run of a few steps is first trained uninterrupted, in a process of its
-own as every run here, and timed from launch to exit (``T``; about 3.5 s on
-a 2-core CPU with the compilation cache warm). Then, for each signal, a run
-is launched ``--instants`` times and sent the signal once, at an instant drawn
-in each of ``--instants`` equal slices of ``[0, 1.1 T]`` (or ``[0, --span]``;
-the uninterrupted run is then trained only where an outcome needs it; the first second
-of a run holds the interpreter's start, the imports and the start of the
-devices; the rest the data, the model, the first validation and the
-loop). Each outcome is one of:
+own as every run here, and its start-up timed, from launch to the start of
+its training loop (``S``; about 2.5 s on a 2-core CPU with the compilation
+cache warm). Then, for each signal, a run is launched ``--instants`` times
+and sent the signal once, at an instant drawn in each of ``--instants``
+equal slices of ``[0, 1.1 S]`` (or ``[0, --span]``; the uninterrupted run
+is then trained only where an outcome needs it): the interpreter's start,
+the imports and the start of the devices, the data, the model and the
+first validation, and the loop's first steps. Each outcome is one of:
 
 * ``nothing written``: the run directory does not exist and the process
   exited 143 / 130 (or died by the signal itself, before ``poetx`` set its
@@ -98,16 +98,23 @@ def _same(run: pathlib.Path, corpus: str, root: pathlib.Path) -> bool:
 
 def reference_run(corpus: str, root: pathlib.Path, warm: bool = True) -> float:
   """Trains the uninterrupted run into ``root/reference`` (with ``warm``
-  twice: the first fills the caches, the second is timed); its wall time
-  from launch to exit."""
+  twice: the first fills the caches, the second is timed); the seconds from
+  its launch to the start of its training loop (its first metrics record,
+  the initial validation, written: the loop starts right after)."""
   for _ in range(1 + warm):
-    shutil.rmtree(root / 'reference', ignore_errors=True)
-    t0 = time.perf_counter()
-    proc = subprocess.run(_args(root / 'reference', corpus, root), capture_output=True,
-                          text=True, env=_env(), timeout=600)
+    run = root / 'reference'
+    shutil.rmtree(run, ignore_errors=True)
+    t0, started = time.perf_counter(), None
+    proc = subprocess.Popen(_args(run, corpus, root), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=_env())
+    while proc.poll() is None and started is None:
+      if (run / 'metrics.jsonl').exists():
+        started = time.perf_counter() - t0
+      time.sleep(0.01)
+    _, err = proc.communicate(timeout=600)
     if proc.returncode:
-      raise RuntimeError(f'the uninterrupted run failed: {proc.stderr[-3000:]}')
-  return time.perf_counter() - t0
+      raise RuntimeError(f'the uninterrupted run failed: {err[-3000:]}')
+  return started if started is not None else time.perf_counter() - t0
 
 
 def one(name: str, at: float, corpus: str, root: pathlib.Path) -> dict:
@@ -158,9 +165,9 @@ def one(name: str, at: float, corpus: str, root: pathlib.Path) -> dict:
 def sweep(corpus: str, root: pathlib.Path, instants: int, seed: int = 0,
           signals=SIGNALS, span: float | None = None, log=lambda *_: None) -> list[dict]:
   """Every signal of ``signals`` at ``instants`` instants, one drawn in each
-  equal slice of [0, ``span``] seconds after the launch (default: 1.1 T,
-  ``T`` the uninterrupted run's wall time, its caches warm); each instant's
-  :func:`one`."""
+  equal slice of [0, ``span``] seconds after the launch (default: 1.1 S,
+  ``S`` the uninterrupted run's start-up, launch to loop, its caches warm);
+  each instant's :func:`one`."""
   root.mkdir(parents=True, exist_ok=True)
   if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:  # a background job's: inherited
     signal.signal(signal.SIGINT, signal.default_int_handler)  # the runs start with SIG_DFL
@@ -183,7 +190,7 @@ def main(argv=None) -> int:
   p.add_argument('--draw-seed', type=int, default=0, help='draws the instants (default: 0)')
   p.add_argument('--span', type=float, default=None,
                  help='draw the instants in [0, SPAN] seconds after the launch (default: '
-                      '1.1 x the uninterrupted run\'s wall time)')
+                      '1.1 x the uninterrupted run\'s start-up, launch to loop)')
   p.add_argument('--corpus', default=None,
                  help='the runs\' --data (default: 40 generated text files)')
   p.add_argument('--out', default='runs/signal-startup',
