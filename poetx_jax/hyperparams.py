@@ -60,8 +60,9 @@ def check_hyperparameters(**values) -> None:
 
   Each keyword names a hyperparameter of :data:`RULES`. A numeric value is
   checked only when it is a concrete Python or numpy number, so arrays and
-  tracers (``optax.inject_hyperparams``) and ``None`` (an option left unset,
-  e.g. ``merge_every=None``: never merge) pass; a structural one must be a
+  tracers (``optax.inject_hyperparams``), callables (schedules) and ``None``
+  (an option left unset, e.g. ``merge_every=None``: never merge) pass, and
+  anything else (a string, say) is refused; a structural one must be a
   concrete int.
 
   Example::
@@ -88,3 +89,24 @@ def check_hyperparameters(**values) -> None:
         raise ValueError(f'{name} must be {rule.valid}, got {value!r}{hint}')
     elif isinstance(value, numbers.Real) and not rule.ok(value):
       raise ValueError(f'{name} must be {rule.valid}, got {value!r}')
+    elif not (value is None or isinstance(value, numbers.Real) or hasattr(value, 'dtype')
+              or callable(value)):
+      raise ValueError(f'{name} must be a number {rule.valid}, an array or a schedule, got '
+                       f'{value!r} (a {type(value).__name__})')
+
+
+def check_mu_dtype(mu_dtype) -> tp.Any:
+  """``mu_dtype`` as a jax dtype (None stays None); ValueError unless it is a
+  floating-point dtype."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  if mu_dtype is None:
+    return None
+  try:
+    dtype = jax.dtypes.canonicalize_dtype(mu_dtype)
+  except TypeError:
+    dtype = None
+  if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+    raise ValueError(f'mu_dtype must be a floating-point dtype (e.g. jnp.bfloat16) or None, '
+                     f'got {mu_dtype!r}')
+  return dtype

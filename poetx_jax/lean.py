@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import optax
 
 from poetx_jax.factored import factored_moments_like, is_factored, update_factored_moment
-from poetx_jax.hyperparams import check_hyperparameters
+from poetx_jax.hyperparams import check_hyperparameters, check_mu_dtype
 
 Array = jax.Array
 
@@ -66,6 +66,7 @@ def scale_by_lean_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *,
       at least this long.
   """
   check_hyperparameters(b1=b1, b2=b2, eps=eps, min_dim_size_to_factor=min_dim_size_to_factor)
+  mu_dtype = check_mu_dtype(mu_dtype)
   fac = lambda p: is_factored(p.shape, min_dim_size_to_factor)
 
   def init_fn(params):

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from poetx_jax.hyperparams import check_hyperparameters
+from poetx_jax.hyperparams import check_hyperparameters, check_mu_dtype
 from poetx_jax.linear import POETParam
 
 Array = jax.Array
@@ -109,7 +109,7 @@ def scale_by_poetx(*, merge_every: int | None = 200, b1: float = 0.9,
   if second_moment not in SECOND_MOMENTS:
     raise ValueError(f'second_moment must be one of {SECOND_MOMENTS}, '
                      f'got {second_moment!r}')
-  mu_dtype = None if mu_dtype is None else jax.dtypes.canonicalize_dtype(mu_dtype)
+  mu_dtype = check_mu_dtype(mu_dtype)
   blockwise = second_moment == 'block'
   square = lambda g: _squared(g, blockwise)
 
@@ -336,7 +336,29 @@ def poetx_partition(labels, poet_tx: optax.GradientTransformation,
     poet_tx: the POET-X optimizer (:func:`poetx`).
     other_tx: the optimizer of every other parameter.
     wrt: with a model, the variables the optimizer updates.
+
+  Its ``init`` raises ValueError, naming the first parameters that differ,
+  when the labels are a pytree of other parameters than those it is given
+  (another model's).
   """
   if isinstance(labels, nnx.Module):
     labels = poetx_labels(labels, wrt)
-  return optax.partition({'poetx': poet_tx, 'other': other_tx}, labels)
+  tx = optax.partition({'poetx': poet_tx, 'other': other_tx}, labels)
+  if callable(labels):
+    return tx
+
+  def init(params):
+    paths = lambda tree: [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(
+        tree, is_leaf=lambda x: isinstance(x, nnx.Variable))[0]]
+    got, want = paths(params), paths(labels)
+    if got != want:
+      extra, missing = sorted(set(got) - set(want)), sorted(set(want) - set(got))
+      raise ValueError(
+          'poetx_partition: the labels are of other parameters than those given (another '
+          f'model\'s?): {len(extra)} parameter(s) without a label (first: '
+          f'{", ".join(extra[:3]) or "none"}), {len(missing)} label(s) without a parameter '
+          f'(first: {", ".join(missing[:3]) or "none"}): label the model the optimizer '
+          'updates (poetx_partition(model, ...))')
+    return tx.init(params)
+
+  return optax.GradientTransformation(init, tx.update)

@@ -117,6 +117,8 @@ def shard_state(node, mesh: jax.sharding.Mesh, strategy: str) -> None:
 
   def put(v: nnx.Variable):
     x = v.get_value()
+    if not is_array(x):
+      return x
     if isinstance(v, Permutation):
       return jax.device_put(x, NamedSharding(mesh, P()))
     spec = array_spec(x.shape, strategy, fsdp,
@@ -125,6 +127,13 @@ def shard_state(node, mesh: jax.sharding.Mesh, strategy: str) -> None:
 
   nnx.update(node, jax.tree.map(put, nnx.state(node),
                                 is_leaf=lambda v: isinstance(v, nnx.Variable)))
+
+
+def is_array(x) -> bool:
+  """Whether ``x`` is an array that can be placed on devices (a jax or numpy
+  array or scalar), not a placeholder of an optimizer state (``MaskedNode``,
+  an empty tuple, None)."""
+  return isinstance(x, (jax.Array, np.ndarray, np.generic))
 
 
 def batch_sharding(mesh: jax.sharding.Mesh) -> NamedSharding:

@@ -1,4 +1,4 @@
-"""Run by tests/test_sharding.py in a process with 8 CPU devices."""
+"""Run by tests/test_sharding.py in a process with 8 CPU devices (``optimizers``: 4)."""
 
 import dataclasses
 import json
@@ -15,6 +15,7 @@ from poetx_jax.pretrain import evaluation, factories
 from poetx_jax.pretrain.checkpoint import Checkpointer
 from poetx_jax.pretrain.config import TrainConfig
 from poetx_jax.pretrain.plan import make_plan
+from poetx_jax.pretrain.recipes import RECIPES
 
 # One layer of 32 x 32 projections: one merge program per run. The stacked
 # runs are wider, so that half their MLP stack outweighs the embedding, which
@@ -201,9 +202,119 @@ def meshes():
   return out
 
 
+def _spec(x) -> tuple:
+  """The partition spec of an array (one device's: ())."""
+  return tuple(getattr(x.sharding, 'spec', ()))
+
+
+def _specs(node) -> dict[tuple, tuple]:
+  """The partition spec of every array of ``node`` by its state path."""
+  return {path: _spec(v.get_value()) for path, v in nnx.to_flat_state(nnx.state(node))
+          if sharding.is_array(v.get_value())}
+
+
+def _follows(model, opt) -> tuple[int, int]:
+  """(optimizer arrays shaped like the parameter whose path ends theirs, those
+  of them split otherwise than it): a moment is placed as its parameter."""
+  params = {path: v.get_value() for path, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+  values = {path: v.get_value() for path, v in nnx.to_flat_state(nnx.state(opt))}
+  specs = _specs(opt)
+  pairs = [(p, o) for o in specs for p in params
+           if o[-len(p):] == p and values[o].shape == params[p].shape]
+  return len(pairs), sum(specs[o] != _spec(params[p]) for p, o in pairs)
+
+
+def optimizers(ckpt_dir):
+  """Every optimizer family of ``poetx train`` (recipes.RECIPES) on 2 and 4
+  of this process's devices, by dp and by fsdp (fsdp = the device count), and
+  resumed across device counts (a checkpoint of step 2 of one device
+  restored onto fsdp 2, one of fsdp 2 onto one device), against the same
+  run on one device: 4 updates (POET-X merging after the 2nd and 4th); and
+  Muon with scan_layers and lean_state under fsdp on 2 devices. For
+  each: the largest distance of the losses from one device's, the smallest
+  fraction of each array's elements within 1e-4 of one device's, and the
+  optimizer arrays shaped like their parameter (``_follows``) and how many
+  of them are split otherwise."""
+  batches = [{k: np.random.default_rng(i).integers(0, VOCAB, (8, 16)).astype(np.int32)
+              for k in ('inputs', 'targets')} for i in range(4)]
+  devices = jax.devices()
+  # A resumed run's programs are those of a fresh run on its devices: loaded.
+  jax.config.update('jax_compilation_cache_dir', f'{ckpt_dir}/xla')
+  jax.config.update('jax_persistent_cache_min_compile_time_secs', 0.0)
+
+  def config(family, strategy='dp', fsdp=1, **extra):
+    poet = dict(block_size=16, merge_every=2) if RECIPES[family].poetizes else {}
+    cfg = TrainConfig(model='tiny', model_overrides=SHAPE, optimizer=family, batch_size=8,
+                      seq_len=16, warmup=0, dtype='float32', strategy=strategy, fsdp=fsdp,
+                      **poet, **extra)
+    cfg.validate()
+    return make_plan(cfg, VOCAB)
+
+  step_fns = {}  # by (options, devices): a resumed run's step is its fresh run's
+
+  def train(plan, n, steps=range(4), restore=None, save=None):
+    """Trains ``steps`` on the first ``n`` devices (restored from ``restore``
+    first; saved to ``save`` after the 2nd update)."""
+    mesh = (sharding.make_mesh(fsdp=plan.options.fsdp, devices=devices[:n])
+            if n > 1 else None)
+    if restore is not None and mesh is None:  # as poetx train resumes on one device
+      model, opt = factories.abstract_state(plan)
+    else:
+      model, opt = factories.build_state(plan, mesh)
+    if restore is not None:
+      Checkpointer(restore).restore(model, opt)
+    key = (repr(plan.options), n)
+    if key not in step_fns:
+      step_fns[key] = factories.make_step(plan, mesh=mesh)
+    step = step_fns[key]
+    losses = []
+    for i in steps:
+      losses.append(float(step(model, opt, evaluation.place_batch(batches[i], mesh))))
+      if save is not None and i == 1:
+        with Checkpointer(save) as ck:
+          ck.save(2, model, opt, data_state={}, meta={})
+    return model, opt, losses
+
+  def reference(plan):
+    model, opt, losses = train(plan, 1, save=f'{ckpt_dir}/{plan.options.optimizer}-1')
+    return losses, flat(model) + flat(opt)
+
+  def compare(got, ref):
+    model, opt, losses = got
+    close = [float(np.mean(np.abs(a.astype(np.float64) - b) <= 1e-4))
+             for a, b in zip(flat(model) + flat(opt), ref[1]) if a.dtype.kind == 'f']
+    follows, split_otherwise = _follows(model, opt)
+    return {'loss_diff': max(abs(a - b) for a, b in zip(losses, ref[0][-len(losses):])),
+            'min_close_fraction': min(close), 'follows': follows,
+            'split_otherwise': split_otherwise,
+            'split': sum('fsdp' in s for s in _specs(opt).values())}
+
+  out = {}
+  for family in RECIPES:
+    ref = reference(config(family))
+    two = f'{ckpt_dir}/{family}-2'
+    for n, strategy in ((2, 'dp'), (4, 'dp'), (2, 'fsdp'), (4, 'fsdp')):
+      plan = config(family, strategy, n if strategy == 'fsdp' else 1)
+      save = two if (n, strategy) == (2, 'fsdp') else None
+      out[f'{family} {strategy} {n}'] = compare(train(plan, n, save=save), ref)
+    out[f'{family} resume 1->2'] = compare(
+        train(config(family, 'fsdp', 2), 2, range(2, 4), restore=f'{ckpt_dir}/{family}-1'),
+        ref)
+    out[f'{family} resume 2->1'] = compare(
+        train(config(family), 1, range(2, 4), restore=two), ref)
+  # Muon's stacked layers (scan_layers) with bf16 momenta (lean_state) under fsdp.
+  lean = dict(scan_layers=True, lean_state=True)
+  ref = train(config('muon', **lean), 1)
+  ref = (ref[2], flat(ref[0]) + flat(ref[1]))
+  out['muon scan lean fsdp 2'] = compare(train(config('muon', 'fsdp', 2, **lean), 2), ref)
+  json.dump(out, sys.stdout)
+
+
 if __name__ == '__main__':
   if sys.argv[1] == 'restore':  # restore CKPT FSDP...: one restore for each FSDP
     json.dump({f: restore(sys.argv[2], int(f)) for f in sys.argv[3:]}, sys.stdout)
+  elif sys.argv[1] == 'optimizers':
+    optimizers(sys.argv[2])
   elif sys.argv[1] == 'meshes':
     json.dump(meshes(), sys.stdout)
   else:

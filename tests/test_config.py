@@ -2,10 +2,11 @@
 experiments' parsers built on it."""
 
 import dataclasses
+import typing as tp
 
 import pytest
 
-from poetx_jax.pretrain import cli
+from poetx_jax.pretrain import cli, config
 from poetx_jax.pretrain.config import TrainConfig
 from poetx_jax.pretrain.config_text import apply_overrides, parse_fields
 
@@ -21,12 +22,12 @@ def test_skewadam_option_conflicts_are_named(options, match):
 
 
 @pytest.mark.parametrize('field,value,message', [
-    ('eval_batches', 0, 'eval_batches must be an int >= 1, got 0'),
-    ('warmup', -1, 'warmup must be an int >= 0, got -1'),
+    ('eval_batches', 0, r'eval_batches must be an int in \[1, 2147483647\], got 0'),
+    ('warmup', -1, r'warmup must be an int in \[0, 2147483647\], got -1'),
     ('min_lr_ratio', 1.5, r'min_lr_ratio must be in \[0, 1\], got 1.5'),
     ('min_lr_ratio', -0.1, r'min_lr_ratio must be in \[0, 1\], got -0.1'),
-    ('block_size', 0, 'block_size must be an int >= 2 .*, got 0'),
-    ('block_size', 1, 'block_size must be an int >= 2 .*, got 1'),
+    ('block_size', 0, r'block_size must be an int in \[2, 2147483647\] .*, got 0'),
+    ('block_size', 1, r'block_size must be an int in \[2, 2147483647\] .*, got 1'),
     ('val_fraction', 0.0, r'val_fraction must be in \(0, 1\), got 0.0'),
     ('val_fraction', 1, r'val_fraction must be in \(0, 1\), got 1'),
     ('lr', -1e-3,
@@ -37,12 +38,12 @@ def test_skewadam_option_conflicts_are_named(options, match):
     ('poet_lr', float('inf'), r'poet_lr must be a finite number > 0 \(or None.*got inf'),
     ('min_lr_ratio', 1e30, r'min_lr_ratio must be in \[0, 1\], got 1e\+30'),
     ('clip', -1.0, 'clip must be >= 0, got -1.0'),
-    ('group_size', 0, 'group_size must be an int >= 1, got 0'),
-    ('vocab_size', 100, 'vocab_size must be an int >= 257, got 100'),
-    ('fsdp', 0, 'fsdp must be an int >= 1, got 0'),
+    ('group_size', 0, r'group_size must be an int in \[1, 2147483647\], got 0'),
+    ('vocab_size', 100, r'vocab_size must be an int in \[257, 16777216\], got 100'),
+    ('fsdp', 0, r'fsdp must be an int in \[1, 2147483647\], got 0'),
     ('mode', 'slow', r"mode must be one of \('fast', 'mem'\), got 'slow'"),
     ('quantize', 'fp8', r"quantize must be None or one of \('int8', 'int4'\), got 'fp8'"),
-    ('steps', True, 'steps must be an int >= 1, got True'),
+    ('steps', True, r'steps must be an int in \[1, 2147483647\], got True'),
     # jax.random.key takes an int64 and the permutations use seed + 1
     ('seed', 2 ** 63, r'seed must be an int in \[0, 9223372036854775806\], got 9223372036854775808'),
     ('seed', -1, r'seed must be an int in \[0, 9223372036854775806\], got -1'),
@@ -66,7 +67,54 @@ def test_options_that_cannot_be_honoured_are_errors(field, value, message):
 
 def test_bounds_hold_for_values_far_from_them():
   # A value so large that adding 1 does not change it is still within ">= 0".
-  TrainConfig(lr=1e30, clip=1e300, steps=2**62).validate()
+  TrainConfig(lr=1e30, clip=1e300, steps=2**31 - 1).validate()
+
+
+def _int_options() -> list[str]:
+  hints = tp.get_type_hints(TrainConfig)
+  return [f.name for f in dataclasses.fields(TrainConfig)
+          if config._base_type(hints[f.name])[0] is int]  # pylint: disable=protected-access
+
+
+def _past(bound: int, md, name: str) -> str:
+  return (rf'{name} must be an int in \[{md["min"]}, {md["max"]}\]'
+          rf'( \(or None: .*\))?, got {bound}$')
+
+
+@pytest.mark.parametrize('name', _int_options())
+def test_every_int_option_states_both_bounds_and_takes_them(name):
+  """Each int option has a lowest and a highest value in the schema: both
+  are valid (with what they need of other options), one past either is
+  refused naming the value and the range."""
+  md = {f.name: f.metadata for f in dataclasses.fields(TrainConfig)}[name]
+  assert 'min' in md and 'max' in md, (name, dict(md))
+  for value in (md['min'], md['max']):
+    needs = {'seq_len': value} if name == 'loss_chunk' and value else {}  # <= seq_len
+    TrainConfig(**{name: value, **needs}).validate()
+  for value in (md['min'] - 1, md['max'] + 1):
+    with pytest.raises(ValueError, match=_past(value, md, name)):
+      TrainConfig(**{name: value}).validate()
+
+
+@pytest.mark.parametrize('name', _int_options())
+def test_poetx_train_refuses_an_int_option_past_its_bound_and_writes_nothing(
+    name, tmp_path, capsys):
+  md = {f.name: f.metadata for f in dataclasses.fields(TrainConfig)}[name]
+  value = md['max'] + 1
+  code = cli.main(['train', f'--{name.replace("_", "-")}', str(value),
+                   '--out-dir', str(tmp_path / 'run'), '--cache-dir', str(tmp_path / 'cache'),
+                   '--compile-cache', str(tmp_path / 'xla')])
+  err = capsys.readouterr().err
+  assert code == 2 and err.count('\n') == 1, err
+  assert f'{name} must be an int in [{md["min"]}, {md["max"]}]' in err and str(value) in err
+  assert list(tmp_path.iterdir()) == []
+
+
+def test_a_loss_chunk_longer_than_the_sequence_is_refused():
+  with pytest.raises(ValueError, match=r'loss_chunk=65 is more than the seq_len=64 positions '
+                                       r'of a sequence: give at most 64, or 0'):
+    TrainConfig(seq_len=64, loss_chunk=65).validate()
+  TrainConfig(seq_len=64, loss_chunk=64).validate()
 
 
 def test_the_train_flags_are_generated_from_the_config(capsys):
@@ -145,7 +193,7 @@ def test_an_experiment_parser_has_its_own_defaults_and_runs_are_k_v_overrides(ca
       ('lr=1,lr=2', "lr is given twice in 'lr=1,lr=2'"),
       ('optimizer', "'optimizer' in 'optimizer' is not K=V"),
       ('mode=slow', r"mode must be one of \('fast', 'mem'\), got 'slow'"),
-      ('steps=0', 'steps must be an int >= 1, got 0'),
+      ('steps=0', r'steps must be an int in \[1, 2147483647\], got 0'),
       ('optimizer=adamw,quantize=int8', "quantize='int8': option of the POET layers")):
     with pytest.raises(ValueError, match=message):
       apply_overrides(cfg, text)

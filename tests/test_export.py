@@ -144,7 +144,7 @@ def test_export_refuses_an_existing_export_unless_forced(run, tmp_path, capsys):
   capsys.readouterr()
   assert cli.main(['export', str(run), '--out', str(out)]) == 2
   err = _one_line_error(capsys, 'export')
-  assert str(out) in err and 'already holds an export' in err and '--force' in err
+  assert str(out) in err and 'already holds an export' in err and 'with --force, or' in err
   assert {p.name: p.read_bytes() for p in out.iterdir()} == before
   assert cli.main(['export', str(run), '--out', str(out), '--force']) == 0
   assert _json(out / 'config.json')['architectures'] == ['LlamaForCausalLM']

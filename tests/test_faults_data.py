@@ -195,6 +195,12 @@ def test_a_bad_coordinator_address_is_a_one_line_error(address, capsys):
   assert repr(address) in line and 'HOST:PORT' in line
 
 
+def test_cluster_options_without_distributed_name_the_flags(capsys):
+  assert cli.main(['train', '--coordinator', 'h:1', '--process-id', '0']) == 2
+  assert _one_line_error(capsys, 'train').endswith(
+      'need --distributed (given: --coordinator, --process-id)')
+
+
 def test_data_with_no_paths_is_refused(tmp_path, capsys, monkeypatch):
   with pytest.raises(ValueError, match=r'data must name at least one path.*got \[\]'):
     TrainConfig(data=[]).validate()

@@ -10,6 +10,7 @@ import json
 import os
 import re
 import pathlib
+import shutil
 import signal
 import subprocess
 import sys
@@ -220,6 +221,30 @@ def test_eval_scores_the_runs_validation_windows(tmp_path, reference, capsys):
   assert cli.main(['eval', cfg.out_dir, '--eval-batches', '0']) == 2
   assert ("--eval-batches must be a count >= 1, 'run' or 'all', got '0'"
           in _one_line_error(capsys, 'eval'))
+
+
+def test_eval_of_a_run_whose_corpus_moved_is_told_where_it_is(tmp_path, reference, capsys):
+  """A run's corpus moved: poetx eval names the missing path and how to say
+  where it went; with --data (its splits checked against the run's) it
+  scores the run as before."""
+  cfg = _copy(reference, tmp_path)
+  run = pathlib.Path(cfg.out_dir)
+  shutil.copytree(cfg.data[0], tmp_path / 'corpus')
+  config = json.loads((run / 'run.json').read_text())
+  config['data'] = [str(tmp_path / 'corpus')]
+  (run / 'run.json').write_text(json.dumps(config))
+  assert cli.main(['eval', str(run)]) == 0
+  before = json.loads(capsys.readouterr().out)
+  (tmp_path / 'corpus').rename(tmp_path / 'moved')
+  assert cli.main(['eval', str(run)]) == 2
+  err = _one_line_error(capsys, 'eval')
+  assert str(tmp_path / 'corpus') in err and f'poetx eval {run} --data PATH...' in err, err
+  assert cli.main(['eval', str(run), '--data', str(tmp_path / 'moved')]) == 0
+  assert json.loads(capsys.readouterr().out)['val_loss'] == before['val_loss']
+  (tmp_path / 'other').mkdir()  # another text: refused, its splits not the run's
+  (tmp_path / 'other' / 'a.txt').write_text(' '.join(f'word{i % 50}' for i in range(20000)))
+  assert cli.main(['eval', str(run), '--data', str(tmp_path / 'other')]) == 2
+  assert 'poetx eval: error: ' in _one_line_error(capsys, 'eval')
 
 
 def test_sigterm_before_the_options_are_read(tmp_path, capsys, monkeypatch):

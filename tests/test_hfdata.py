@@ -79,7 +79,8 @@ def test_a_dataset_prepare_is_resumable_and_its_changes_are_refused(corpus, tmp_
     prepare.prepare([corpus / 'jsonl' / 'b.jsonl'], tmp_path / 'ds', **kw)
 
 
-def test_dataset_errors_are_one_line_and_name_the_source(corpus, tmp_path, capsys):
+def test_dataset_errors_are_one_line_and_name_the_source(corpus, tmp_path, capsys,
+                                                         monkeypatch):
   def error(*argv):
     assert cli.main(['prepare', *argv, '--out', str(tmp_path / 'o'), '--vocab-size', '300',
                      '--workers', '1']) == 2
@@ -92,7 +93,11 @@ def test_dataset_errors_are_one_line_and_name_the_source(corpus, tmp_path, capsy
   err = error('--hf-dataset', str(corpus / 'saved_dict'), '--split', 'test')
   assert 'no such split; it has train, validation' in err
   assert 'saved_dict' in error('--hf-dataset', str(corpus / 'saved_dict'), '--hf-config', 'x')
-  assert 'nowhere' in error('--hf-dataset', str(tmp_path / 'nowhere'))
+  assert error('--hf-dataset', str(tmp_path / 'nowhere')).endswith(
+      f'--hf-dataset {tmp_path / "nowhere"}: no such directory (a local dataset path; a hub '
+      f'name has the form OWNER/NAME)')
+  monkeypatch.chdir(tmp_path)  # a relative local path
+  assert '--hf-dataset ./gone: no such directory' in error('--hf-dataset', './gone')
   assert '--split need --hf-dataset' in error(str(corpus / 'all.jsonl'), '--split', 'x')
   assert 'needs corpus files' in error()
 

@@ -45,6 +45,16 @@ BAD = [
      'min_dim_size_to_factor must be an int >= 1, got 0'),
     (lambda: poetx_jax.poetx_skewadam({}, poetx_jax.poetx(1e-3), 1e-3, eps=-1.0),
      'eps must be >= 0, got -1.0'),
+    (lambda: poetx_jax.poetx('0.01'),
+     r"learning_rate must be a number >= 0, an array or a schedule, got '0.01' \(a str\)"),
+    (lambda: poetx_jax.lean_adamw([1e-3]),
+     r'learning_rate must be a number >= 0, an array or a schedule, got \[0.001\] \(a list\)'),
+    (lambda: poetx_jax.poetx(1e-3, mu_dtype='int8'),
+     r"mu_dtype must be a floating-point dtype \(e.g. jnp.bfloat16\) or None, got 'int8'"),
+    (lambda: poetx_jax.poetx(1e-3, mu_dtype='nonsense'),
+     r"mu_dtype must be a floating-point dtype \(e.g. jnp.bfloat16\) or None, got 'nonsense'"),
+    (lambda: poetx_jax.scale_by_lean_adam(mu_dtype=jnp.int32),
+     r"mu_dtype must be a floating-point dtype \(e.g. jnp.bfloat16\) or None, got .*int32.*"),
 ]
 
 

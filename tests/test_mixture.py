@@ -55,7 +55,7 @@ def _losses(run):
   return [(r['step'], r['loss']) for r in _records(run) if 'loss' in r]
 
 
-def test_selection_is_grains_mixing_and_counts_its_prefixes():
+def test_selection_is_grains_mixing_and_counts_its_prefixes(tmp_path_factory):
   sel = mixture.Selection([0.7, 0.3])
   assert sel.proportions == (7, 3)
   picks = [sel[k] for k in range(200)]
@@ -74,6 +74,11 @@ def test_selection_is_grains_mixing_and_counts_its_prefixes():
     mixture.parse_data(['a:1', 'b'])
   with pytest.raises(ValueError, match=r"weight of a must be a number > 0, got '-1'"):
     mixture.parse_data(['a:-1', 'b:1'])
+  tmp = tmp_path_factory.mktemp('weights')
+  (tmp / 'a.txt').write_text('a')
+  with pytest.raises(ValueError, match=r"weight of .*a.txt must be a number > 0, got 'x'"):
+    mixture.parse_data([f'{tmp}/a.txt:x', 'b:1'])  # a path that exists: x is its weight
+  assert mixture.parse_data(['no/such:x']) == [('no/such:x', None)]  # a colon in a path
   order = mixture.interleave([4, 2], [1, 1])
   assert order.tolist() == [[0, 0], [1, 0], [0, 1], [1, 1], [0, 2], [0, 3]]
 

@@ -110,6 +110,22 @@ def test_partition_with_adamw(keys):
   np.testing.assert_array_equal(model.layers[0].kernel[...], before.layers[0].kernel[...])
 
 
+def test_partition_refuses_another_models_labels():
+  """Labels made for another model: init names the parameters without a
+  label and the labels without a parameter."""
+  one = poetx_jax.poetize(nnx.Sequential(nnx.Linear(16, 16, rngs=nnx.Rngs(0))),
+                          block_size=4, rngs=nnx.Rngs(1))
+  two = poetx_jax.poetize(nnx.Sequential(nnx.Linear(16, 16, rngs=nnx.Rngs(0)),
+                                         nnx.Linear(16, 16, rngs=nnx.Rngs(0))),
+                          block_size=4, rngs=nnx.Rngs(1))
+  tx = poetx_jax.poetx_partition(poetx_jax.poetx_labels(one), poetx(1e-2), optax.adamw(1e-3))
+  with pytest.raises(ValueError, match=r"labels are of other parameters than those given "
+                                       r"\(another model's\?\): 3 parameter\(s\) without a label "
+                                       r"\(first: \['layers'\]\[1\]\['bias'\].*0 label\(s\) without"):
+    nnx.Optimizer(two, tx, wrt=nnx.Param)
+  nnx.Optimizer(one, tx, wrt=nnx.Param)
+
+
 def test_clip_bound_ramp():
   """The bound from the POET-X cycle: (updates done, updates since the merge point)."""
   bound = lambda n, c, **kw: float(poetx_jax.merge_clip_bound(

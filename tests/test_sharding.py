@@ -96,6 +96,45 @@ def test_every_sharding_fsdp_mesh_of_4_devices_trains_as_one_device():
     assert got['loss_diff'] < 1e-5 and got['perm_equal'], (fsdp, got)
 
 
+def test_every_optimizer_family_trains_and_resumes_on_2_and_4_devices(tmp_path):
+  """Each optimizer of ``poetx train --optimizer`` (Muon's state holds optax
+  MaskedNodes, placeholders with no array) under dp and fsdp on 2 and 4
+  devices, and resumed from 1 device onto 2 (fsdp) and from 2 onto 1, gives
+  one device's losses and state to float32 rounding; under fsdp every
+  optimizer moment is split as the parameter it follows, and some are split."""
+  from poetx_jax.pretrain.recipes import RECIPES
+  r = _run(4, 'optimizers', tmp_path)
+  cases = [f'{f} {c}' for f in RECIPES for c in ('dp 2', 'dp 4', 'fsdp 2', 'fsdp 4',
+                                                 'resume 1->2', 'resume 2->1')]
+  assert sorted(r) == sorted(cases + ['muon scan lean fsdp 2']), sorted(r)
+  for case, got in r.items():
+    assert got['loss_diff'] < 1e-5 and got['min_close_fraction'] > 0.99, (case, got)
+    assert got['follows'] > 0 and got['split_otherwise'] == 0, (case, got)
+    sharded = 'fsdp' in case or '1->2' in case
+    assert (got['split'] > 0) == sharded, (case, got)
+
+
+def test_state_leaves_that_are_not_arrays_stay_as_they_are():
+  """shard_state places the arrays of an optimizer whose state holds optax's
+  MaskedNode (a masked transformation's placeholder) and keeps the
+  placeholders."""
+  import jax
+  import jax.numpy as jnp
+  import optax
+  from flax import nnx
+
+  model = nnx.Linear(4, 8, rngs=nnx.Rngs(0))
+  tx = optax.masked(optax.adam(1e-3), lambda p: jax.tree.map(lambda x: x.ndim == 2, p))
+  opt = nnx.Optimizer(model, tx, wrt=nnx.Param)
+  mesh = sharding.make_mesh()
+  sharding.shard_state(opt, mesh, 'fsdp')
+  values = [v.get_value() for _, v in nnx.to_flat_state(nnx.state(opt))]
+  assert any(isinstance(x, optax.MaskedNode) for x in values)
+  arrays = [x for x in values if sharding.is_array(x)]
+  assert arrays and all(x.sharding.mesh == mesh for x in arrays)
+  assert not sharding.is_array(optax.MaskedNode()) and sharding.is_array(jnp.ones(2))
+
+
 def test_per_device_gradients_refuse_aux():
   import poetx_jax
   with pytest.raises(ValueError, match='data_parallel does not take has_aux'):

@@ -104,6 +104,21 @@ def test_clear_errors(tmp_path, corpus):
     train(_cfg(tmp_path, corpus, poet_lr=0.0))
 
 
+def test_the_device_counts_train_at_the_largest_values_their_options_take(tmp_path, corpus):
+  """warmup, merge_every and clip_ramp reach the device as int32 counts
+  (optax's schedule boundary, the merge cycle, the clip's ramp): at their
+  largest value, INT32_MAX, a run trains (one past it: refused,
+  test_config), saying that it is all warmup."""
+  from poetx_jax.pretrain.config import INT32_MAX
+  logged = []
+  s = train(_cfg(tmp_path, corpus, steps=2, warmup=INT32_MAX, merge_every=INT32_MAX,
+                 clip_ramp=INT32_MAX, eval_every=INT32_MAX, log_every=INT32_MAX,
+                 checkpoint_every=INT32_MAX, keep=INT32_MAX), log=logged.append)
+  assert s['step'] == 2 and s['stopped'] is None
+  assert (f'warning: --warmup {INT32_MAX} is not below --steps 2: every update is in the '
+          f'warmup, and the learning rate never reaches its peak') in logged
+
+
 def test_merges_record_orthogonality_and_warn_when_it_is_lost(tmp_path, corpus):
   """Every merge writes its factors' orthogonality error to metrics.jsonl; a
   POET learning rate far too large for the block size gets a warning naming
@@ -227,27 +242,70 @@ def test_sigterm_saves_and_resume_continues(tmp_path, corpus):
   assert step == last_logged  # nothing trained after the save
 
 
-def test_a_sigterm_whose_exit_was_dropped_before_the_loop_still_stops_the_run(tmp_path, corpus):
-  """A SIGTERM whose SystemExit Python dropped (raised inside a ``__del__``
-  or a garbage-collection callback, as happened to a run started with 100,000
-  steps) still stops the run: after its first step, with a checkpoint."""
+@pytest.mark.parametrize('name', ['SIGTERM', 'SIGINT'])
+@pytest.mark.parametrize('phase', ['devices', 'data', 'first validation'])
+def test_a_signal_whose_exception_was_dropped_while_starting_stops_with_nothing_written(
+    tmp_path, corpus, monkeypatch, capsys, name, phase):
+  """poetx train given a SIGTERM or SIGINT whose exception Python dropped
+  (raised inside a ``__del__`` or a garbage-collection callback, as JAX's)
+  while the devices start, the data is read or the initial model is
+  validated: the run stops before its loop (exit 143 or 130), the run
+  directory gone, the handlers put back."""
   import os
   import signal
+  from poetx_jax.pretrain import loading
+  from poetx_jax.pretrain import train as train_lib
 
   class Dropping:  # its __del__ is where the handler runs and its exception is dropped
     def __del__(self):
-      os.kill(os.getpid(), signal.SIGTERM)
+      os.kill(os.getpid(), getattr(signal, name))
 
-  def sigterm_at_start(run):
-    if run.step == 0:
+  def dropping(fn):
+    def wrapped(*a, **k):
+      out = fn(*a, **k)
       Dropping()  # collected at once
+      return out
+    return wrapped
+
+  module, fn = {'devices': (train_lib, 'finish_options'), 'data': (loading, 'run_data'),
+                'first validation': (train_lib, '_start')}[phase]
+  monkeypatch.setattr(module, fn, dropping(getattr(module, fn)))
   cfg = _cfg(tmp_path, corpus, steps=50, log_every=1)
-  before = signal.getsignal(signal.SIGTERM)
-  s = train(cfg, log=lambda *_: None, hooks=[Hook(sigterm_at_start, at_start=True, every=10**6)])
-  assert s['stopped'] == 'SIGTERM' and s['step'] == 1
-  step, meta = Checkpointer(pathlib.Path(cfg.out_dir) / 'checkpoints').read_meta()
-  assert step == 1 and meta['reason'] == 'SIGTERM'
-  assert signal.getsignal(signal.SIGTERM) is before  # the handlers put back
+  config = tmp_path / 'run.json'
+  config.write_text(json.dumps(dataclasses.asdict(cfg)))
+  before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+  if name == 'SIGTERM':
+    with pytest.raises(SystemExit) as e:
+      cli.main(['train', '--config', str(config), '--plot', ''])
+    assert e.value.code == 143
+  else:
+    assert cli.main(['train', '--config', str(config), '--plot', '']) == 130
+  said = capsys.readouterr()
+  assert f'stopped by {name} while starting' in said.out, said.out
+  assert said.err.strip().splitlines()[-1] == ('poetx train: stopped by SIGTERM' if name == 'SIGTERM'
+                                               else 'poetx train: interrupted'), said.err
+  assert not pathlib.Path(cfg.out_dir).exists()
+  assert {s: signal.getsignal(s) for s in before} == before  # the handlers put back
+
+
+def test_a_sigterm_with_the_last_step_leaves_the_run_complete(tmp_path, corpus):
+  """A SIGTERM that comes with the run's last step stops nothing: the run
+  ends complete (its final checkpoint the last step's), saying so, not
+  asking for a resume."""
+  import os
+  import signal
+
+  def sigterm(run):
+    if run.step == 4:
+      os.kill(os.getpid(), signal.SIGTERM)
+  logged = []
+  s = train(_cfg(tmp_path, corpus, steps=4, checkpoint_every=4), log=logged.append,
+            hooks=[Hook(sigterm, wait=False)])
+  assert s['step'] == 4 and s['stopped'] is None
+  assert 'SIGTERM came with the last step: the run is complete' in logged
+  assert not any('--resume' in l for l in logged), logged
+  step, meta = Checkpointer(tmp_path / 'run' / 'checkpoints').read_meta()
+  assert step == 4 and meta['reason'] == 'final'
 
 
 def test_xq_int4_run_checkpoints_and_resumes(tmp_path, corpus):
@@ -387,8 +445,9 @@ def test_fsdp_must_divide_the_devices(tmp_path, corpus, capsys):
   with pytest.raises(ValueError, match=r'fsdp=2 must divide the 1 device'):
     train(_cfg(tmp_path, corpus, strategy='fsdp', fsdp=2))
   assert not (tmp_path / 'run').exists()  # refused before anything was written
-  for flags, message in ((['--eval-batches', '0'], 'eval_batches must be an int >= 1, got 0'),
-                         (['--block-size', '0'], 'block_size must be an int >= 2'),
+  for flags, message in ((['--eval-batches', '0'],
+                          'eval_batches must be an int in [1, 2147483647], got 0'),
+                         (['--block-size', '0'], 'block_size must be an int in [2, '),
                          (['--strategy', 'fsdp', '--fsdp', '2'], 'fsdp=2 must divide')):
     assert cli.main(['train', '--out-dir', str(tmp_path / 'cli'), *flags]) == 2
     err = capsys.readouterr().err.strip()
@@ -503,8 +562,9 @@ def test_hooks_are_checked_before_anything_is_written(tmp_path, corpus):
 
 
 def test_compile_cache_off_or_already_set_is_left_alone(tmp_path):
-  """--compile-cache '' sets no cache, and a cache the process set already is
-  kept; otherwise the directory is set, every program cached."""
+  """--compile-cache '' sets no cache, a file (or a path under one) is
+  refused, and a cache the process set already is kept; otherwise the
+  directory is set, every program cached."""
   from poetx_jax.pretrain.train import _use_compile_cache  # pylint: disable=protected-access
   names = ('jax_compilation_cache_dir', 'jax_persistent_cache_min_compile_time_secs')
   saved = {n: getattr(jax.config, n) for n in names}
@@ -513,6 +573,12 @@ def test_compile_cache_off_or_already_set_is_left_alone(tmp_path):
     jax.config.update(names[1], 1.0)
     _use_compile_cache('')
     assert jax.config.jax_compilation_cache_dir is None
+    (tmp_path / 'afile').write_text('')
+    for given in ('afile', 'afile/xla'):  # a file, or under one: refused, nothing set
+      with pytest.raises(ValueError, match=f'--compile-cache {tmp_path / given} cannot be a '
+                                           f'compilation cache: {tmp_path / "afile"} is a file'):
+        _use_compile_cache(str(tmp_path / given))
+      assert jax.config.jax_compilation_cache_dir is None
     _use_compile_cache(str(tmp_path / 'xla'))
     assert jax.config.jax_compilation_cache_dir == str(tmp_path / 'xla')
     assert jax.config.jax_persistent_cache_min_compile_time_secs == 0

@@ -89,7 +89,9 @@ def cmd_train(a) -> int:
     raise ValueError(f'--step must be a checkpoint step >= 0, got {a.step}')
   cluster = {'coordinator_address': a.coordinator, 'num_processes': a.num_processes,
              'process_id': a.process_id}
-  given = [k for k, v in cluster.items() if v is not None]
+  flags = {'coordinator_address': '--coordinator', 'num_processes': '--num-processes',
+           'process_id': '--process-id'}
+  given = [flags[k] for k, v in cluster.items() if v is not None]
   if given and not a.distributed:
     raise ValueError(f'--coordinator, --num-processes and --process-id need --distributed '
                      f'(given: {", ".join(given)})')
@@ -105,6 +107,7 @@ def cmd_train(a) -> int:
   from poetx_jax.pretrain.config import TrainConfig, config_from_args
   from poetx_jax.pretrain.plan import command_options
   from poetx_jax.pretrain.train import train
+  signals.check()  # a signal that came while jax was imported
   cfg = config_from_args(a)
   if getattr(a, 'argv', None) is not None:  # the options on the command line
     given = vars(_train_parser(argparse.ArgumentParser().add_subparsers(),
@@ -146,7 +149,7 @@ def _report(summary: dict, plot: str | None) -> None:
   from poetx_jax.pretrain.metrics import plot_runs
   png = plot or str(pathlib.Path(summary['out_dir']) / 'loss.png')
   try:
-    print(f"loss curves: {plot_runs([summary['out_dir']], png)}")
+    print(f"loss curves: {plot_runs([summary['out_dir']], png, option='--plot')}")
   except ImportError:
     print('no loss plot: matplotlib is not installed (metrics.jsonl has the curves)')
   except (ValueError, OSError) as e:
@@ -202,7 +205,8 @@ def cmd_eval(a) -> int:
   from poetx_jax.pretrain.evaluation import evaluate
   from poetx_jax.pretrain.loading import load_run
   count = _eval_batches(a.eval_batches)
-  plan, data, model, step = load_run(a.run, step=a.step)
+  plan, data, model, step = load_run(a.run, step=a.step, data=a.data, val_data=a.val_data,
+                                     cache_dir=a.cache_dir)
   cfg = plan.options
   count = cfg.eval_batches if count == 'run' else count
   windows = data.val_windows[:None if count is None else count * cfg.batch_size]
@@ -332,6 +336,13 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument('run', help='the run directory (the --out-dir of poetx train)')
   p.add_argument('--step', type=int, default=None,
                  help='the checkpoint step to evaluate (default: the newest)')
+  p.add_argument('--data', nargs='+', default=None, metavar='PATH',
+                 help='where the run\'s --data is now, if it moved (the same text: its '
+                      'splits are checked against the run\'s)')
+  p.add_argument('--val-data', nargs='+', default=None, metavar='PATH',
+                 help='where the run\'s --val-data is now, if it moved')
+  p.add_argument('--cache-dir', default=None, metavar='DIR',
+                 help='the token cache to use (default: the run\'s)')
   p.add_argument('--eval-batches', default='run', metavar='N',
                  help='score the first N batches of the run\'s --batch-size validation '
                       'windows, or every window ("all"); default "run": the run\'s own '
@@ -355,11 +366,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 @contextlib.contextmanager
-def _sigterm_exits():
-  """SIGTERM, while a command runs in the main thread, raises
-  ``SystemExit(143)``: the command unwinds (a fresh run's directory removed,
-  locks released) instead of dying where it stands; the training loop and
-  ``prepare``'s worker pool put handlers of their own over it."""
+def _signals_exit():
+  """SIGTERM and SIGINT, while a command runs in the main thread, raise
+  ``SystemExit(143)`` and ``KeyboardInterrupt`` and are recorded
+  (:mod:`~poetx_jax.pretrain.signals`): the command unwinds (a fresh run's
+  directory removed, locks released) instead of dying where it stands, and
+  one whose exception Python dropped stops it at its next safe point; the
+  training loop puts handlers of its own over them."""
   if threading.current_thread() is not threading.main_thread():
     yield
     return
@@ -367,7 +380,7 @@ def _sigterm_exits():
   try:
     yield
   finally:
-    signal.signal(signal.SIGTERM, old)
+    signals.restore(old)
 
 
 def main(argv=None) -> int:
@@ -381,11 +394,13 @@ def main(argv=None) -> int:
   command = next((x for x in args if not x.startswith('-')), '')
   a = None
   try:
-    with _sigterm_exits():
+    with _signals_exit():
       a = build_parser().parse_args(args)
       a.argv = args
       a.kept = lambda: ''  # what a command stopped by SIGTERM kept, for its message
-      return a.func(a)
+      code = a.func(a)
+      signals.check()  # a signal recorded and not yet acted on (one inside an import)
+      return code
   except KeyboardInterrupt:
     print(f'poetx {command}: interrupted', file=sys.stderr)
     return 130

@@ -32,7 +32,7 @@ import typing as tp
 from poetx_jax import linear, models, ops, sharding
 from poetx_jax.models import llama
 from poetx_jax.pretrain.kv import parse_overrides
-from poetx_jax.pretrain.data.tokenizer import MIN_BPE_VOCAB
+from poetx_jax.pretrain.data.tokenizer import MAX_BPE_VOCAB, MIN_BPE_VOCAB
 from poetx_jax.pretrain.recipes import (ADAMW_WIDE_LR, DEFAULT_LR, DEFAULT_MERGE_EVERY,
                                         DENSE_WEIGHT_DECAY, MUON_WIDE_LR, RECIPES, WIDE_HIDDEN,
                                         WIDE_MERGE_EVERY)
@@ -44,6 +44,10 @@ TRACKERS = ('tensorboard', 'wandb')
 CLIP_RAMP_UNTIL = 2000
 # The key of run.json that records the run's resolved plan beside its options.
 PLAN_KEY = 'plan'
+# The largest value of a count or interval option: the optimizers count their
+# updates in int32 on the device, optax's schedules compare the update count
+# with the warmup as int32, and the POET-X merge cycle is an int32 counter.
+INT32_MAX = 2 ** 31 - 1
 
 
 def _option(default: tp.Any, help: str, **metadata) -> tp.Any:  # pylint: disable=redefined-builtin
@@ -56,8 +60,8 @@ def _option(default: tp.Any, help: str, **metadata) -> tp.Any:  # pylint: disabl
 
 
 def _count(default: int, help: str, **metadata) -> tp.Any:  # pylint: disable=redefined-builtin
-  """An int option that must be >= 1."""
-  return _option(default, help, min=1, **metadata)
+  """An int option in [1, INT32_MAX] (other bounds given in ``metadata``)."""
+  return _option(default, help, **{'min': 1, 'max': INT32_MAX, **metadata})
 
 
 def _poet(default: tp.Any, help: str, **metadata) -> tp.Any:  # pylint: disable=redefined-builtin
@@ -93,7 +97,8 @@ class TrainConfig:
   tokenizer: str | None = _option(
       None, 'tokenizer file (HF tokenizers JSON or sentencepiece .model)',
       none='a BPE trained on the corpus')
-  vocab_size: int = _option(4096, 'vocabulary of the trained BPE', min=MIN_BPE_VOCAB)
+  vocab_size: int = _option(4096, 'vocabulary of the trained BPE', min=MIN_BPE_VOCAB,
+                            max=MAX_BPE_VOCAB)
   seq_len: int = _count(128, 'tokens per sequence')
   batch_size: int = _count(16, 'sequences per micro-batch')
   grad_accum: int = _count(1, 'micro-batches per optimizer update')
@@ -110,7 +115,7 @@ class TrainConfig:
                                   none='min(5e-3, 0.25 / block size); in the 130m sweep '
                                        '(docs/quality.md) twice it trained better short-term '
                                        'but broke the series (merge errors up to 3.9)')
-  warmup: int = _option(30, 'warmup updates', min=0)
+  warmup: int = _option(30, 'warmup updates', min=0, max=INT32_MAX)
   min_lr_ratio: float = _option(0.1, 'final/peak learning rate', min=0, max=1)
   weight_decay: float | None = _option(
       None, 'decoupled weight decay of AdamW, Muon, SkewAdam (and of the non-POET parameters)',
@@ -121,13 +126,14 @@ class TrainConfig:
   clip_ramp: int = _poet(
       0, 'POET-X: after each merge, clip to 0.1 x --clip and ramp the bound back over N '
       f'updates, during the first {CLIP_RAMP_UNTIL} updates (the published POET-X\'s '
-      'merge-aware clip; 0: plain clipping)', min=0)
+      'merge-aware clip; 0: plain clipping)', min=0, max=INT32_MAX)
   merge_every: int | None = _poet(
-      None, 'POET-X merge interval in updates', min=1,
+      None, 'POET-X merge interval in updates', min=1, max=INT32_MAX,
       none=f'{DEFAULT_MERGE_EVERY}; {WIDE_MERGE_EVERY} on a model of hidden size >= '
            f'{WIDE_HIDDEN}, better than {DEFAULT_MERGE_EVERY} in the 130m sweep in '
            'docs/quality.md')
-  block_size: int | None = _poet(None, 'POET block size', min=2, none="the model config's")
+  block_size: int | None = _poet(None, 'POET block size', min=2, max=INT32_MAX,
+                                 none="the model config's")
   max_generator_norm: float | None = _poet(
       None, "POET-X: cap each block generator's spectral norm (an upper bound of it) so "
       'the Cayley–Neumann series stays in its region of convergence whatever the step',
@@ -152,7 +158,7 @@ class TrainConfig:
       none='element')
   chunk_size: int = _poet(16, 'features per run of --permutation chunk; must divide the '
                           'block size (16 bf16 features fill one 32-byte memory sector)',
-                          min=1)
+                          min=1, max=INT32_MAX)
   mode: str = _poet('fast', 'POET-X fast (keeps activations) or mem (recomputes)',
                       choices=linear.MODES)
   form: str | None = _poet(
@@ -180,7 +186,8 @@ class TrainConfig:
   loss_chunk: int = _option(0, 'the head and loss of a train step this many sequence '
                             'positions at a time, each piece\'s backward with it: the '
                             '(batch, seq, vocab) float32 logits are never held, the same loss '
-                            'and gradients; 0: the whole micro-batch at once', min=0)
+                            'and gradients; 0: the whole micro-batch at once; at most '
+                            '--seq-len', min=0, max=INT32_MAX)
   memory_slop: int | None = _option(
       None, "XLA's memory target for the train step on a GPU, in percent of 80% of the "
       "device's memory less the step's inputs and outputs "
@@ -195,7 +202,7 @@ class TrainConfig:
   quantize: str | None = _poet(None, 'POET-XQ: store the frozen base weights in int8 or '
                                  'int4', choices=tuple(ops.QUANT_BITS),
                                  none='full-precision bases')
-  group_size: int = _poet(128, 'POET-XQ rows per quantisation group', min=1)
+  group_size: int = _poet(128, 'POET-XQ rows per quantisation group', min=1, max=INT32_MAX)
   generator_dtype: str = _poet('float32', 'dtype of the POET generators, so of their '
                                'gradients and Adam moments: bfloat16 halves all three (the '
                                "published POET-X's precision; the rotations are computed in "
@@ -267,6 +274,10 @@ class TrainConfig:
                        f'layers, and optimizer {self.optimizer!r} does not poetize the model '
                        f'(it trains the dense weights): leave {"them" if len(poet) > 1 else "it"}'
                        f' out, or use optimizer {which}')
+    if self.loss_chunk > self.seq_len:
+      raise ValueError(f'loss_chunk={self.loss_chunk} is more than the seq_len={self.seq_len} '
+                       f'positions of a sequence: give at most {self.seq_len}, or 0 for the '
+                       f'whole micro-batch at once')
     if self.clip_ramp and not self.clip:
       raise ValueError(f'clip_ramp={self.clip_ramp} needs clip > 0 (got clip={self.clip})')
     if self.lean_state and (self.skew_tiers or self.optimizer == 'skewadam'):

@@ -53,7 +53,8 @@ import poetx_jax
 from poetx_jax import models
 from poetx_jax.models import hf, hf_files
 from poetx_jax.pretrain.data.tokenizer_files import tokenizer_files
-from poetx_jax.pretrain.files import DiskFull, atomic_write, first_missing, writing
+from poetx_jax.pretrain.files import (DiskFull, atomic_write, check_writable, first_missing,
+                                      refused_unless_writable, writing)
 
 # A directory holding any of these holds an export: the files written here, and
 # those of other Hugging Face exports that a loader would read beside them.
@@ -67,11 +68,13 @@ def _json_writer(obj) -> tp.Callable[[str], object]:
   return lambda tmp: pathlib.Path(tmp).write_text(json.dumps(obj, indent=1) + '\n')
 
 
-def check_destination(out_dir: str | pathlib.Path, *, force: bool = False) -> list[str]:
+def check_destination(out_dir: str | pathlib.Path, *, force: bool = False,
+                      force_name: str = 'force=True') -> list[str]:
   """The export files already in ``out_dir`` (which may not exist yet).
 
   Raises:
-    ValueError: ``out_dir`` is a file, or holds an export and not ``force``.
+    ValueError: ``out_dir`` is a file, or holds an export and not ``force``
+      (the message says to give ``force_name``).
   """
   out = pathlib.Path(out_dir)
   if out.exists() and not out.is_dir():
@@ -82,7 +85,7 @@ def check_destination(out_dir: str | pathlib.Path, *, force: bool = False) -> li
     held += sorted(p.name for p in out.iterdir() if hf_files.SHARD.fullmatch(p.name))
   if held and not force:
     raise ValueError(f'{out} already holds an export ({", ".join(held)}); replace it '
-                     f'with --force (force=True), or choose another directory')
+                     f'with {force_name}, or choose another directory')
   return held
 
 
@@ -111,8 +114,9 @@ def export_model(model, mc: models.LlamaConfig, out_dir: str | pathlib.Path,
     The paths written.
 
   Raises:
-    ValueError: ``out_dir`` is a file or holds an export (and not ``force``);
-      the tokenizer's vocabulary is not the model's; a bad dtype or size.
+    ValueError: ``out_dir`` is a file or holds an export (and not ``force``),
+      or cannot be written in; the tokenizer's vocabulary is not the model's;
+      a bad dtype or size.
     DiskFull: a file could not be written for want of space; ``out_dir`` is
       left as it was.
   """
@@ -120,6 +124,7 @@ def export_model(model, mc: models.LlamaConfig, out_dir: str | pathlib.Path,
   max_bytes = _checked_options(dtype, max_shard_size)
   out = pathlib.Path(out_dir)
   held = check_destination(out, force=force)
+  check_writable(out, 'the export directory')
   files: dict[str, tp.Callable[[str], object]] = {}
   ids = {}
   if tokenizer_path is not None:
@@ -140,8 +145,9 @@ def export_model(model, mc: models.LlamaConfig, out_dir: str | pathlib.Path,
     files[name] = lambda tmp: shutil.copyfile(tokenizer_path, tmp)
     files.update({n: _json_writer(d) for n, d in tok_files.items()})
   created = first_missing(out)
-  out.mkdir(parents=True, exist_ok=True)
-  stage = pathlib.Path(tempfile.mkdtemp(dir=out, prefix='.export-'))
+  with refused_unless_writable(out, 'the export directory'):
+    out.mkdir(parents=True, exist_ok=True)
+    stage = pathlib.Path(tempfile.mkdtemp(dir=out, prefix='.export-'))
   try:
     for name, write in files.items():
       with _no_partial_export(out, name, held, created):
@@ -204,7 +210,8 @@ def export_run(run: str | pathlib.Path, out_dir: str | pathlib.Path,
   if pathlib.Path(out_dir).resolve() == pathlib.Path(run).resolve():
     raise ValueError(f'the export directory {out_dir} is the run directory; choose '
                      f'another one')
-  check_destination(out_dir, force=force)  # before the checkpoint is read
+  check_destination(out_dir, force=force, force_name='--force')  # before the checkpoint is read
+  check_writable(out_dir, '--out')
   _checked_options(dtype, max_shard_size)
   cfg = rundir.read_config(run)
   try:

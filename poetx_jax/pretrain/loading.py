@@ -12,6 +12,7 @@ tokenizer) are read and written by :mod:`poetx_jax.pretrain.rundir`.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import pathlib
 
@@ -24,7 +25,7 @@ from poetx_jax.pretrain import hf_init, processes
 from poetx_jax.pretrain.data import mixture, shards
 from poetx_jax.pretrain.data import tokenizer as tokenizer_lib
 from poetx_jax.pretrain.checkpoint import Checkpointer
-from poetx_jax.pretrain.config import TrainConfig
+from poetx_jax.pretrain.config import TrainConfig, check_fields
 from poetx_jax.pretrain.rundir import (check_data, read_config, read_data_record, store_data,
                                        stored_tokenizer)
 
@@ -206,14 +207,29 @@ def load_model(out_dir: str | pathlib.Path, *, step: int | None = None):
   return plan, model, step
 
 
-def load_run(out_dir: str | pathlib.Path, *, step: int | None = None):
+def load_run(out_dir: str | pathlib.Path, *, step: int | None = None,
+             data: list[str] | None = None, val_data: list[str] | None = None,
+             cache_dir: str | None = None):
   """(plan, data, model, step) of a run directory, at its newest (or given) checkpoint.
 
   The corpus is read again with the run's stored tokenizer; its validation
   split must be the one the run was validated on (CheckpointError if not).
+  ``data``, ``val_data`` and ``cache_dir``, where given, say where the run's
+  ``--data``, ``--val-data`` and token cache are now (moved since it
+  trained); a corpus that is not where the run says names the way to say it.
   """
   cfg = read_config(out_dir)
-  data = load_data(cfg, stored_tokenizer(out_dir))
+  moved = {k: v for k, v in (('data', data), ('val_data', val_data), ('cache_dir', cache_dir))
+           if v is not None}
+  check_fields(moved)
+  cfg = dataclasses.replace(cfg, **moved)
+  try:
+    data = load_data(cfg, stored_tokenizer(out_dir))
+  except FileNotFoundError as e:
+    if 'data' in moved:
+      raise
+    raise FileNotFoundError(f'{e}; if the run\'s corpus moved, say where it is now: poetx eval '
+                            f'{out_dir} --data PATH... (and --val-data PATH...)') from None
   check_data(pathlib.Path(out_dir), data, ('val',))
   plan, model, step = load_model(out_dir, step=step)
   return plan, data, model, step

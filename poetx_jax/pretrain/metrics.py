@@ -40,7 +40,8 @@ import jax
 import tqdm
 
 from poetx_jax.pretrain import signals
-from poetx_jax.pretrain.files import atomic_write, read_jsonl, writing
+from poetx_jax.pretrain.files import (atomic_write, check_writable, read_jsonl,
+                                      refused_unless_writable, writing)
 
 # A merge whose factors are further than this from orthogonal is reported:
 # healthy runs stay at a few 1e-2 or less (docs/quality.md); the series
@@ -206,8 +207,8 @@ class TrainClock:
 
 class StopFlag:
   """Turns SIGTERM / Ctrl-C into a flag checked between steps; raised from
-  the start if a SIGTERM came before it whose exit was dropped
-  (:mod:`~poetx_jax.pretrain.signals`)."""
+  the start with the signal that came before it, its exit dropped, if one
+  did (:mod:`~poetx_jax.pretrain.signals`)."""
 
   def __init__(self):
     self.signal = None
@@ -216,8 +217,7 @@ class StopFlag:
   def __enter__(self):
     for s in (signal.SIGINT, signal.SIGTERM):
       self._old[s] = signal.signal(s, self._handle)
-    if signals.take():
-      self.signal = 'SIGTERM'
+    self.signal = signals.take()
     return self
 
   def _handle(self, signum, frame):
@@ -285,13 +285,15 @@ def run_labels(runs: tp.Sequence[str | os.PathLike]) -> list[str]:
   return labels
 
 
-def plot_runs(runs, out: str | pathlib.Path) -> pathlib.Path:
+def plot_runs(runs, out: str | pathlib.Path, *, option: str = '--out') -> pathlib.Path:
   """Training loss (left) and validation perplexity (right) against step.
 
   Args:
     runs: run directories, each with a ``metrics.jsonl`` holding loss records.
     out: the image to write: its suffix picks the format (``.png``, ``.pdf``,
       ``.svg``, ... any matplotlib writes); any other name gets ``.png`` appended.
+    option: the flag that gave ``out``, for the message of a directory that
+      cannot be written in.
 
   Returns:
     The path written.
@@ -299,7 +301,10 @@ def plot_runs(runs, out: str | pathlib.Path) -> pathlib.Path:
   Raises:
     NothingToPlot: a run has no metrics.jsonl or no training-loss record in it
       (nothing is written).
+    ValueError: the directory of ``out`` cannot be written in (nothing is drawn).
   """
+  where = pathlib.Path(out).parent
+  check_writable(where, f'{option} {out}: the directory')
   curves = []
   for run in runs:
     try:
@@ -331,7 +336,10 @@ def plot_runs(runs, out: str | pathlib.Path) -> pathlib.Path:
     if ax.get_legend_handles_labels()[0]:
       ax.legend()
   fig.tight_layout()
-  path.parent.mkdir(parents=True, exist_ok=True)
-  fig.savefig(path, dpi=110)
-  plt.close(fig)
+  try:
+    with refused_unless_writable(where, f'{option} {out}: the directory'):
+      path.parent.mkdir(parents=True, exist_ok=True)
+      fig.savefig(path, dpi=110)
+  finally:
+    plt.close(fig)
   return path

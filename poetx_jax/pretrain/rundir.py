@@ -29,7 +29,6 @@ import os
 import pathlib
 import secrets
 import shutil
-import signal
 import socket
 import time
 import typing as tp
@@ -90,7 +89,7 @@ class RunLock:
     self.record = {'pid': pid, 'host': socket.gethostname(), 'pid_start': _process_start(pid),
                    'dir': str(self.path.parent.resolve()), 'dir_id': [st.st_dev, st.st_ino],
                    'token': secrets.token_hex(8), 'since': time.strftime('%Y-%m-%d %H:%M:%S %Z')}
-    self._sigterm = None
+    self._signals = {}
 
   def __enter__(self) -> 'RunLock':
     try:
@@ -103,7 +102,7 @@ class RunLock:
       self._take()
     finally:
       os.close(fd)  # releases the flock
-    self._sigterm = signals.install()  # outside the loop (which saves first): exit 143
+    self._signals = signals.install()  # outside the loop (which saves first): exit 143, 130
     return self
 
   def _take(self) -> None:
@@ -158,7 +157,7 @@ class RunLock:
     return None
 
   def __exit__(self, *exc) -> None:
-    signal.signal(signal.SIGTERM, self._sigterm)
+    signals.restore(self._signals)
     if self._owner().get('token') == self.record['token']:
       with contextlib.suppress(FileNotFoundError):
         self.path.unlink()

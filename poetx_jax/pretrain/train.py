@@ -29,7 +29,7 @@ from poetx_jax.pretrain.plan import Plan, finish_options, make_plan, recorded_pl
 from poetx_jax.pretrain.checkpoint import Checkpointer, full_disk_stop, resumed_message
 from poetx_jax.pretrain.config import TrainConfig
 from poetx_jax.pretrain.evaluation import evaluate, place_batch
-from poetx_jax.pretrain.files import when_full
+from poetx_jax.pretrain.files import not_a_directory, when_full
 from poetx_jax.pretrain.factories import (abstract_state, build_state, make_step,
                                           make_training_mesh, state_sizes)
 from poetx_jax.pretrain.hooks import Hook
@@ -193,56 +193,81 @@ def train(cfg: TrainConfig, *, resume: bool = False, step: int | None = None, lo
       after each step is dispatched, the others after its validation and
       before its checkpoint.
 
+  A SIGTERM or SIGINT before the loop (its exception raised where it landed,
+  or, dropped there, at the next safe point: :mod:`~poetx_jax.pretrain.signals`)
+  stops the run unsaved, a fresh run's directory removed: nothing is
+  written. In the loop it stops the run after its step, with a checkpoint
+  (one with the last step leaves the run complete).
+
   Raises NonFiniteLoss (nothing saved from a diverged state) and
   rundir.RunLocked (another training holds ``cfg.out_dir``).
   """
   _checked(resume, step, hooks)
   try:
     cfg = finish_options(cfg, resume=resume, device_count=jax.device_count())
-  except SystemExit as e:  # SIGTERM (poetx's handler) while the devices start
-    if e.code == signals.EXIT_CODE:
-      log('stopped by SIGTERM while starting, before the run directory was opened: '
-          'nothing was written')
+    signals.check()
+  except (SystemExit, KeyboardInterrupt) as e:  # a signal while the devices start
+    _stopped_starting(e, log, 'before the run directory was opened: nothing was written')
     raise
   primary = processes.is_primary()  # of several processes, the first reports
   log = log if primary else (lambda *_: None)
+  if cfg.warmup >= cfg.steps:
+    log(f'warning: --warmup {cfg.warmup} is not below --steps {cfg.steps}: every update is '
+        f'in the warmup, and the learning rate never reaches its peak')
   _use_compile_cache(cfg.compile_cache)
-  with rundir.open_run(cfg, resume=resume, log=log) as (out, accepted):
+  with rundir.open_run(cfg, resume=resume, log=log) as (out, accepted), \
+       contextlib.ExitStack() as loop_signals:
     try:
       run = set_up(cfg, out, resume=resume, step=step, log=log)
+      signals.check()
       # With the plan; resumed, only now: a refused --resume leaves run.json as it was.
       rundir.write_config(out, cfg, run.plan)
       run.hooks = loop_hooks(run, hooks, log)
-      accepted()  # from here a failure keeps what the run wrote
       if run.step == 0:
         with _stops_when_full(run):
           _start(run, log)
-    except SystemExit as e:  # SIGTERM before the loop (rundir.RunLock): no save
-      if e.code == signals.EXIT_CODE:
-        log('stopped by SIGTERM while starting, ' + (
-            'before training: resume again with --resume' if resume else
-            'before any checkpoint: nothing to resume; run the command again (without '
-            '--resume) to start afresh'))
+      # From here a signal only sets the flag, read after each step; one that
+      # came before (its exception dropped) stops the run here, unsaved.
+      stop = loop_signals.enter_context(StopFlag())
+      if stop.signal:
+        raise signals.exit_of(stop.signal)
+      accepted()  # from here a failure keeps what the run wrote
+    except (SystemExit, KeyboardInterrupt) as e:  # a signal before the loop: no save
+      _stopped_starting(e, log, 'before training: resume again with --resume' if resume else
+                        'before any checkpoint: nothing was written; run the command again '
+                        'to start afresh')
       raise
     with _stops_when_full(run):  # a write refused for want of space: one line
       total = run.plan.micro_steps  # one iteration = one micro-batch
       run.progress = Progress(total, initial=run.step, disable=not primary)
       run.t0, run.start = time.perf_counter(), run.step
-      with StopFlag() as stop, TrainClock() as run.clock:
+      with TrainClock() as run.clock:
         while run.step < total:
           run.loss, run.grad_norm = run.step_fn(run.model, run.optimizer,
                                                 place_batch(next(run.batches), run.mesh))
           run.step += 1
           _after_step(run, last=run.step == total)
           signal = _agreed(stop.signal, at_log=run.step % cfg.log_every == 0)
+          signal = signal if run.step < total else None  # too late to stop anything
           if signal or (stop_after is not None and run.step - run.start >= stop_after):
             run.stopped = signal or 'stop_after'
             if run.saved_at != run.step:
               with run.clock.paused(run.loss):
                 run.save(run.stopped)
             break
+      loop_signals.close()  # the command's handlers back: a signal exits at once
+      if stop.signal and run.stopped is None:
+        log(f'{stop.signal} came with the last step: the run is complete')
       run.progress.close()
       return _finish(run, log)
+
+
+def _stopped_starting(e: BaseException, log, what: str) -> None:
+  """Logs that a signal stopped the run while it started (``e``: its exit), and ``what``."""
+  name = ('SIGINT' if isinstance(e, KeyboardInterrupt) else
+          'SIGTERM' if e.code == signals.EXIT_CODE else None)
+  if name:
+    log(f'stopped by {name} while starting, {what}')
 
 
 def _stops_when_full(run: Run) -> tp.ContextManager[None]:
@@ -262,8 +287,13 @@ def _use_compile_cache(directory: str) -> None:
   """Sets jax's persistent compilation cache to ``directory`` (every program,
   however quick to compile: the many small ones of building the model add up,
   and a threshold in seconds would make what is cached depend on the
-  machine's load), unless it is "" or the process set a cache already."""
+  machine's load), unless it is "" or the process set a cache already.
+  ValueError if ``directory`` is a file or under one."""
   if directory and not jax.config.jax_compilation_cache_dir:
+    why = not_a_directory(pathlib.Path(directory).expanduser())
+    if why is not None:
+      raise ValueError(f'--compile-cache {directory} cannot be a compilation cache: {why}; '
+                       f'give a directory, or "" for none')
     jax.config.update('jax_compilation_cache_dir', str(pathlib.Path(directory).expanduser()))
     jax.config.update('jax_persistent_cache_min_compile_time_secs', 0.0)
 

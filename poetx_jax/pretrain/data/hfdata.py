@@ -60,9 +60,14 @@ def hf_source(name: str, *, config: str | None = None, split: str = 'train',
 
   Raises:
     ImportError: ``datasets`` is not installed.
+    FileNotFoundError: ``name`` is a local path (it starts with ``.``, ``/``
+      or ``~``) that does not exist.
     ValueError: the source cannot be resolved (no such dataset, config or
       split; no network for a hub name), naming it.
   """
+  if str(name).startswith(('.', '/', '~')) and not Path(name).expanduser().exists():
+    raise FileNotFoundError(f'--hf-dataset {name}: no such directory (a local dataset path; '
+                            f'a hub name has the form OWNER/NAME)')
   rec = {'hf_dataset': str(name), 'config': config, 'split': split,
          'data_files': list(data_files) if data_files else None}
   if _saved_to_disk(name) and (config is not None or data_files):

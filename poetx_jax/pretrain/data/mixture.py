@@ -42,8 +42,9 @@ def parse_data(entries: tp.Sequence[str]) -> list[tuple[str, float | None]]:
     [('corpus/', 0.7), ('web', 0.3)]
 
   Raises:
-    ValueError: a weight that is not a finite number > 0, or some entries
-      weighted and others not (naming them).
+    ValueError: a weight that is not a finite number > 0 (also one that is
+      no number, after a path that exists), or some entries weighted and
+      others not (naming them).
   """
   import os  # pylint: disable=g-import-not-at-top
   out = []
@@ -55,9 +56,11 @@ def parse_data(entries: tp.Sequence[str]) -> list[tuple[str, float | None]]:
     try:
       w = float(weight)
     except ValueError:
+      w = None
+    if w is None and not os.path.exists(path):
       out.append((entry, None))  # a colon in a path
       continue
-    if not (math.isfinite(w) and w > 0):
+    if w is None or not (math.isfinite(w) and w > 0):  # PATH exists: W is its weight
       raise ValueError(f'--data {entry}: the weight of {path} must be a number > 0, got '
                        f'{weight!r}')
     out.append((path, w))

@@ -59,8 +59,8 @@ import numpy as np
 
 from poetx_jax.pretrain.data import documents, shards
 from poetx_jax.pretrain.data.prepare_tasks import run_tasks, source_documents
-from poetx_jax.pretrain.files import (DiskFull, atomic_write, first_missing, read_json,
-                                      full_disk_remedy, full_disk_text, when_full)
+from poetx_jax.pretrain.files import (DiskFull, atomic_write, check_writable, first_missing,
+                                      read_json, full_disk_remedy, full_disk_text, when_full)
 from poetx_jax.pretrain.data.tokenizer import Tokenizer, check_bpe_vocab, file_hash
 
 FORMAT = shards.FORMAT
@@ -148,13 +148,14 @@ def prepare(inputs: PathLike | tp.Sequence[PathLike], out: PathLike, *,
     ValueError: a bad argument, an unsupported or unreadable file (named), a
       dataset that cannot be read (named), no documents at all, or ``out``
       holding a dataset (finished or not) of other inputs, another tokenizer
-      or another BPE request.
+      or another BPE request, or one this process cannot write in.
     ImportError: ``hf_dataset`` without the datasets package.
     DiskFull: a write refused for want of space (named); the finished parts
       are kept, the shards of the others removed, and the same call resumes.
   """
   _check_arguments(vocab_size=vocab_size, shard_tokens=shard_tokens,
                    sample_chars=sample_chars, workers=workers, bpe=tokenizer is None)
+  check_writable(out, '--out')
   hf = None
   if hf_dataset is not None:
     from poetx_jax.pretrain.data import hfdata  # pylint: disable=g-import-not-at-top

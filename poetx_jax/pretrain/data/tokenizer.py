@@ -15,23 +15,30 @@ from pathlib import Path
 
 import numpy as np
 
-from poetx_jax.pretrain.files import atomic_write, write_array
+from poetx_jax.pretrain.files import atomic_write, write_array, writing_in
 
 PathLike = tp.Union[str, os.PathLike]
 
 EOS = '<|endoftext|>'
 # The smallest trained BPE vocabulary: the 256 byte tokens and EOS.
 MIN_BPE_VOCAB = 257
+# The largest: the tokenizers BPE trainer allocates about 66 bytes per entry of
+# the vocabulary asked for before it reads the corpus (2^31 entries: 141 GB, an
+# abort), and 2^24 is 64 times the largest vocabularies in use (262,144).
+MAX_BPE_VOCAB = 2 ** 24
+# The option that names the cache directory, in the messages about it.
+CACHE_OPTION = '--cache-dir'
 # End-of-document tokens looked for, in order, in a loaded tokenizer.json.
 _EOS_CANDIDATES = (EOS, '</s>', '<|end_of_text|>', '<eos>')
 
 
 def check_bpe_vocab(vocab_size) -> None:
   """ValueError unless ``vocab_size`` is a BPE vocabulary that can be trained
-  (an int of at least :data:`MIN_BPE_VOCAB`)."""
-  if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < MIN_BPE_VOCAB:
-    raise ValueError(f'vocab_size must be an int >= {MIN_BPE_VOCAB} (256 bytes + {EOS}), '
-                     f'got {vocab_size!r}')
+  (an int in [:data:`MIN_BPE_VOCAB`, :data:`MAX_BPE_VOCAB`])."""
+  if (isinstance(vocab_size, bool) or not isinstance(vocab_size, int)
+      or not MIN_BPE_VOCAB <= vocab_size <= MAX_BPE_VOCAB):
+    raise ValueError(f'vocab_size must be an int in [{MIN_BPE_VOCAB}, {MAX_BPE_VOCAB}] (at '
+                     f'least 256 bytes + {EOS}), got {vocab_size!r}')
 
 
 def corpus_hash(docs: tp.Sequence[str]) -> str:
@@ -158,13 +165,17 @@ def load_or_train_tokenizer(docs: tp.Sequence[str], *, path: PathLike | None = N
                             vocab_size: int = 4096, cache_dir: PathLike) -> Tokenizer:
   """Loads ``path`` if given; else the BPE of ``docs`` cached in ``cache_dir``
   (keyed by a hash of the corpus and the vocabulary size), trained and saved
-  there first if absent."""
+  there first if absent: a ``cache_dir`` that cannot be written in is a
+  ValueError naming it (:func:`~poetx_jax.pretrain.files.writing_in`), a full
+  disk a DiskFull naming the file."""
   if path is not None:
     return Tokenizer.load(path)
   cached = Path(cache_dir).expanduser() / f'bpe-v{vocab_size}-{corpus_hash(docs)[:16]}.json'
   if cached.is_file():
     return Tokenizer.load(cached)
-  return Tokenizer.train_bpe(docs, vocab_size=vocab_size, path=cached)
+  check_bpe_vocab(vocab_size)  # before the directory is made
+  with writing_in(cached.parent, cached, CACHE_OPTION):
+    return Tokenizer.train_bpe(docs, vocab_size=vocab_size, path=cached)
 
 
 def tokenize_corpus(docs: tp.Sequence[str], tokenizer: Tokenizer, *,
@@ -172,7 +183,8 @@ def tokenize_corpus(docs: tp.Sequence[str], tokenizer: Tokenizer, *,
   """All documents encoded and concatenated, each followed by ``eos_id``: int32.
 
   With ``cache_dir`` the result is cached there, keyed by the hashes of the
-  corpus and of the tokenizer file.
+  corpus and of the tokenizer file (a cache that cannot be written: as
+  :func:`load_or_train_tokenizer`).
   """
   cached = None
   if cache_dir is not None:
@@ -187,6 +199,6 @@ def tokenize_corpus(docs: tp.Sequence[str], tokenizer: Tokenizer, *,
       chunks.append(np.asarray([tokenizer.eos_id], np.int32))
   tokens = np.concatenate(chunks) if chunks else np.zeros((0,), np.int32)
   if cached is not None:
-    cached.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write(cached, lambda tmp: write_array(tmp, tokens, npy=True))
+    with writing_in(cached.parent, cached, CACHE_OPTION):
+      atomic_write(cached, lambda tmp: write_array(tmp, tokens, npy=True))
   return tokens
