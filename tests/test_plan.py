@@ -115,6 +115,32 @@ def test_normalize_rows_default_is_per_size():
   assert got == [None, True, False]
 
 
+def test_permutation_default_is_chunk_on_gpus_where_few_block_mates_stay(monkeypatch):
+  """None: chunk permutations on a GPU where --chunk-size divides the block
+  and a feature keeps at most CHUNK_MAX_KEPT of its block-mates across merges
+  ((c - 1) / (B - 1)); element on a CPU, for small blocks and run lengths
+  that do not divide the block; a given --permutation is kept, a resume keeps
+  the recorded draw, and one recorded before the option reads as element."""
+  from poetx_jax.pretrain import plan as plan_module
+  assert recipes.CHUNK_MAX_KEPT == 0.1
+  assert _plan(model='60m').permutation == 'element'  # this suite runs on CPUs
+  monkeypatch.setattr(plan_module.jax, 'default_backend', lambda: 'gpu')
+  assert _plan(model='60m').model.block_size == 512
+  assert _plan(model='60m').permutation == 'chunk'  # 15 / 511: 2.9%
+  assert _plan(model='60m', block_size=256).permutation == 'chunk'  # 5.9%
+  assert _plan(model='60m', block_size=128).permutation == 'element'  # 11.8%
+  assert _plan(model='60m', block_size=128, chunk_size=8).permutation == 'chunk'  # 5.5%
+  assert _plan(model='60m', chunk_size=24).permutation == 'element'  # 512 % 24
+  assert _plan(model='tiny').permutation == 'element'  # block 16: one run a block
+  assert _plan(model='60m', permutation='element').permutation == 'element'
+  assert _plan(model='60m', optimizer='adamw').permutation is None
+  cfg = TrainConfig(model='60m')
+  assert make_plan(cfg, 4096, recorded={'permutation': 'element'}).permutation == 'element'
+  assert make_plan(cfg, 4096, recorded={'lr': 3e-3}).permutation == 'element'
+  monkeypatch.setattr(plan_module.jax, 'default_backend', lambda: 'cpu')
+  assert make_plan(cfg, 4096, recorded={'permutation': 'chunk'}).permutation == 'chunk'
+
+
 def test_block_size_and_poet_lr_are_resolved_once_into_the_model():
   """--block-size, else the model config's (512 for 60m and 130m, the better
   block in docs/quality.md; 256 from 350m up); the POET step size follows it;

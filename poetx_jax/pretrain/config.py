@@ -33,9 +33,9 @@ from poetx_jax import linear, models, ops, sharding
 from poetx_jax.models import llama
 from poetx_jax.pretrain.kv import parse_overrides
 from poetx_jax.pretrain.data.tokenizer import MAX_BPE_VOCAB, MIN_BPE_VOCAB
-from poetx_jax.pretrain.recipes import (ADAMW_WIDE_LR, DEFAULT_LR, DEFAULT_MERGE_EVERY,
-                                        DENSE_WEIGHT_DECAY, MUON_WIDE_LR, RECIPES, WIDE_HIDDEN,
-                                        WIDE_MERGE_EVERY)
+from poetx_jax.pretrain.recipes import (ADAMW_WIDE_LR, CHUNK_MAX_KEPT, DEFAULT_LR,
+                                        DEFAULT_MERGE_EVERY, DENSE_WEIGHT_DECAY, MUON_WIDE_LR,
+                                        RECIPES, WIDE_HIDDEN, WIDE_MERGE_EVERY)
 
 OPTIMIZERS = tuple(RECIPES)
 DTYPES = ('float32', 'bfloat16')
@@ -155,7 +155,9 @@ class TrainConfig:
       'uniformly random permutation of aligned runs of --chunk-size features, each block '
       'made of whole runs: the same training, since only which features share a block '
       'matters, with gathers that move whole runs)', choices=ops.PERMUTATIONS,
-      none='element')
+      none=f'chunk on a GPU where --chunk-size divides the block size and a feature keeps '
+      f'at most {CHUNK_MAX_KEPT:.0%} of its block-mates across merges ((chunk - 1) / '
+      f'(block - 1): 2.9% at 16 and 512), element elsewhere')
   chunk_size: int = _poet(16, 'features per run of --permutation chunk; must divide the '
                           'block size (16 bf16 features fill one 32-byte memory sector)',
                           min=1, max=INT32_MAX)

@@ -53,6 +53,13 @@ MUON_WIDE_LR = 4e-3
 # (docs/quality.md, 5M); the tiny default trained worse with it (AdamW 122.82
 # against 120.25) and keeps 0, as do POET-X and SkewAdam.
 DENSE_WEIGHT_DECAY = 0.1
+# --permutation left open draws chunk permutations on a GPU when a feature
+# keeps at most this share of its block-mates across merges, (c - 1) / (B - 1)
+# for runs of c features in blocks of B: runs of 16 in blocks of 512 (2.9%)
+# trained as the element draw did at 19M and 130M, runs of 8 in blocks of 32
+# (22.6%) worse on every seed of a CPU study, runs of 4 there (9.7%) alike
+# (docs/results/chunk-permutations). plan.default_permutation resolves it.
+CHUNK_MAX_KEPT = 0.1
 
 
 @dataclasses.dataclass(frozen=True)
