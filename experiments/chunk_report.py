@@ -1,12 +1,16 @@
 """The report of a chunk-permutation study, generated from its records.
 
 A study folder (``docs/results/chunk-permutations``) holds ``calls.json``
-(what ran: date, commit, device, and per device call its records and the
-commands that wrote them), the kernel records of ``bench_fused.py --json``
-and the step records of ``bench_train.py --json``. This writes the folder's
+(what ran: date, commit, device, and per call its records and the commands
+that wrote them, a call's own commit, date and device where they differ;
+``references``: figures of other studies compared with, and their pages),
+the kernel records of ``bench_fused.py --json``, the step records of
+``bench_train.py --json`` and the quality studies' ``results.json`` of
+``quality_report.py`` (``quality-*.json``). This writes the folder's
 ``README.md`` from them: the gathers against the copy floor, the fused
-kernels against XLA's compositions, and each training step against AdamW
-of the same call, so that every figure on the page comes from a record::
+kernels against XLA's compositions, each training step against AdamW of the
+same call, and each draw's validation perplexity per seed, so that every
+figure on the page comes from a record::
 
     python3 experiments/chunk_report.py docs/results/chunk-permutations
 """
@@ -75,13 +79,103 @@ def step_rows(records: list[dict], baseline: str) -> list[str]:
   return out
 
 
+def _draw(config: str) -> str:
+  """A quality run's permutation draw from its configuration's overrides."""
+  pairs = dict(kv.split('=', 1) for kv in config.split(','))
+  if pairs.get('permutation') == 'chunk':
+    return f"chunk, runs of {pairs.get('chunk_size', 16)}"
+  return 'element'
+
+
+def quality_rows(res: dict) -> list[str]:
+  """Per draw: the final validation perplexity of each seed (a run stopped
+  early: its last evaluation and where it was), mean ± sd of the finished
+  seeds, and the paired difference from the element draw's run of the same
+  seed (same initial weights and the same batches in the same order)."""
+  header = res['header']
+  seeds = sorted({r['seed'] for r in res['runs']} |
+                 {int(n.rsplit('seed=', 1)[1]) for n in header.get('failed_runs', [])})
+  draws: dict[str, dict[int, dict]] = {}
+  for r in res['runs']:
+    draws.setdefault(_draw(r['config']), {})[r['seed']] = r
+  stopped = {}
+  for name in header.get('failed_runs', []):
+    config, seed = name.rsplit(',seed=', 1)
+    stopped.setdefault(_draw(config), {})[int(seed)] = header.get('last_evals', {}).get(name)
+    draws.setdefault(_draw(config), {})
+  element = draws.get('element', {})
+  cols = ' | '.join(f'seed {s}' for s in seeds)
+  out = [f'| draw | {cols} | mean ± sd | prose, mean | against element, same seed |',
+         '|---|' + '---|' * (len(seeds) + 3)]
+  for draw, runs in draws.items():
+    cells = []
+    for s in seeds:
+      if s in runs:
+        cells.append(f"{runs[s]['val_ppl_final']:.2f}")
+      elif stopped.get(draw, {}).get(s):
+        e = stopped[draw][s]
+        cells.append(f"stopped at {e['reached']:,} ({e['val_ppl']:.2f} at {e['tokens'] / 1e6:.1f} M)")
+      else:
+        cells.append('not run')
+    finals = [r['val_ppl_final'] for r in runs.values()]
+    mean = (f'{statistics.mean(finals):.2f} ± {statistics.stdev(finals):.2f}'
+            if len(finals) > 1 else f'{finals[0]:.2f}' if finals else '—')
+    prose = [r['other_val_final']['prose'] for r in runs.values()
+             if (r.get('other_val_final') or {}).get('prose') is not None]
+    diffs = [f"{runs[s]['val_ppl_final'] - element[s]['val_ppl_final']:+.2f}"
+             for s in seeds if s in runs and s in element] if draw != 'element' else []
+    out.append(f"| {draw} | {' | '.join(cells)} | {mean} | "
+               f"{f'{statistics.mean(prose):.2f}' if prose else '—'} | {', '.join(diffs) or '—'} |")
+  return out
+
+
+def curve_rows(res: dict) -> list[str]:
+  """Every run's validation perplexity at each evaluation (equal tokens), the
+  stopped runs' evaluations included where their metrics reach."""
+  runs = sorted(res['runs'], key=lambda r: (r['seed'], r['config']))
+  steps = sorted({e['step'] for r in runs for e in r['evals'] if e['step']})
+  tokens = {e['step']: e['tokens'] for r in runs for e in r['evals']}
+  out = ['| run | ' + ' | '.join(f'{tokens[s] / 1e6:.1f} M' for s in steps) + ' |',
+         '|---|' + '---|' * len(steps)]
+  for r in runs:
+    at = {e['step']: e['val_ppl'] for e in r['evals']}
+    out.append(f"| {_draw(r['config'])}, seed {r['seed']} | "
+               + ' | '.join(f'{at[s]:.2f}' if s in at else '—' for s in steps) + ' |')
+  return out
+
+
+def reference_line(res: dict, ref: dict) -> str:
+  """A reference study's figures (``calls.json``'s ``references``) beside
+  this study's runs of the same seeds."""
+  mine = {str(r['seed']): r['val_ppl_final'] for r in res['runs']}
+  cells = ', '.join(f'seed {s}: {v:.2f}' + (f' (this study {mine[s] - v:+.2f})' if s in mine else '')
+                    for s, v in ref['final_ppl'].items())
+  return (f"Compared with {ref['what']} ([page]({ref['source']})): {cells}; prose "
+          f"{ref['prose_mean']:.2f} ± {ref['prose_sd']:.2f}.")
+
+
+def quality_section(folder: pathlib.Path, name: str, references: list[dict]) -> list[str]:
+  res = _load(folder, name)
+  h = res['header']
+  model = h['model'] + (f" ({', '.join(f'{k}={v}' for k, v in h['model_overrides'].items())})"
+                        if h['model_overrides'] else '')
+  refs = [reference_line(res, ref) for ref in references if ref.get('record') == name]
+  return [f"`{name}` ([plot]({name.replace('.json', '.png')})): {model}, "
+          f"{h['dense_params']:,} parameters, seq {h['seq_len']}, batch {h['batch_size']}, "
+          f"{h['steps']:,} updates ({h['tokens_per_run'] / 1e6:.1f} M tokens), warmup "
+          f"{h['warmup']}, {h['dtype']}, {h['device']}; validation {h['val_tokens']:,} tokens.",
+          '', *quality_rows(res), '', *[line for r in refs for line in (r, '')],
+          *curve_rows(res), '']
+
+
 def report(folder: pathlib.Path) -> str:
   meta = _load(folder, 'calls.json')
   lines = [f"# {meta['study']}", '',
            f"{meta['date']} · commit `{meta['commit']}` · {meta['device']} · {meta['software']}."
            ' Generated by `experiments/chunk_report.py` from the records in this folder.', '']
   for i, call in enumerate(meta['calls'], 1):
-    lines.append(f"Call {i} ({', '.join(call['records'])})"
+    where = ', '.join(f'{k} {call[k]}' for k in ('commit', 'date', 'device') if k in call)
+    lines.append(f"Call {i} ({', '.join(call['records'])}{'; ' + where if where else ''})"
                  + (f": {call['note']}" if call.get('note') else '') + ':')
     lines += ['', *[f'    {c}' for c in call['commands']], '']
   kernels = _load(folder, 'kernels.json')
@@ -95,6 +189,11 @@ def report(folder: pathlib.Path) -> str:
     base = 'adamw' if any(r['run'] == 'adamw' for r in recs) else recs[0]['run']
     lines += [f"`{name}`: {first['model']}, seq {first['seq_len']}, batch {first['batch']}, "
               f"{first['device']}", '', *step_rows(recs, base), '']
+  quality = sorted(p.name for p in folder.glob('quality-*.json'))
+  if quality:
+    lines += ['## Quality: validation perplexity of each draw on the same tokens', '']
+    for name in quality:
+      lines += quality_section(folder, name, meta.get('references', []))
   return '\n'.join(lines)
 
 

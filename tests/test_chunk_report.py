@@ -1,0 +1,58 @@
+"""experiments/chunk_report.py: the chunk-permutation page is its records' report."""
+
+import json
+import pathlib
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / 'experiments'))
+import chunk_report  # noqa: E402
+
+FOLDER = ROOT / 'docs' / 'results' / 'chunk-permutations'
+
+
+def test_the_committed_page_is_generated_from_its_records():
+  """README.md is what chunk_report writes from the folder's records: a record
+  changed without the page (or the page edited by hand) fails here."""
+  assert (FOLDER / 'README.md').read_text() == chunk_report.report(FOLDER)
+
+
+def _run(config, seed, final, prose=None):
+  return {'config': config, 'seed': seed, 'val_ppl_final': final,
+          'other_val_final': {'prose': prose} if prose is not None else {},
+          'evals': [{'step': 0, 'tokens': 0, 'val_ppl': 100.0},
+                    {'step': 10, 'tokens': 640, 'val_ppl': final}]}
+
+
+def test_quality_rows_pair_each_draw_with_the_element_run_of_its_seed():
+  """Per draw: each seed's final perplexity, a stopped run's last evaluation,
+  a seed that never ran, mean ± sd of the finished ones, and the difference
+  from the element run of the same seed only."""
+  el, ch = 'optimizer=poetx,permutation=element', 'optimizer=poetx,permutation=chunk,chunk_size=8'
+  res = {'header': {'failed_runs': [f'{el},seed=2', f'{ch},seed=2'],
+                    'last_evals': {f'{el},seed=2': {'step': 5, 'tokens': 2_000_000,
+                                                    'val_ppl': 20.0, 'reached': 7}}},
+         'runs': [_run(el, 0, 10.0, 30.0), _run(el, 1, 12.0, 34.0),
+                  _run(ch, 0, 10.5, 31.0), _run(ch, 1, 11.0)]}
+  rows = chunk_report.quality_rows(res)
+  assert rows[0].startswith('| draw | seed 0 | seed 1 | seed 2 |')
+  element = next(r for r in rows if r.startswith('| element'))
+  chunk = next(r for r in rows if r.startswith('| chunk, runs of 8'))
+  assert '| 10.00 | 12.00 | stopped at 7 (20.00 at 2.0 M) | 11.00 ± 1.41 | 32.00 | — |' in element
+  assert '| 10.50 | 11.00 | not run | 10.75 ± 0.35 | 31.00 | +0.50, -1.00 |' in chunk
+
+
+def test_a_reference_is_set_beside_the_runs_of_the_same_seeds():
+  res = {'runs': [_run('optimizer=poetx,permutation=chunk', 0, 10.13)]}
+  ref = {'what': 'the element draw', 'source': 'x.md', 'final_ppl': {'0': 10.11, '1': 10.27},
+         'prose_mean': 23.11, 'prose_sd': 0.3}
+  line = chunk_report.reference_line(res, ref)
+  assert 'seed 0: 10.11 (this study +0.02), seed 1: 10.27;' in line
+  assert line.endswith('prose 23.11 ± 0.30.')
+
+
+def test_the_records_name_no_machine_paths():
+  """Records and page carry repo-relative paths only."""
+  for path in FOLDER.iterdir():
+    if path.suffix in ('.json', '.md'):
+      assert '/tmp/' not in path.read_text(), path.name
