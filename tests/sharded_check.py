@@ -10,6 +10,7 @@ import numpy as np
 from flax import nnx
 
 import poetx_jax
+from poetx_jax import perms as perms_module
 from poetx_jax import sharding
 from poetx_jax.pretrain import evaluation, factories
 from poetx_jax.pretrain.checkpoint import Checkpointer
@@ -229,8 +230,9 @@ def optimizers(ckpt_dir):
   of this process's devices, by dp and by fsdp (fsdp = the device count), and
   resumed across device counts (a checkpoint of step 2 of one device
   restored onto fsdp 2, one of fsdp 2 onto one device), against the same
-  run on one device: 4 updates (POET-X merging after the 2nd and 4th); and
-  Muon with scan_layers and lean_state under fsdp on 2 devices. For
+  run on one device: 4 updates (POET-X merging after the 2nd and 4th);
+  POET-X with chunk permutations under fsdp 2, fresh and resumed from one
+  device; and Muon with scan_layers and lean_state under fsdp on 2 devices. For
   each: the largest distance of the losses from one device's, the smallest
   fraction of each array's elements within 1e-4 of one device's, and the
   optimizer arrays shaped like their parameter (``_follows``) and how many
@@ -302,6 +304,20 @@ def optimizers(ckpt_dir):
         ref)
     out[f'{family} resume 2->1'] = compare(
         train(config(family), 1, range(2, 4), restore=two), ref)
+  # POET-X drawing chunk permutations (runs of 4 in blocks of 16) under fsdp,
+  # fresh and resumed from one device.
+  chunk = dict(permutation='chunk', chunk_size=4)
+  model, opt, losses = train(config('poetx', **chunk), 1, save=f'{ckpt_dir}/poetx-chunk-1')
+  ref = (losses, flat(model) + flat(opt))
+  for case, got in (('poetx chunk fsdp 2', train(config('poetx', 'fsdp', 2, **chunk), 2)),
+                    ('poetx chunk resume 1->2',
+                     train(config('poetx', 'fsdp', 2, **chunk), 2, range(2, 4),
+                           restore=f'{ckpt_dir}/poetx-chunk-1'))):
+    perms = [np.asarray(getattr(layer, side)[...]) for _, layer in poetx_jax.poet_layers(got[0])
+             for side in ('perm_in', 'perm_out')]
+    # (an element draw of 32 features moves runs of 4 whole with odds below 1e-30)
+    out[case] = {**compare(got, ref),
+                 'chunk_drawn': all(perms_module.is_chunk_permutation(q, 4) for q in perms)}
   # Muon's stacked layers (scan_layers) with bf16 momenta (lean_state) under fsdp.
   lean = dict(scan_layers=True, lean_state=True)
   ref = train(config('muon', **lean), 1)

@@ -301,6 +301,27 @@ def _sp_model(pieces, **ids):
                 (3, _proto((3, 0))))
 
 
+def test_a_chunk_permutation_run_exports_the_function_it_trained(run, tmp_path):
+  """A run drawing chunk permutations (runs of 4 in blocks of 8, merged once)
+  exports its function: a run started from the export begins at the chunk
+  run's last validation loss, and draws chunk permutations itself when
+  asked (recorded in its plan)."""
+  old = rundir.read_config(run)
+  base = dict(data=old.data, seq_len=32, batch_size=4, warmup=1, eval_every=2,
+              eval_batches=1, log_every=1, block_size=8, dtype='float32',
+              cache_dir=old.cache_dir, permutation='chunk', chunk_size=4)
+  chunk = TrainConfig(model='tiny', model_overrides=SMALL, vocab_size=300, steps=2,
+                      merge_every=2, out_dir=str(tmp_path / 'chunk'), **base)
+  train(chunk, log=lambda *_: None)
+  assert _json(tmp_path / 'chunk' / 'run.json')['plan']['permutation'] == 'chunk'
+  assert cli.main(['export', chunk.out_dir, '--out', str(tmp_path / 'exp')]) == 0
+  new = TrainConfig(init_from_hf=str(tmp_path / 'exp'), steps=1,
+                    out_dir=str(tmp_path / 'new'), **{**base, 'eval_every': 1})
+  train(new, log=lambda *_: None)
+  assert _val_loss(new.out_dir, 0) == pytest.approx(_val_loss(chunk.out_dir, 2), rel=1e-5)
+  assert _json(tmp_path / 'new' / 'run.json')['plan']['permutation'] == 'chunk'
+
+
 def test_a_sentencepiece_run_exports_its_model_and_no_stale_tokenizer(run, tmp_path, capsys):
   # The run's BPE is replaced by a sentencepiece model of the same size (made
   # here: sentencepiece is not needed to export one).

@@ -16,6 +16,7 @@ from poetx_jax.linear import POETLinear, POETParam
 from poetx_jax.models import moe
 from poetx_jax.models import get_config
 from poetx_jax.models.moe import MoELlama, MoEMLP, route
+from poetx_jax.perms import is_chunk_permutation
 
 TINY = get_config('moe-tiny')
 HIGH = jax.lax.Precision.HIGHEST
@@ -255,8 +256,12 @@ def test_poet_experts_match_effective_kernels(keys, mode, dtype, tol):
   assert formed.dtype == dtype and rel_err(formed, eff) < tol
 
 
-def test_merge_keeps_each_experts_function(keys):
-  mlp = _poet_mlp(keys())
+@pytest.mark.parametrize('permutation', ['element', 'chunk'])
+def test_merge_keeps_each_experts_function(keys, permutation):
+  """A merge keeps each expert's function and draws each expert its own
+  permutations (with ``'chunk'``: each a permutation of runs of 4)."""
+  chunk = dict(permutation='chunk', chunk_size=4) if permutation == 'chunk' else {}
+  mlp = _poet_mlp(keys(), **chunk)
   x = jax.random.normal(keys(), (40, TINY.hidden))
   fwd = nnx.jit(lambda m, x: m(x)[0])
   before = fwd(mlp, x)
@@ -272,6 +277,8 @@ def test_merge_keeps_each_experts_function(keys):
   assert len({tuple(p) for p in new}) == TINY.experts                 # each its own
   for _, layer in poetx_jax.poet_layers(mlp):
     assert float(jnp.abs(layer.q_in[...]).max()) == 0.0
+    if chunk:
+      assert all(is_chunk_permutation(p, 4) for p in (layer.perm_in[...], layer.perm_out[...]))
 
 
 def test_poetize_a_stacked_linear():

@@ -99,19 +99,22 @@ def test_every_sharding_fsdp_mesh_of_4_devices_trains_as_one_device():
 def test_every_optimizer_family_trains_and_resumes_on_2_and_4_devices(tmp_path):
   """Each optimizer of ``poetx train --optimizer`` (Muon's state holds optax
   MaskedNodes, placeholders with no array) under dp and fsdp on 2 and 4
-  devices, and resumed from 1 device onto 2 (fsdp) and from 2 onto 1, gives
+  devices, and resumed from 1 device onto 2 (fsdp) and from 2 onto 1 (and
+  POET-X drawing chunk permutations under fsdp 2, fresh and resumed), gives
   one device's losses and state to float32 rounding; under fsdp every
   optimizer moment is split as the parameter it follows, and some are split."""
   from poetx_jax.pretrain.recipes import RECIPES
   r = _run(4, 'optimizers', tmp_path)
   cases = [f'{f} {c}' for f in RECIPES for c in ('dp 2', 'dp 4', 'fsdp 2', 'fsdp 4',
                                                  'resume 1->2', 'resume 2->1')]
-  assert sorted(r) == sorted(cases + ['muon scan lean fsdp 2']), sorted(r)
+  assert sorted(r) == sorted(cases + ['muon scan lean fsdp 2', 'poetx chunk fsdp 2',
+                                      'poetx chunk resume 1->2']), sorted(r)
   for case, got in r.items():
     assert got['loss_diff'] < 1e-5 and got['min_close_fraction'] > 0.99, (case, got)
     assert got['follows'] > 0 and got['split_otherwise'] == 0, (case, got)
     sharded = 'fsdp' in case or '1->2' in case
     assert (got['split'] > 0) == sharded, (case, got)
+    assert got.get('chunk_drawn', 'chunk' in case) == ('chunk' in case), (case, got)
 
 
 def test_state_leaves_that_are_not_arrays_stay_as_they_are():
