@@ -211,6 +211,29 @@ def test_each_poet_only_option_with_adamw_is_refused_naming_it(capsys):
   assert not pathlib.Path('/nonexistent/never-written').exists()
 
 
+def test_a_poet_switch_turned_off_is_accepted_with_every_optimizer():
+  """--no-normalize-rows, like --no-tie-permutations and the other POET
+  switches turned off, says what a dense run does anyway: accepted with
+  AdamW, Muon and SkewAdam (and resolved off), as a restated default is."""
+  from poetx_jax.pretrain.config import config_from_args
+  parser = cli.build_parser()
+  switches = [f.name for f in dataclasses.fields(TrainConfig)
+              if f.metadata.get('poet') and f.default in (None, False) and f.type in (
+                  'bool', 'bool | None')]
+  assert sorted(switches) == ['norm_gathers', 'normalize_rows', 'skew_tiers',
+                              'tie_permutations'], switches
+  for optimizer in ('adamw', 'muon', 'skewadam'):
+    for name in switches:
+      cfg = config_from_args(parser.parse_args(
+          ['train', '--optimizer', optimizer, '--no-' + name.replace('_', '-')]))
+      cfg.validate()
+      assert getattr(cfg, name) is False
+      assert not make_plan(cfg, 4096).normalize_rows
+    cfg = config_from_args(parser.parse_args(['train', '--optimizer', optimizer, '--mode',
+                                              'fast', '--chunk-size', '16']))
+    cfg.validate()  # restated defaults
+
+
 def test_recipes_say_whether_they_poetize():
   """The optimizer choices are the recipes; only POET-X poetizes; a plan
   carries its recipe."""

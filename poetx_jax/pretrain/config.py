@@ -268,8 +268,12 @@ class TrainConfig:
       raise ValueError(f"model_overrides sets vocab_size={self.model_overrides['vocab_size']!r}: "
                        f'the vocabulary is the tokenizer\'s (vocab_size, --vocab-size N, '
                        f'sizes the BPE a run trains)')
+    # A POET option given with an optimizer that does not poetize is refused
+    # unless it says what the dense run does anyway: its default, or a POET
+    # switch turned off (--no-normalize-rows as --no-tie-permutations).
     poet = [f'{f.name}={getattr(self, f.name)!r}' for f in dataclasses.fields(self)
-            if f.metadata.get('poet') and getattr(self, f.name) != f.default]
+            if f.metadata.get('poet') and getattr(self, f.name) != f.default
+            and not (getattr(self, f.name) is False and f.default in (None, False))]
     if poet and not RECIPES[self.optimizer].poetizes:
       which = ' or '.join(r.name for r in RECIPES.values() if r.poetizes)
       raise ValueError(f'{", ".join(poet)}: option{"s" if len(poet) > 1 else ""} of the POET '
