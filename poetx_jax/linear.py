@@ -190,6 +190,10 @@ class POETLinear(nnx.Module):
   orthogonality error. ``permutation='chunk'`` draws every permutation as a
   permutation of aligned runs of ``chunk_size`` features (the same training,
   :mod:`poetx_jax.perms` says why, with gathers that move whole runs).
+  It differentiates in reverse mode (``jax.grad``, ``jax.vjp``,
+  ``jax.jacrev``) only: its gathers and generator packing carry custom
+  VJPs, through which JAX refuses forward mode (``jax.jvp``, ``jax.jacfwd``:
+  "can't apply forward-mode autodiff (jvp) to a custom_vjp function").
 
   It is a drop-in for ``nnx.Linear``: same positional sizes, state path and
   the options of its parameters (``use_bias``, ``dtype``, ``param_dtype``,

@@ -139,6 +139,21 @@ def _activation_residuals(layer, x):
   return [l for l in lines if l.split('[')[1].startswith(f'{x.shape[0]},')]
 
 
+def test_reverse_mode_jacobian_and_forward_mode_refused(keys):
+  """jax.jacrev through a POET layer is the dense formula's Jacobian; forward
+  mode (jax.jacfwd) is refused by JAX's custom_vjp rule, as the docstring
+  says, rather than giving a wrong answer."""
+  layer = POETLinear(16, 8, block_size=8, rngs=nnx.Rngs(0))
+  randomize_generators(layer, keys())
+  x = jax.random.normal(keys(), (2, 16))
+  jac = jax.jacrev(lambda x: layer(x))(x)
+  dense = layer.effective_kernel()
+  want = jnp.einsum('ab,io->aobi', jnp.eye(2), dense)  # d y[a, o] / d x[b, i]
+  assert rel_err(jac, want) < 1e-5
+  with pytest.raises(TypeError, match='forward-mode autodiff'):
+    jax.jacfwd(lambda x: layer(x))(x)
+
+
 def test_mem_mode_saves_fewer_residuals(keys):
   x = jax.random.normal(keys(), (37, 48))
   fast = POETLinear(48, 32, block_size=16, mode='fast', rngs=nnx.Rngs(3))
