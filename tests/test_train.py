@@ -3,6 +3,7 @@
 import dataclasses
 import json
 import pathlib
+import shutil
 
 import chex
 import jax
@@ -584,6 +585,42 @@ def test_compile_cache_off_or_already_set_is_left_alone(tmp_path):
     assert jax.config.jax_persistent_cache_min_compile_time_secs == 0
     _use_compile_cache(str(tmp_path / 'other'))
     assert jax.config.jax_compilation_cache_dir == str(tmp_path / 'xla')
+  finally:
+    for n, v in saved.items():
+      jax.config.update(n, v)
+
+
+def test_a_compile_cache_loses_its_empty_entries_and_a_full_one_is_left_unused(
+    tmp_path, monkeypatch):
+  """Entries cut short on a full device (empty files) are removed, with their
+  access times, in one line; written entries stay. A cache whose device has
+  less than COMPILE_CACHE_MIN_FREE free is not set, said in one line."""
+  from poetx_jax.pretrain import train as train_module
+  names = ('jax_compilation_cache_dir', 'jax_persistent_cache_min_compile_time_secs')
+  saved = {n: getattr(jax.config, n) for n in names}
+  cache = tmp_path / 'xla'
+  cache.mkdir()
+  for name, data in (('a-cache', b''), ('a-atime', b'12345678'), ('b-cache', b'x' * 10),
+                     ('b-atime', b'12345678'), ('c-cache', b'')):
+    (cache / name).write_bytes(data)
+  lines = []
+  try:
+    jax.config.update(names[0], None)
+    train_module._use_compile_cache(str(cache), lines.append)  # pylint: disable=protected-access
+    assert sorted(p.name for p in cache.iterdir()) == ['b-atime', 'b-cache']
+    assert lines == [f'compile cache {cache}: removed 2 empty entries, cut short when its '
+                     f'device was full']
+    assert jax.config.jax_compilation_cache_dir == str(cache)
+    jax.config.update(names[0], None)
+    lines.clear()
+    real = shutil.disk_usage
+    monkeypatch.setattr(train_module.shutil, 'disk_usage',
+                        lambda p: real(p)._replace(free=10 * 2**20))
+    train_module._use_compile_cache(str(tmp_path / 'new' / 'xla'), lines.append)  # pylint: disable=protected-access
+    assert jax.config.jax_compilation_cache_dir is None
+    assert len(lines) == 1 and lines[0].startswith(
+        f'warning: compile cache {tmp_path / "new" / "xla"}: 10 MiB free, under 256 MiB: '
+        f'this run compiles without it'), lines
   finally:
     for n, v in saved.items():
       jax.config.update(n, v)

@@ -16,6 +16,7 @@ import contextlib
 import dataclasses
 import math
 import pathlib
+import shutil
 import time
 import typing as tp
 
@@ -214,7 +215,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, step: int | None = None, lo
   if cfg.warmup >= cfg.steps:
     log(f'warning: --warmup {cfg.warmup} is not below --steps {cfg.steps}: every update is '
         f'in the warmup, and the learning rate never reaches its peak')
-  _use_compile_cache(cfg.compile_cache)
+  _use_compile_cache(cfg.compile_cache, log)
   with rundir.open_run(cfg, resume=resume, log=log) as (out, accepted), \
        contextlib.ExitStack() as loop_signals:
     try:
@@ -283,19 +284,45 @@ def _stops_when_full(run: Run) -> tp.ContextManager[None]:
   return when_full(stop)
 
 
-def _use_compile_cache(directory: str) -> None:
+# A run leaves its compile cache unused when the cache's device has less free
+# than this: jax writes an entry in place, so on a full device it warns for
+# every program and leaves empty entries that every later run warns about.
+COMPILE_CACHE_MIN_FREE = 256 * 2**20
+
+
+def _use_compile_cache(directory: str, log=lambda *_: None) -> None:
   """Sets jax's persistent compilation cache to ``directory`` (every program,
   however quick to compile: the many small ones of building the model add up,
   and a threshold in seconds would make what is cached depend on the
   machine's load), unless it is "" or the process set a cache already.
-  ValueError if ``directory`` is a file or under one."""
-  if directory and not jax.config.jax_compilation_cache_dir:
-    why = not_a_directory(pathlib.Path(directory).expanduser())
-    if why is not None:
-      raise ValueError(f'--compile-cache {directory} cannot be a compilation cache: {why}; '
-                       f'give a directory, or "" for none')
-    jax.config.update('jax_compilation_cache_dir', str(pathlib.Path(directory).expanduser()))
-    jax.config.update('jax_persistent_cache_min_compile_time_secs', 0.0)
+  Empty entries (cut short when the cache's device was full) are removed
+  first, and a cache whose device has less than
+  :data:`COMPILE_CACHE_MIN_FREE` free is left unused; each said in one line
+  to ``log``. ValueError if ``directory`` is a file or under one."""
+  if not directory or jax.config.jax_compilation_cache_dir:
+    return
+  path = pathlib.Path(directory).expanduser()
+  why = not_a_directory(path)
+  if why is not None:
+    raise ValueError(f'--compile-cache {directory} cannot be a compilation cache: {why}; '
+                     f'give a directory, or "" for none')
+  empty = [e for e in (path.glob('*-cache') if path.is_dir() else ())
+           if e.is_file() and e.stat().st_size == 0]
+  for entry in empty:
+    entry.unlink(missing_ok=True)
+    entry.with_name(entry.name.removesuffix('-cache') + '-atime').unlink(missing_ok=True)
+  if empty:
+    log(f'compile cache {path}: removed {len(empty)} empty '
+        f'entr{"y" if len(empty) == 1 else "ies"}, cut short when its device was full')
+  existing = next(p for p in (path, *path.parents) if p.exists())
+  free = shutil.disk_usage(existing).free
+  if free < COMPILE_CACHE_MIN_FREE:
+    log(f'warning: compile cache {path}: {free / 2**20:.0f} MiB free, under '
+        f'{COMPILE_CACHE_MIN_FREE / 2**20:.0f} MiB: this run compiles without it '
+        f'(free space there, or give --compile-cache "" to say so)')
+    return
+  jax.config.update('jax_compilation_cache_dir', str(path))
+  jax.config.update('jax_persistent_cache_min_compile_time_secs', 0.0)
 
 
 def loop_hooks(run: Run, hooks: tp.Sequence[Hook], log) -> list[Hook]:
