@@ -427,7 +427,8 @@ def one_run(cfg, label: str, *, warmup_steps: int = 3, timed_steps: int = 10) ->
   opt_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(opt)))
   tokens = cfg.batch_size * cfg.seq_len
   return {'run': label, 'model': cfg.model, 'seq_len': cfg.seq_len, 'batch': cfg.batch_size,
-          'block_size': plan.block_size, 'device': jax.devices()[0].device_kind, 'step_s': med,
+          'block_size': plan.block_size, 'permutation': plan.permutation,
+          'device': jax.devices()[0].device_kind, 'step_s': med,
           'tokens_per_s': tokens / med, 'compile_s': s['compile_s'],
           'peak_gib': stats.get('peak_bytes_in_use', float('nan')) / GIB,
           'trainable': n_train, 'dense_params': mc.num_params(),

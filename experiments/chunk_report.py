@@ -79,12 +79,16 @@ def step_rows(records: list[dict], baseline: str) -> list[str]:
   return out
 
 
-def _draw(config: str) -> str:
-  """A quality run's permutation draw from its configuration's overrides."""
-  pairs = dict(kv.split('=', 1) for kv in config.split(','))
-  if pairs.get('permutation') == 'chunk':
-    return f"chunk, runs of {pairs.get('chunk_size', 16)}"
-  return 'element'
+def _draw(config: str, run: dict | None = None) -> str:
+  """A quality run's permutation draw: the one its record says it ran
+  (compare_quality records the plan's), else read from its configuration's
+  overrides (records written before that, and runs that did not finish)."""
+  if run is not None and run.get('permutation') is not None:
+    permutation, chunk = run['permutation'], run.get('chunk_size')
+  else:
+    pairs = dict(kv.split('=', 1) for kv in config.split(','))
+    permutation, chunk = pairs.get('permutation', 'element'), pairs.get('chunk_size', 16)
+  return f'chunk, runs of {chunk}' if permutation == 'chunk' else 'element'
 
 
 def quality_rows(res: dict) -> list[str]:
@@ -97,7 +101,7 @@ def quality_rows(res: dict) -> list[str]:
                  {int(n.rsplit('seed=', 1)[1]) for n in header.get('failed_runs', [])})
   draws: dict[str, dict[int, dict]] = {}
   for r in res['runs']:
-    draws.setdefault(_draw(r['config']), {})[r['seed']] = r
+    draws.setdefault(_draw(r['config'], r), {})[r['seed']] = r
   stopped = {}
   for name in header.get('failed_runs', []):
     config, seed = name.rsplit(',seed=', 1)
@@ -139,7 +143,7 @@ def curve_rows(res: dict) -> list[str]:
          '|---|' + '---|' * len(steps)]
   for r in runs:
     at = {e['step']: e['val_ppl'] for e in r['evals']}
-    out.append(f"| {_draw(r['config'])}, seed {r['seed']} | "
+    out.append(f"| {_draw(r['config'], r)}, seed {r['seed']} | "
                + ' | '.join(f'{at[s]:.2f}' if s in at else '—' for s in steps) + ' |')
   return out
 

@@ -89,7 +89,7 @@ def parse_args(argv=None):
       p.error(f'variant {text!r}: side must be one of {SIDES}')
     try:
       cfg = config.drop_shared_poet_options(apply(base, overrides), base)
-      cfg = without_default_decay(cfg, side)
+      cfg = with_element_draws(without_default_decay(cfg, side), side)
       cfg.validate()
     except ValueError as e:
       p.error(f'variant {text!r}: {e}')
@@ -147,6 +147,21 @@ def without_default_decay(cfg, side: str):
 
 
 # -------------------------------------------------------------------------- runs
+def with_element_draws(cfg, side: str):
+  """``cfg`` drawing element permutations where it leaves the draw open (the
+  reference draws only those; left open, a POET-X run on a GPU would draw
+  chunk permutations); ValueError for an anchor run given chunk ones."""
+  from poetx_jax.pretrain.recipes import RECIPES
+  if not RECIPES[cfg.optimizer].poetizes:
+    return cfg
+  if cfg.permutation is None:
+    return dataclasses.replace(cfg, permutation='element')
+  if side == 'anchor' and cfg.permutation != 'element':
+    raise ValueError(f'permutation={cfg.permutation!r}: poet_torch_train.py draws element '
+                     'permutations (the only value an anchor run takes)')
+  return cfg
+
+
 def anchor_command(cfg, seed: int, windows: pathlib.Path, vocab: int, metrics: pathlib.Path,
                    anchor_dir: pathlib.Path) -> list[str]:
   """poet_torch_train.py's command for ``cfg``: the values of its plan (an

@@ -56,3 +56,12 @@ def test_the_records_name_no_machine_paths():
   for path in FOLDER.iterdir():
     if path.suffix in ('.json', '.md'):
       assert '/tmp/' not in path.read_text(), path.name
+
+
+def test_a_run_is_labelled_by_the_draw_its_record_says_it_ran():
+  """compare_quality records the plan's draw: a run whose overrides leave it
+  open (a GPU run draws chunk permutations then) is labelled by the record."""
+  run = {**_run('optimizer=poetx', 0, 10.0), 'permutation': 'chunk', 'chunk_size': 16}
+  assert chunk_report._draw('optimizer=poetx', run) == 'chunk, runs of 16'
+  assert chunk_report._draw('optimizer=poetx') == 'element'  # no record: the overrides
+  assert chunk_report._draw('optimizer=poetx,permutation=chunk,chunk_size=8') == 'chunk, runs of 8'

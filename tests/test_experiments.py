@@ -58,6 +58,7 @@ def test_bench_train_one_run(monkeypatch):
   r = bench_train.one_run(cfg, 'xq', warmup_steps=1, timed_steps=2)
   assert r['run'] == 'xq' and r['model'] == 'tiny' and r['batch'] == 2 and r['seq_len'] == 32
   assert r['block_size'] == 16  # the tiny config's, reported with each run
+  assert r['permutation'] == 'element'  # the draw the run's plan resolved
   assert r['checks']['poet_vs_dense'] < 1e-4 and r['tokens_per_s'] > 0
   assert r['trainable'] < r['dense_params']
   # merges during the timed steps; the weight form; scanned layers, checked
@@ -83,6 +84,7 @@ def test_bench_train_runs_each_run_in_a_process_of_its_own(tmp_path, monkeypatch
   adamw, lean = json.loads(out.read_text())
   assert adamw['run'] == 'optimizer=adamw' and lean['run'] == 'lean'
   assert adamw['block_size'] is None and lean['block_size'] == 16
+  assert adamw['permutation'] is None and lean['permutation'] == 'element'
   assert 'export_check' not in lean['checks'] and lean['checks']['poet_vs_dense'] < 1e-4
   assert lean['dense_params'] < adamw['dense_params']  # hidden 32 instead of 64
   assert lean['trainable'] < adamw['trainable'] and lean['tokens_per_s'] > 0

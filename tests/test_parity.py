@@ -57,6 +57,21 @@ def test_the_anchor_command_carries_the_configuration(cfg, tmp_path):
     parity.apply(cfg, 'poet_rate=1')
 
 
+def test_every_poet_variant_draws_element_permutations_unless_it_sets_chunk(cfg):
+  """The reference draws element permutations: a POET-X variant that leaves
+  the draw open gets element ones on any device; ours may draw chunk ones, an
+  anchor may not; AdamW variants are left as they are."""
+  poet = parity.apply(cfg, 'optimizer=poetx')
+  assert parity.with_element_draws(poet, 'ours').permutation == 'element'
+  assert parity.with_element_draws(poet, 'anchor').permutation == 'element'
+  chunk = parity.apply(cfg, 'optimizer=poetx,permutation=chunk')
+  assert parity.with_element_draws(chunk, 'ours').permutation == 'chunk'
+  with pytest.raises(ValueError, match=r"permutation='chunk': poet_torch_train.py draws element"):
+    parity.with_element_draws(chunk, 'anchor')
+  adamw = parity.apply(cfg, 'optimizer=adamw')
+  assert parity.with_element_draws(adamw, 'ours').permutation is None
+
+
 def test_every_variant_trains_without_weight_decay_unless_it_sets_one(cfg):
   """The reference has no weight decay: a variant that leaves it to the recipe
   (AdamW's default is 0.1) gets 0; ours may set one, an anchor may not."""

@@ -117,28 +117,52 @@ def test_normalize_rows_default_is_per_size():
 
 def test_permutation_default_is_chunk_on_gpus_where_few_block_mates_stay(monkeypatch):
   """None: chunk permutations on a GPU where --chunk-size divides the block
-  and a feature keeps at most CHUNK_MAX_KEPT of its block-mates across merges
-  ((c - 1) / (B - 1)); element on a CPU, for small blocks and run lengths
-  that do not divide the block; a given --permutation is kept, a resume keeps
-  the recorded draw, and one recorded before the option reads as element."""
+  and every POET width and a feature keeps at most CHUNK_MAX_KEPT of its
+  block-mates across merges ((c - 1) / (B - 1), a width's ragged last block
+  included); element on a CPU, for small blocks, run lengths of 1 and run
+  lengths that do not divide the block or a width; a given --permutation is
+  kept, a resume keeps the recorded draw, and a run recorded before the
+  option (or before plans were recorded: {}) reads as element."""
   from poetx_jax.pretrain import plan as plan_module
   assert recipes.CHUNK_MAX_KEPT == 0.1
-  assert _plan(model='60m').permutation == 'element'  # this suite runs on CPUs
+  monkeypatch.setattr(plan_module.jax, 'default_backend', lambda: 'cpu')
+  assert _plan(model='60m').permutation == 'element'
   monkeypatch.setattr(plan_module.jax, 'default_backend', lambda: 'gpu')
   assert _plan(model='60m').model.block_size == 512
-  assert _plan(model='60m').permutation == 'chunk'  # 15 / 511: 2.9%
-  assert _plan(model='60m', block_size=256).permutation == 'chunk'  # 5.9%
+  assert _plan(model='60m').permutation == 'chunk'  # 15 / 511: 2.9%; MLP 1376: last block 352
+  assert _plan(model='60m', block_size=256,
+               model_overrides={'mlp': 1536}).permutation == 'chunk'  # 5.9%
+  assert _plan(model='60m', block_size=256).permutation == 'element'  # MLP's last block 96: 15.8%
   assert _plan(model='60m', block_size=128).permutation == 'element'  # 11.8%
   assert _plan(model='60m', block_size=128, chunk_size=8).permutation == 'chunk'  # 5.5%
   assert _plan(model='60m', chunk_size=24).permutation == 'element'  # 512 % 24
+  assert _plan(model='60m', chunk_size=1).permutation == 'element'
+  assert _plan(model='60m', model_overrides={'mlp': 544}).permutation == 'element'  # 15 / 31
+  assert _plan(model='60m', model_overrides={'mlp': 1368}).permutation == 'element'  # 1368 % 16
   assert _plan(model='tiny').permutation == 'element'  # block 16: one run a block
+  assert _plan(model='moe-60m').permutation == 'chunk'
   assert _plan(model='60m', permutation='element').permutation == 'element'
   assert _plan(model='60m', optimizer='adamw').permutation is None
   cfg = TrainConfig(model='60m')
-  assert make_plan(cfg, 4096, recorded={'permutation': 'element'}).permutation == 'element'
-  assert make_plan(cfg, 4096, recorded={'lr': 3e-3}).permutation == 'element'
+  for recorded in ({'permutation': 'element'}, {'lr': 3e-3}, {}):
+    assert make_plan(cfg, 4096, recorded=recorded).permutation == 'element', recorded
   monkeypatch.setattr(plan_module.jax, 'default_backend', lambda: 'cpu')
   assert make_plan(cfg, 4096, recorded={'permutation': 'chunk'}).permutation == 'chunk'
+
+
+def test_a_run_from_before_plans_were_recorded_reads_an_empty_plan(tmp_path):
+  """recorded_plan: {} for a run.json without a plan (so make_plan falls back
+  to what such runs did: element draws), None without run.json."""
+  from poetx_jax.pretrain import rundir
+  from poetx_jax.pretrain.plan import recorded_plan
+  assert recorded_plan(tmp_path) is None
+  cfg = TrainConfig(out_dir=str(tmp_path))
+  rundir.write_config(tmp_path, cfg, make_plan(cfg))
+  record = json.loads((tmp_path / 'run.json').read_text())
+  assert recorded_plan(tmp_path) == record['plan'] and record['plan']
+  del record['plan']
+  (tmp_path / 'run.json').write_text(json.dumps(record))
+  assert recorded_plan(tmp_path) == {}
 
 
 def test_block_size_and_poet_lr_are_resolved_once_into_the_model():
@@ -228,7 +252,9 @@ def test_a_poet_switch_turned_off_is_accepted_with_every_optimizer():
           ['train', '--optimizer', optimizer, '--no-' + name.replace('_', '-')]))
       cfg.validate()
       assert getattr(cfg, name) is False
-      assert not make_plan(cfg, 4096).normalize_rows
+      on = dataclasses.replace(cfg, **{name: True})  # the switch turned on: refused
+      with pytest.raises(ValueError, match=f'{name}=True: option of the POET layers'):
+        on.validate()
     cfg = config_from_args(parser.parse_args(['train', '--optimizer', optimizer, '--mode',
                                               'fast', '--chunk-size', '16']))
     cfg.validate()  # restated defaults

@@ -155,9 +155,9 @@ class TrainConfig:
       'uniformly random permutation of aligned runs of --chunk-size features, each block '
       'made of whole runs: the same training, since only which features share a block '
       'matters, with gathers that move whole runs)', choices=ops.PERMUTATIONS,
-      none=f'chunk on a GPU where --chunk-size divides the block size and a feature keeps '
-      f'at most {CHUNK_MAX_KEPT:.0%} of its block-mates across merges ((chunk - 1) / '
-      f'(block - 1): 2.9% at 16 and 512), element elsewhere')
+      none=f'chunk on a GPU where --chunk-size divides the block size and the widths and '
+      f'every block keeps at most {CHUNK_MAX_KEPT:.0%} of a feature\'s block-mates across '
+      f'merges ((chunk - 1) / (block - 1): 2.9% at 16 and 512), element elsewhere')
   chunk_size: int = _poet(16, 'features per run of --permutation chunk; must divide the '
                           'block size (16 bf16 features fill one 32-byte memory sector)',
                           min=1, max=INT32_MAX)

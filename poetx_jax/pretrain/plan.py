@@ -122,18 +122,32 @@ def compute_dtype(name: str) -> str:
   return name
 
 
-def default_permutation(chunk_size: int, block_size: int) -> str:
+def poet_widths(mc: LlamaConfig) -> tuple[int, ...]:
+  """The feature widths of a model's POET layers' sides: hidden, attention
+  (query heads), key/value heads and the MLP's (an expert's) inner width."""
+  return (mc.hidden, mc.heads * mc.head_dim, mc.kv_heads * mc.head_dim,
+          getattr(mc, 'expert_inner', mc.mlp))
+
+
+def default_permutation(chunk_size: int, block_size: int, widths: tp.Iterable[int] = ()) -> str:
   """How a run draws its POET permutations when ``--permutation`` leaves it
-  open: ``'chunk'`` on a GPU where ``chunk_size`` divides ``block_size`` and
-  a feature keeps at most :data:`CHUNK_MAX_KEPT` of its block-mates across
-  merges (``(chunk_size - 1) / (block_size - 1)``: 2.9% at runs of 16 in
-  blocks of 512, 5.9% in blocks of 256); ``'element'`` elsewhere, the
-  published POET-X's draw. On GPUs runs of 16 trained as the element draw
-  did (19M and 130M, docs/results/chunk-permutations) with shorter steps
-  at 1B and 8B; elsewhere neither gain was measured."""
-  if jax.default_backend() != 'gpu' or block_size % chunk_size:
+  open: ``'chunk'`` on a GPU where ``chunk_size`` (above 1) divides
+  ``block_size`` and each of the POET layers' ``widths``, and a feature keeps
+  at most :data:`CHUNK_MAX_KEPT` of its block-mates across merges
+  (``(chunk_size - 1) / (B - 1)`` for blocks of B: 2.9% at runs of 16 in
+  blocks of 512, 5.9% in blocks of 256), the last, ragged block of a width
+  included; ``'element'`` elsewhere, the published POET-X's draw. On GPUs
+  runs of 16 in blocks of 512 trained within the seed spread of the element
+  draw where it was measured (19M, two seeds; 130M, one seed on a quarter
+  budget: docs/results/chunk-permutations) and shortened the step at 1B and
+  8B; on CPUs neither was measured."""
+  if jax.default_backend() != 'gpu' or chunk_size < 2:
     return 'element'
-  return 'chunk' if (chunk_size - 1) <= CHUNK_MAX_KEPT * (block_size - 1) else 'element'
+  blocks = {block_size, *(w % block_size or block_size for w in widths)}
+  if block_size % chunk_size or any(w % chunk_size for w in widths):
+    return 'element'
+  return ('chunk' if all(chunk_size - 1 <= CHUNK_MAX_KEPT * (b - 1) for b in blocks)
+          else 'element')
 
 
 def model_config(cfg: TrainConfig, vocab_size: int,
@@ -186,14 +200,14 @@ def make_plan(cfg: TrainConfig, vocab_size: int | None = None,
         normalize_rows=(cfg.normalize_rows if cfg.normalize_rows is not None else
                         cfg.init_from_hf is None and wide),
         permutation=(cfg.permutation if cfg.permutation is not None else
-                     default_permutation(cfg.chunk_size, block)))
+                     default_permutation(cfg.chunk_size, block, poet_widths(mc))))
   wd = cfg.weight_decay if cfg.weight_decay is not None else (
       recipe.wide_weight_decay if wide else 0.0)
   values = {'lr': lr, 'weight_decay': wd, **poet}
   for k in PINNED if recorded else ():
     if getattr(cfg, k) is None and k in recorded:
       values[k] = recorded[k]
-  if recorded and recipe.poetizes and 'permutation' not in recorded:
+  if recorded is not None and recipe.poetizes and 'permutation' not in recorded:
     values['permutation'] = 'element'  # recorded before the option: element draws
   if recipe.poetizes:
     block = values['block_size']
@@ -380,7 +394,9 @@ def resumed_options(cfg: TrainConfig, given: tp.Iterable[str], *,
 
 
 def recorded_plan(out: str | pathlib.Path) -> dict | None:
-  """The plan a run directory's ``run.json`` recorded, or None (a run from
-  before plans were recorded, or one that stopped while starting)."""
+  """The plan a run directory's ``run.json`` recorded: ``{}`` for a run from
+  before plans were recorded (its defaults are the fallbacks of
+  :func:`make_plan`), None without ``run.json`` (a run that stopped while
+  starting)."""
   path = pathlib.Path(out) / rundir.RUN_FILE
-  return rundir.read_run_record(path).get('plan') if path.is_file() else None
+  return rundir.read_run_record(path).get('plan') or {} if path.is_file() else None

@@ -306,11 +306,15 @@ def _use_compile_cache(directory: str, log=lambda *_: None) -> None:
   if why is not None:
     raise ValueError(f'--compile-cache {directory} cannot be a compilation cache: {why}; '
                      f'give a directory, or "" for none')
-  empty = [e for e in (path.glob('*-cache') if path.is_dir() else ())
-           if e.is_file() and e.stat().st_size == 0]
-  for entry in empty:
-    entry.unlink(missing_ok=True)
-    entry.with_name(entry.name.removesuffix('-cache') + '-atime').unlink(missing_ok=True)
+  empty = []
+  for entry in path.glob('*-cache') if path.is_dir() else ():
+    try:  # another run sharing the cache may remove it first; a read-only cache keeps it
+      if entry.stat().st_size == 0:
+        entry.unlink()
+        entry.with_name(entry.name.removesuffix('-cache') + '-atime').unlink(missing_ok=True)
+        empty.append(entry)
+    except OSError:
+      pass
   if empty:
     log(f'compile cache {path}: removed {len(empty)} empty '
         f'entr{"y" if len(empty) == 1 else "ies"}, cut short when its device was full')
