@@ -566,7 +566,7 @@ def test_compile_cache_off_or_already_set_is_left_alone(tmp_path):
   """--compile-cache '' sets no cache, a file (or a path under one) is
   refused, and a cache the process set already is kept; otherwise the
   directory is set, every program cached."""
-  from poetx_jax.pretrain.train import _use_compile_cache  # pylint: disable=protected-access
+  from poetx_jax.pretrain.compile_cache import use as _use_compile_cache
   names = ('jax_compilation_cache_dir', 'jax_persistent_cache_min_compile_time_secs')
   saved = {n: getattr(jax.config, n) for n in names}
   try:
@@ -594,8 +594,8 @@ def test_a_compile_cache_loses_its_empty_entries_and_a_full_one_is_left_unused(
     tmp_path, monkeypatch):
   """Entries cut short on a full device (empty files) are removed, with their
   access times, in one line; written entries stay. A cache whose device has
-  less than COMPILE_CACHE_MIN_FREE free is not set, said in one line."""
-  from poetx_jax.pretrain import train as train_module
+  less than compile_cache.MIN_FREE free is not set, said in one line."""
+  from poetx_jax.pretrain import compile_cache
   names = ('jax_compilation_cache_dir', 'jax_persistent_cache_min_compile_time_secs')
   saved = {n: getattr(jax.config, n) for n in names}
   cache = tmp_path / 'xla'
@@ -606,7 +606,7 @@ def test_a_compile_cache_loses_its_empty_entries_and_a_full_one_is_left_unused(
   lines = []
   try:
     jax.config.update(names[0], None)
-    train_module._use_compile_cache(str(cache), lines.append)  # pylint: disable=protected-access
+    compile_cache.use(str(cache), lines.append)
     assert sorted(p.name for p in cache.iterdir()) == ['b-atime', 'b-cache']
     assert lines == [f'compile cache {cache}: removed 2 empty entries, cut short when its '
                      f'device was full']
@@ -614,9 +614,9 @@ def test_a_compile_cache_loses_its_empty_entries_and_a_full_one_is_left_unused(
     jax.config.update(names[0], None)
     lines.clear()
     real = shutil.disk_usage
-    monkeypatch.setattr(train_module.shutil, 'disk_usage',
+    monkeypatch.setattr(compile_cache.shutil, 'disk_usage',
                         lambda p: real(p)._replace(free=10 * 2**20))
-    train_module._use_compile_cache(str(tmp_path / 'new' / 'xla'), lines.append)  # pylint: disable=protected-access
+    compile_cache.use(str(tmp_path / 'new' / 'xla'), lines.append)
     assert jax.config.jax_compilation_cache_dir is None
     assert len(lines) == 1 and lines[0].startswith(
         f'warning: compile cache {tmp_path / "new" / "xla"}: 10 MiB free, under 256 MiB: '

@@ -366,13 +366,17 @@ _UNWRITABLE = {errno.EACCES: 'permission denied (a read-only directory?)',
                errno.EROFS: 'it is on a read-only file system'}
 
 
+def nearest_existing(path: str | os.PathLike) -> Path:
+  """The nearest of ``path`` (made absolute) and its parents that exists."""
+  absolute = Path(path).absolute()
+  return next((p for p in (absolute, *absolute.parents) if p.exists()), Path(absolute.anchor))
+
+
 def not_a_directory(directory: str | os.PathLike) -> str | None:
   """Why ``directory`` can be no directory: the nearest of it and its parents
   that exists is a file (said so); None if that one is a directory."""
-  for p in (Path(directory).absolute(), *Path(directory).absolute().parents):
-    if p.exists():
-      return None if p.is_dir() else f'{p} is a file, not a directory'
-  return None
+  p = nearest_existing(directory)
+  return None if p.is_dir() else f'{p} is a file, not a directory'
 
 
 def _why_unwritable(directory: str | os.PathLike) -> str | None:
@@ -382,18 +386,15 @@ def _why_unwritable(directory: str | os.PathLike) -> str | None:
   why = not_a_directory(directory)
   if why is not None:
     return why
-  for p in (Path(directory).absolute(), *Path(directory).absolute().parents):
-    if not p.exists():
-      continue
-    if os.access(p, os.W_OK | os.X_OK):
-      return None
-    try:
-      read_only = bool(os.statvfs(p).f_flag & os.ST_RDONLY)
-    except OSError:
-      read_only = False
-    return ('it is on a read-only file system' if read_only else
-            f'permission denied: this process may not write in {p}')
-  return None
+  p = nearest_existing(directory)
+  if os.access(p, os.W_OK | os.X_OK):
+    return None
+  try:
+    read_only = bool(os.statvfs(p).f_flag & os.ST_RDONLY)
+  except OSError:
+    read_only = False
+  return ('it is on a read-only file system' if read_only else
+          f'permission denied: this process may not write in {p}')
 
 
 def check_writable(directory: str | os.PathLike, option: str) -> None:

@@ -206,9 +206,9 @@ class TrainClock:
 
 
 class StopFlag:
-  """Turns SIGTERM / Ctrl-C into a flag checked between steps; raised from
-  the start with the signal that came before it, its exit dropped, if one
-  did (:mod:`~poetx_jax.pretrain.signals`)."""
+  """Turns SIGTERM / Ctrl-C into a flag checked between steps; set from the
+  start to the signal that came before it, if one did (its exit dropped:
+  :mod:`~poetx_jax.pretrain.signals`), which the loop then acts on."""
 
   def __init__(self):
     self.signal = None

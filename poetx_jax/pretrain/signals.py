@@ -43,6 +43,13 @@ def exit_of(name: str) -> BaseException:
   return SystemExit(EXIT_CODE) if name == 'SIGTERM' else KeyboardInterrupt()
 
 
+def name_of(e: BaseException) -> str | None:
+  """The signal whose :func:`exit_of` ``e`` is, or None."""
+  if isinstance(e, KeyboardInterrupt):
+    return 'SIGINT'
+  return 'SIGTERM' if isinstance(e, SystemExit) and e.code == EXIT_CODE else None
+
+
 def _inside_import_or_gc(frame) -> bool:
   """Whether ``frame`` (the one a signal interrupted) runs inside an import
   or a garbage-collection callback, its callers included."""

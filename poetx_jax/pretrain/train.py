@@ -16,7 +16,6 @@ import contextlib
 import dataclasses
 import math
 import pathlib
-import shutil
 import time
 import typing as tp
 
@@ -25,12 +24,12 @@ import jax.numpy as jnp
 from flax import nnx
 
 from poetx_jax.pretrain.data import windows as data_lib
-from poetx_jax.pretrain import hf_init, loading, processes, rundir, signals
+from poetx_jax.pretrain import compile_cache, hf_init, loading, processes, rundir, signals
 from poetx_jax.pretrain.plan import Plan, finish_options, make_plan, recorded_plan
 from poetx_jax.pretrain.checkpoint import Checkpointer, full_disk_stop, resumed_message
 from poetx_jax.pretrain.config import TrainConfig
 from poetx_jax.pretrain.evaluation import evaluate, place_batch
-from poetx_jax.pretrain.files import not_a_directory, when_full
+from poetx_jax.pretrain.files import when_full
 from poetx_jax.pretrain.factories import (abstract_state, build_state, make_step,
                                           make_training_mesh, state_sizes)
 from poetx_jax.pretrain.hooks import Hook
@@ -215,7 +214,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, step: int | None = None, lo
   if cfg.warmup >= cfg.steps:
     log(f'warning: --warmup {cfg.warmup} is not below --steps {cfg.steps}: every update is '
         f'in the warmup, and the learning rate never reaches its peak')
-  _use_compile_cache(cfg.compile_cache, log)
+  compile_cache.use(cfg.compile_cache, log)
   with rundir.open_run(cfg, resume=resume, log=log) as (out, accepted), \
        contextlib.ExitStack() as loop_signals:
     try:
@@ -265,8 +264,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, step: int | None = None, lo
 
 def _stopped_starting(e: BaseException, log, what: str) -> None:
   """Logs that a signal stopped the run while it started (``e``: its exit), and ``what``."""
-  name = ('SIGINT' if isinstance(e, KeyboardInterrupt) else
-          'SIGTERM' if e.code == signals.EXIT_CODE else None)
+  name = signals.name_of(e)
   if name:
     log(f'stopped by {name} while starting, {what}')
 
@@ -282,51 +280,6 @@ def _stops_when_full(run: Run) -> tp.ContextManager[None]:
       run.progress.close()
     return full_disk_stop(e, code, run.out, run.ckpt.committed_steps())
   return when_full(stop)
-
-
-# A run leaves its compile cache unused when the cache's device has less free
-# than this: jax writes an entry in place, so on a full device it warns for
-# every program and leaves empty entries that every later run warns about.
-COMPILE_CACHE_MIN_FREE = 256 * 2**20
-
-
-def _use_compile_cache(directory: str, log=lambda *_: None) -> None:
-  """Sets jax's persistent compilation cache to ``directory`` (every program,
-  however quick to compile: the many small ones of building the model add up,
-  and a threshold in seconds would make what is cached depend on the
-  machine's load), unless it is "" or the process set a cache already.
-  Empty entries (cut short when the cache's device was full) are removed
-  first, and a cache whose device has less than
-  :data:`COMPILE_CACHE_MIN_FREE` free is left unused; each said in one line
-  to ``log``. ValueError if ``directory`` is a file or under one."""
-  if not directory or jax.config.jax_compilation_cache_dir:
-    return
-  path = pathlib.Path(directory).expanduser()
-  why = not_a_directory(path)
-  if why is not None:
-    raise ValueError(f'--compile-cache {directory} cannot be a compilation cache: {why}; '
-                     f'give a directory, or "" for none')
-  empty = []
-  for entry in path.glob('*-cache') if path.is_dir() else ():
-    try:  # another run sharing the cache may remove it first; a read-only cache keeps it
-      if entry.stat().st_size == 0:
-        entry.unlink()
-        entry.with_name(entry.name.removesuffix('-cache') + '-atime').unlink(missing_ok=True)
-        empty.append(entry)
-    except OSError:
-      pass
-  if empty:
-    log(f'compile cache {path}: removed {len(empty)} empty '
-        f'entr{"y" if len(empty) == 1 else "ies"}, cut short when its device was full')
-  existing = next(p for p in (path, *path.parents) if p.exists())
-  free = shutil.disk_usage(existing).free
-  if free < COMPILE_CACHE_MIN_FREE:
-    log(f'warning: compile cache {path}: {free / 2**20:.0f} MiB free, under '
-        f'{COMPILE_CACHE_MIN_FREE / 2**20:.0f} MiB: this run compiles without it '
-        f'(free space there, or give --compile-cache "" to say so)')
-    return
-  jax.config.update('jax_compilation_cache_dir', str(path))
-  jax.config.update('jax_persistent_cache_min_compile_time_secs', 0.0)
 
 
 def loop_hooks(run: Run, hooks: tp.Sequence[Hook], log) -> list[Hook]:
