@@ -67,57 +67,65 @@ def step_rows(records: list[dict], baseline: str) -> list[str]:
   runs: dict[str, list[dict]] = {}
   for r in records:
     runs.setdefault(r['run'], []).append(r)
-  base = statistics.median(r['step_s'] for r in runs[baseline]) if baseline in runs else None
+  base = statistics.median(r['step_s'] for r in runs[baseline])
   out = ['| run | rounds | step (median of rounds) | tokens/s | peak GiB | against ' + baseline
          + ' |', '|---|---|---|---|---|---|']
   for name, rs in runs.items():
     step = statistics.median(r['step_s'] for r in rs)
     tokens = rs[0]['batch'] * rs[0]['seq_len'] / step
-    ratio = f'{base / step:.3f}×' if base else '—'
     out.append(f"| {name} | {', '.join(f'{1e3 * r['step_s']:.1f}' for r in rs)} ms | "
-               f"{1e3 * step:.1f} ms | {tokens:,.0f} | {rs[0]['peak_gib']:.2f} | {ratio} |")
+               f"{1e3 * step:.1f} ms | {tokens:,.0f} | {rs[0]['peak_gib']:.2f} | {base / step:.3f}× |")
   return out
 
 
 def _draw(config: str, run: dict | None = None) -> str:
   """A quality run's permutation draw: the one its record says it ran
-  (compare_quality records the plan's), else read from its configuration's
-  overrides (records written before that, and runs that did not finish)."""
+  (compare_quality records the plan's), else the one its configuration's
+  overrides give (records written before that, and runs that did not
+  finish); 'default draw' where neither says (it depends on the device)."""
+  from poetx_jax.pretrain.config import TrainConfig
+  from poetx_jax.pretrain.kv import parse_overrides
   if run is not None and run.get('permutation') is not None:
     permutation, chunk = run['permutation'], run.get('chunk_size')
   else:
-    pairs = dict(kv.split('=', 1) for kv in config.split(','))
-    permutation, chunk = pairs.get('permutation', 'element'), pairs.get('chunk_size', 16)
+    pairs = parse_overrides(config)
+    permutation, chunk = pairs.get('permutation'), pairs.get('chunk_size', TrainConfig.chunk_size)
+  if permutation is None:
+    return 'default draw'
   return f'chunk, runs of {chunk}' if permutation == 'chunk' else 'element'
 
 
 def quality_rows(res: dict) -> list[str]:
-  """Per draw: the final validation perplexity of each seed (a run stopped
-  early: its last evaluation and where it was), mean ± sd of the finished
-  seeds, and the paired difference from the element draw's run of the same
-  seed (same initial weights and the same batches in the same order)."""
+  """Per configuration (labelled by its draw): the final validation
+  perplexity of each seed (a run stopped early: its last evaluation and
+  where it was), mean ± sd of the finished seeds, and the paired difference
+  from the element draw's run of the same seed (same initial weights and the
+  same batches in the same order)."""
   header = res['header']
   seeds = sorted({r['seed'] for r in res['runs']} |
                  {int(n.rsplit('seed=', 1)[1]) for n in header.get('failed_runs', [])})
-  draws: dict[str, dict[int, dict]] = {}
+  configs: dict[str, dict[int, dict]] = {}
+  labels: dict[str, str] = {}
   for r in res['runs']:
-    draws.setdefault(_draw(r['config'], r), {})[r['seed']] = r
-  stopped = {}
+    configs.setdefault(r['config'], {})[r['seed']] = r
+    labels[r['config']] = _draw(r['config'], r)
+  stopped: dict[str, dict[int, dict | None]] = {}
   for name in header.get('failed_runs', []):
     config, seed = name.rsplit(',seed=', 1)
-    stopped.setdefault(_draw(config), {})[int(seed)] = header.get('last_evals', {}).get(name)
-    draws.setdefault(_draw(config), {})
-  element = draws.get('element', {})
+    stopped.setdefault(config, {})[int(seed)] = header.get('last_evals', {}).get(name)
+    configs.setdefault(config, {})
+    labels.setdefault(config, _draw(config))
+  element = next((configs[c] for c, label in labels.items() if label == 'element'), {})
   cols = ' | '.join(f'seed {s}' for s in seeds)
   out = [f'| draw | {cols} | mean ± sd | prose, mean | against element, same seed |',
          '|---|' + '---|' * (len(seeds) + 3)]
-  for draw, runs in draws.items():
+  for config, runs in configs.items():
     cells = []
     for s in seeds:
       if s in runs:
         cells.append(f"{runs[s]['val_ppl_final']:.2f}")
-      elif stopped.get(draw, {}).get(s):
-        e = stopped[draw][s]
+      elif stopped.get(config, {}).get(s):
+        e = stopped[config][s]
         cells.append(f"stopped at {e['reached']:,} ({e['val_ppl']:.2f} at {e['tokens'] / 1e6:.1f} M)")
       else:
         cells.append('not run')
@@ -127,8 +135,8 @@ def quality_rows(res: dict) -> list[str]:
     prose = [r['other_val_final']['prose'] for r in runs.values()
              if (r.get('other_val_final') or {}).get('prose') is not None]
     diffs = [f"{runs[s]['val_ppl_final'] - element[s]['val_ppl_final']:+.2f}"
-             for s in seeds if s in runs and s in element] if draw != 'element' else []
-    out.append(f"| {draw} | {' | '.join(cells)} | {mean} | "
+             for s in seeds if s in runs and s in element] if runs is not element else []
+    out.append(f"| {labels[config]} | {' | '.join(cells)} | {mean} | "
                f"{f'{statistics.mean(prose):.2f}' if prose else '—'} | {', '.join(diffs) or '—'} |")
   return out
 

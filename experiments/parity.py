@@ -146,7 +146,6 @@ def without_default_decay(cfg, side: str):
   return cfg
 
 
-# -------------------------------------------------------------------------- runs
 def with_element_draws(cfg, side: str):
   """``cfg`` drawing element permutations where it leaves the draw open (the
   reference draws only those; left open, a POET-X run on a GPU would draw
@@ -162,6 +161,7 @@ def with_element_draws(cfg, side: str):
   return cfg
 
 
+# -------------------------------------------------------------------------- runs
 def anchor_command(cfg, seed: int, windows: pathlib.Path, vocab: int, metrics: pathlib.Path,
                    anchor_dir: pathlib.Path) -> list[str]:
   """poet_torch_train.py's command for ``cfg``: the values of its plan (an

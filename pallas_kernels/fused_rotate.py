@@ -70,6 +70,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from poetx_jax import perms
+
 
 Array = jax.Array
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
@@ -233,8 +235,7 @@ def _kernel_index(idx_N: Array, n: int, chunk: int, what: str) -> Array:
   """The index a kernel reads: the permutation itself (``chunk`` 1) or its
   run table."""
   idx_N = _check_index(idx_N, n, what)
-  if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 1:
-    raise ValueError(f'chunk must be an int >= 1 (the run length of {what}), got {chunk!r}')
+  chunk = perms.check_chunk_size(chunk, what=f'chunk (the run length of {what})')
   return idx_N if chunk == 1 else run_table(idx_N, chunk)
 
 

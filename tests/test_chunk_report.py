@@ -53,9 +53,19 @@ def test_a_reference_is_set_beside_the_runs_of_the_same_seeds():
 
 def test_the_records_name_no_machine_paths():
   """Records and page carry repo-relative paths only."""
+  import re
   for path in FOLDER.iterdir():
     if path.suffix in ('.json', '.md'):
-      assert '/tmp/' not in path.read_text(), path.name
+      assert not re.search(r'(?<![\w.])/(tmp|home|root|work|usr|var|mnt)/', path.read_text()), \
+          path.name
+
+
+def test_configurations_of_one_draw_keep_rows_of_their_own():
+  """Two configurations with the same draw (another rate) are two rows: a
+  run of one does not stand in for the other's."""
+  a, b = 'optimizer=poetx,permutation=element,lr=1e-3', 'optimizer=poetx,permutation=element,lr=2e-3'
+  rows = chunk_report.quality_rows({'header': {}, 'runs': [_run(a, 0, 10.0), _run(b, 0, 12.0)]})
+  assert [r.split(' | ')[1] for r in rows[2:]] == ['10.00', '12.00']
 
 
 def test_a_run_is_labelled_by_the_draw_its_record_says_it_ran():
@@ -63,5 +73,6 @@ def test_a_run_is_labelled_by_the_draw_its_record_says_it_ran():
   open (a GPU run draws chunk permutations then) is labelled by the record."""
   run = {**_run('optimizer=poetx', 0, 10.0), 'permutation': 'chunk', 'chunk_size': 16}
   assert chunk_report._draw('optimizer=poetx', run) == 'chunk, runs of 16'
-  assert chunk_report._draw('optimizer=poetx') == 'element'  # no record: the overrides
+  assert chunk_report._draw('optimizer=poetx') == 'default draw'  # neither says: the device's
+  assert chunk_report._draw('optimizer=poetx,permutation=element') == 'element'
   assert chunk_report._draw('optimizer=poetx,permutation=chunk,chunk_size=8') == 'chunk, runs of 8'

@@ -20,7 +20,7 @@ def test_signals_at_start_up_instants_write_nothing_or_resume_exactly(tmp_path, 
   data (the whole start-up takes about 2.5 s on a 2-core CPU, its caches
   warm; the full sweep covers the loop as well)."""
   results = signal_startup.sweep(str(corpus), tmp_path, instants=2, seed=0, span=2.0)
-  assert [r['signal'] for r in results] == ['SIGINT'] * 2 + ['SIGTERM'] * 2
+  assert sum(r['sent'] for r in results) >= 2, results  # signals that reached a live process
   failed = [r for r in results if not r['ok']]
   assert not failed, failed
 
