@@ -138,7 +138,7 @@ def default_permutation(chunk_size: int, block_size: int, widths: tp.Iterable[in
   blocks of 512, 5.9% in blocks of 256), the last, ragged block of a width
   included; ``'element'`` elsewhere, the published POET-X's draw. On GPUs
   runs of 16 in blocks of 512 trained within the seed spread of the element
-  draw where it was measured (19M, two seeds; 130M, one seed on a quarter
+  draw where it was measured (19M, two seeds; 130M, three seeds on a quarter
   budget: docs/results/chunk-permutations) and shortened the step at 1B and
   8B; on CPUs neither was measured."""
   if jax.default_backend() != 'gpu' or chunk_size < 2:

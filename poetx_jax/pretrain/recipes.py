@@ -57,7 +57,7 @@ DENSE_WEIGHT_DECAY = 0.1
 # keeps at most this share of its block-mates across merges, (c - 1) / (B - 1)
 # for runs of c features in blocks of B: runs of 16 in blocks of 512 (2.9%)
 # trained within the seed spread of the element draw where measured (19M, two
-# seeds; 130M, one seed on a quarter budget), runs of 8 in blocks of 32
+# seeds; 130M, three seeds on a quarter budget), runs of 8 in blocks of 32
 # (22.6%) worse on every seed of a CPU study, runs of 4 there (9.7%) within
 # its noise (docs/results/chunk-permutations). plan.default_permutation
 # resolves it.
