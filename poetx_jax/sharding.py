@@ -17,11 +17,13 @@ Two strategies place the training state:
 
 With ``'dp'``, ``make_train_step(data_parallel=mesh)`` has each device compute
 its rows' gradients and averages them with one all-reduce of the trainable
-arrays. Merges run in their own compiled programs, one per layer shape, that
+arrays, once per update however many micro-batches it accumulates
+(``accumulate``). Merges run in their own compiled programs, one per layer shape, that
 keep each array's sharding: the permutation keys are replicated, so every
 device draws the same permutations, and XLA moves only the shards a gather
 needs. :func:`collective_bytes` reads what a compiled program sends between
-devices.
+devices, :func:`collective_sites` each collective and whether it runs inside
+a loop.
 """
 
 from __future__ import annotations
@@ -141,19 +143,22 @@ def batch_sharding(mesh: jax.sharding.Mesh) -> NamedSharding:
   return NamedSharding(mesh, P(AXES))
 
 
-def shard_batch(local_batch, mesh: jax.sharding.Mesh):
+def shard_batch(local_batch, mesh: jax.sharding.Mesh, axis: int = 0):
   """Assembles the global batch from each process's rows (dict of arrays).
 
   On one host ``local_batch`` is the whole batch; on several, each process
   passes its own rows (``local_rows`` of a global batch, or its own data
-  shard) and the global array spans them.
+  shard) and the global array spans them. ``axis``: the rows' axis (1 for
+  micro-batches stacked on a leading axis, as ``make_train_step(accumulate=...)``
+  takes them).
   """
   n = mesh.size // jax.process_count()  # devices of this process
-  sharding = batch_sharding(mesh)
+  sharding = (batch_sharding(mesh) if axis == 0
+              else NamedSharding(mesh, P(*[None] * axis, AXES)))
 
   def put(x):
-    if x.shape[0] % n:
-      raise ValueError(f'a per-process batch of {x.shape[0]} rows is not divisible by '
+    if x.shape[axis] % n:
+      raise ValueError(f'a per-process batch of {x.shape[axis]} rows is not divisible by '
                        f'the {n} devices of this process')
     return jax.make_array_from_process_local_data(sharding, np.asarray(x))
 
@@ -184,6 +189,51 @@ def _array_bytes(dtype: str, dims: str) -> int:
   return -(-n * bits // 8)
 
 
+_COLLECTIVE = re.compile(r'=\s*(.*?)\s(all-reduce|all-gather|reduce-scatter|all-to-all|'
+                         r'collective-permute)(-start|-done)?\(')
+_CALLED = re.compile(r'(?:body|condition|calls|to_apply|branch_computations|'
+                     r'true_computation|false_computation)=\{?([^,}\s]+(?:,\s*%[^,}\s]+)*)')
+
+
+def collective_sites(hlo_text: str) -> list[dict]:
+  """Every cross-device collective of compiled HLO text, in program order:
+  ``{'kind', 'bytes', 'computation', 'in_loop'}``, ``bytes`` its result's
+  (as :func:`collective_bytes` counts them, an asynchronous one at its
+  ``-done``) and ``in_loop`` whether it runs inside a ``while`` loop's body or
+  condition (directly or through the computations they call): once per
+  iteration, not once per call."""
+  computations, current = {}, None
+  for line in hlo_text.splitlines():
+    head = re.match(r'(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$', line)
+    if head and not line.startswith(' '):
+      current = head.group(1)
+      computations[current] = []
+    elif current is not None:
+      computations[current].append(line)
+  calls = {name: {c.lstrip('%') for m in _CALLED.finditer(' '.join(lines))
+                  for c in re.split(r',\s*', m.group(1))}
+           for name, lines in computations.items()}
+  looped = set()
+  frontier = [c.lstrip('%') for lines in computations.values() for line in lines
+              if ' while(' in line for c in re.findall(r'(?:body|condition)=(%?[\w.\-]+)', line)]
+  while frontier:
+    name = frontier.pop()
+    if name not in looped:
+      looped.add(name)
+      frontier += calls.get(name, ())
+  sites = []
+  for name, lines in computations.items():
+    for line in lines:
+      m = _COLLECTIVE.search(line)
+      if not m or m.group(3) == '-start':
+        continue
+      total = sum(_array_bytes(dt, dims)
+                  for dt, dims in re.findall(r'([a-z]\w*)\[([\d,]*)\]', m.group(1)))
+      sites.append({'kind': m.group(2), 'bytes': total, 'computation': name,
+                    'in_loop': name in looped})
+  return sites
+
+
 def collective_bytes(hlo_text: str) -> dict[str, int]:
   """Result bytes of each kind of cross-device collective in compiled HLO text
   (``jit(f).lower(...).compile().as_text()``), by kind: what one call sends
@@ -194,8 +244,7 @@ def collective_bytes(hlo_text: str) -> dict[str, int]:
   one iteration, not times the trip count."""
   out = {}
   for line in hlo_text.splitlines():
-    m = re.search(r'=\s*(.*?)\s(all-reduce|all-gather|reduce-scatter|all-to-all|'
-                  r'collective-permute)(-start|-done)?\(', line)
+    m = _COLLECTIVE.search(line)
     if not m or m.group(3) == '-start':
       continue
     total = sum(_array_bytes(dt, dims)

@@ -20,7 +20,8 @@ def make_train_step(loss_fn: tp.Callable, *, merge_every: int | None = None,
                     on_merge: tp.Callable[[int, jax.Array], None] | None = None,
                     data_parallel: jax.sharding.Mesh | None = None,
                     loss_weight: tp.Callable | None = None, grad_norm: bool = False,
-                    compiler_options: dict[str, tp.Any] | None = None) -> tp.Callable:
+                    compiler_options: dict[str, tp.Any] | None = None,
+                    accumulate: int = 1) -> tp.Callable:
   """Builds ``step(model, optimizer, batch) -> loss`` (state donated).
 
   One call computes ``nnx.value_and_grad(loss_fn)(model, batch)`` (all
@@ -43,14 +44,14 @@ def make_train_step(loss_fn: tp.Callable, *, merge_every: int | None = None,
     loss_fn: ``loss_fn(model, batch)`` returning a scalar loss, or
       ``(loss, aux)`` with ``has_aux=True``.
     merge_every: calls of the step per merge cycle: the ``merge_every`` of
-      ``poetx`` times the micro-steps of any gradient accumulation
-      (``optax.MultiSteps``). Given, the step decides merges on the host with
+      ``poetx`` (times the micro-steps of an ``optax.MultiSteps`` gradient
+      accumulation; with ``accumulate`` a call is one update). Given, the step decides merges on the host with
       no device read per call, and checks the optimizer's own verdict
       (:func:`poetx_jax.merge_due`) once it is computed (at most two calls
       later), raising if they disagree. None reads that verdict back after every call, which makes
       the host wait for each update before dispatching the next.
-    seed: seeds the merge permutations: the merge after update ``n`` draws
-      from ``fold_in(key(seed), n)``.
+    seed: seeds the merge permutations: the merge after micro-batch ``n``
+      (update ``n``, without accumulation) draws from ``fold_in(key(seed), n)``.
     has_aux: whether ``loss_fn`` returns auxiliary outputs (returned as well).
     donate: donate model and optimizer buffers to the update.
     compiler_options: XLA options for the update program alone (``jax.jit``'s
@@ -72,7 +73,18 @@ def make_train_step(loss_fn: tp.Callable, *, merge_every: int | None = None,
       weights, which is the global mean however unevenly the items fall. None
       weighs the devices equally (a mean over rows).
     grad_norm: return ``(out, grad_norm)``: also the gradients' global norm before
-      clipping (of the call's micro-batch), as a device array (``_update_fn``).
+      clipping (of the call's micro-batch, or its ``accumulate`` micro-batches'
+      mean), as a device array (``_update_fn``).
+    accumulate: micro-batches per update. Above 1, every array of ``batch``
+      has a leading axis of this length, and one call (one compiled program)
+      computes the gradients of each micro-batch in turn (``jax.lax.scan``),
+      sums them, and applies their mean (weighted by ``loss_weight`` where
+      given: the mean over all the update's items) with one
+      ``optimizer.update``; the loss returned is the same mean. With
+      ``data_parallel`` each device sums its own micro-batches' gradients and
+      the devices average once per update, not once per micro-batch (batch
+      arrays then split over the mesh on their second axis). The sum is kept
+      in the gradients' dtype, as ``optax.MultiSteps`` keeps it.
 
   Returns:
     The step function; it returns the loss (and aux) before the update. It
@@ -83,10 +95,16 @@ def make_train_step(loss_fn: tp.Callable, *, merge_every: int | None = None,
     lowers the gradient-and-update program, which returns ``(out, merge_due,
     merge_key, grad_norm)`` (abstract model and optimizer states work).
   """
+  if not isinstance(accumulate, int) or isinstance(accumulate, bool) or accumulate < 1:
+    raise ValueError(f'accumulate must be an int >= 1 (micro-batches per update), '
+                     f'got {accumulate!r}')
+  if accumulate > 1 and has_aux:
+    raise ValueError('accumulate > 1 does not take has_aux=True (auxiliary outputs of '
+                     'several micro-batches cannot be combined in general)')
   base_key = jax.random.key(seed)
   verdicts = _MergeVerdicts(merge_every)
-  value_and_grad = _value_and_grad(loss_fn, has_aux, data_parallel, loss_weight)
-  programs = _Programs(_update_fn(value_and_grad, base_key, grad_norm), donate,
+  value_and_grad = _value_and_grad(loss_fn, has_aux, data_parallel, loss_weight, accumulate)
+  programs = _Programs(_update_fn(value_and_grad, base_key, grad_norm, accumulate), donate,
                        compiler_options)
 
   def step(model, optimizer: nnx.Optimizer, batch):
@@ -105,24 +123,29 @@ def make_train_step(loss_fn: tp.Callable, *, merge_every: int | None = None,
 
 def _value_and_grad(loss_fn: tp.Callable, has_aux: bool,
                     data_parallel: jax.sharding.Mesh | None,
-                    loss_weight: tp.Callable | None) -> tp.Callable:
+                    loss_weight: tp.Callable | None, accumulate: int = 1) -> tp.Callable:
   """``value_and_grad(model, batch)`` of ``loss_fn``: ``nnx.value_and_grad``,
-  or with ``data_parallel`` per device and averaged (:func:`_per_device_grads`)."""
+  or with ``data_parallel`` per device and averaged (:func:`_per_device_grads`);
+  with ``accumulate`` > 1 over the batch's micro-batches (:func:`_accumulated`)."""
   if data_parallel is None:
+    if accumulate > 1:
+      return _accumulated(loss_fn, loss_weight, mutable=True)
     return nnx.value_and_grad(loss_fn, has_aux=has_aux)
   if has_aux:
     raise ValueError('data_parallel does not take has_aux=True (auxiliary outputs '
                      'cannot be averaged over devices in general)')
-  return _per_device_grads(loss_fn, data_parallel, loss_weight)
+  return _per_device_grads(loss_fn, data_parallel, loss_weight, accumulate)
 
 
 def _update_fn(value_and_grad: tp.Callable, base_key: jax.Array,
-               grad_norm: bool = False) -> tp.Callable:
+               grad_norm: bool = False, accumulate: int = 1) -> tp.Callable:
   """The step's device program: ``update(model, optimizer, batch) -> (out,
   merge_due, merge_key, grad_norm)``. It applies the gradients with
   ``optimizer.update``; ``merge_due`` says whether that completed a POET-X
   merge cycle (always False without a ``poetx`` state), ``merge_key`` is
-  ``fold_in(base_key, step)`` and ``grad_norm`` the gradients' global norm
+  ``fold_in(base_key, step * accumulate)`` (the micro-batches trained so
+  far, so that the merges draw what an ``optax.MultiSteps`` accumulation's
+  would) and ``grad_norm`` the gradients' global norm
   (None unless ``grad_norm``): an extra output of the same program, which the
   caller reads only when it wants it (a log step), so the host does not wait
   for it; the losses and updates are bitwise those without it."""
@@ -136,7 +159,7 @@ def _update_fn(value_and_grad: tp.Callable, base_key: jax.Array,
       due = merge_due(old_state, nnx.as_pure(optimizer.opt_state))
     else:  # no POET-X in this optimizer: nothing ever merges
       due = jnp.zeros((), bool)
-    return out, due, jax.random.fold_in(base_key, optimizer.step[...]), norm
+    return out, due, jax.random.fold_in(base_key, optimizer.step[...] * accumulate), norm
 
   return update
 
@@ -257,20 +280,79 @@ def _plain(variable: nnx.Variable) -> bool:
           and not metadata.get('hijax', False))
 
 
+def _accumulated(loss_fn: tp.Callable, loss_weight: tp.Callable | None,
+                 mutable: bool) -> tp.Callable:
+  """``value_and_grad(model, batches) -> ((loss, grads), weight)`` over the
+  micro-batches stacked on the leading axis of ``batches``, one at a time
+  (``jax.lax.scan``): the weighted sums of each micro-batch's loss and
+  gradients (weights ``loss_weight(micro_batch)``, or 1 each) and the sum of
+  the weights, nothing divided yet. ``mutable``: variables other than
+  ``nnx.Param`` the loss writes (RNG counters, say) carry from one
+  micro-batch to the next and are written back; otherwise such a write is
+  refused (:func:`_refuse_state_changes`)."""
+
+  def value_and_grad(model, batches):
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+    def pure_loss(params, rest, batch):
+      # Variables of this trace: the loss may write those of ``rest``.
+      m = nnx.merge(graphdef, params, jax.tree.map(lambda a: a, rest))
+      before = None if mutable else _raw_values(m)
+      loss = loss_fn(m, batch)
+      if not mutable:
+        _refuse_state_changes(before, _raw_values(m))
+      return loss, (nnx.split(m, nnx.Param, ...)[2] if mutable else rest)
+
+    def micro(carry, batch):
+      loss_sum, grad_sum, weight_sum, rest = carry
+      (loss, rest), grads = jax.value_and_grad(pure_loss, has_aux=True)(params, rest, batch)
+      w = (jnp.ones((), jnp.float32) if loss_weight is None
+           else jnp.asarray(loss_weight(batch), jnp.float32))
+      grad_sum = jax.tree.map(lambda s, g: s + (w.astype(g.dtype) * g), grad_sum, grads)
+      return (loss_sum + w * loss.astype(jnp.float32), grad_sum, weight_sum + w, rest), None
+
+    zero = jnp.zeros((), jnp.float32)
+    grad_zero = jax.tree.map(jnp.zeros_like, params)
+    (loss, grads, weight, rest), _ = jax.lax.scan(micro, (zero, grad_zero, zero, rest),
+                                                  batches)
+    if mutable:
+      nnx.update(model, rest)
+    return (loss, grads), weight
+
+  if mutable:  # one device, or the compiler's partitioning: the mean here
+    def mean(model, batches):
+      (loss, grads), weight = value_and_grad(model, batches)
+      return _divided((loss, grads), weight)
+    return mean
+  return value_and_grad
+
+
+def _divided(out, weight):
+  """``(loss, grads)`` sums over their ``weight``: the mean, each array in its dtype."""
+  weight = jnp.maximum(weight, 1e-30)
+  return jax.tree.map(lambda a: (a / weight.astype(a.dtype)).astype(a.dtype), out)
+
+
 def _per_device_grads(loss_fn: tp.Callable, mesh: jax.sharding.Mesh,
-                      loss_weight: tp.Callable | None) -> tp.Callable:
+                      loss_weight: tp.Callable | None, accumulate: int = 1) -> tp.Callable:
   """``value_and_grad(loss_fn)`` with each device on its rows, then one mean
   over devices (weighted by ``loss_weight`` of their rows, if given) of
   exactly the trainable arrays: the compiler's own partitioning would reduce
-  the POET generators' gradients as full B x B blocks, twice their size."""
+  the POET generators' gradients as full B x B blocks, twice their size.
+  With ``accumulate`` > 1 each device first sums its micro-batches
+  (:func:`_accumulated`), and the devices average once."""
   from jax.sharding import PartitionSpec as P
   axes = tuple(mesh.axis_names)
+  summed = _accumulated(loss_fn, loss_weight, mutable=False) if accumulate > 1 else None
 
   def value_and_grad(model, batch):
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
 
     def local(params, rest, batch):
       local_model = nnx.merge(graphdef, params, rest)
+      if summed is not None:  # one crossing: the sums, then the mean
+        out, weight = jax.lax.psum(summed(local_model, batch), axes)
+        return _divided(out, weight)
       before = _raw_values(local_model)
       out = nnx.value_and_grad(loss_fn)(local_model, batch)
       _refuse_state_changes(before, _raw_values(local_model))
@@ -280,7 +362,8 @@ def _per_device_grads(loss_fn: tp.Callable, mesh: jax.sharding.Mesh,
       share = w / jnp.maximum(jax.lax.psum(w, axes), 1e-30)  # this device's share
       return jax.lax.psum(jax.tree.map(lambda a: a * share.astype(a.dtype), out), axes)
 
-    return jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), P(axes)), out_specs=P(),
+    rows = P(None, axes) if summed is not None else P(axes)
+    return jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), rows), out_specs=P(),
                          check_vma=False)(params, rest, batch)
 
   return value_and_grad

@@ -174,9 +174,10 @@ def restore(ckpt_dir, fsdp):
 def meshes():
   """The (data, fsdp) meshes of this process's devices that shard the state
   (fsdp > 1) under FSDP, against one device: the model of ``SHAPE`` at its
-  block size 16, four micro-steps of two updates, each update a merge. Each
-  mesh's losses' largest distance from one device's, and whether the
-  permutations match."""
+  block size 16, two updates of two micro-batches each (one call of the
+  step each, the micro-batches stacked), each update a merge. Each mesh's
+  losses' largest distance from one device's, and whether the permutations
+  match."""
   cfg = TrainConfig(model='tiny', model_overrides=SHAPE, batch_size=8, seq_len=16,
                     grad_accum=2, merge_every=1, warmup=0, dtype='float32', strategy='fsdp')
   batches = [{k: np.random.default_rng(i).integers(0, VOCAB, (8, 16)).astype(np.int32)
@@ -189,8 +190,10 @@ def meshes():
     model, opt = factories.build_state(plan, mesh)
     merges = []
     step = factories.make_step(plan, on_merge=lambda *m: merges.append(m[0]), mesh=mesh)
-    losses = [float(step(model, opt, evaluation.place_batch(b, mesh))) for b in batches]
-    assert merges == [2, 4], merges  # optimizer steps count micro-steps
+    updates = [{k: np.stack([a[k] for a in batches[u:u + 2]]) for k in batches[0]}
+               for u in (0, 2)]
+    losses = [float(step(model, opt, evaluation.place_batch(b, mesh, axis=1))) for b in updates]
+    assert merges == [1, 2], merges  # optimizer steps count updates
     return losses, [x for x in flat(model) if x.dtype == np.int32]
 
   ref, ref_perms = train(None)
@@ -326,9 +329,65 @@ def optimizers(ckpt_dir):
   json.dump(out, sys.stdout)
 
 
+def accumulate():
+  """make_train_step(accumulate=4) on 2 and 8 devices (data_parallel)
+  against one device: 5 updates of 4 micro-batches of 8 rows (merges after
+  the 2nd and 4th); where the update program's collectives are; and, as a
+  control, a psum inside a scan."""
+  k = 4
+  rng = np.random.default_rng(1)
+  micro = []
+  for _ in range(5 * k):
+    b = {n: rng.integers(0, VOCAB, (8, 16)).astype(np.int32) for n in ('inputs', 'targets')}
+    b['targets'][:2, 3:] = -1  # unequal target counts per micro-batch and device
+    micro.append(b)
+  groups = [micro[u * k:(u + 1) * k] for u in range(5)]
+
+  def go(mesh=None, acc=1):
+    model, opt = build(mesh=mesh)
+    step = poetx_jax.make_train_step(loss_fn, seed=0, data_parallel=mesh, accumulate=acc,
+                                     loss_weight=evaluation.target_count)
+    losses = []
+    for g in groups:
+      b = {n: (np.stack if acc > 1 else np.concatenate)([m[n] for m in g]) for n in g[0]}
+      b = (sharding.shard_batch(b, mesh, axis=1 if acc > 1 else 0) if mesh is not None
+           else jax.tree.map(jnp.asarray, b))
+      losses.append(float(step(model, opt, b)))
+    sites = (sharding.collective_sites(step.lower(model, opt, b).compile().as_text())
+             if mesh is not None else [])
+    return flat(model), losses, sites
+
+  ref, ref_losses, _ = go(acc=k)
+  model, _ = build()
+  out = {'trainable_bytes': sum(x.nbytes for x in jax.tree.leaves(nnx.state(model, nnx.Param)))}
+  for name, n in (('2', 2), ('8', 8)):
+    mesh = sharding.make_mesh(n, 1, devices=jax.devices()[:n])
+    got, losses, sites = go(mesh, k)
+    out[name] = {'loss_diff': max(abs(a - b) for a, b in zip(losses, ref_losses)),
+                 'min_close_fraction': min(
+                     float(np.mean(np.abs(a.astype(np.float64) - b) <= 1e-4))
+                     for a, b in zip(got, ref) if a.dtype.kind == 'f'),
+                 'perm_equal': all(np.array_equal(a, b) for a, b in zip(got, ref)
+                                   if a.dtype.kind == 'i'),
+                 'sites': [[s['kind'], s['bytes'], s['in_loop']] for s in sites]}
+  from jax.sharding import PartitionSpec as P
+  mesh = sharding.make_mesh(2, 1, devices=jax.devices()[:2])
+
+  def looped(x):
+    return jax.lax.scan(lambda c, r: (c + jax.lax.psum(r, sharding.AXES), None),
+                        jnp.zeros(x.shape[1:]), x)[0]
+
+  f = jax.jit(jax.shard_map(looped, mesh=mesh, in_specs=P(None, sharding.AXES), out_specs=P()))
+  text = f.lower(jnp.ones((3, 4, 5))).compile().as_text()
+  out['control'] = [[s['kind'], s['bytes'], s['in_loop']] for s in sharding.collective_sites(text)]
+  json.dump(out, sys.stdout)
+
+
 if __name__ == '__main__':
   if sys.argv[1] == 'restore':  # restore CKPT FSDP...: one restore for each FSDP
     json.dump({f: restore(sys.argv[2], int(f)) for f in sys.argv[3:]}, sys.stdout)
+  elif sys.argv[1] == 'accumulate':
+    accumulate()
   elif sys.argv[1] == 'optimizers':
     optimizers(sys.argv[2])
   elif sys.argv[1] == 'meshes':

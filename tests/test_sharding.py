@@ -297,3 +297,19 @@ def test_collective_bytes_counts_outputs_once():
   assert sharding.collective_bytes(hlo) == {
       'all-gather': 8 * 8 * 4, 'all-reduce': 16 * 2, 'collective-permute': 64 // 2,
       'reduce-scatter': 10}
+
+
+def test_accumulated_updates_cross_devices_once():
+  """make_train_step(accumulate=4) under data_parallel on 2 and 8 devices:
+  5 updates of 4 micro-batches (unequal target counts, merges included) give
+  one device's updates to float32 rounding, and the update program holds one
+  all-reduce, outside any loop, of the trainable arrays plus two float32
+  scalars (the loss and weight sums), not one per micro-batch;
+  collective_sites finds a psum inside a scan."""
+  r = _run(8, 'accumulate')
+  for n in ('2', '8'):
+    got = r[n]
+    assert (got['loss_diff'] < 1e-5 and got['min_close_fraction'] > 0.99
+            and got['perm_equal']), (n, got)
+    assert got['sites'] == [['all-reduce', r['trainable_bytes'] + 8, False]], got
+  assert r['control'] == [['all-reduce', 2 * 5 * 4, True]], r['control']

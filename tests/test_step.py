@@ -180,3 +180,73 @@ def test_compiler_options_reach_the_update_program(tmp_path):
       {'xla_dump_to': str(tmp_path)})
   options, = glob.glob(str(tmp_path / '*.debug_options'))
   assert 'xla_gpu_memory_limit_slop_factor: 6' in open(options).read()
+
+
+def _accumulated_and_multisteps(dtype, updates=4, k=3):
+  """The same micro-batches through make_train_step(accumulate=k) (one call
+  an update) and through optax.MultiSteps (one call a micro-batch): the
+  final state of each and the merges' optimizer steps."""
+  batches = [jax.tree.map(lambda a: a.astype(dtype), b) for b in _batches(updates * k)]
+  out = []
+  for accumulate in (k, 1):
+    model = _model()
+    model = jax.tree.map(lambda a: a.astype(dtype) if a.dtype == jnp.float32 else a, model)
+    opt = _optimizer(model, merge_every=2, accum=1 if accumulate > 1 else k)
+    merges = []
+    step = poetx_jax.make_train_step(_loss, merge_every=2 if accumulate > 1 else 2 * k,
+                                     accumulate=accumulate, on_merge=lambda s, e: merges.append(s))
+    if accumulate > 1:
+      for u in range(updates):
+        step(model, opt, jax.tree.map(lambda *a: jnp.stack(a), *batches[u * k:(u + 1) * k]))
+    else:
+      for b in batches:
+        step(model, opt, b)
+    out.append((nnx.to_pure_dict(nnx.state(model)), len(merges)))
+  return out
+
+
+def test_accumulated_update_is_the_multisteps_update_in_float64():
+  """accumulate=k applies the mean of k micro-batches' gradients in one
+  update, as optax.MultiSteps does over k calls: equal to float64 rounding
+  (one update), and over four updates with two merges (which draw the same
+  permutations, and round their products in float32) to float32 rounding."""
+  with jax.enable_x64(True):
+    (acc, _), (multi, _) = _accumulated_and_multisteps(jnp.float64, updates=1)
+    assert any(x.dtype == jnp.float64 for x in jax.tree.leaves(acc))
+    chex.assert_trees_all_close(acc, multi, rtol=1e-12, atol=1e-12)
+  (acc, acc_merges), (multi, multi_merges) = _accumulated_and_multisteps(jnp.float32)
+  assert acc_merges == multi_merges == 2
+  chex.assert_trees_all_close(acc, multi, rtol=1e-5, atol=1e-5)
+
+
+def test_accumulate_refuses_bad_counts_and_aux():
+  with pytest.raises(ValueError, match=r'accumulate must be an int >= 1.*got 0'):
+    poetx_jax.make_train_step(_loss, accumulate=0)
+  with pytest.raises(ValueError, match='has_aux'):
+    poetx_jax.make_train_step(lambda m, b: (_loss(m, b), {}), has_aux=True, accumulate=2)
+
+
+class _Counted(nnx.Module):
+  """A linear map whose loss counts the micro-batches it has seen."""
+
+  def __init__(self):
+    self.linear = nnx.Linear(4, 2, rngs=nnx.Rngs(0))
+    self.seen = nnx.BatchStat(jnp.zeros((), jnp.int32))
+
+
+def test_accumulated_micro_batches_carry_the_state_the_loss_writes():
+  """On one device the loss may write variables other than Params (RNG
+  counters, say): each micro-batch sees the previous one's, and the update
+  keeps the last."""
+  model = _Counted()
+  opt = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+
+  def loss(m, b):
+    m.seen[...] = m.seen[...] + 1
+    return jnp.mean((m.linear(b) * m.seen[...]) ** 2)
+
+  step = poetx_jax.make_train_step(loss, accumulate=3)
+  step(model, opt, jnp.ones((3, 5, 4)))
+  assert int(model.seen[...]) == 3
+  step(model, opt, jnp.ones((3, 5, 4)))
+  assert int(model.seen[...]) == 6

@@ -76,6 +76,35 @@ def test_resume_is_bit_exact_across_merges(tmp_path, corpus, options, monkeypatc
   chex.assert_trees_all_equal(pa, pb)
 
 
+def test_grad_accumulation_is_one_batch_of_all_its_rows_and_resumes_exactly(
+    tmp_path, corpus, monkeypatch):
+  """--grad-accum 2 at batch 4 trains as batch 8 does (the same windows in
+  the same order, one update each; no merge, whose permutations are drawn by
+  micro-batch count) to float rounding, and a run stopped after 3 updates
+  resumes bit-exactly, across merges."""
+  accum = train(_cfg(tmp_path / 'a', corpus, grad_accum=2, steps=6, merge_every=8),
+                log=lambda *_: None)
+  whole = train(_cfg(tmp_path / 'w', corpus, batch_size=8, steps=6, merge_every=8),
+                log=lambda *_: None)
+  assert accum['step'] == 12 and whole['step'] == 6
+  # (their validation sets differ: eval_batches batches of batch_size rows)
+  a_losses, w_losses = _losses(tmp_path / 'a' / 'run'), _losses(tmp_path / 'w' / 'run')
+  assert [s for s, _ in a_losses] == list(range(2, 13, 2))  # logged after every update
+  np.testing.assert_allclose([l for _, l in a_losses], [l for _, l in w_losses], atol=1e-5)
+  _, pa = _params(tmp_path / 'a' / 'run')
+  _, pw = _params(tmp_path / 'w' / 'run')
+  chex.assert_trees_all_close(pa, pw, atol=1e-5, rtol=1e-5)
+
+  straight = _cfg(tmp_path / 'c', corpus, grad_accum=2, steps=6, merge_every=2)
+  train(straight, log=lambda *_: None)
+  split = _cfg(tmp_path / 'b', corpus, grad_accum=2, steps=6, merge_every=2)
+  s = train(split, log=lambda *_: None, stop_after=6)  # mid merge cycle
+  assert s['stopped'] == 'stop_after' and s['step'] == 6
+  train(split, resume=True, log=lambda *_: None)
+  assert _losses(tmp_path / 'c' / 'run') == _losses(tmp_path / 'b' / 'run')
+  chex.assert_trees_all_equal(_params(tmp_path / 'c' / 'run'), _params(tmp_path / 'b' / 'run'))
+
+
 def test_grad_accumulation_and_lean_state_run(tmp_path, corpus):
   s = train(_cfg(tmp_path, corpus, grad_accum=2, steps=4, lean_state=True, remat='attn',
                  mode='mem'),
@@ -658,3 +687,19 @@ def test_poetx_train_keeps_its_programs_in_the_compile_cache(tmp_path, corpus):
         '--resume')
   new = {p.name for p in cache.iterdir()} - entries
   assert not new, new  # resumed, the restored state makes the same programs
+
+
+def test_a_multisteps_checkpoint_is_refused_with_its_reason(tmp_path):
+  """A checkpoint whose optimizer state is optax.MultiSteps' (written with
+  --grad-accum when the optimizer accumulated) does not restore into the
+  train step's accumulation, and the error says why."""
+  import optax
+  model = nnx.Linear(4, 3, rngs=nnx.Rngs(0))
+  old = nnx.Optimizer(model, optax.MultiSteps(optax.adam(1e-3), every_k_schedule=2),
+                      wrt=nnx.Param)
+  with Checkpointer(tmp_path / 'ck') as ck:
+    ck.save(2, model, old, data_state={}, meta={})
+  new = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
+  with Checkpointer(tmp_path / 'ck') as ck:
+    with pytest.raises(CheckpointError, match='holds an optax.MultiSteps state'):
+      ck.restore(model, new, step=2)

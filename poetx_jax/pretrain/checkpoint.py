@@ -341,7 +341,15 @@ class Checkpointer:
           saved = ocp.StandardCheckpointHandler().metadata(epath.Path(where / name))
       except Exception as e:  # pylint: disable=broad-except
         return damaged(f'the metadata of its {name} item cannot be read ({first_line(e)})')
-      diff = tree_diff(flat_shapes(saved), flat_shapes(target))
+      shapes = flat_shapes(saved)
+      diff = tree_diff(shapes, flat_shapes(target))
+      if diff and any(k.startswith('opt_state/acc_grads/') for k in shapes):
+        return CheckpointError(
+            f'checkpoint step {step} in {self.directory} holds an optax.MultiSteps '
+            f'state: it was written with --grad-accum by a poetx_jax that accumulated '
+            f'gradients in the optimizer; the train step sums them now, and that state '
+            f'does not restore into it. Resume it with the version that wrote it, or start '
+            f'the run afresh')
       if diff:
         return CheckpointError(
             f'checkpoint step {step} in {self.directory} does not fit this model: its '

@@ -101,7 +101,10 @@ class TrainConfig:
                             max=MAX_BPE_VOCAB)
   seq_len: int = _count(128, 'tokens per sequence')
   batch_size: int = _count(16, 'sequences per micro-batch')
-  grad_accum: int = _count(1, 'micro-batches per optimizer update')
+  grad_accum: int = _count(1, 'micro-batches per optimizer update, their gradients summed '
+                           'in one compiled update (under --strategy dp, averaged across '
+                           'devices once an update); the cadences counted in micro-steps '
+                           'act after the update that reaches them')
   steps: int = _count(600, 'optimizer updates')
   optimizer: str = _option('poetx', '; '.join(f'{r.name}: {r.help}' for r in RECIPES.values()),
                            choices=OPTIMIZERS)

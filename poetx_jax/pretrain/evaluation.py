@@ -120,11 +120,12 @@ def training_loss(model, batch, loss_chunk: int = 0):
   return loss + aux['aux_loss'] if 'aux_loss' in aux else loss
 
 
-def place_batch(batch, mesh):
-  """This process's batch -> device arrays (the global batch over the mesh)."""
+def place_batch(batch, mesh, axis: int = 0):
+  """This process's batch -> device arrays (the global batch over the mesh,
+  split on ``axis``: 1 for micro-batches stacked on a leading axis)."""
   if mesh is None:
     return jax.tree.map(jnp.asarray, batch)
-  return sharding.shard_batch(batch, mesh)
+  return sharding.shard_batch(batch, mesh, axis=axis)
 
 
 _eval_batch = nnx.jit(token_loss)

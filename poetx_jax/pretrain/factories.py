@@ -138,8 +138,8 @@ def abstract_state(plan: 'Plan'):
 def build_optimizer(plan: 'Plan', model) -> nnx.Optimizer:
   """The run's optimizer over the model's Params: its recipe's transformation
   (:mod:`~poetx_jax.pretrain.recipes`), clipped (to a bound that dips after
-  each merge with ``clip_ramp``) and accumulated over ``grad_accum``
-  micro-batches as configured."""
+  each merge with ``clip_ramp``). Gradients of ``grad_accum`` micro-batches
+  are summed by the train step (:func:`make_step`), not by the optimizer."""
   cfg = plan.options
   tx = plan.recipe.build(plan, model)
   if cfg.clip > 0 and cfg.clip_ramp:
@@ -147,8 +147,6 @@ def build_optimizer(plan: 'Plan', model) -> nnx.Optimizer:
                                                    until=CLIP_RAMP_UNTIL)
   elif cfg.clip > 0:
     tx = optax.chain(optax.clip_by_global_norm(cfg.clip), tx)
-  if cfg.grad_accum > 1:
-    tx = optax.MultiSteps(tx, every_k_schedule=cfg.grad_accum)
   return nnx.Optimizer(model, tx, wrt=nnx.Param)
 
 
@@ -156,22 +154,25 @@ def make_step(plan: 'Plan', on_merge=None, mesh=None, grad_norm: bool = False):
   """The run's train step ``step(model, optimizer, batch) -> loss``; ``on_merge``:
   called as ``on_merge(step, orthogonality_error)`` at each POET-X merge;
   ``mesh``: the training mesh, if any; ``grad_norm``: return ``(loss,
-  grad_norm)`` (:func:`poetx_jax.make_train_step`)."""
+  grad_norm)`` (:func:`poetx_jax.make_train_step`). With ``grad_accum`` > 1
+  one call is one update: the micro-batches come stacked on a leading axis
+  and their gradients are summed in the one compiled update (under ``dp``,
+  on each device, then averaged across devices once)."""
   cfg = plan.options
   loss = functools.partial(training_loss, loss_chunk=cfg.loss_chunk)
   options = ({'xla_gpu_memory_limit_slop_factor': cfg.memory_slop}
              if cfg.memory_slop is not None else None)
+  # Per-device programs (one crossing of exactly the trained arrays an
+  # update) only where each row is computed on its own (a routed model's
+  # capacity and aux losses are per global batch).
+  dp = (mesh if mesh is not None and cfg.strategy == 'dp' and plan.model.rows_independent
+        else None)
+  common = dict(data_parallel=dp, loss_weight=target_count, grad_norm=grad_norm,
+                compiler_options=options, accumulate=cfg.grad_accum)
   if plan.poetize:
-    # Per-device programs only where each row is computed on its own (a
-    # routed model's capacity and aux losses are per global batch).
-    dp = (mesh if mesh is not None and cfg.strategy == 'dp' and plan.model.rows_independent
-          else None)
-    return poetx_jax.make_train_step(loss, merge_every=plan.merge_period,
-                                     seed=cfg.seed, on_merge=on_merge,
-                                     data_parallel=dp, loss_weight=target_count,
-                                     grad_norm=grad_norm, compiler_options=options)
-  return poetx_jax.make_train_step(loss, grad_norm=grad_norm,  # AdamW: never merge
-                                   compiler_options=options)
+    return poetx_jax.make_train_step(loss, merge_every=plan.merge_every, seed=cfg.seed,
+                                     on_merge=on_merge, **common)
+  return poetx_jax.make_train_step(loss, **common)  # AdamW and the like: never merge
 
 
 def make_training_mesh(plan: 'Plan'):

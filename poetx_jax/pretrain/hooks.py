@@ -43,5 +43,13 @@ class Hook:
     if self.on not in ('step', 'save'):
       raise ValueError(f"Hook on must be 'step' or 'save', got {self.on!r}")
 
-  def due(self, step: int, last: bool) -> bool:
-    return last or step % self.every == 0
+  def due(self, step: int, last: bool, stride: int = 1) -> bool:
+    """Whether the loop, having just reached micro-step ``step`` by
+    ``stride`` micro-steps (one update of ``grad_accum`` micro-batches),
+    passed a multiple of ``every``."""
+    return last or crossed(step, self.every, stride)
+
+
+def crossed(step: int, every: int, stride: int = 1) -> bool:
+  """Whether a multiple of ``every`` lies in ``(step - stride, step]``."""
+  return step // every > (step - stride) // every

@@ -246,14 +246,16 @@ class Tracking:
 
   def profile(self, run) -> None:
     """Starts the trace once step A - 1 is done, stops it once step B is
-    (with the training clock paused: writing the trace is not training)."""
+    (with ``grad_accum``, once the update holding it is; with the training
+    clock paused: writing the trace is not training)."""
     a, b = self.window
     paused = (contextlib.nullcontext() if run.clock is None  # step 0, before the loop
               else run.clock.paused(run.loss))
-    if run.step == a - 1 and not self.tracing:
+    stride = run.cfg.grad_accum if run.clock is not None else 1  # micro-steps an update
+    if run.step - stride < a - 1 <= run.step and not self.tracing:
       with paused:
         self._start_trace()
-    elif run.step == b and self.tracing:
+    elif run.step - stride < b <= run.step and self.tracing:
       with paused:
         self._stop_trace()
 

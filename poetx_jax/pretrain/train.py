@@ -21,6 +21,7 @@ import typing as tp
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from poetx_jax.pretrain.data import windows as data_lib
@@ -32,7 +33,7 @@ from poetx_jax.pretrain.evaluation import evaluate, place_batch
 from poetx_jax.pretrain.files import when_full
 from poetx_jax.pretrain.factories import (abstract_state, build_state, make_step,
                                           make_training_mesh, state_sizes)
-from poetx_jax.pretrain.hooks import Hook
+from poetx_jax.pretrain.hooks import Hook, crossed
 from poetx_jax.pretrain.metrics import (Metrics, Progress, StopFlag, TrainClock,
                                         merge_reporter, read_metrics)
 from poetx_jax.pretrain.tracking import Tracking, tracker_module
@@ -119,7 +120,7 @@ class Run:
                    data_state=self.batches.get_state(), meta=meta)
     self.saved_at = self.step
     for hook in self.hooks:
-      if hook.on == 'save' and hook.due(self.step, False):
+      if hook.on == 'save' and hook.due(self.step, False, self.cfg.grad_accum):
         _call(self, hook)
 
   def diverged(self, what: str, *, bad: int) -> tp.NoReturn:
@@ -238,16 +239,15 @@ def train(cfg: TrainConfig, *, resume: bool = False, step: int | None = None, lo
                         'to start afresh')
       raise
     with _stops_when_full(run):  # a write refused for want of space: one line
-      total = run.plan.micro_steps  # one iteration = one micro-batch
+      total = run.plan.micro_steps  # one iteration = one update of grad_accum micro-batches
       run.progress = Progress(total, initial=run.step, disable=not primary)
       run.t0, run.start = time.perf_counter(), run.step
       with TrainClock() as run.clock:
         while run.step < total:
-          run.loss, run.grad_norm = run.step_fn(run.model, run.optimizer,
-                                                place_batch(next(run.batches), run.mesh))
-          run.step += 1
+          run.loss, run.grad_norm = run.step_fn(run.model, run.optimizer, _next_update(run))
+          run.step += cfg.grad_accum
           _after_step(run, last=run.step == total)
-          signal = _agreed(stop.signal, at_log=run.step % cfg.log_every == 0)
+          signal = _agreed(stop.signal, at_log=crossed(run.step, cfg.log_every, cfg.grad_accum))
           signal = signal if run.step < total else None  # too late to stop anything
           if signal or (stop_after is not None and run.step - run.start >= stop_after):
             run.stopped = signal or 'stop_after'
@@ -316,10 +316,21 @@ def loop_hooks(run: Run, hooks: tp.Sequence[Hook], log) -> list[Hook]:
           + [Hook(save, every=cfg.checkpoint_every)])
 
 
+def _next_update(run: Run):
+  """The next update's batch on the devices: one micro-batch, or
+  ``grad_accum`` of them stacked on a leading axis."""
+  k = run.cfg.grad_accum
+  if k == 1:
+    return place_batch(next(run.batches), run.mesh)
+  micro = [next(run.batches) for _ in range(k)]
+  return place_batch({name: np.stack([b[name] for b in micro]) for name in micro[0]},
+                     run.mesh, axis=1)
+
+
 def _after_step(run: Run, last: bool) -> None:
   """Runs the step hooks that are due: those that do not wait at once, the
   others with the clock paused (and the step waited for) only then."""
-  due = [h for h in run.hooks if h.on == 'step' and h.due(run.step, last)]
+  due = [h for h in run.hooks if h.on == 'step' and h.due(run.step, last, run.cfg.grad_accum)]
   for hook in due:
     if not hook.wait:
       _call(run, hook)
