@@ -148,7 +148,7 @@ def compiled_memory(cfg, label: str, peak_ops: int = 0) -> dict:
   from poetx_jax.pretrain.plan import make_plan
   plan = make_plan(cfg)
   model, opt = F.abstract_state(plan)
-  tokens = jax.ShapeDtypeStruct((cfg.batch_size, cfg.seq_len), jnp.int32)
+  tokens = jax.ShapeDtypeStruct(F.update_batch_shape(cfg), jnp.int32)
   step = F.make_step(plan)
   t0 = time.perf_counter()
   lowered = step.lower(model, opt, {'inputs': tokens, 'targets': tokens})
@@ -331,7 +331,7 @@ def memory_breakdown(cfg, label: str, compiled: bool = False, peak_ops: int = 0)
   from poetx_jax.pretrain.plan import make_plan
   plan = make_plan(cfg)
   model, opt = F.abstract_state(plan)
-  tokens = jax.ShapeDtypeStruct((cfg.batch_size, cfg.seq_len), jnp.int32)
+  tokens = jax.ShapeDtypeStruct((cfg.batch_size, cfg.seq_len), jnp.int32)  # one micro-batch's
   sizes = state_breakdown(model, opt)
   step, residuals = step_residuals(plan, model, {'inputs': tokens, 'targets': tokens})
   sizes.update(step)
@@ -375,12 +375,12 @@ def setup_run(cfg, label: str) -> dict:
   mesh = F.make_training_mesh(plan)
   model, opt = F.build_state(plan, mesh)  # fsdp + scan: built into its shards
   rng = np.random.default_rng(0)
-  shape, vocab = (cfg.batch_size, cfg.seq_len), cfg.vocab_size
+  shape, vocab = F.update_batch_shape(cfg), cfg.vocab_size
   batches = [{'inputs': jnp.asarray(rng.integers(0, vocab, shape), jnp.int32),
               'targets': jnp.asarray(rng.integers(0, vocab, shape), jnp.int32)}
              for _ in range(2)]
   if mesh is not None:
-    batches = [sharding.shard_batch(b, mesh) for b in batches]
+    batches = [sharding.shard_batch(b, mesh, axis=len(shape) - 2) for b in batches]
   step = F.make_step(plan, mesh=mesh)
   progress(f'{label}: set up in {time.perf_counter() - t_setup:.0f} s; compiling the step')
   t0 = time.perf_counter()
@@ -422,12 +422,13 @@ def one_run(cfg, label: str, *, warmup_steps: int = 3, timed_steps: int = 10) ->
   progress(f'{label}: {timed_steps} timed steps, median {1e3 * med:.1f} ms')
   stats = jax.local_devices()[0].memory_stats() or {}
   if plan.poetize:  # after the peak is read (the dense copy would count)
-    checks.update(export_check(plan, model, batches[0]['inputs'], label))
+    inputs = batches[0]['inputs']
+    checks.update(export_check(plan, model, inputs[0] if inputs.ndim == 3 else inputs, label))
   n_train = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
   opt_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(opt)))
-  tokens = cfg.batch_size * cfg.seq_len
+  tokens = cfg.grad_accum * cfg.batch_size * cfg.seq_len  # a step is one update
   return {'run': label, 'model': cfg.model, 'seq_len': cfg.seq_len, 'batch': cfg.batch_size,
-          'block_size': plan.block_size, 'permutation': plan.permutation,
+          'grad_accum': cfg.grad_accum, 'block_size': plan.block_size, 'permutation': plan.permutation,
           'device': jax.devices()[0].device_kind, 'step_s': med,
           'tokens_per_s': tokens / med, 'compile_s': s['compile_s'],
           'peak_gib': stats.get('peak_bytes_in_use', float('nan')) / GIB,

@@ -91,7 +91,7 @@ def time_run(cfg, label: str, repeats: int, passes: int = 0) -> dict:
   jax.config.update('jax_enable_compilation_cache', False)
   plan = make_plan(cfg)
   model, opt = F.build_state(plan)
-  shape = (cfg.batch_size, cfg.seq_len)
+  shape = F.update_batch_shape(cfg)
   batch = {'inputs': jnp.zeros(shape, jnp.int32), 'targets': jnp.zeros(shape, jnp.int32)}
   step = F.make_step(plan)
   lower_s, lower_cpu_s, compile_s, events = [], [], [], None

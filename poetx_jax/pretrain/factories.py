@@ -175,6 +175,14 @@ def make_step(plan: 'Plan', on_merge=None, mesh=None, grad_norm: bool = False):
   return poetx_jax.make_train_step(loss, **common)  # AdamW and the like: never merge
 
 
+def update_batch_shape(cfg) -> tuple[int, ...]:
+  """The token arrays' shape one call of :func:`make_step`'s step takes:
+  ``(grad_accum, batch_size, seq_len)``, or ``(batch_size, seq_len)``
+  without accumulation; the rows are its second-last axis."""
+  rows = (cfg.batch_size, cfg.seq_len)
+  return (cfg.grad_accum, *rows) if cfg.grad_accum > 1 else rows
+
+
 def make_training_mesh(plan: 'Plan'):
   """The (data, fsdp) mesh over all devices, or None on a single device."""
   if jax.device_count() == 1:
