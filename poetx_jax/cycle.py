@@ -159,13 +159,35 @@ def merge(model, *, rngs: nnx.Rngs | Array) -> Array:
 
 
 def _merge_compiled(layer: POETLinear, key: Array, perms) -> Array:
-  graphdef, state = nnx.split(layer)
-  shardings = jax.tree.map(lambda x: x.sharding, state)
-  leaves, treedef = jax.tree.flatten(shardings)
-  fn = _merge_program(graphdef, treedef, tuple(leaves), bool(layer.stack_shape))
+  state, fn = _layer_program(layer)
   state, error = fn(state, key, perms)
   nnx.update(layer, state)
   return error
+
+
+def _layer_program(layer: POETLinear):
+  """The layer's state and its (cached) merge program."""
+  graphdef, state = nnx.split(layer)
+  shardings = jax.tree.map(lambda x: x.sharding, state)
+  leaves, treedef = jax.tree.flatten(shardings)
+  return state, _merge_program(graphdef, treedef, tuple(leaves), bool(layer.stack_shape))
+
+
+def merge_collectives(model) -> list[tuple[str, list[dict]]]:
+  """What a :func:`merge` of ``model`` sends between devices, read from the
+  compiled merge programs (compiled here, not run: nothing changes):
+  ``(layer path, sharding.collective_sites(program))`` per POET layer, its
+  untied permutations drawn as :func:`merge` draws them. Under data
+  parallelism (the state replicated) every device draws the same
+  permutations from the same key and merges on its own: no collective."""
+  from poetx_jax import sharding  # pylint: disable=import-outside-toplevel
+  out = []
+  for i, (path, layer) in enumerate(poet_layers(model)):
+    state, fn = _layer_program(layer)
+    text = fn.lower(state, jax.random.fold_in(jax.random.key(0), i),
+                    (None, None)).compile().as_text()
+    out.append((path, sharding.collective_sites(text)))
+  return out
 
 
 # The merge programs run once a cycle: on GPUs they are compiled without XLA's

@@ -383,9 +383,31 @@ def accumulate():
   json.dump(out, sys.stdout)
 
 
+def merges():
+  """What each POET layer's merge program sends between 8 devices: under dp
+  (state replicated), under fsdp (2, 4) and fsdp with the layers stacked;
+  per layer the collectives' total bytes, the largest one's, and the bytes
+  of the layer's frozen base."""
+  from poetx_jax import cycle
+  out = {}
+  for name, (d, f), strategy, scan in (('dp', (8, 1), 'dp', False),
+                                       ('fsdp', (2, 4), 'fsdp', False),
+                                       ('fsdp scan', (2, 4), 'fsdp', True)):
+    model, _ = build(scan, sharding.make_mesh(d, f), strategy)
+    layers = dict(cycle.poet_layers(model))
+    out[name] = [{'layer': path, 'collectives': len(sites),
+                  'bytes': sum(s['bytes'] for s in sites),
+                  'largest': max([s['bytes'] for s in sites] + [0]),
+                  'base_bytes': layers[path].kernel[...].nbytes}
+                 for path, sites in cycle.merge_collectives(model)]
+  json.dump(out, sys.stdout)
+
+
 if __name__ == '__main__':
   if sys.argv[1] == 'restore':  # restore CKPT FSDP...: one restore for each FSDP
     json.dump({f: restore(sys.argv[2], int(f)) for f in sys.argv[3:]}, sys.stdout)
+  elif sys.argv[1] == 'merges':
+    merges()
   elif sys.argv[1] == 'accumulate':
     accumulate()
   elif sys.argv[1] == 'optimizers':

@@ -313,3 +313,15 @@ def test_accumulated_updates_cross_devices_once():
             and got['perm_equal']), (n, got)
     assert got['sites'] == [['all-reduce', r['trainable_bytes'] + 8, False]], got
   assert r['control'] == [['all-reduce', 2 * 5 * 4, True]], r['control']
+
+
+def test_merges_under_dp_send_nothing_and_a_stack_merges_a_layer_at_a_time():
+  """cycle.merge_collectives reads the merge programs: with the state
+  replicated (dp) every device draws the same permutations from the same key
+  and merges on its own, no collective; under fsdp a stack of two layers is
+  never gathered more than one layer at a time. (An unstacked layer under
+  fsdp gathers its whole base: recorded, not asserted as a goal.)"""
+  r = _run(8, 'merges')
+  assert len(r['dp']) == 7 and all(x['collectives'] == 0 for x in r['dp']), r['dp']
+  assert all(x['collectives'] > 0 for x in r['fsdp']), r['fsdp']
+  assert all(0 < x['largest'] <= x['base_bytes'] // 2 for x in r['fsdp scan']), r['fsdp scan']
