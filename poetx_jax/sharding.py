@@ -111,6 +111,21 @@ def shard_state(node, mesh: jax.sharding.Mesh, strategy: str) -> None:
   ``lax.scan``, e.g. ``models.llama.StackedLayers``) gets the batch sharding
   there, to pin the activations it carries between layers.
   """
+  _place(node, mesh, strategy, is_array, jax.device_put)
+
+
+def abstract_placed(node, mesh: jax.sharding.Mesh, strategy: str) -> None:
+  """:func:`shard_state` for an object of shapes only (``nnx.eval_shape``):
+  each ``jax.ShapeDtypeStruct`` gets the sharding its array would have, so
+  that a step lowered with it compiles as the placed run's (its collectives
+  readable with no array allocated)."""
+  _place(node, mesh, strategy, lambda x: isinstance(x, jax.ShapeDtypeStruct),
+         lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s))
+
+
+def _place(node, mesh: jax.sharding.Mesh, strategy: str, placeable, put_one) -> None:
+  """Sets every placeable value of ``node`` to ``put_one(value, sharding)``
+  by the rules of :func:`shard_state`."""
   fsdp = mesh.shape['fsdp']
   if strategy == 'fsdp':
     for _, sub in nnx.iter_graph(node):
@@ -119,13 +134,13 @@ def shard_state(node, mesh: jax.sharding.Mesh, strategy: str) -> None:
 
   def put(v: nnx.Variable):
     x = v.get_value()
-    if not is_array(x):
+    if not placeable(x):
       return x
     if isinstance(v, Permutation):
-      return jax.device_put(x, NamedSharding(mesh, P()))
+      return put_one(x, NamedSharding(mesh, P()))
     spec = array_spec(x.shape, strategy, fsdp,
                       stacked=v.get_metadata().get('layer_axis') == 0)
-    return jax.device_put(x, NamedSharding(mesh, spec))
+    return put_one(x, NamedSharding(mesh, spec))
 
   nnx.update(node, jax.tree.map(put, nnx.state(node),
                                 is_leaf=lambda v: isinstance(v, nnx.Variable)))
@@ -197,30 +212,46 @@ _CALLED = re.compile(r'(?:body|condition|calls|to_apply|branch_computations|'
 
 def collective_sites(hlo_text: str) -> list[dict]:
   """Every cross-device collective of compiled HLO text, in program order:
-  ``{'kind', 'bytes', 'computation', 'in_loop'}``, ``bytes`` its result's
-  (as :func:`collective_bytes` counts them, an asynchronous one at its
-  ``-done``) and ``in_loop`` whether it runs inside a ``while`` loop's body or
-  condition (directly or through the computations they call): once per
-  iteration, not once per call."""
-  computations, current = {}, None
+  ``{'kind', 'bytes', 'computation', 'in_loop', 'trips'}``, ``bytes`` its
+  result's (as :func:`collective_bytes` counts them, an asynchronous one at
+  its ``-done``), ``in_loop`` whether it runs inside a ``while`` loop's body
+  or condition (directly or through the computations they call) and
+  ``trips`` how many times one call of the program runs it: the product of
+  the enclosing loops' known trip counts (a scanned layer stack's layers
+  times an accumulation's micro-batches; a loop of unknown count counts 1)."""
+  computations, entry, current = {}, None, None
   for line in hlo_text.splitlines():
-    head = re.match(r'(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$', line)
+    head = re.match(r'(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$', line)
     if head and not line.startswith(' '):
-      current = head.group(1)
+      current = head.group(2)
       computations[current] = []
+      entry = current if head.group(1) else entry
     elif current is not None:
       computations[current].append(line)
-  calls = {name: {c.lstrip('%') for m in _CALLED.finditer(' '.join(lines))
-                  for c in re.split(r',\s*', m.group(1))}
-           for name, lines in computations.items()}
-  looped = set()
-  frontier = [c.lstrip('%') for lines in computations.values() for line in lines
-              if ' while(' in line for c in re.findall(r'(?:body|condition)=(%?[\w.\-]+)', line)]
-  while frontier:
-    name = frontier.pop()
-    if name not in looped:
-      looped.add(name)
-      frontier += calls.get(name, ())
+  # callee -> (caller, factor): a while's body and condition run its trip count
+  edges = {}
+  for name, lines in computations.items():
+    for line in lines:
+      loop = ' while(' in line
+      trip = re.search(r'known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"(\d+)"', line)
+      for m in _CALLED.finditer(line):
+        for callee in re.split(r',\s*', m.group(1)):
+          factor = int(trip.group(1)) if loop and trip else 1
+          edges.setdefault(callee.lstrip('%'), []).append((name, factor, loop))
+  memo = {}
+
+  def reach(name, seen=()):
+    """(trips, in_loop) of a computation: the largest over its callers."""
+    if name == entry or name not in edges or name in seen:
+      return 1, False
+    if name not in memo:
+      best = (1, False)
+      for caller, factor, loop in edges[name]:
+        trips, looped = reach(caller, (*seen, name))
+        best = max(best, (trips * factor, looped or loop))
+      memo[name] = best
+    return memo[name]
+
   sites = []
   for name, lines in computations.items():
     for line in lines:
@@ -229,8 +260,9 @@ def collective_sites(hlo_text: str) -> list[dict]:
         continue
       total = sum(_array_bytes(dt, dims)
                   for dt, dims in re.findall(r'([a-z]\w*)\[([\d,]*)\]', m.group(1)))
+      trips, looped = reach(name)
       sites.append({'kind': m.group(2), 'bytes': total, 'computation': name,
-                    'in_loop': name in looped})
+                    'in_loop': looped, 'trips': trips})
   return sites
 
 

@@ -369,7 +369,7 @@ def accumulate():
                      for a, b in zip(got, ref) if a.dtype.kind == 'f'),
                  'perm_equal': all(np.array_equal(a, b) for a, b in zip(got, ref)
                                    if a.dtype.kind == 'i'),
-                 'sites': [[s['kind'], s['bytes'], s['in_loop']] for s in sites]}
+                 'sites': [[s['kind'], s['bytes'], s['in_loop'], s['trips']] for s in sites]}
   from jax.sharding import PartitionSpec as P
   mesh = sharding.make_mesh(2, 1, devices=jax.devices()[:2])
 
@@ -379,7 +379,8 @@ def accumulate():
 
   f = jax.jit(jax.shard_map(looped, mesh=mesh, in_specs=P(None, sharding.AXES), out_specs=P()))
   text = f.lower(jnp.ones((3, 4, 5))).compile().as_text()
-  out['control'] = [[s['kind'], s['bytes'], s['in_loop']] for s in sharding.collective_sites(text)]
+  out['control'] = [[s['kind'], s['bytes'], s['in_loop'], s['trips']]
+                    for s in sharding.collective_sites(text)]
   json.dump(out, sys.stdout)
 
 

@@ -305,14 +305,14 @@ def test_accumulated_updates_cross_devices_once():
   one device's updates to float32 rounding, and the update program holds one
   all-reduce, outside any loop, of the trainable arrays plus two float32
   scalars (the loss and weight sums), not one per micro-batch;
-  collective_sites finds a psum inside a scan."""
+  collective_sites finds a psum inside a scan, run once per iteration."""
   r = _run(8, 'accumulate')
   for n in ('2', '8'):
     got = r[n]
     assert (got['loss_diff'] < 1e-5 and got['min_close_fraction'] > 0.99
             and got['perm_equal']), (n, got)
-    assert got['sites'] == [['all-reduce', r['trainable_bytes'] + 8, False]], got
-  assert r['control'] == [['all-reduce', 2 * 5 * 4, True]], r['control']
+    assert got['sites'] == [['all-reduce', r['trainable_bytes'] + 8, False, 1]], got
+  assert r['control'] == [['all-reduce', 2 * 5 * 4, True, 3]], r['control']  # 3 iterations
 
 
 def test_merges_under_dp_send_nothing_and_a_stack_merges_a_layer_at_a_time():

@@ -1,0 +1,77 @@
+"""experiments/comm_model.py reads a run's collectives from its compiled
+programs on simulated devices; scaling_report.py writes the page from the
+records."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / 'experiments'))
+import comm_model  # noqa: E402
+import scaling_report  # noqa: E402
+
+FOLDER = ROOT / 'docs' / 'results' / 'scaling'
+
+
+def test_the_committed_page_is_generated_from_its_records():
+  assert (FOLDER / 'README.md').read_text() == scaling_report.report(FOLDER)
+
+
+def test_the_records_name_no_machine_paths():
+  import re
+  for path in FOLDER.iterdir():
+    assert not re.search(r'(?<![\w.])/(tmp|home|root|work|usr|var|mnt)/', path.read_text()), \
+        path.name
+
+
+def test_allreduce_time_and_efficiencies():
+  links = dict(gpus_per_node=8, nvlink_gbs=400.0, net_gbs=50.0)
+  # 2 GPUs of one node: each sends and receives S once, over NVLink
+  assert comm_model.allreduce_s(4e9, 2, **links) == pytest.approx(4e9 / 400e9)
+  # 64 GPUs in 8 nodes: 2 * 7/8 S over NVLink, 2 * 7/8 S / 8 over the network
+  assert comm_model.allreduce_s(4e9, 64, **links) == pytest.approx(
+      2 * 7 / 8 * 4e9 / 400e9 + 2 * 7 / 8 * 0.5e9 / 50e9)
+  assert comm_model.efficiency(0.1, 0.02) == pytest.approx((0.1 / 0.12, 1.0))
+  assert comm_model.efficiency(0.1, 0.2) == pytest.approx((0.1 / 0.3, 0.5))
+
+
+def test_a_data_parallel_update_sends_its_trained_arrays_once(tmp_path):
+  """A tiny POET-X run with 3 micro-batches an update on 2 and 4 simulated
+  devices: dp all-reduces the trained arrays (and two scalars) once per
+  update and its merges send nothing; fsdp's collectives are listed; the
+  projection uses the step record of its run label."""
+  steps = tmp_path / 'steps.json'
+  steps.write_text(json.dumps([{'run': 'poet', 'step_s': 0.01, 'batch': 2, 'seq_len': 32,
+                                'round': 0},
+                               {'run': 'poet', 'step_s': 0.03, 'batch': 2, 'seq_len': 32,
+                                'round': 1}]))
+  out = tmp_path / 'comm.json'
+  env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS='cpu')
+  env.pop('XLA_FLAGS', None)
+  proc = subprocess.run(
+      [sys.executable, str(ROOT / 'experiments' / 'comm_model.py'), '--model', 'tiny',
+       '--model-overrides', 'layers=1,mlp=64', '--seq-len', '32', '--vocab-size', '512',
+       '--dtype', 'float32', '--grad-accum', '3', '--devices', '2,4', '--per-device-batch', '1',
+       '--merge-every', '2', '--run', 'poet:optimizer=poetx',
+       '--run', 'poet-fsdp:optimizer=poetx,strategy=fsdp', '--step-record', str(steps),
+       '--gpus', '8,64', '--accum', '3', '--json', str(out)],
+      capture_output=True, text=True, env=env, timeout=900)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  rec = json.loads(out.read_text())
+  dp = [r for r in rec['records'] if r['run'] == 'poet']
+  assert [r['devices'] for r in dp] == [2, 4]
+  for r in dp:
+    assert r['grad_accum'] == 3 and r['merge_bytes'] == {}
+    assert r['update_bytes'] == {'all-reduce': r['trainable_bytes'] + 8}, r  # float32
+    assert r['gpu_allreduce_bytes'] == r['trainable_bytes'] + 8
+  fsdp = [r for r in rec['records'] if r['run'] == 'poet-fsdp']
+  assert len(fsdp) == 2 and all(r['update_bytes'] and r['merge_bytes'] for r in fsdp)
+  proj = rec['projection']
+  assert [(p['gpus'], p['grad_accum']) for p in proj] == [(8, 3), (64, 3)]
+  assert all(p['projected'] for p in proj)
+  assert proj[0]['compute_ms'] == pytest.approx(3 * 20.0)  # 3 x the median over rounds
