@@ -29,8 +29,9 @@ one-GPU step of one micro-batch from ``--step-record`` (bench_train records,
 matched by run label; weak scaling: the same micro-batch per GPU). The
 efficiency is given twice: compute / (compute + communication), nothing
 overlapped (a lower bound), and compute / max(compute, communication), all
-overlapped (an upper bound); and the micro-batch tokens per GPU below which
-the communication outlasts the compute. Merges of data-parallel POET-X send
+overlapped (an upper bound); and the tokens per GPU and update below which
+the communication outlasts the compute (with no accumulation, those of a
+micro-batch). Merges of data-parallel POET-X send
 nothing (each device draws the same permutations), so they add no term.
 Runs under fsdp are listed, not projected: their per-layer gathers overlap
 the layers' compute in ways this model does not describe.

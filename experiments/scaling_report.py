@@ -48,13 +48,31 @@ def projection_rows(rec: dict) -> list[str]:
   """The projected data-parallel scaling, one row per run, GPUs and accumulation."""
   out = ['| run | GPUs (projected) | micro-batches an update | all-reduce MiB | '
          'communication ms | compute ms | efficiency, nothing overlapped | '
-         'efficiency, all overlapped | compute-bound above (tokens per GPU and micro-batch) |',
+         'efficiency, all overlapped | compute-bound above (tokens per GPU and update) |',
          '|---|---|---|---|---|---|---|---|---|']
   for p in rec.get('projection', []):
     out.append(f"| {p['run']} | {p['gpus']} | {p['grad_accum']} | {p['allreduce_mib']:,.1f} | "
                f"{p['comm_ms']:.1f} | {p['compute_ms']:.1f} | "
                f"{p['efficiency_no_overlap']:.3f} | {p['efficiency_overlap']:.3f} | "
                f"{p['compute_bound_tokens']:,.0f} |")
+  return out
+
+
+def versus_rows(rec: dict, baseline: str = 'adamw') -> list[str]:
+  """Each projected run's tokens/s per GPU against ``baseline``'s at the same
+  GPUs and accumulation (both bounds), where the two step records are of the
+  same tokens per micro-batch."""
+  base = {(p['gpus'], p['grad_accum']): p for p in rec.get('projection', [])
+          if p['run'] == baseline}
+  out = ['| run | GPUs (projected) | micro-batches an update | tokens/s against '
+         f'{baseline}, nothing overlapped | all overlapped |', '|---|---|---|---|---|']
+  for p in rec.get('projection', []):
+    b = base.get((p['gpus'], p['grad_accum']))
+    if p['run'] == baseline or b is None:
+      continue
+    ratio = lambda key: (p[key] / p['compute_ms']) / (b[key] / b['compute_ms'])  # noqa: E731
+    out.append(f"| {p['run']} | {p['gpus']} | {p['grad_accum']} | "
+               f"{ratio('efficiency_no_overlap'):.3f}× | {ratio('efficiency_overlap'):.3f}× |")
   return out
 
 
@@ -105,7 +123,9 @@ def report(folder: pathlib.Path) -> str:
               'a data-parallel update\'s all-reduce of exactly its trained arrays):', '',
               *collective_rows(rec), '']
     if rec.get('projection'):
-      lines += ['Projected (a model, not a measurement):', '', *projection_rows(rec), '']
+      lines += ['Projected (a model, not a measurement):', '', *projection_rows(rec), '',
+                'Projected tokens per second per GPU against AdamW\'s (each one-GPU step '
+                'from its record, times the efficiency):', '', *versus_rows(rec), '']
   return '\n'.join(lines)
 
 
