@@ -95,14 +95,17 @@ def update_collectives(cfg, label: str, n: int) -> dict:
   text = F.make_step(plan, mesh=mesh).lower(
       model, opt, {'inputs': tokens, 'targets': tokens}).compile().as_text()
   update = collections.Counter()
+  merges = cycle.merge_collectives(model) if plan.poetize else []
   sites = sharding.collective_sites(text)
+  if any(s['trips'] is None for s in sites + [s for _, ss in merges for s in ss]):
+    raise SystemExit(f'{label}: a collective runs in a loop of unknown trip count: '
+                     'its bytes per update are not known')
   for s in sites:
     update[s['kind']] += s['bytes'] * s['trips']
   merge = collections.Counter()
-  if plan.poetize:
-    for _, layer_sites in cycle.merge_collectives(model):
-      for s in layer_sites:
-        merge[s['kind']] += s['bytes'] * s['trips']
+  for _, layer_sites in merges:
+    for s in layer_sites:
+      merge[s['kind']] += s['bytes'] * s['trips']
   params = jax.tree.leaves(nnx.state(model, nnx.Param))
   trainable = sum(x.size * x.dtype.itemsize for x in params)
   # The CPU compiler carries a bfloat16 all-reduce in float32 (twice a GPU's

@@ -217,8 +217,8 @@ def collective_sites(hlo_text: str) -> list[dict]:
   its ``-done``), ``in_loop`` whether it runs inside a ``while`` loop's body
   or condition (directly or through the computations they call) and
   ``trips`` how many times one call of the program runs it: the product of
-  the enclosing loops' known trip counts (a scanned layer stack's layers
-  times an accumulation's micro-batches; a loop of unknown count counts 1)."""
+  the enclosing loops' trip counts (a scanned layer stack's layers times an
+  accumulation's micro-batches), None where a loop's count is not known."""
   computations, entry, current = {}, None, None
   for line in hlo_text.splitlines():
     head = re.match(r'(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$', line)
@@ -236,20 +236,22 @@ def collective_sites(hlo_text: str) -> list[dict]:
       trip = re.search(r'known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"(\d+)"', line)
       for m in _CALLED.finditer(line):
         for callee in re.split(r',\s*', m.group(1)):
-          factor = int(trip.group(1)) if loop and trip else 1
+          factor = (int(trip.group(1)) if trip else None) if loop else 1
           edges.setdefault(callee.lstrip('%'), []).append((name, factor, loop))
   memo = {}
 
   def reach(name, seen=()):
-    """(trips, in_loop) of a computation: the largest over its callers."""
+    """(trips, in_loop) of a computation: the most over its callers (None
+    where any caller's count is unknown)."""
     if name == entry or name not in edges or name in seen:
       return 1, False
     if name not in memo:
-      best = (1, False)
+      counts, in_loop = [], False
       for caller, factor, loop in edges[name]:
         trips, looped = reach(caller, (*seen, name))
-        best = max(best, (trips * factor, looped or loop))
-      memo[name] = best
+        counts.append(None if trips is None or factor is None else trips * factor)
+        in_loop = in_loop or looped or loop
+      memo[name] = (None if None in counts else max(counts), in_loop)
     return memo[name]
 
   sites = []

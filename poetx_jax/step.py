@@ -56,8 +56,9 @@ def make_train_step(loss_fn: tp.Callable, *, merge_every: int | None = None,
     donate: donate model and optimizer buffers to the update.
     compiler_options: XLA options for the update program alone (``jax.jit``'s
       ``compiler_options``), e.g. ``{'xla_gpu_memory_limit_slop_factor': 6}``.
-    on_merge: called after each merge as ``on_merge(optimizer_step,
-      orthogonality_error)`` with what :func:`poetx_jax.merge` returns (the
+    on_merge: called after each merge as ``on_merge(micro_batches,
+      orthogonality_error)`` (the micro-batches trained so far: the optimizer's
+      step times ``accumulate``) with what :func:`poetx_jax.merge` returns (the
       merged factors' largest orthogonality error), e.g. to log it or to warn
       when the POET learning rate is too large for the block size.
     data_parallel: the mesh when the training state is replicated over it and
@@ -114,7 +115,7 @@ def make_train_step(loss_fn: tp.Callable, *, merge_every: int | None = None,
     if cycle and verdicts.after_call(optimizer, flag):
       error = merge(model, rngs=key)
       if on_merge is not None:
-        on_merge(int(optimizer.step[...]), error)
+        on_merge(int(optimizer.step[...]) * accumulate, error)
     return (out, norm) if grad_norm else out
 
   step.lower = programs.lower
@@ -129,7 +130,7 @@ def _value_and_grad(loss_fn: tp.Callable, has_aux: bool,
   with ``accumulate`` > 1 over the batch's micro-batches (:func:`_accumulated`)."""
   if data_parallel is None:
     if accumulate > 1:
-      return _accumulated(loss_fn, loss_weight, mutable=True)
+      return _accumulated(loss_fn, loss_weight, accumulate, mutable=True)
     return nnx.value_and_grad(loss_fn, has_aux=has_aux)
   if has_aux:
     raise ValueError('data_parallel does not take has_aux=True (auxiliary outputs '
@@ -198,8 +199,8 @@ class _MergeVerdicts:
       raise RuntimeError(
           f'make_train_step(merge_every={self.merge_every}) and the optimizer disagree on '
           f'whether call {call} completed a merge cycle (optimizer: {bool(flag)}): '
-          f'merge_every must be the optimizer\'s merge_every times the micro-steps '
-          f'per update')
+          f'merge_every must be the optimizer\'s merge_every (times the micro-steps '
+          f'of an optax.MultiSteps accumulation; with accumulate, a call is an update)')
 
 
 def _is_variable(x) -> bool:
@@ -280,18 +281,25 @@ def _plain(variable: nnx.Variable) -> bool:
           and not metadata.get('hijax', False))
 
 
-def _accumulated(loss_fn: tp.Callable, loss_weight: tp.Callable | None,
+def _accumulated(loss_fn: tp.Callable, loss_weight: tp.Callable | None, accumulate: int,
                  mutable: bool) -> tp.Callable:
   """``value_and_grad(model, batches) -> ((loss, grads), weight)`` over the
   micro-batches stacked on the leading axis of ``batches``, one at a time
   (``jax.lax.scan``): the weighted sums of each micro-batch's loss and
   gradients (weights ``loss_weight(micro_batch)``, or 1 each) and the sum of
-  the weights, nothing divided yet. ``mutable``: variables other than
+  the weights, nothing divided yet (each product in float32, the sums in the
+  gradients' dtype). ``batches``' leading axis must be ``accumulate`` long.
+  ``mutable``: variables other than
   ``nnx.Param`` the loss writes (RNG counters, say) carry from one
   micro-batch to the next and are written back; otherwise such a write is
   refused (:func:`_refuse_state_changes`)."""
 
   def value_and_grad(model, batches):
+    lengths = {x.shape[0] if x.ndim else None for x in jax.tree.leaves(batches)}
+    if lengths != {accumulate}:
+      raise ValueError(f'make_train_step(accumulate={accumulate}) takes a batch whose every '
+                       f'array has a leading axis of {accumulate} micro-batches; got leading '
+                       f'lengths {sorted(lengths, key=str)}')
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
 
     def pure_loss(params, rest, batch):
@@ -308,7 +316,8 @@ def _accumulated(loss_fn: tp.Callable, loss_weight: tp.Callable | None,
       (loss, rest), grads = jax.value_and_grad(pure_loss, has_aux=True)(params, rest, batch)
       w = (jnp.ones((), jnp.float32) if loss_weight is None
            else jnp.asarray(loss_weight(batch), jnp.float32))
-      grad_sum = jax.tree.map(lambda s, g: s + (w.astype(g.dtype) * g), grad_sum, grads)
+      grad_sum = jax.tree.map(lambda s, g: s + (w * g.astype(jnp.float32)).astype(s.dtype),
+                              grad_sum, grads)
       return (loss_sum + w * loss.astype(jnp.float32), grad_sum, weight_sum + w, rest), None
 
     zero = jnp.zeros((), jnp.float32)
@@ -328,9 +337,10 @@ def _accumulated(loss_fn: tp.Callable, loss_weight: tp.Callable | None,
 
 
 def _divided(out, weight):
-  """``(loss, grads)`` sums over their ``weight``: the mean, each array in its dtype."""
+  """``(loss, grads)`` sums over their ``weight``: the mean, each array in its
+  dtype (divided in float32)."""
   weight = jnp.maximum(weight, 1e-30)
-  return jax.tree.map(lambda a: (a / weight.astype(a.dtype)).astype(a.dtype), out)
+  return jax.tree.map(lambda a: (a.astype(jnp.float32) / weight).astype(a.dtype), out)
 
 
 def _per_device_grads(loss_fn: tp.Callable, mesh: jax.sharding.Mesh,
@@ -343,7 +353,8 @@ def _per_device_grads(loss_fn: tp.Callable, mesh: jax.sharding.Mesh,
   (:func:`_accumulated`), and the devices average once."""
   from jax.sharding import PartitionSpec as P
   axes = tuple(mesh.axis_names)
-  summed = _accumulated(loss_fn, loss_weight, mutable=False) if accumulate > 1 else None
+  summed = (_accumulated(loss_fn, loss_weight, accumulate, mutable=False) if accumulate > 1
+            else None)
 
   def value_and_grad(model, batch):
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)

@@ -250,3 +250,12 @@ def test_accumulated_micro_batches_carry_the_state_the_loss_writes():
   assert int(model.seen[...]) == 3
   step(model, opt, jnp.ones((3, 5, 4)))
   assert int(model.seen[...]) == 6
+
+
+def test_accumulate_refuses_a_batch_of_another_length():
+  model = _model()
+  opt = _optimizer(model, merge_every=2)
+  step = poetx_jax.make_train_step(_loss, accumulate=3)
+  x, y = _batches(1)[0]
+  with pytest.raises(ValueError, match=r'accumulate=3.*leading axis of 3.*got leading lengths \[4\]'):
+    step(model, opt, (x, y))  # one micro-batch of 4 rows, not 3 stacked

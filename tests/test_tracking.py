@@ -2,6 +2,7 @@
 wandb is not installed for the tests) get metrics.jsonl's records; the step
 statistics; a profile of chosen steps; the FLOPs and peaks behind the MFU."""
 
+import contextlib
 import dataclasses
 import json
 import pathlib
@@ -159,3 +160,25 @@ def test_a_resume_past_the_profile_windows_start_says_what_it_traces(tmp_path):
   t = tracking.Tracking(make_plan(cfg), tmp_path / 'before', resume_step=2, log=said.append)
   assert t.tracing and not said  # the whole window ahead: traced, nothing to say
   t.close()
+
+
+@pytest.mark.parametrize('window,accum,start,stop', [('6:7', 4, 4, 8), ('2:4', 4, 0, 4),
+                                                      ('3:5', 1, 2, 5)])
+def test_the_profile_window_holds_the_updates_that_train_its_steps(
+    tmp_path, monkeypatch, window, accum, start, stop):
+  """The trace starts before the update that trains micro-step A and stops
+  once an update has reached B, with and without gradient accumulation."""
+  cfg = TrainConfig(steps=10, grad_accum=accum, profile_steps=window)
+  t = tracking.Tracking(make_plan(cfg), tmp_path)
+  events = []
+  monkeypatch.setattr(t, '_start_trace', lambda: (events.append(('start', run.step)),
+                                                  setattr(t, 'tracing', True)))
+  monkeypatch.setattr(t, '_stop_trace', lambda: (events.append(('stop', run.step)),
+                                                 setattr(t, 'tracing', False)))
+  run = types.SimpleNamespace(cfg=cfg, step=0, loss=None, clock=None)  # at_start, step 0
+  t.profile(run)
+  run.clock = types.SimpleNamespace(paused=lambda loss: contextlib.nullcontext())
+  for step in range(accum, 10 * accum + 1, accum):
+    run.step = step
+    t.profile(run)
+  assert events == [('start', start), ('stop', stop)]

@@ -97,6 +97,10 @@ def test_grad_accumulation_is_one_batch_of_all_its_rows_and_resumes_exactly(
 
   straight = _cfg(tmp_path / 'c', corpus, grad_accum=2, steps=6, merge_every=2)
   train(straight, log=lambda *_: None)
+  records = [json.loads(l) for l in
+             (tmp_path / 'c' / 'run' / 'metrics.jsonl').read_text().splitlines()]
+  merges = [r['step'] for r in records if 'merge_orthogonality_error' in r]
+  assert merges == [4, 8, 12]  # after updates 2, 4, 6: recorded at their micro-steps
   split = _cfg(tmp_path / 'b', corpus, grad_accum=2, steps=6, merge_every=2)
   s = train(split, log=lambda *_: None, stop_after=6)  # mid merge cycle
   assert s['stopped'] == 'stop_after' and s['step'] == 6

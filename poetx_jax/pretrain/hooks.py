@@ -20,7 +20,9 @@ class Hook:
   Attributes:
     fn: ``fn(run) -> dict | None``; it must not change the model unless it
       means to (a fault injected by a test).
-    every: micro-steps between calls (the last step always calls it).
+    every: micro-steps between calls: called after each update that reaches a
+      multiple of it (one micro-step an update without accumulation; the last
+      step always calls it).
     at_start: also call it at step 0 of a fresh run (after its validation).
     wait: call it with the training clock paused, once the dispatched steps
       are done (evaluations, probes, checkpoints); False: at once, the step

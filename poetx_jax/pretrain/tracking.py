@@ -15,8 +15,8 @@ Every ``log_every`` steps :class:`Tracking.step_stats` adds to ``metrics.jsonl``
 
 * ``lr`` (and ``poet_lr`` for POET-X): the learning rates of the last update,
   read from the run's schedules (:meth:`~poetx_jax.pretrain.plan.Plan.schedule`);
-* ``grad_norm``: the global norm of the step's gradients before clipping (of
-  its micro-batch under gradient accumulation), computed inside the update
+* ``grad_norm``: the global norm of the update's gradients before clipping
+  (under gradient accumulation, of its micro-batches' mean), computed inside the update
   program (``make_train_step(grad_norm=True)``) and read only here;
 * ``train_tokens_per_s``: since the last log step, evaluation, checkpoints
   and compilation left out;
@@ -26,8 +26,10 @@ Every ``log_every`` steps :class:`Tracking.step_stats` adds to ``metrics.jsonl``
 
 ``--profile-steps A:B`` writes a ``jax.profiler`` trace of micro-steps A to B
 to ``RUN/profile/`` (TensorBoard's profile plugin or xprof read it). It starts
-once step A - 1 is done, before what the loop does after it (a validation or
-checkpoint due at A - 1 is in the trace: choose A - 1 away from them).
+before the update that trains micro-step A (once step A - 1 is done, without
+accumulation), before what the loop does then (a validation or checkpoint due
+there is in the trace: choose A - 1 away from them), and stops once an update
+has reached B.
 """
 
 from __future__ import annotations
@@ -245,17 +247,16 @@ class Tracking:
     return stats
 
   def profile(self, run) -> None:
-    """Starts the trace once step A - 1 is done, stops it once step B is
-    (with ``grad_accum``, once the update holding it is; with the training
-    clock paused: writing the trace is not training)."""
+    """Starts the trace before the update that trains micro-step A, stops it
+    once an update has reached B (with the training clock paused: writing the
+    trace is not training)."""
     a, b = self.window
     paused = (contextlib.nullcontext() if run.clock is None  # step 0, before the loop
               else run.clock.paused(run.loss))
-    stride = run.cfg.grad_accum if run.clock is not None else 1  # micro-steps an update
-    if run.step - stride < a - 1 <= run.step and not self.tracing:
+    if run.step < a <= run.step + run.cfg.grad_accum and not self.tracing:
       with paused:
         self._start_trace()
-    elif run.step - stride < b <= run.step and self.tracing:
+    if run.step >= b and self.tracing:
       with paused:
         self._stop_trace()
 

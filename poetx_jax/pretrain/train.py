@@ -441,9 +441,10 @@ def _log_step(run: Run) -> None:
   and writes the step's record."""
   run.loss = loss = float(run.loss)
   if not math.isfinite(loss):  # the step's loss is that of the state before it
+    before = run.step - run.cfg.grad_accum  # the update's loss: of the state before it
     run.diverged(f'the loss became {loss} at step {run.step}, computed from the state of '
-                 f'step {run.step - 1}', bad=run.step - 1)
-  run.good = run.step - 1
+                 f'step {before}', bad=before)
+  run.good = run.step - run.cfg.grad_accum
   elapsed = time.perf_counter() - run.t0
   tok_s = (run.step - run.start) * (run.cfg.batch_size * run.cfg.seq_len) / elapsed
   run.progress.update(run.step, loss, tok_s)
