@@ -45,8 +45,9 @@ def make_train_step(loss_fn: tp.Callable, *, merge_every: int | None = None,
       ``(loss, aux)`` with ``has_aux=True``.
     merge_every: calls of the step per merge cycle: the ``merge_every`` of
       ``poetx`` (times the micro-steps of an ``optax.MultiSteps`` gradient
-      accumulation; with ``accumulate`` a call is one update). Given, the step decides merges on the host with
-      no device read per call, and checks the optimizer's own verdict
+      accumulation; with ``accumulate`` a call is one update). Given, the step
+      decides merges on the host with no device read per call, and checks the
+      optimizer's own verdict
       (:func:`poetx_jax.merge_due`) once it is computed (at most two calls
       later), raising if they disagree. None reads that verdict back after every call, which makes
       the host wait for each update before dispatching the next.
@@ -85,7 +86,8 @@ def make_train_step(loss_fn: tp.Callable, *, merge_every: int | None = None,
       ``data_parallel`` each device sums its own micro-batches' gradients and
       the devices average once per update, not once per micro-batch (batch
       arrays then split over the mesh on their second axis). The sum is kept
-      in the gradients' dtype, as ``optax.MultiSteps`` keeps it.
+      in the gradients' dtype, as ``optax.MultiSteps`` keeps it (each
+      weighted term computed in float32).
 
   Returns:
     The step function; it returns the loss (and aux) before the update. It
@@ -289,10 +291,9 @@ def _accumulated(loss_fn: tp.Callable, loss_weight: tp.Callable | None, accumula
   gradients (weights ``loss_weight(micro_batch)``, or 1 each) and the sum of
   the weights, nothing divided yet (each product in float32, the sums in the
   gradients' dtype). ``batches``' leading axis must be ``accumulate`` long.
-  ``mutable``: variables other than
-  ``nnx.Param`` the loss writes (RNG counters, say) carry from one
-  micro-batch to the next and are written back; otherwise such a write is
-  refused (:func:`_refuse_state_changes`)."""
+  ``mutable``: variables other than ``nnx.Param`` the loss writes (RNG
+  counters, say) carry from one micro-batch to the next and are written
+  back; otherwise such a write is refused (:func:`_refuse_state_changes`)."""
 
   def value_and_grad(model, batches):
     lengths = {x.shape[0] if x.ndim else None for x in jax.tree.leaves(batches)}
