@@ -233,3 +233,24 @@ def test_a_killed_peer_stops_the_other_naming_it(tmp_path):
       f'poetx train: error: process 0: process 1 of 2 sent no heartbeat for {timeout} s '
       f'(killed, crashed or cut off; its output may say why); stopping'), err[-3000:]
   assert waited < timeout + 15, waited
+
+
+def test_two_processes_merge_drawing_the_same_permutations_with_no_collective():
+  """A POET model replicated over the devices of two processes (dp) merges
+  with no collective, and each process draws the same new permutations from
+  the shared key."""
+  port = _free_port()
+  here = os.path.dirname(os.path.abspath(__file__))
+  env = {**os.environ, 'JAX_PLATFORMS': 'cpu', 'XLA_FLAGS': host_devices(2),
+         'PYTHONPATH': os.pathsep.join([here, os.path.dirname(here)])}
+  procs = [subprocess.Popen([sys.executable, os.path.join(here, 'multiprocess_merge.py'),
+                             str(port), str(i)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env) for i in range(2)]
+  outs = [p.communicate(timeout=600) for p in procs]
+  for p, (out, err) in zip(procs, outs):
+    assert p.returncode == 0, err[-3000:]
+  got = [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
+  assert got[0]['digest'] == got[1]['digest'], got
+  assert got[0]['changed'] and got[0]['permutations'] == 14, got
+  assert got[0]['collectives'] == got[1]['collectives'] == 0, got
+  assert (got[0]['devices'], got[0]['processes']) == (4, 2), got
