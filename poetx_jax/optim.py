@@ -63,11 +63,13 @@ class ScaleByPoetxState(tp.NamedTuple):
 
 
 SECOND_MOMENTS = ('full', 'block')
+EPS_PLACEMENTS = ('corrected', 'raw')
 
 
 def scale_by_poetx(*, merge_every: int | None = 200, b1: float = 0.9,
                    b2: float = 0.999, eps: float = 1e-8, mu_dtype: tp.Any = None,
-                   second_moment: str = 'full') -> optax.GradientTransformation:
+                   second_moment: str = 'full',
+                   eps_placement: str = 'corrected') -> optax.GradientTransformation:
   r"""Adam scaling whose moments restart at every merge point.
 
   With ``c`` the updates since the last merge point (``cycle``, counted from
@@ -87,6 +89,12 @@ def scale_by_poetx(*, merge_every: int | None = 200, b1: float = 0.9,
   second moment per block: a POET layer's generators are
   ``(K, B(B-1)/2)``, a row per B x B block).
 
+  ``eps_placement='raw'`` adds ``eps`` before the bias correction, as the
+  published POET-X's AdamW (and PyTorch-style ``correct_bias`` AdamWs) do:
+  ``u = sqrt(1 - b2^c) / (1 - b1^c) * m_c / (sqrt(v_c) + eps)``, which is the
+  formula above with ``eps / sqrt(1 - b2^c)`` in place of ``eps``: a larger
+  offset in the first updates of every cycle.
+
   Args:
     merge_every: updates per merge cycle; ``None`` never restarts.
     b1, b2, eps: Adam's decay rates and denominator offset.
@@ -95,6 +103,9 @@ def scale_by_poetx(*, merge_every: int | None = 200, b1: float = 0.9,
       state is one parameter-sized array (the first moment) plus K numbers
       per layer side; a ragged last block's padding entries (always zero
       gradient) count in its mean.
+    eps_placement: ``'corrected'`` (``eps`` added to the bias-corrected
+      ``sqrt(v)``, optax's Adam) or ``'raw'`` (before the correction, the
+      published POET-X's).
 
   Returns:
     An ``optax.GradientTransformation`` with :class:`ScaleByPoetxState`.
@@ -109,6 +120,9 @@ def scale_by_poetx(*, merge_every: int | None = 200, b1: float = 0.9,
   if second_moment not in SECOND_MOMENTS:
     raise ValueError(f'second_moment must be one of {SECOND_MOMENTS}, '
                      f'got {second_moment!r}')
+  if eps_placement not in EPS_PLACEMENTS:
+    raise ValueError(f'eps_placement must be one of {EPS_PLACEMENTS}, '
+                     f'got {eps_placement!r}')
   mu_dtype = check_mu_dtype(mu_dtype)
   blockwise = second_moment == 'block'
   square = lambda g: _squared(g, blockwise)
@@ -128,8 +142,12 @@ def scale_by_poetx(*, merge_every: int | None = 200, b1: float = 0.9,
                       updates, keep(state.nu), is_leaf=lambda x: x is None)
     t = state.cycle + 1
     mu_hat = optax.tree.bias_correction(mu, b1, t)
-    nu_hat = optax.tree.bias_correction(nu, b2, t)
-    new = jax.tree.map(lambda m, v: m / (jnp.sqrt(v) + eps), mu_hat, nu_hat)
+    if eps_placement == 'raw':  # sqrt(1 - b2^t) * m_hat / (sqrt(v) + eps)
+      root = lambda m: jnp.sqrt(1 - jnp.asarray(b2, m.dtype) ** t.astype(m.dtype))
+      new = jax.tree.map(lambda m, v: root(m) * m / (jnp.sqrt(v) + eps), mu_hat, nu)
+    else:
+      nu_hat = optax.tree.bias_correction(nu, b2, t)
+      new = jax.tree.map(lambda m, v: m / (jnp.sqrt(v) + eps), mu_hat, nu_hat)
     count = optax.safe_increment(state.count)
     mu = optax.tree.cast(mu, mu_dtype)
     return new, ScaleByPoetxState(count=count, cycle=_cycle_after(state.cycle, merge_every),
@@ -165,8 +183,8 @@ def _cycle_after(cycle: Array, merge_every) -> Array:
 
 def poetx(learning_rate: ScalarOrSchedule, *, merge_every: int | None = 200,
           b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
-          mu_dtype: tp.Any = None,
-          second_moment: str = 'full') -> optax.GradientTransformation:
+          mu_dtype: tp.Any = None, second_moment: str = 'full',
+          eps_placement: str = 'corrected') -> optax.GradientTransformation:
   r"""The POET-X optimizer for the skew generators of POET layers.
 
   Adam on the packed skew-symmetric generators, restarted at every merge
@@ -193,7 +211,9 @@ def poetx(learning_rate: ScalarOrSchedule, *, merge_every: int | None = 200,
     learning_rate: the step size, a float or an optax schedule.
     merge_every: updates per merge cycle (the reference uses 200); ``None``
       never restarts.
-    b1, b2, eps, mu_dtype, second_moment: see :func:`scale_by_poetx`.
+    b1, b2, eps, mu_dtype, second_moment, eps_placement: see
+      :func:`scale_by_poetx` (the published POET-X: ``eps=1e-6,
+      eps_placement='raw'``).
 
   Returns:
     An ``optax.GradientTransformation``; works with ``optax.chain``,
@@ -206,7 +226,8 @@ def poetx(learning_rate: ScalarOrSchedule, *, merge_every: int | None = 200,
   check_hyperparameters(learning_rate=learning_rate)
   return optax.chain(
       scale_by_poetx(merge_every=merge_every, b1=b1, b2=b2, eps=eps,
-                     mu_dtype=mu_dtype, second_moment=second_moment),
+                     mu_dtype=mu_dtype, second_moment=second_moment,
+                     eps_placement=eps_placement),
       optax.scale_by_learning_rate(learning_rate))
 
 

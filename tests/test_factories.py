@@ -60,3 +60,22 @@ def test_poet_model_is_built_layer_by_layer_with_the_whole_model_result(quantize
   assert [p for p, _ in built] == [p for p, _ in eager]
   chex.assert_trees_all_equal({str(p): np.asarray(v[...]) for p, v in built},
                               {str(p): np.asarray(v[...]) for p, v in eager})
+
+
+def test_the_poet_eps_options_reach_the_poetx_transform(monkeypatch):
+  """--poet-eps and --poet-eps-placement are the poetx transform's eps and
+  eps_placement; left unset, its defaults (1e-8 on the corrected root)."""
+  import poetx_jax
+  seen = []
+  real = poetx_jax.poetx
+
+  def spy(*args, **kwargs):
+    seen.append(kwargs)
+    return real(*args, **kwargs)
+
+  monkeypatch.setattr(poetx_jax, 'poetx', spy)
+  for options, want in ((dict(), (1e-8, 'corrected')),
+                        (dict(poet_eps=1e-6, poet_eps_placement='raw'), (1e-6, 'raw'))):
+    cfg = TrainConfig(model='tiny', dtype='float32', **options)
+    factories.abstract_state(make_plan(cfg, 512))
+    assert (seen[-1]['eps'], seen[-1]['eps_placement']) == want

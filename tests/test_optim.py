@@ -43,6 +43,43 @@ def test_first_cycle_is_adam_with_the_step_size_as_given(keys):
   chex.assert_trees_all_close(got, want, rtol=1e-6, atol=1e-9)
 
 
+def _reference_adamw_steps(grads, lr, merge_every, b1=0.9, b2=0.999, eps=1e-6):
+  """The published POET-X AdamW's parameter steps, written out in float64:
+  moments and step counter reset every ``merge_every`` updates, ``eps``
+  added to the raw root, then ``lr * sqrt(1 - b2^t) / (1 - b1^t)``."""
+  m = v = None
+  out = []
+  for n, g in enumerate(grads):
+    g = np.asarray(g, np.float64)
+    if m is None or n % merge_every == 0:
+      m, v, t = np.zeros_like(g), np.zeros_like(g), 0
+    t += 1
+    m = b1 * m + (1 - b1) * g
+    v = b2 * v + (1 - b2) * g * g
+    out.append(-lr * np.sqrt(1 - b2 ** t) / (1 - b1 ** t) * m / (np.sqrt(v) + eps))
+  return out
+
+
+def test_raw_eps_placement_is_the_published_adamw_in_float64(keys):
+  """eps_placement='raw' with eps 1e-6: the reference's update, step by
+  step across two merges, to float64 rounding; gradients small enough
+  (1e-5) that the placement matters."""
+  with jax.enable_x64(True):
+    grads = [1e-5 * jax.random.normal(k, (4, 6), jnp.float64)
+             for k in jax.random.split(keys(), 7)]
+    tx = poetx(3e-3, merge_every=3, eps=1e-6, eps_placement='raw')
+    got, _ = _run(tx, jnp.zeros((4, 6), jnp.float64), grads)
+    want = _reference_adamw_steps(grads, 3e-3, 3)
+    for u, w in zip(got, want):
+      assert u.dtype == jnp.float64
+      np.testing.assert_allclose(np.asarray(u), w, rtol=1e-12, atol=0)
+    corrected, _ = _run(poetx(3e-3, merge_every=3, eps=1e-6), jnp.zeros((4, 6), jnp.float64),
+                        grads)
+    assert not np.allclose(np.asarray(corrected[0]), want[0], rtol=1e-3)
+  with pytest.raises(ValueError, match="eps_placement must be one of.*got 'late'"):
+    poetx(1e-3, eps_placement='late')
+
+
 def test_blockwise_second_moment_matches_its_definition(keys):
   """second_moment='block': Adam with one second moment per row (per POET block)."""
   params, grads = _params(keys()), _grads(keys(), 4)

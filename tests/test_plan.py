@@ -214,16 +214,17 @@ def test_a_given_tokenizer_sets_the_vocabulary_and_a_contradicting_one_is_refuse
 
 
 def test_each_poet_only_option_with_adamw_is_refused_naming_it(capsys):
-  """All 17 options marked POET-only, each set with --optimizer adamw (and
+  """All 19 options marked POET-only, each set with --optimizer adamw (and
   skewadam): exit 2, one line naming the option; none is silently ignored."""
   flags = {'poet_lr': ['1e-3'], 'clip_ramp': ['10'], 'merge_every': ['7'],
            'block_size': ['32'], 'max_generator_norm': ['0.5'],
            'normalize_rows': [], 'tie_permutations': [], 'mode': ['mem'],
            'form': ['weight'], 'implementation': ['pallas'], 'quantize': ['int8'],
            'group_size': ['64'], 'generator_dtype': ['bfloat16'], 'skew_tiers': [],
-           'norm_gathers': [], 'permutation': ['chunk'], 'chunk_size': ['8']}
+           'norm_gathers': [], 'permutation': ['chunk'], 'chunk_size': ['8'],
+           'poet_eps': ['1e-6'], 'poet_eps_placement': ['raw']}
   marked = [f.name for f in dataclasses.fields(TrainConfig) if f.metadata.get('poet')]
-  assert sorted(marked) == sorted(flags) and len(marked) == 17
+  assert sorted(marked) == sorted(flags) and len(marked) == 19
   for optimizer in ('adamw', 'skewadam'):
     for name, values in flags.items():
       flag = '--' + name.replace('_', '-')

@@ -29,7 +29,7 @@ import json
 import math
 import typing as tp
 
-from poetx_jax import linear, models, ops, sharding
+from poetx_jax import linear, models, ops, optim, sharding
 from poetx_jax.models import llama
 from poetx_jax.pretrain.kv import parse_overrides
 from poetx_jax.pretrain.data.tokenizer import MAX_BPE_VOCAB, MIN_BPE_VOCAB
@@ -130,6 +130,12 @@ class TrainConfig:
       0, 'POET-X: after each merge, clip to 0.1 x --clip and ramp the bound back over N '
       f'updates, during the first {CLIP_RAMP_UNTIL} updates (the published POET-X\'s '
       'merge-aware clip; 0: plain clipping)', min=0, max=INT32_MAX)
+  poet_eps: float = _poet(1e-8, 'POET-X Adam denominator offset (the published POET-X: 1e-6)',
+                          gt=0)
+  poet_eps_placement: str = _poet(
+      'corrected', "where POET-X adds --poet-eps: to the bias-corrected root of the second "
+      "moment (optax's Adam) or to the raw root, before the bias correction (the published "
+      'POET-X)', choices=optim.EPS_PLACEMENTS)
   merge_every: int | None = _poet(
       None, 'POET-X merge interval in updates', min=1, max=INT32_MAX,
       none=f'{DEFAULT_MERGE_EVERY}; {WIDE_MERGE_EVERY} on a model of hidden size >= '

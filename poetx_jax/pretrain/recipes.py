@@ -101,7 +101,8 @@ def _poetx(plan: 'Plan', model) -> optax.GradientTransformation:
   ``skew_tiers``, for the other parameters."""
   o = plan.options
   lean = dict(mu_dtype=jnp.bfloat16, second_moment='block') if o.lean_state else {}
-  poet = poetx_jax.poetx(plan.poet_lr_schedule, merge_every=plan.merge_every, **lean)
+  poet = poetx_jax.poetx(plan.poet_lr_schedule, merge_every=plan.merge_every,
+                         eps=o.poet_eps, eps_placement=o.poet_eps_placement, **lean)
   if o.skew_tiers:
     return poetx_jax.poetx_skewadam(model, poet, plan.lr_schedule,
                                     weight_decay=plan.weight_decay)
