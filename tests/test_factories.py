@@ -79,3 +79,28 @@ def test_the_poet_eps_options_reach_the_poetx_transform(monkeypatch):
     cfg = TrainConfig(model='tiny', dtype='float32', **options)
     factories.abstract_state(make_plan(cfg, 512))
     assert (seen[-1]['eps'], seen[-1]['eps_placement']) == want
+
+
+def test_adamw_in_bfloat16_keeps_weights_and_moments_in_bfloat16():
+  """--optimizer adamw --param-dtype bfloat16 is AdamW as the published
+  POET-X's scripts train it: every weight and both Adam moments in bfloat16,
+  each update rounded to the nearest bfloat16 (a step below half a unit of a
+  weight is lost)."""
+  import jax
+  import jax.numpy as jnp
+  cfg = TrainConfig(model='tiny', optimizer='adamw', param_dtype='bfloat16', weight_decay=0.0,
+                    lr=1e-3, warmup=0, clip=0.0)
+  model, opt = factories.build_state(make_plan(cfg, 512))
+  floats = [x for x in jax.tree.leaves(nnx.state((model, opt))) if jnp.issubdtype(x.dtype,
+                                                                                jnp.floating)]
+  assert floats and all(x.dtype == jnp.bfloat16 for x in floats)
+  before = model.embed_tokens.embedding[...]
+  grads = jax.tree.map(jnp.ones_like, nnx.state(model, nnx.Param))
+  opt.update(model, grads)  # Adam's first step: lr * sign(g) on every weight
+  after = model.embed_tokens.embedding[...]
+  assert after.dtype == jnp.bfloat16
+  step = jnp.asarray(-1e-3, jnp.bfloat16).astype(jnp.float32)  # the step, in bfloat16
+  want = (before.astype(jnp.float32) + step).astype(jnp.bfloat16)  # the sum rounded to nearest
+  np.testing.assert_array_equal(np.asarray(after, np.float32), np.asarray(want, np.float32))
+  assert not bool(jnp.any(after == before))  # steps above half a unit move the weight
+  assert bool(jnp.all(model.norm.weight[...] == 1))  # 1 - 1e-3 rounds back to 1: step lost
