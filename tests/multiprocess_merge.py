@@ -9,33 +9,35 @@ import hashlib
 import json
 import sys
 
-from poetx_jax.pretrain import processes
 
-processes.initialize(f'localhost:{sys.argv[1]}', 2, int(sys.argv[2]), timeout=120)
-
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-from flax import nnx  # noqa: E402
-
-from poetx_jax import cycle, sharding  # noqa: E402
-from poetx_jax.linear import Permutation  # noqa: E402
-import sharded_check  # noqa: E402
-
-
-def local_permutations(model) -> list[np.ndarray]:
+def local_permutations(model) -> list:
   """Every permutation array as this process holds it (its first device's copy)."""
+  import numpy as np
+  from flax import nnx
+  from poetx_jax.linear import Permutation
   return [np.asarray(v.get_value().addressable_shards[0].data)
           for _, v in nnx.to_flat_state(nnx.state(model, Permutation))]
 
 
-mesh = sharding.make_mesh()  # (data 4, fsdp 1) over both processes
-model, _ = sharded_check.build(mesh=mesh, strategy='dp')
-before = local_permutations(model)
-cycle.merge(model, rngs=jax.random.key(7))
-after = local_permutations(model)
-digest = hashlib.sha256(b''.join(a.tobytes() for a in after)).hexdigest()
-collectives = sum(len(sites) for _, sites in cycle.merge_collectives(model))
-print(json.dumps({'digest': digest, 'changed': any(not np.array_equal(a, b)
-                                                   for a, b in zip(before, after)),
-                  'permutations': len(after), 'collectives': collectives,
-                  'devices': jax.device_count(), 'processes': jax.process_count()}))
+def main(port: str, process_id: int) -> None:
+  from poetx_jax.pretrain import processes
+  processes.initialize(f'localhost:{port}', 2, process_id, timeout=120)
+  import jax
+  import numpy as np
+  from poetx_jax import cycle, sharding
+  import sharded_check
+  mesh = sharding.make_mesh()  # (data 4, fsdp 1) over both processes
+  model, _ = sharded_check.build(mesh=mesh, strategy='dp')
+  before = local_permutations(model)
+  cycle.merge(model, rngs=jax.random.key(7))
+  after = local_permutations(model)
+  digest = hashlib.sha256(b''.join(a.tobytes() for a in after)).hexdigest()
+  collectives = sum(len(sites) for _, sites in cycle.merge_collectives(model))
+  print(json.dumps({'digest': digest,
+                    'changed': any(not np.array_equal(a, b) for a, b in zip(before, after)),
+                    'permutations': len(after), 'collectives': collectives,
+                    'devices': jax.device_count(), 'processes': jax.process_count()}))
+
+
+if __name__ == '__main__':
+  main(sys.argv[1], int(sys.argv[2]))
