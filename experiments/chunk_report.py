@@ -5,12 +5,15 @@ A study folder (``docs/results/chunk-permutations``) holds ``calls.json``
 that wrote them, a call's own commit, date and device where they differ;
 ``references``: figures of other studies compared with, and their pages),
 the kernel records of ``bench_fused.py --json``, the step records of
-``bench_train.py --json`` and the quality studies' ``results.json`` of
-``quality_report.py`` (``quality-*.json``). This writes the folder's
-``README.md`` from them: the gathers against the copy floor, the fused
-kernels against XLA's compositions, each training step against AdamW of the
-same call, and each draw's validation perplexity per seed, so that every
-figure on the page comes from a record::
+``bench_train.py --json`` (``step-*.json``; a run named ``poet_torch ...``
+holds poet_torch_step.py's figures of the same call), the traces of
+``profile_step.py --json`` (``profile-*.json``) and the quality studies'
+``results.json`` of ``quality_report.py`` (``quality-*.json``). This writes
+the folder's ``README.md`` from them: the gathers against the copy floor, the
+fused kernels against XLA's compositions, each training step against AdamW
+(or poet_torch) of the same call, where a profiled step's time goes, and
+each draw's validation perplexity per seed, so that every figure on the page
+comes from a record::
 
     python3 experiments/chunk_report.py docs/results/chunk-permutations
 """
@@ -77,6 +80,25 @@ def step_rows(records: list[dict], baseline: str) -> list[str]:
     tokens = rs[0]['batch'] * rs[0]['seq_len'] / step
     out.append(f"| {name} | {', '.join(f'{1e3 * r['step_s']:.1f}' for r in rs)} ms | "
                f"{1e3 * step:.1f} ms | {tokens:,.0f} | {rs[0]['peak_gib']:.2f} | {base / step:.3f}× |")
+  return out
+
+
+def profile_rows(records: list[dict], top: int = 8) -> list[str]:
+  """Per profiled run: wall and busy time per step and each kernel
+  category's; then its ``top`` kernels (per step, summed over launches)."""
+  cats = list(records[0]['categories'])
+  out = ['| run | wall | device busy | ' + ' | '.join(cats) + ' |',
+         '|---|---|---|' + '---|' * len(cats)]
+  for r in records:
+    out.append(f"| {r['run']} | {r['wall_ms']:.1f} ms | {100 * r['busy_share']:.0f}% | "
+               + ' | '.join(f"{r['categories'][c]['ms']:.1f} ms ({100 * r['categories'][c]['share']:.0f}%)"
+                            for c in cats) + ' |')
+  for r in records:
+    out += ['', f"The {top} largest kernels of `{r['run']}` (ms a step, summed over a step's launches):", '',
+            '| kernel | category | ms | share | launches a step |', '|---|---|---|---|---|']
+    for k in r['top'][:top]:
+      out.append(f"| `{k['op']}` | {k['category']} | {k['ms']:.1f} | {100 * k['share']:.1f}% | "
+                 f"{k['launches']} |")
   return out
 
 
@@ -196,9 +218,17 @@ def report(folder: pathlib.Path) -> str:
   for name in sorted(p.name for p in folder.glob('step-*.json')):
     recs = load(folder, name)
     first = recs[0]
-    base = 'adamw' if any(r['run'] == 'adamw' for r in recs) else recs[0]['run']
+    names = [r['run'] for r in recs]
+    base = ('adamw' if 'adamw' in names else
+            next((n for n in names if n.startswith('poet_torch')), names[0]))
     lines += [f"`{name}`: {first['model']}, seq {first['seq_len']}, batch {first['batch']}, "
               f"{first['device']}", '', *step_rows(recs, base), '']
+  for name in sorted(p.name for p in folder.glob('profile-*.json')):
+    recs = load(folder, name)
+    first = recs[0]
+    lines += [f"### Where the time goes: `{name}`", '',
+              f"{first['model']}, seq {first['seq_len']}, batch {first['batch']}, {first['device']}; "
+              f"{first['steps']} traced steps dispatched back to back.", '', *profile_rows(recs), '']
   quality = sorted(p.name for p in folder.glob('quality-*.json'))
   if quality:
     lines += ['## Quality: validation perplexity of each draw on the same tokens', '']
