@@ -433,7 +433,7 @@ def train_run(a, run: dict, done: list[dict], out: pathlib.Path,
   spec = {'name': run['name'], 'config': run['config'], 'optimizer': cfg.optimizer,
           'lr': lr, 'poet_lr': plan.poet_lr, 'seed': cfg.seed, 'block_size': plan.block_size,
           'tiers': cfg.skew_tiers, 'merge_every': plan.merge_every,
-          'permutation': plan.permutation,
+          'param_dtype': cfg.param_dtype, 'permutation': plan.permutation,
           'chunk_size': cfg.chunk_size if plan.permutation == 'chunk' else None}
   progress(f'run {len(done) + 1}/{len(a.plan)}: {run["name"]} (lr {lr:g})')
   hook = spectrum_hook(a.probe_every)

@@ -100,15 +100,22 @@ def summarise(spec: dict, out_dir: pathlib.Path, tokens_per_step: int) -> dict:
 FAMILIES = {'adamw': 'AdamW', 'muon': 'Muon', 'skewadam': 'SkewAdam'}
 
 
+POET_FAMILIES = {'poetx': 'POET-X', 'poetx-muon': 'POET-X Muon'}
+
+
 def family(r: dict) -> str:
-  """The optimizer family of a run: AdamW, Muon, SkewAdam, POET-X B=.. (+ tiers).
+  """The optimizer family of a run: AdamW, Muon, SkewAdam (each with ``bf16``
+  when its weights were bfloat16), POET-X or POET-X Muon B=.. (+ tiers).
 
     >>> family({'optimizer': 'muon'}), family({'optimizer': 'poetx', 'block_size': 256})
     ('Muon', 'POET-X B=256')
+    >>> family({'optimizer': 'adamw', 'param_dtype': 'bfloat16'})
+    'AdamW bf16'
   """
-  if r['optimizer'] != 'poetx':
-    return FAMILIES[r['optimizer']]
-  return f'POET-X B={r["block_size"]}' + (' + tiers' if r.get('tiers') else '')
+  if r['optimizer'] not in POET_FAMILIES:
+    return FAMILIES[r['optimizer']] + (' bf16' if r.get('param_dtype') == 'bfloat16' else '')
+  return (f'{POET_FAMILIES[r["optimizer"]]} B={r["block_size"]}'
+          + (' + tiers' if r.get('tiers') else ''))
 
 
 def stat(values: list[float | None]) -> dict:
@@ -264,7 +271,7 @@ def plot_spectrum(res: dict, paths: list[str], path: pathlib.Path) -> None:
         ax_o.plot(*_positive(steps, [x[f'{p}/orth_err'] for x in r['probes']]),
                   **{**kw, 'ls': 'none', 'marker': markers[p]})
   last = max((x['step'] for r in chosen for x in r['probes']), default=0)
-  for every in {r['merge_every'] for r in chosen if r['optimizer'] == 'poetx'}:
+  for every in {r['merge_every'] for r in chosen if r['optimizer'] in POET_FAMILIES}:
     for ax in (ax_d, ax_e, ax_o):
       for m in range(every, last + 1, every):
         ax.axvline(m, color='0.6', lw=0.8, ls=':')

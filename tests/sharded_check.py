@@ -228,6 +228,13 @@ def _follows(model, opt) -> tuple[int, int]:
   return len(pairs), sum(specs[o] != _spec(params[p]) for p, o in pairs)
 
 
+# poetx-muon's state is poetx's (a moment shaped like each generator, the
+# cycle) with no second moment: two device counts of each strategy and the
+# resumes add nothing for it that poetx's cases do not check, so it runs dp 2,
+# fsdp 2 and the resume from fsdp 2 onto one device.
+SHARDED_CASES = {'poetx-muon': ((2, 'dp'), (2, 'fsdp'))}
+
+
 def optimizers(ckpt_dir):
   """Every optimizer family of ``poetx train`` (recipes.RECIPES) on 2 and 4
   of this process's devices, by dp and by fsdp (fsdp = the device count), and
@@ -298,13 +305,14 @@ def optimizers(ckpt_dir):
   for family in RECIPES:
     ref = reference(config(family))
     two = f'{ckpt_dir}/{family}-2'
-    for n, strategy in ((2, 'dp'), (4, 'dp'), (2, 'fsdp'), (4, 'fsdp')):
+    for n, strategy in SHARDED_CASES.get(family, ((2, 'dp'), (4, 'dp'), (2, 'fsdp'), (4, 'fsdp'))):
       plan = config(family, strategy, n if strategy == 'fsdp' else 1)
       save = two if (n, strategy) == (2, 'fsdp') else None
       out[f'{family} {strategy} {n}'] = compare(train(plan, n, save=save), ref)
-    out[f'{family} resume 1->2'] = compare(
-        train(config(family, 'fsdp', 2), 2, range(2, 4), restore=f'{ckpt_dir}/{family}-1'),
-        ref)
+    if family not in SHARDED_CASES:
+      out[f'{family} resume 1->2'] = compare(
+          train(config(family, 'fsdp', 2), 2, range(2, 4), restore=f'{ckpt_dir}/{family}-1'),
+          ref)
     out[f'{family} resume 2->1'] = compare(
         train(config(family), 1, range(2, 4), restore=two), ref)
   # POET-X drawing chunk permutations (runs of 4 in blocks of 16) under fsdp,

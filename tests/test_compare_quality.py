@@ -407,5 +407,10 @@ def test_family_names_every_optimizer_of_the_app():
   from poetx_jax.pretrain.recipes import RECIPES
   for name in RECIPES:
     r = {'optimizer': name, 'block_size': 64}
-    assert R.family(r) == ('POET-X B=64' if name == 'poetx' else R.FAMILIES[name])
+    want = (f'{R.POET_FAMILIES[name]} B=64' if RECIPES[name].poetizes else R.FAMILIES[name])
+    assert R.family(r) == want
   assert R.family({'optimizer': 'muon'}) == 'Muon'
+  assert R.family({'optimizer': 'poetx-muon', 'block_size': 512}) == 'POET-X Muon B=512'
+  # bf16 weights are a family of their own; records written before the field, fp32
+  assert R.family({'optimizer': 'adamw', 'param_dtype': 'bfloat16'}) == 'AdamW bf16'
+  assert R.family({'optimizer': 'adamw', 'param_dtype': 'float32'}) == 'AdamW'

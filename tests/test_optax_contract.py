@@ -53,6 +53,14 @@ def poetx_with_skewadam(learning_rate, *, merge_every=3, b1=0.9, b2=0.999, eps=1
       eps=eps, weight_decay=weight_decay, min_dim_size_to_factor=min_dim_size_to_factor)
 
 
+def poetx_muon_beside_adam(learning_rate, *, merge_every=3, beta=0.95, rms=0.2):
+  """poetx_muon on 'w' (eight packed 4 x 4 skew blocks), Adam on the rest."""
+  labels = lambda params: {k: 'gen' if k == 'w' else 'rest' for k in params}
+  return optax.partition(
+      {'gen': poetx_jax.poetx_muon(learning_rate, merge_every=merge_every, beta=beta, rms=rms),
+       'rest': optax.adam(learning_rate)}, labels)
+
+
 @dataclasses.dataclass(frozen=True)
 class Spec:
   """An optimizer under test: ``factory(learning_rate=LR, **hyper, **static)``.
@@ -107,6 +115,8 @@ OPTIMIZERS = [
     # Default labels (all 'backbone' by path) and min_dim_size_to_factor: the
     # defaults alone need no static_args.
     Spec('skewadam_defaults', poetx_jax.skewadam, dict(weight_decay=1e-2)),
+    # Newton–Schulz runs in bf16, and XLA may fuse it differently under jit.
+    Spec('poetx_muon', poetx_muon_beside_adam, dict(merge_every=3, beta=0.9, rms=0.3), rtol=2e-2),
     Spec('poetx_skewadam', poetx_with_skewadam,
          dict(merge_every=3, b1=0.8, b2=0.99, weight_decay=1e-2),
          dict(min_dim_size_to_factor=4)),

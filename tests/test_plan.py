@@ -262,11 +262,11 @@ def test_a_poet_switch_turned_off_is_accepted_with_every_optimizer():
 
 
 def test_recipes_say_whether_they_poetize():
-  """The optimizer choices are the recipes; only POET-X poetizes; a plan
-  carries its recipe."""
+  """The optimizer choices are the recipes; only the POET-X families poetize;
+  a plan carries its recipe."""
   assert TrainConfig.__dataclass_fields__['optimizer'].metadata['choices'] == tuple(
       recipes.RECIPES)
-  assert [r.name for r in recipes.RECIPES.values() if r.poetizes] == ['poetx']
+  assert [r.name for r in recipes.RECIPES.values() if r.poetizes] == ['poetx', 'poetx-muon']
   assert _plan(optimizer='adamw').recipe is recipes.RECIPES['adamw']
   assert _plan().poetize and not _plan(optimizer='skewadam').poetize
 

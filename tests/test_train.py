@@ -50,9 +50,10 @@ def _params(run):
                                      dict(optimizer='skewadam'), dict(optimizer='muon'),
                                      dict(optimizer='poetx', skew_tiers=True),
                                      dict(optimizer='poetx', permutation='chunk', chunk_size=4,
-                                          tie_permutations=True)],
+                                          tie_permutations=True),
+                                     dict(optimizer='poetx-muon')],
                          ids=['poetx', 'adamw', 'skewadam', 'muon', 'poetx-skew-tiers',
-                              'poetx-chunk-tied'])
+                              'poetx-chunk-tied', 'poetx-muon'])
 def test_resume_is_bit_exact_across_merges(tmp_path, corpus, options, monkeypatch):
   """A resumed run continues exactly as the uninterrupted one; it restores
   into the state's shapes (no random model is built first)."""

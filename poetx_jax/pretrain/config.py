@@ -289,6 +289,12 @@ class TrainConfig:
                        f'layers, and optimizer {self.optimizer!r} does not poetize the model '
                        f'(it trains the dense weights): leave {"them" if len(poet) > 1 else "it"}'
                        f' out, or use optimizer {which}')
+    unused = [f'{n}={getattr(self, n)!r}' for n in RECIPES[self.optimizer].unused
+              if getattr(self, n) != self.__dataclass_fields__[n].default]
+    if unused:
+      raise ValueError(f'{", ".join(unused)}: optimizer {self.optimizer!r} does not use '
+                       f'{"them" if len(unused) > 1 else "it"} (it keeps no Adam second moment '
+                       f'for the generators): leave {"them" if len(unused) > 1 else "it"} out')
     if self.loss_chunk > self.seq_len:
       raise ValueError(f'loss_chunk={self.loss_chunk} is more than the seq_len={self.seq_len} '
                        f'positions of a sequence: give at most {self.seq_len}, or 0 for the '

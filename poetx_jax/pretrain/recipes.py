@@ -78,6 +78,8 @@ class Recipe:
       WIDE_HIDDEN (None: DEFAULT_LR at every size).
     wide_weight_decay: the default decoupled weight decay (``--weight-decay``)
       on models of hidden size >= WIDE_HIDDEN (0 below).
+    unused: options of the POET layers this family does not read; given
+      other than their defaults, they are refused.
   """
   name: str
   poetizes: bool
@@ -85,6 +87,7 @@ class Recipe:
   help: str
   wide_lr: float | None = None
   wide_weight_decay: float = 0.0
+  unused: tuple[str, ...] = ()
 
 
 def _dense_adamw(plan: 'Plan') -> optax.GradientTransformation:
@@ -103,6 +106,18 @@ def _poetx(plan: 'Plan', model) -> optax.GradientTransformation:
   lean = dict(mu_dtype=jnp.bfloat16, second_moment='block') if o.lean_state else {}
   poet = poetx_jax.poetx(plan.poet_lr_schedule, merge_every=plan.merge_every,
                          eps=o.poet_eps, eps_placement=o.poet_eps_placement, **lean)
+  if o.skew_tiers:
+    return poetx_jax.poetx_skewadam(model, poet, plan.lr_schedule,
+                                    weight_decay=plan.weight_decay)
+  return poetx_jax.poetx_partition(model, poet, _dense_adamw(plan))
+
+
+def _poetx_muon(plan: 'Plan', model) -> optax.GradientTransformation:
+  """POET-X with Muon's orthogonalised updates on the generators (a bf16
+  momentum with ``lean_state``); AdamW, or SkewAdam's tiers, for the rest."""
+  o = plan.options
+  poet = poetx_jax.poetx_muon(plan.poet_lr_schedule, merge_every=plan.merge_every,
+                              mu_dtype=jnp.bfloat16 if o.lean_state else None)
   if o.skew_tiers:
     return poetx_jax.poetx_skewadam(model, poet, plan.lr_schedule,
                                     weight_decay=plan.weight_decay)
@@ -154,6 +169,9 @@ def _muon(plan: 'Plan', model) -> optax.GradientTransformation:
 
 RECIPES: dict[str, Recipe] = {r.name: r for r in (
     Recipe('poetx', True, _poetx, 'POET-X: the linear weights train as R W0 P'),
+    Recipe('poetx-muon', True, _poetx_muon, 'POET-X with Muon\'s orthogonalised updates on '
+           'the skew generators (Newton-Schulz on each block\'s momentum)',
+           unused=('poet_eps', 'poet_eps_placement')),
     Recipe('adamw', False, _adamw, 'AdamW, the dense-weight baseline',
            wide_lr=ADAMW_WIDE_LR, wide_weight_decay=DENSE_WEIGHT_DECAY),
     Recipe('muon', False, _muon, 'Muon (optax.contrib.muon) on the decoder layers\' matrices, '
