@@ -1,0 +1,152 @@
+"""The report of the paper-baseline study, generated from its records.
+
+The study asks whether POET-X beats AdamW as the published POET-X measures
+it (AdamW in pure bf16, weight decay 0), with the reference's recipe, and
+with Muon's orthogonalised updates on the generators (``--optimizer
+poetx-muon``). Its folder (``docs/results/paper-baseline``) holds
+``calls.json`` (what ran, and the predictions stated before each call) and
+one record per call of ``compare_quality.py``'s runs, collected from their
+run folders even where the runs did not finish (``--collect``: each run's
+options, the evaluations it reached and the merges it warned about). This
+writes the folder's ``README.md``: each run's validation perplexity at equal
+tokens, and the ratios that answer the study's questions::
+
+    python3 experiments/paper_report.py --collect runs/q19 docs/results/paper-baseline/partial-19m.json
+    python3 experiments/paper_report.py docs/results/paper-baseline
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from study_page import call_lines, load  # noqa: E402
+import study_page  # noqa: E402
+
+OPTIONS = ('optimizer', 'lr', 'poet_lr', 'weight_decay', 'param_dtype', 'min_lr_ratio', 'clip',
+           'clip_ramp', 'poet_eps', 'poet_eps_placement', 'seed', 'steps', 'block_size',
+           'merge_every', 'permutation', 'chunk_size')
+WARNING = 'far from orthogonal'
+
+
+def collect(study: pathlib.Path) -> dict:
+  """Every run of a compare_quality study folder, finished or not: its name,
+  its options as run (``run.json``: the plan's values where the plan
+  resolved them), the evaluations of ``metrics.jsonl`` (step, tokens,
+  validation and prose perplexity), the last step it logged, and how many of
+  its merges warned that the factors were far from orthogonal (its log)."""
+  header = json.loads((study / 'study.json').read_text())['header']
+  runs = []
+  for folder in sorted((study / 'runs').iterdir()):
+    meta = json.loads((folder / 'run.json').read_text())
+    plan = meta.get('plan', {})
+    options = {k: plan.get(k, meta.get(k)) for k in OPTIONS}
+    lines = [json.loads(l) for l in (folder / 'metrics.jsonl').read_text().splitlines() if l]
+    prose = {r['step']: r['other_val/prose/ppl'] for r in lines if 'other_val/prose/ppl' in r}
+    evals = [{'step': r['step'], 'tokens': r['step'] * header['tokens_per_step'],
+              'val_ppl': r['val_ppl'], 'prose': prose.get(r['step'])}
+             for r in lines if 'val_ppl' in r]
+    log = study / 'logs' / f'{folder.name}.log'
+    warned = log.read_text().count(WARNING) if log.exists() else None
+    runs.append({'name': folder.name, 'options': options, 'evals': evals,
+                 'last_step': max((r['step'] for r in lines if 'step' in r), default=0),
+                 'finished': (folder / 'summary.json').exists(), 'merge_warnings': warned})
+  keep = ('model', 'model_overrides', 'seq_len', 'batch_size', 'steps', 'warmup', 'device',
+          'dense_params', 'tokens_per_step', 'val_tokens', 'date')
+  return {'header': {k: header[k] for k in keep if k in header}, 'runs': runs}
+
+
+def label(o: dict) -> str:
+  """A run's short name: its family, rates and the options that set it apart."""
+  if o['optimizer'] == 'adamw':
+    name = 'AdamW ' + ('bf16' if o['param_dtype'] == 'bfloat16' else 'fp32')
+    name += f", lr {o['lr']:g}, wd {o['weight_decay']:g}"
+  else:
+    name = {'poetx': 'POET-X', 'poetx-muon': 'POET-X Muon'}[o['optimizer']]
+    name += f", step {o['poet_lr']:.3g}, lr {o['lr']:g}"
+  extra = [f"min-lr {o['min_lr_ratio']:g}" if o['min_lr_ratio'] != 0.1 else '',
+           f"clip {o['clip']:g}, ramp {o['clip_ramp']}" if o['clip_ramp'] else '',
+           f"eps {o['poet_eps']:g} {o['poet_eps_placement']}" if o['poet_eps'] != 1e-8 else '']
+  return ', '.join([name] + [e for e in extra if e]) + f", seed {o['seed']}"
+
+
+def curve_rows(res: dict) -> list[str]:
+  """Each run's validation perplexity at every evaluation (equal tokens),
+  where it stopped, its last prose perplexity and its warned merges."""
+  steps = sorted({e['step'] for r in res['runs'] for e in r['evals'] if e['step']})
+  per = res['header']['tokens_per_step']
+  out = ['| run | reached | ' + ' | '.join(f'{s * per / 1e6:.1f} M' for s in steps)
+         + ' | prose (last) | merges far from orthogonal |',
+         '|---|---|' + '---|' * (len(steps) + 2)]
+  for r in res['runs']:
+    at = {e['step']: e for e in r['evals']}
+    last = max((e for e in r['evals'] if e['prose'] is not None), key=lambda e: e['step'],
+               default=None)
+    reached = 'finished' if r['finished'] else f"step {r['last_step']:,} of {r['options']['steps']:,}"
+    out.append(f"| {label(r['options'])} | {reached} | "
+               + ' | '.join(f"{at[s]['val_ppl']:.2f}" if s in at else '—' for s in steps)
+               + f" | {f'{last['prose']:.2f} at {last['step']:,}' if last else '—'} | "
+               f"{r['merge_warnings'] if r['options']['optimizer'] != 'adamw' else '—'} |")
+  return out
+
+
+def ratio_rows(res: dict, pairs: list[dict]) -> list[str]:
+  """``calls.json``'s comparisons: per pair of runs (named by their labels),
+  the ratio of their validation perplexities at every evaluation both reached."""
+  by_label = {label(r['options']): r for r in res['runs']}
+  per = res['header']['tokens_per_step']
+  out = []
+  for p in pairs:
+    a, b = by_label[p['run']], by_label[p['against']]
+    vb = {e['step']: e['val_ppl'] for e in b['evals']}
+    common = [(e['step'], e['val_ppl'] / vb[e['step']]) for e in a['evals']
+              if e['step'] and e['step'] in vb]
+    out += [f"{p['run']} against {p['against']}:", '',
+            '| tokens | ' + ' | '.join(f'{s * per / 1e6:.1f} M' for s, _ in common) + ' |',
+            '|---|' + '---|' * len(common),
+            '| ratio | ' + ' | '.join(f'{q:.3f}' for _, q in common) + ' |', '']
+  return out
+
+
+def report(folder: pathlib.Path) -> str:
+  meta = load(folder, 'calls.json')
+  lines = [f"# {meta['study']}", '',
+           f"{meta['date']} · commit `{meta['commit']}` · {meta['device']} · {meta['software']}."
+           ' Generated by `experiments/paper_report.py` from the records in this folder.', '',
+           *call_lines(meta)]
+  for call in meta['calls']:
+    if call.get('predictions'):
+      lines += [f"Predictions stated before the call writing {', '.join(call['records'])}:", '',
+                *[f'* {p}' for p in call['predictions']], '']
+  for name in sorted(p.name for p in folder.glob('partial-*.json')):
+    res = load(folder, name)
+    h = res['header']
+    model = h['model'] + (f" ({', '.join(f'{k}={v}' for k, v in h['model_overrides'].items())})"
+                          if h.get('model_overrides') else '')
+    lines += [f'## `{name}`', '',
+              f"{model}, {h['dense_params']:,} parameters, seq {h['seq_len']}, batch "
+              f"{h['batch_size']}, {h['steps']:,} updates planned, warmup {h['warmup']}, "
+              f"{h['device']}; validation {h['val_tokens']:,} tokens. Perplexity on the "
+              'validation set at equal tokens:', '', *curve_rows(res), '',
+              *ratio_rows(res, [c for c in meta.get('comparisons', []) if c['record'] == name])]
+  return '\n'.join(lines)
+
+
+def main(argv=None):
+  argv = sys.argv[1:] if argv is None else argv
+  if argv and argv[0] == '--collect':
+    p = argparse.ArgumentParser(description='collect a study\'s runs into a record')
+    p.add_argument('--collect', type=pathlib.Path, required=True, metavar='STUDY')
+    p.add_argument('out', type=pathlib.Path)
+    a = p.parse_args(argv)
+    a.out.write_text(json.dumps(collect(a.collect), indent=1) + '\n')
+    return
+  study_page.main(__doc__, report, argv)
+
+
+if __name__ == '__main__':
+  main()

@@ -1,0 +1,75 @@
+"""experiments/paper_report.py: the paper-baseline page is its records' report,
+and a study's runs are collected whether or not they finished."""
+
+import json
+import pathlib
+import re
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / 'experiments'))
+import paper_report  # noqa: E402
+
+FOLDER = ROOT / 'docs' / 'results' / 'paper-baseline'
+
+
+def test_the_committed_page_is_generated_from_its_records():
+  assert (FOLDER / 'README.md').read_text() == paper_report.report(FOLDER)
+
+
+def test_the_records_name_no_machine_paths():
+  for path in FOLDER.iterdir():
+    if path.suffix in ('.json', '.md'):
+      assert not re.search(r'(?<![\w.])/(tmp|home|root|work|usr|var|mnt)/', path.read_text()), \
+          path.name
+
+
+def _study(tmp_path):
+  """A study folder of two runs: AdamW finished, POET-X stopped at step 7
+  after a warned merge."""
+  study = tmp_path / 'study'
+  (study / 'logs').mkdir(parents=True)
+  (study / 'study.json').write_text(json.dumps({'header': {
+      'model': 'tiny', 'model_overrides': {}, 'seq_len': 8, 'batch_size': 2, 'steps': 10,
+      'warmup': 1, 'device': 'cpu', 'dense_params': 100, 'tokens_per_step': 20_000,
+      'val_tokens': 32}}))
+  for name, optimizer, last in (('a', 'adamw', 10), ('p', 'poetx', 7)):
+    run = study / 'runs' / name
+    run.mkdir(parents=True)
+    plan = {'lr': 1e-3, 'weight_decay': 0.0, 'poet_lr': 5e-4 if optimizer == 'poetx' else None}
+    (run / 'run.json').write_text(json.dumps({
+        'optimizer': optimizer, 'lr': None, 'poet_lr': None, 'weight_decay': None,
+        'param_dtype': 'float32', 'min_lr_ratio': 0.1, 'clip': 1.0, 'clip_ramp': 0,
+        'poet_eps': 1e-8, 'poet_eps_placement': 'corrected', 'seed': 0, 'steps': 10,
+        'plan': plan}))
+    lines = [{'step': 0, 'val_ppl': 100.0}, {'step': 5, 'loss': 3.0},
+             {'step': 5, 'val_ppl': 20.0 if optimizer == 'adamw' else 25.0},
+             {'step': 5, 'other_val/prose/ppl': 40.0}, {'step': last, 'loss': 2.0}]
+    (run / 'metrics.jsonl').write_text('\n'.join(json.dumps(l) for l in lines) + '\n')
+    if optimizer == 'adamw':
+      (run / 'summary.json').write_text('{}')
+    (study / 'logs' / f'{name}.log').write_text(
+        'warning: at the merge of step 4 the POET factors were far from orthogonal\n'
+        if optimizer == 'poetx' else '')
+  return study
+
+
+def test_collect_keeps_unfinished_runs_with_their_evaluations(tmp_path):
+  res = paper_report.collect(_study(tmp_path))
+  a, p = res['runs']
+  assert a['finished'] and not p['finished'] and p['last_step'] == 7
+  assert p['options']['lr'] == 1e-3 and p['options']['poet_lr'] == 5e-4  # the plan's values
+  assert p['evals'][1] == {'step': 5, 'tokens': 100_000, 'val_ppl': 25.0, 'prose': 40.0}
+  assert (a['merge_warnings'], p['merge_warnings']) == (0, 1)
+
+
+def test_rows_and_ratios(tmp_path):
+  res = paper_report.collect(_study(tmp_path))
+  rows = paper_report.curve_rows(res)
+  assert rows[0] == '| run | reached | 0.1 M | prose (last) | merges far from orthogonal |'
+  assert rows[2] == '| AdamW fp32, lr 0.001, wd 0, seed 0 | finished | 20.00 | 40.00 at 5 | — |'
+  assert rows[3] == ('| POET-X, step 0.0005, lr 0.001, seed 0 | step 7 of 10 | 25.00 | '
+                     '40.00 at 5 | 1 |')
+  ratios = paper_report.ratio_rows(res, [{'run': 'POET-X, step 0.0005, lr 0.001, seed 0',
+                                          'against': 'AdamW fp32, lr 0.001, wd 0, seed 0'}])
+  assert ratios[-2] == '| ratio | 1.250 |'
