@@ -7,9 +7,10 @@ poetx-muon``). Its folder (``docs/results/paper-baseline``) holds
 ``calls.json`` (what ran, and the predictions stated before each call) and
 one record per call of ``compare_quality.py``'s runs, collected from their
 run folders even where the runs did not finish (``--collect``: each run's
-options, the evaluations it reached and the merges it warned about). This
-writes the folder's ``README.md``: each run's validation perplexity at equal
-tokens, and the ratios that answer the study's questions::
+options, the evaluations it reached and the merges it warned about), and
+``bench_train.py --json`` step records (``step-*.json``). This writes the
+folder's ``README.md``: each run's validation perplexity at equal tokens,
+the ratios that answer the study's questions, and the steps' times::
 
     python3 experiments/paper_report.py --collect runs/q19 docs/results/paper-baseline/partial-19m.json
     python3 experiments/paper_report.py docs/results/paper-baseline
@@ -24,6 +25,7 @@ import pathlib
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from chunk_report import step_rows  # noqa: E402
 from study_page import call_lines, load  # noqa: E402
 import study_page  # noqa: E402
 
@@ -133,6 +135,12 @@ def report(folder: pathlib.Path) -> str:
               f"{h['device']}; validation {h['val_tokens']:,} tokens. Perplexity on the "
               'validation set at equal tokens:', '', *curve_rows(res), '',
               *ratio_rows(res, [c for c in meta.get('comparisons', []) if c['record'] == name])]
+  for name in sorted(p.name for p in folder.glob('step-*.json')):
+    recs = load(folder, name)
+    first = recs[0]
+    lines += [f"## `{name}`: the training step", '',
+              f"{first['model']}, seq {first['seq_len']}, batch {first['batch']}, {first['device']}",
+              '', *step_rows(recs, recs[0]['run']), '']
   return '\n'.join(lines)
 
 
