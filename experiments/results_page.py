@@ -1,0 +1,176 @@
+"""RESULTS.md: where POET-X stands, one row per claim, generated from the
+study records under ``docs/results/``.
+
+Each row reads its figure from a record (a study folder's JSON, written by
+the script its ``calls.json`` names) and gives the device, commit and date of
+the call that wrote it, the command, and a link to the study's page, where
+every figure of the study is shown. Claims whose figures have no record yet
+(memory at scale, quality at three sizes) link to the page that holds them.
+A test fails when the page differs from what this writes::
+
+    python3 experiments/results_page.py RESULTS.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import statistics
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+RESULTS = ROOT / 'docs' / 'results'
+
+
+def _load(study: str, name: str):
+  import json
+  return json.loads((RESULTS / study / name).read_text())
+
+
+def _call(study: str, record: str) -> dict:
+  """The call of ``study`` that wrote ``record``: its commands and the
+  commit, date and device it ran at (the study's where the call names none)."""
+  meta = _load(study, 'calls.json')
+  call = next(c for c in meta['calls'] if record in c['records'])
+  return {k: call.get(k, meta[k]) for k in ('commit', 'date', 'device')} | {
+      'commands': call['commands']}
+
+
+def _step_ms(records: list[dict], run: str) -> float:
+  return 1e3 * statistics.median(r['step_s'] for r in records if r['run'] == run)
+
+
+def _row(claim: str, figure: str, study: str, record: str, also: tuple[str, ...] = ()) -> dict:
+  """A row; its commands are those of the record's call that name the record
+  or one of ``also`` (the steps before it: a corpus, another program)."""
+  call = _call(study, record)
+  commands = [c for c in call['commands'] if any(k in c for k in (record,) + also)]
+  return {'claim': claim, 'figure': figure, 'study': study, 'record': record,
+          'commands': commands, **{k: call[k] for k in ('commit', 'date', 'device')}}
+
+
+def step_rows() -> list[dict]:
+  """The training step against AdamW (same call) at 130M, 1B and 8B, and
+  against poet_torch at 8B; where the 8B step's time goes."""
+  study, out = 'chunk-permutations', []
+  for record, model, tied in (('step-130m.json', '130M', None), ('step-1b-tied.json', '1B', 'chunk-tied'),
+                              ('step-8b.json', '8B', 'chunk-tied')):
+    recs = _load(study, record)
+    adamw, chunk = _step_ms(recs, 'adamw'), _step_ms(recs, 'chunk')
+    figure = f'{adamw / chunk:.3f}× AdamW ({chunk:.1f} against {adamw:.1f} ms)'
+    if tied:
+      t = _step_ms(recs, tied)
+      figure += f'; tied permutations {adamw / t:.3f}× ({t:.1f} ms)'
+    out.append(_row(f'POET-X step against AdamW, {model}', figure, study, record))
+  recs = _load(study, 'step-8b-torch.json')
+  torch = next(r['run'] for r in recs if r['run'].startswith('poet_torch'))
+  ours, theirs = _step_ms(recs, 'chunk'), _step_ms(recs, torch)
+  out.append(_row('POET-X step against poet_torch (the published PyTorch POET-X), 8B',
+                  f'{theirs / ours:.3f}× ({ours:.1f} against {theirs:.1f} ms)', study,
+                  'step-8b-torch.json', also=('poet_torch_step',)))
+  prof = _load(study, 'profile-8b.json')[0]
+  cats = prof['categories']
+  out.append(_row('Where the 8B POET-X step\'s time goes',
+                  f"GEMMs {100 * cats['gemm']['share']:.0f}%, permutation gathers "
+                  f"{100 * cats['gather']['share']:.0f}% ({cats['gather']['ms']:.1f} ms) of "
+                  f"{prof['wall_ms']:.1f} ms", study, 'profile-8b.json'))
+  return out
+
+
+def kernel_rows() -> list[dict]:
+  """The fused Pallas kernels against XLA's composition, widest shape timed."""
+  study, record = 'chunk-permutations', 'kernels.json'
+  widest = max((r for r in _load(study, record) if 'permute_rotate fwd+bwd xla' in r['ms']
+                and r['chunk'] > 1), key=lambda r: r['width'])
+  ms = widest['ms']
+  xla = 1e3 * ms['permute_rotate fwd+bwd xla'][0]
+  fused = min((1e3 * ms[k][0], k) for k in ms if k.startswith('permute_rotate fwd+bwd')
+              and not k.endswith('xla'))
+  return [_row('Fused Pallas kernels against XLA (gather + block rotation, fwd+bwd)',
+               f"XLA faster at every shape timed; N {widest['width']}, runs of {widest['chunk']}: "
+               f"XLA {xla:.0f} µs, best kernel ({fused[1].rsplit(' ', 1)[-1]}) {fused[0]:.0f} µs",
+               study, record)]
+
+
+def scaling_rows() -> list[dict]:
+  """Data-parallel bytes per update at 1B, the model's check against two
+  GPUs, and the projection at 64 GPUs."""
+  study, record = 'scaling', 'comm-1b.json'
+  rec = _load(study, record)
+  dp = {r['optimizer']: r for r in rec['records'] if r['strategy'] == 'dp' and r['devices'] == 2
+        and r['grad_accum'] == 1}
+  mib = {k: v['gpu_allreduce_bytes'] / 2**20 for k, v in dp.items()}
+  check = {c['run']: c for c in rec['check']}
+  p64 = [p for p in rec['projection'] if p['gpus'] == 64 and p['grad_accum'] == 1]
+  poet = next(p for p in p64 if p['run'] == 'chunk')
+  return [
+      _row('Data-parallel all-reduce per update, 1B (from the compiled program)',
+           f"POET-X {mib['poetx']:,.1f} MiB against AdamW {mib['adamw']:,.1f} MiB", study, record),
+      _row('The communication model against two H200s (measured efficiency)',
+           f"POET-X {check['poetx']['predicted_no_overlap']:.3f} predicted, "
+           f"{check['poetx']['measured']:.3f} measured; AdamW "
+           f"{check['adamw']['predicted_no_overlap']:.3f}, {check['adamw']['measured']:.3f}",
+           study, record),
+      _row('Data-parallel efficiency at 64 GPUs, 1B (projected)',
+           f"POET-X {poet['efficiency_no_overlap']:.3f}–{poet['efficiency_overlap']:.3f} "
+           '(no overlap – full overlap); projected, not measured', study, record)]
+
+
+def quality_rows() -> list[dict]:
+  """The paper's bf16 AdamW against ours (unfinished runs)."""
+  study, record = 'paper-baseline', 'partial-19m.json'
+  res = _load(study, record)
+  runs = {(r['options']['optimizer'], r['options']['param_dtype'], r['options']['lr']): r
+          for r in res['runs']}
+  fp32, bf16 = runs[('adamw', 'float32', 1e-3)], runs[('adamw', 'bfloat16', 1e-3)]
+  last = max(set(e['step'] for e in fp32['evals']) & set(e['step'] for e in bf16['evals']))
+  at = lambda r: next(e['val_ppl'] for e in r['evals'] if e['step'] == last)
+  tokens = last * res['header']['tokens_per_step'] / 1e6
+  return [_row('AdamW as the POET-X paper trains it (pure bf16, weight decay 0), 19M',
+               f'{at(bf16) / at(fp32):.3f}× our fp32 AdamW\'s perplexity at {tokens:.1f} M tokens '
+               f'({at(bf16):.2f} against {at(fp32):.2f}); runs unfinished', study, record,
+               also=('site_corpus', 'compare_quality'))]
+
+
+ELSEWHERE = [
+    ('Quality against a tuned AdamW and Muon at 5M, 19M and 130M parameters (100 M tokens)',
+     'docs/quality.md', 'docs/quality.md#three-sizes-at-100-m-tokens-the-gap-against-tokens-per-parameter'),
+    ('Peak memory at 8B, 13B and 70B-class shapes against AdamW and poet_torch',
+     'BENCHMARKS.md', 'BENCHMARKS.md#peak-memory-at-8b'),
+]
+
+
+def report() -> str:
+  rows = step_rows() + kernel_rows() + scaling_rows() + quality_rows()
+  lines = ['# Where POET-X stands', '',
+           'POET-X trains each linear weight as `R·W0·P`: `W0` frozen, `R` and `P` learned',
+           'block-diagonal orthogonal matrices (Cayley–Neumann parameterised, permuted,',
+           'merged into `W0` every few hundred updates). Every figure below is read from a',
+           'record in `docs/results/` by `experiments/results_page.py`; the study pages',
+           'linked hold every figure of their studies, the runs\' notes and the',
+           'predictions made before them. Step times are medians of device-synchronised',
+           'steps; ratios of tokens per second compare runs of one call on one machine.', '',
+           '| # | claim | figure | device | commit | date | study |',
+           '|---|---|---|---|---|---|---|']
+  for i, r in enumerate(rows, 1):
+    lines.append(f"| {i} | {r['claim']} | {r['figure']} | {r['device']} | `{r['commit']}` | "
+                 f"{r['date']} | [{r['study']}](docs/results/{r['study']}/README.md) (`{r['record']}`) |")
+  lines += ['', 'Not yet in records (their figures are on the pages linked):', '']
+  lines += [f'* {claim}: [{name}]({link})' for claim, name, link in ELSEWHERE]
+  lines += ['', '## The commands', '',
+            'Run from the repository root; each wrote the record of its row (the study '
+            'pages say where a record joins more than one call).', '']
+  for i, r in enumerate(rows, 1):
+    lines += [f'{i}. {r["claim"]}:', '', *[f'       {c}' for c in r['commands']], '']
+  return '\n'.join(lines)
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument('out', type=pathlib.Path, nargs='?', default=ROOT / 'RESULTS.md')
+  a = p.parse_args(argv)
+  a.out.write_text(report())
+  print(report())
+
+
+if __name__ == '__main__':
+  main()
