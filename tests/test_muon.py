@@ -131,8 +131,9 @@ def test_state_is_a_poetx_state_whose_cycle_drives_merges(keys):
   assert new_u.dtype == jnp.float32
 
 
-def test_in_a_partition_beside_adamw(keys):
-  """poetx_partition runs poetx_muon on the generators only."""
+def test_in_a_partition_beside_another_transformation(keys):
+  """In optax.partition beside another transformation, poetx_muon updates
+  its leaves exactly as it does alone."""
   model_grads = {'gen': jax.random.normal(keys(), (2, 6)), 'dense': jax.random.normal(keys(), (5,))}
   tx = optax.partition({'poetx': poetx_jax.poetx_muon(1e-2), 'other': optax.sgd(0.1)},
                        {'gen': 'poetx', 'dense': 'other'})
