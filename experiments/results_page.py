@@ -14,8 +14,13 @@ A test fails when the page differs from what this writes::
 from __future__ import annotations
 
 import argparse
+import os
 import pathlib
+import re
 import statistics
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 RESULTS = ROOT / 'docs' / 'results'
@@ -131,16 +136,30 @@ def quality_rows() -> list[dict]:
                also=('site_corpus', 'compare_quality'))]
 
 
+def three_size_rows() -> list[dict]:
+  """The best POET-X against a tuned AdamW and Muon at each size."""
+  import three_sizes_report as T
+  study, record = 'three-sizes', 'finals.json'
+  out = []
+  for size in _load(study, record)['sizes']:
+    q = T.ratios(size)
+    n = sorted({len(T.finals(f)) for f in size['families'].values()})
+    seeds = f'{n[0]} seeds each' if len(n) == 1 else f'{n[0]} to {n[-1]} seeds'
+    out.append(_row(f"POET-X against a tuned AdamW and Muon, {size['size']} parameters, 100 M tokens",
+                    f"{q['AdamW']:.3f}× AdamW's perplexity, {q['Muon']:.3f}× Muon's "
+                    f"({T.best_poetx(size)}; {seeds})", study, record,
+                    also=('three_sizes_report',)))
+  return out
+
+
 ELSEWHERE = [
-    ('Quality against a tuned AdamW and Muon at 5M, 19M and 130M parameters (100 M tokens)',
-     'docs/quality.md', 'docs/quality.md#three-sizes-at-100-m-tokens-the-gap-against-tokens-per-parameter'),
     ('Peak memory at 8B, 13B and 70B-class shapes against AdamW and poet_torch',
      'BENCHMARKS.md', 'BENCHMARKS.md#peak-memory-at-8b'),
 ]
 
 
 def report() -> str:
-  rows = step_rows() + kernel_rows() + scaling_rows() + quality_rows()
+  rows = step_rows() + kernel_rows() + scaling_rows() + three_size_rows() + quality_rows()
   lines = ['# Where POET-X stands', '',
            'POET-X trains each linear weight as `R·W0·P`: `W0` frozen, `R` and `P` learned',
            'block-diagonal orthogonal matrices (Cayley–Neumann parameterised, permuted,',
@@ -152,7 +171,8 @@ def report() -> str:
            '| # | claim | figure | device | commit | date | study |',
            '|---|---|---|---|---|---|---|']
   for i, r in enumerate(rows, 1):
-    lines.append(f"| {i} | {r['claim']} | {r['figure']} | {r['device']} | `{r['commit']}` | "
+    commit = f"`{r['commit']}`" if re.fullmatch(r'[0-9a-f]{7,40}', r['commit']) else r['commit']
+    lines.append(f"| {i} | {r['claim']} | {r['figure']} | {r['device']} | {commit} | "
                  f"{r['date']} | [{r['study']}](docs/results/{r['study']}/README.md) (`{r['record']}`) |")
   lines += ['', 'Not yet in records (their figures are on the pages linked):', '']
   lines += [f'* {claim}: [{name}]({link})' for claim, name, link in ELSEWHERE]

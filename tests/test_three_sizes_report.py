@@ -1,0 +1,31 @@
+"""experiments/three_sizes_report.py: the three-sizes page is its record's report."""
+
+import math
+import pathlib
+import statistics
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / 'experiments'))
+import three_sizes_report as T  # noqa: E402
+
+FOLDER = ROOT / 'docs' / 'results' / 'three-sizes'
+
+
+def test_the_committed_page_is_generated_from_its_record():
+  assert (FOLDER / 'README.md').read_text() == T.report(FOLDER)
+
+
+def test_a_kept_pair_is_restored_to_two_values_of_its_mean_and_sd():
+  f = {'finals': [10.0], 'pair': {'mean': 11.0, 'sd': 0.5}}
+  v = T.finals(f)
+  assert len(v) == 3 and v[0] == 10.0
+  assert math.isclose(statistics.mean(v[1:]), 11.0) and math.isclose(statistics.stdev(v[1:]), 0.5)
+
+
+def test_ratios_take_the_best_poetx_of_the_size():
+  size = {'families': {'AdamW': {'finals': [10.0, 10.0]}, 'Muon': {'finals': [8.0, 8.0]},
+                       'POET-X B 256': {'finals': [12.0, 12.0]},
+                       'POET-X B 512': {'finals': [11.0, 11.0]}}}
+  assert T.best_poetx(size) == 'POET-X B 512'
+  assert T.ratios(size) == {'AdamW': 1.1, 'Muon': 11.0 / 8.0}
