@@ -72,6 +72,12 @@ def step_rows() -> list[dict]:
   out.append(_row('POET-X step against poet_torch (the published PyTorch POET-X), 8B',
                   f'{theirs / ours:.3f}× ({ours:.1f} against {theirs:.1f} ms)', study,
                   'step-8b-torch.json', also=('poet_torch_step',)))
+  peak = next(r['peak_gib'] for r in recs if r['run'] == 'chunk')
+  adamw = next(r for r in _load(study, 'step-8b.json') if r['run'] == 'adamw')
+  out.append(_row('Peak GPU memory of the 8B step (default mode, batch 8 x 1024)',
+                  f"POET-X {peak:.2f} GiB against poet_torch's {next(r['peak_gib'] for r in recs if r['run'] == torch):.2f} "
+                  f"(same call) and AdamW's {adamw['peak_gib']:.2f} (step-8b.json)", study,
+                  'step-8b-torch.json', also=('poet_torch_step',)))
   prof = _load(study, 'profile-8b.json')[0]
   cats = prof['categories']
   out.append(_row('Where the 8B POET-X step\'s time goes',
@@ -153,8 +159,11 @@ def three_size_rows() -> list[dict]:
 
 
 ELSEWHERE = [
-    ('Peak memory at 8B, 13B and 70B-class shapes against AdamW and poet_torch',
-     'BENCHMARKS.md', 'BENCHMARKS.md#peak-memory-at-8b'),
+    ('Peak memory of the memory modes (lean state, bf16 generators, offloaded layer inputs) at 8B, '
+     'below poet_torch', 'BENCHMARKS.md',
+     'BENCHMARKS.md#llama-8b-below-poet_torchs-memory-bf16-generators-lean-state-offloaded-layer-inputs-2026-12-04'),
+    ('Peak memory at 13B and of a 70B-class Llama on one and two H200s', 'BENCHMARKS.md',
+     'BENCHMARKS.md#peak-memory-on-one-h200-llama-8b-and-a-70b-class-llama-that-trains'),
 ]
 
 
