@@ -87,6 +87,10 @@ def step_rows() -> list[dict]:
   return out
 
 
+# bench_fused's names of the kernel families
+KERNELS = {'fused': 'Pallas Triton', 'mosaic': 'Pallas Mosaic GPU'}
+
+
 def kernel_rows() -> list[dict]:
   """The fused Pallas kernels against XLA's composition, widest shape timed."""
   study, record = 'chunk-permutations', 'kernels.json'
@@ -98,7 +102,8 @@ def kernel_rows() -> list[dict]:
               and not k.endswith('xla'))
   return [_row('Fused Pallas kernels against XLA (gather + block rotation, fwd+bwd)',
                f"XLA faster at every shape timed; N {widest['width']}, runs of {widest['chunk']}: "
-               f"XLA {xla:.0f} µs, best kernel ({fused[1].rsplit(' ', 1)[-1]}) {fused[0]:.0f} µs",
+               f"XLA {xla:.0f} µs, best kernel ({KERNELS[fused[1].rsplit(' ', 1)[-1]]}) "
+               f"{fused[0]:.0f} µs",
                study, record)]
 
 
