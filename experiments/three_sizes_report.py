@@ -19,6 +19,7 @@ import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 from study_page import load  # noqa: E402
 import study_page  # noqa: E402
 
@@ -65,7 +66,8 @@ def report(folder: pathlib.Path) -> str:
   lines += ['', '| size | best POET-X | against AdamW | against Muon | where |', '|---|---|---|---|---|']
   for s in rec['sizes']:
     q = ratios(s)
-    where = ', '.join(f'[{pathlib.Path(r).name}](../../{pathlib.Path(r).name})' for r in s['reports'])
+    where = ', '.join(f'[{pathlib.Path(r).parent.name}]({os.path.relpath(ROOT / r, folder.resolve())})'
+                      for r in s['reports'])
     lines.append(f"| {s['size']} ({s['model']}) | {best_poetx(s)} | {q['AdamW']:.3f}× | "
                  f"{q['Muon']:.3f}× | [docs/quality.md](../../{s['section'].split('/', 1)[1]}); "
                  f"{where} |")
