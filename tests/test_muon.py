@@ -166,3 +166,14 @@ def test_pack_of_the_skew_result_is_its_upper_triangle(keys):
   m = unpack_skew(jax.random.normal(keys(), (2, 15)), 6)
   o = muon.orthogonalize_skew(m, dtype=jnp.float32)
   np.testing.assert_allclose(unpack_skew(pack_skew(o), 6), o, atol=1e-5)
+
+
+def test_the_app_refuses_adam_options_poetx_muon_does_not_read():
+  """--poet-eps and --poet-eps-placement set Adam's offset of POET-X; with
+  poetx-muon, which keeps no second moment, they are refused, naming them."""
+  from poetx_jax.pretrain.config import TrainConfig
+  TrainConfig(optimizer='poetx-muon').validate()
+  with pytest.raises(ValueError, match=r"poet_eps=1e-06, poet_eps_placement='raw': optimizer "
+                                       r"'poetx-muon' does not use them"):
+    TrainConfig(optimizer='poetx-muon', poet_eps=1e-6, poet_eps_placement='raw').validate()
+  TrainConfig(optimizer='poetx', poet_eps=1e-6, poet_eps_placement='raw').validate()
