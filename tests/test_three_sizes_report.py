@@ -1,4 +1,5 @@
-"""experiments/three_sizes_report.py: the three-sizes page is its record's report."""
+"""experiments/three_sizes_report.py: restoring kept pairs and choosing the best POET-X
+(its page: test_study_pages.py)."""
 
 import math
 import pathlib
@@ -8,12 +9,6 @@ import sys
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / 'experiments'))
 import three_sizes_report as T  # noqa: E402
-
-FOLDER = ROOT / 'docs' / 'results' / 'three-sizes'
-
-
-def test_the_committed_page_is_generated_from_its_record():
-  assert (FOLDER / 'README.md').read_text() == T.report(FOLDER)
 
 
 def test_a_kept_pair_is_restored_to_two_values_of_its_mean_and_sd():
