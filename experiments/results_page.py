@@ -14,6 +14,7 @@ A test fails when the page differs from what this writes::
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import pathlib
 import re
@@ -27,7 +28,6 @@ RESULTS = ROOT / 'docs' / 'results'
 
 
 def _load(study: str, name: str):
-  import json
   return json.loads((RESULTS / study / name).read_text())
 
 
