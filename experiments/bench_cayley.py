@@ -13,24 +13,22 @@ forward alone, and forward+backward (the kernel's backward is autodiff of the
 XLA series). Each variant is checked against a full-float32 reference first.
 Times are medians of device-synchronised runs.
 
-    python3 experiments/bench_cayley.py                      # on a Hopper GPU
-    python3 experiments/bench_cayley.py --blocks 64 --hidden 128 --mlp 128 --interpret  # CPU smoke
+    python3 -m experiments.bench_cayley                      # on a Hopper GPU
+    python3 -m experiments.bench_cayley --blocks 64 --hidden 128 --mlp 128 --interpret  # CPU smoke
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_layer import dump_json, rel_err, timeit  # noqa: E402
-from pallas_kernels import cayley_neumann as cn  # noqa: E402
-from poetx_jax import ops  # noqa: E402
+from experiments.bench_layer import dump_json, rel_err, timeit
+from pallas_kernels import cayley_neumann as cn
+from poetx_jax import ops
 
 
 def bench_block(b, k, terms, iters, interpret, key):
@@ -82,7 +80,7 @@ def main(argv=None):
       print(f'  {name:18s} fwd {r["fwd"][0]:8.3f} ms   fwd+bwd {r["fwd+bwd"][0]:8.3f} ms')
     results.append({'block': b, 'k': k, 'ms': rows, 'checks': checks})
     sys.stdout.flush()
-  dump_json(a.json, results)
+  dump_json(a.json, results, 'bench_cayley', argv)
 
 
 if __name__ == '__main__':

@@ -34,9 +34,9 @@ in bf16, dG in float32), and TB/s is that over the time; for the fwd+bwd rows
 the inputs are x, g, p and the cotangent, the outputs v, dx and dg, and each
 chained step also adds v to dx (one elementwise pass, counted in neither).
 
-    python3 experiments/bench_fused.py                    # element and c = 16, one GPU
-    python3 experiments/bench_fused.py --chunks 1,16,64 --widths 4096 --json out.json
-    python3 experiments/bench_fused.py --smoke            # tiny, interpreted (CPU)
+    python3 -m experiments.bench_fused                    # element and c = 16, one GPU
+    python3 -m experiments.bench_fused --chunks 1,16,64 --widths 4096 --json out.json
+    python3 -m experiments.bench_fused --smoke            # tiny, interpreted (CPU)
 """
 
 from __future__ import annotations
@@ -48,8 +48,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bench_kernels import chained
-from bench_layer import dump_json, rel_err, timeit
+from experiments.bench_kernels import chained
+from experiments.bench_layer import dump_json, rel_err, timeit
 from pallas_kernels import fused_reference as fref
 from pallas_kernels import fused_rotate as fr
 from pallas_kernels import run_rotate as rr
@@ -244,7 +244,7 @@ def main(argv=None):
       results.append({'width': n, 'block': a.block, 'tokens': a.tokens, 'chunk': c,
                       'ms': rows, 'bytes': moved, 'errors': errs})
       sys.stdout.flush()
-  dump_json(a.json, results)
+  dump_json(a.json, results, 'bench_fused', argv)
 
 
 if __name__ == '__main__':

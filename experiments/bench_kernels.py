@@ -18,8 +18,8 @@ application consuming the last one's output), divided by ``--chain``: a
 single op of ~0.1 ms timed from the host would mostly measure the launch and
 the synchronisation.
 
-    python3 experiments/bench_kernels.py                       # N in 4096/14336, B = 256
-    python3 experiments/bench_kernels.py --widths 4096 --blocks 128,256
+    python3 -m experiments.bench_kernels                       # N in 4096/14336, B = 256
+    python3 -m experiments.bench_kernels --widths 4096 --blocks 128,256
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bench_layer import dump_json, print_rows, rel_err, timeit
+from experiments.bench_layer import dump_json, print_rows, rel_err, timeit
 from pallas_kernels import block_rotate as br
 from pallas_kernels import permute as pm
 from poetx_jax import ops
@@ -143,7 +143,7 @@ def main(argv=None):
       print_rows(rows, base, 'copy', width=34)
       results.append({'width': n, 'block': b, 'ms': rows, 'errors': errs})
       sys.stdout.flush()
-  dump_json(a.json, results)
+  dump_json(a.json, results, 'bench_kernels', argv)
 
 
 if __name__ == '__main__':

@@ -28,9 +28,9 @@ For each shape (I x O) and block size B, bf16 activations of T tokens:
 Every variant is checked against the dense reference (the effective kernel,
 float32) before it is timed. Times are medians of device-synchronised runs.
 
-    python3 experiments/bench_layer.py                    # 3 Llama-8B shapes, B in 128/256/512
-    python3 experiments/bench_layer.py --shapes 4096x4096 --blocks 256
-    python3 experiments/bench_layer.py --blocks 256 --only 'xla fast,weight'
+    python3 -m experiments.bench_layer                    # 3 Llama-8B shapes, B in 128/256/512
+    python3 -m experiments.bench_layer --shapes 4096x4096 --blocks 256
+    python3 -m experiments.bench_layer --blocks 256 --only 'xla fast,weight'
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ import numpy as np
 
 from poetx_jax import ops
 import pallas_kernels
-from common import dump_json, print_rows, rel_err, timeit  # noqa: F401 (bench_kernels, bench_cayley)
+from experiments.common import dump_json, print_rows, rel_err, timeit  # noqa: F401 (bench_kernels, bench_cayley)
 
 
 def _f32_rotate(x, g):
@@ -254,7 +254,7 @@ def main(argv=None):
       print_rows(rows, base, 'dense')
       results.append({'shape': shape, 'block': b, 'ms': rows, 'checks': checks})
       sys.stdout.flush()
-  dump_json(a.json, results)
+  dump_json(a.json, results, 'bench_layer', argv)
 
 
 if __name__ == '__main__':

@@ -13,15 +13,15 @@ The options and runs are bench_train.py's (``poetx train``'s options, a run
 ``--models`` / ``--ladder`` and ``--seqs`` give; here the defaults are batch 1,
 bf16 weights and compute, and a merge every 2 updates (so that one runs)::
 
-    python3 experiments/bench_memory.py --models 3b,8b,13b --seqs 512,1024,2048
-    python3 experiments/bench_memory.py --models 8b --seqs 1024 --cap-gib 80
-    python3 experiments/bench_memory.py --largest --run optimizer=adamw \\
+    python3 -m experiments.bench_memory --models 3b,8b,13b --seqs 512,1024,2048
+    python3 -m experiments.bench_memory --models 8b --seqs 1024 --cap-gib 80
+    python3 -m experiments.bench_memory --largest --run optimizer=adamw \\
         --run optimizer=poetx,mode=mem,remat=block,quantize=int4
-    python3 experiments/bench_memory.py --models tiny --seqs 64 --vocab-size 512 --timed-steps 2   # CPU smoke
-    python3 experiments/bench_memory.py --models 8b --state-only --lean-state   # no GPU: state sizes
-    python3 experiments/bench_memory.py --models 8b --state-only --compiled \\
+    python3 -m experiments.bench_memory --models tiny --seqs 64 --vocab-size 512 --timed-steps 2   # CPU smoke
+    python3 -m experiments.bench_memory --models 8b --state-only --lean-state   # no GPU: state sizes
+    python3 -m experiments.bench_memory --models 8b --state-only --compiled \\
         --run optimizer=poetx,mode=mem,remat=block  # + XLA's buffers
-    python3 experiments/bench_memory.py --largest --scan-layers --lean-state   # deep models compile fast
+    python3 -m experiments.bench_memory --largest --scan-layers --lean-state   # deep models compile fast
 
 ``--breakdown`` names what the memory at the peak holds, by category
 (``bench_train.memory_breakdown``): the frozen bases, the generators, the
@@ -39,13 +39,13 @@ each run also trains on the GPU, and its measured peak stands beside XLA's.
 poet_torch_memory.py gives the published PyTorch POET-X's figures by the same
 categories::
 
-    python3 experiments/bench_memory.py --models 8b --seqs 1024 --batch-size 8 \\
+    python3 -m experiments.bench_memory --models 8b --seqs 1024 --batch-size 8 \\
         --breakdown --state-only --compiled --scan-layers \\
         --run poetx:optimizer=poetx,mode=fast,remat=block --run adamw:optimizer=adamw,remat=block
-    python3 experiments/bench_memory.py --models 8b --seqs 1024 --batch-size 8 --breakdown \\
+    python3 -m experiments.bench_memory --models 8b --seqs 1024 --batch-size 8 --breakdown \\
         --scan-layers --run poetx:optimizer=poetx,mode=fast,remat=block   # on the GPU
     ... --breakdown --peak-ops 20   # + what is live at XLA's peak, by the operation that made it
-    PYTHONPATH=DIR_HOLDING_poet_torch python3 experiments/poet_torch_memory.py \\
+    PYTHONPATH=DIR_HOLDING_poet_torch python3 -m experiments.poet_torch_memory \\
         --variant poetx-fast --size 8b --seq 1024 --batch 8   # the same GPU, side by side
 """
 
@@ -56,10 +56,9 @@ import json
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import bench_train  # noqa: E402
-from common import Column, print_table as table, progress, run_child  # noqa: E402
-from poetx_jax.pretrain.kv import format_overrides  # noqa: E402
+from experiments import bench_train, harness
+from experiments.common import Column, print_table as table, progress
+from poetx_jax.pretrain.kv import format_overrides
 
 # Larger shapes than the named configs, for the size record (vocab 32000).
 LADDER = {
@@ -84,17 +83,17 @@ def point(name: str, seq: int, ladder: bool) -> str:
   return f'model={base},model_overrides={{{kv}}},seq_len={seq}'
 
 
-def run_one(a, argv, name: str, seq: int, run: str, ladder: bool = False) -> dict:
-  """The result of ``run`` at a grid point, in a fresh process."""
+def run_one(a, argv, name: str, seq: int, run: harness.Run, ladder: bool = False) -> dict:
+  """The result of ``run`` at a grid point, in a fresh process (a child whose
+  payload is the run and the point)."""
   env = dict(os.environ)
   if a.cap_gib:
     env['XLA_PYTHON_CLIENT_MEM_FRACTION'] = f'{a.cap_gib / a.device_gib:.4f}'
-  label = bench_train.parse_run(run)[0]
-  cmd = ([sys.executable, os.path.abspath(__file__)] + list(argv or sys.argv[1:])
-         + ['--point', point(name, seq, ladder), '--single', run])
-  r, error = run_child(cmd, f'{name} seq {seq} {label}', env=env)
+  payload = {'label': run.label, 'pairs': run.pairs, 'point': point(name, seq, ladder)}
+  r, error = harness.run_child('bench_memory', list(argv or sys.argv[1:]), payload,
+                               f'{name} seq {seq} {run.label}', env=env)
   if error is not None:
-    return {'run': label, 'model': name, 'seq_len': seq, 'cap_gib': a.cap_gib,
+    return {'run': run.label, 'model': name, 'seq_len': seq, 'cap_gib': a.cap_gib,
             'error': error}
   r.update(model=name, cap_gib=a.cap_gib)
   return r
@@ -130,15 +129,15 @@ def state_table(a):
   names = a.ladder.split(',') if a.largest else a.models.split(',')
   seq = int(a.seqs.split(',')[0])
   runs = bench_train.runs_of(a)
-  width = max([24] + [len(bench_train.parse_run(r)[0]) for r in runs])
+  width = max([24] + [len(r.label) for r in runs])
   print(f'{"model":6s} {"run":{width}s} {"model GiB":>9s} {"trainable":>9s} '
         f'{"optimizer":>9s} {"model+grads+opt":>15s}' +
         (f' {"compiled args":>13s} {"temporaries":>11s}' if a.compiled else ''))
   rows = []
   for name in names:
     for run in runs:
-      label, overrides = bench_train.parse_run(run)
-      cfg = bench_train.run_config(a, point(name, seq, a.largest), overrides)
+      label = run.label
+      cfg = bench_train.run_config(a, point(name, seq, a.largest), run)
       r = bench_train.resident_state(cfg, label)
       extra = ''
       if a.compiled:
@@ -149,8 +148,7 @@ def state_table(a):
       rows.append(r)
       print(f'{name:6s} {label:{width}s} {r["model_gib"]:9.2f} {r["trainable_gib"]:9.2f} '
             f'{r["optimizer_gib"]:9.2f} {r["floor_gib"]:15.2f}{extra}', flush=True)
-  with open(a.json, 'w') as f:
-    json.dump(rows, f, indent=1)
+  harness.write_record(a.json, rows, module='bench_memory', argv=a.argv)
 
 
 def breakdown_table(a):
@@ -162,8 +160,8 @@ def breakdown_table(a):
   for name in names:
     for seq in map(int, a.seqs.split(',')):
       for run in bench_train.runs_of(a):
-        label, overrides = bench_train.parse_run(run)
-        cfg = bench_train.run_config(a, point(name, seq, a.largest), overrides)
+        label = run.label
+        cfg = bench_train.run_config(a, point(name, seq, a.largest), run)
         progress(f'{name} seq {seq} {label}: breakdown')
         r = bench_train.memory_breakdown(cfg, label, compiled=a.compiled,
                                          peak_ops=a.peak_ops if a.compiled else 0)
@@ -171,8 +169,7 @@ def breakdown_table(a):
         rows.append(r)
   print_breakdown(rows)
   print_peak_ops(rows)
-  with open(a.json, 'w') as f:
-    json.dump(rows, f, indent=1)
+  harness.write_record(a.json, rows, module='bench_memory', argv=a.argv)
   return rows
 
 
@@ -243,21 +240,22 @@ def parse_args(argv=None):
                       'XLA\'s dump on)')
   p.add_argument('--ladder', default=','.join(LADDER))
   p.add_argument('--plot', default='bench_memory.png')
-  p.add_argument('--point', default=None, help=argparse.SUPPRESS)  # a child's grid point
   return p.parse_args(argv)
 
 
 def main(argv=None):
   a = parse_args(argv)
-  if a.single:  # child process: one run at one grid point, JSON on the last line
-    label, overrides = bench_train.parse_run(a.single)
-    cfg = bench_train.run_config(a, a.point, overrides)
+  a.argv = list(argv if argv is not None else sys.argv[1:])
+  run = bench_train.child_run(a)
+  if run:  # child process: one run at one grid point, JSON on the last line
+    label = run.label
+    cfg = bench_train.run_config(a, harness.child_payload(a)['point'], run)
     r = bench_train.one_run(cfg, label, warmup_steps=a.warmup_steps,
                             timed_steps=a.timed_steps)
     if a.breakdown:  # compiled after the peak is read (autotuning allocates)
       r['breakdown'] = bench_train.memory_breakdown(cfg, label, compiled=True,
                                                     peak_ops=a.peak_ops)
-    print(json.dumps(r))
+    harness.report(r)
     return
   if a.state_only:
     state_table(a)
@@ -266,7 +264,7 @@ def main(argv=None):
   if a.largest:
     for run in bench_train.runs_of(a):
       for name in a.ladder.split(','):
-        results.append(run_one(a, argv, name, 1024, run, ladder=True))
+        results.append(run_one(a, a.argv, name, 1024, run, ladder=True))
         print(json.dumps(results[-1]), flush=True)
         if 'error' in results[-1]:
           break
@@ -274,14 +272,13 @@ def main(argv=None):
     for model in a.models.split(','):
       for seq in map(int, a.seqs.split(',')):
         for run in bench_train.runs_of(a):
-          results.append(run_one(a, argv, model, seq, run))
+          results.append(run_one(a, a.argv, model, seq, run))
           print(json.dumps(results[-1]), flush=True)
   print_table(results)
   if a.breakdown:
     print_breakdown(results)
     print_peak_ops(results)
-  with open(a.json, 'w') as f:
-    json.dump(results, f, indent=1)
+  harness.write_record(a.json, results, module='bench_memory', argv=a.argv)
   try:
     plot(results, a.plot, a.device_gib)
   except ImportError:

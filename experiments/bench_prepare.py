@@ -10,25 +10,22 @@ resident memory of it and its children is sampled every 0.2 s. Prints and
 train wall time (start-up to the end of the first step, two evaluations
 included) and train peak RSS.
 
-    python3 experiments/bench_prepare.py --sizes-mb 10,256,512,1024 --work /tmp/bench_prepare
-    python3 experiments/bench_prepare.py --sizes-mb 10,1024 --work /tmp/bench_prepare \\
+    python3 -m experiments.bench_prepare --sizes-mb 10,256,512,1024 --work /tmp/bench_prepare
+    python3 -m experiments.bench_prepare --sizes-mb 10,1024 --work /tmp/bench_prepare \\
         --train-repeats 3   # first step: the median of 3 runs per size
-    python3 experiments/bench_prepare.py --sizes-mb 1,2 --work /tmp/bp --no-train   # quick
+    python3 -m experiments.bench_prepare --sizes-mb 1,2 --work /tmp/bp --no-train   # quick
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import pathlib
 import shutil
 import statistics
 import subprocess
 import sys
 import time
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def build_corpus(directory: pathlib.Path, size: int, file_bytes: int = 64 << 20) -> int:
@@ -127,7 +124,9 @@ def main(argv=None) -> list[dict]:
                    f'{k} {v:,}' if isinstance(v, int) else f'{k} {v}'
                    for k, v in row.items()), flush=True)
   if a.json:
-    pathlib.Path(a.json).write_text(json.dumps(results, indent=1))
+    from experiments import harness
+    harness.write_record(a.json, results, module='bench_prepare',
+                         argv=sys.argv[1:] if argv is None else argv)
   return results
 
 

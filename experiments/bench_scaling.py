@@ -12,15 +12,15 @@ The options and the runs are bench_train.py's (``poetx train``'s options; a
 run is ``K=V`` overrides of them, here ``strategy=dp`` or ``strategy=fsdp``,
 the latter over every device unless ``fsdp=N``)::
 
-    python3 experiments/bench_scaling.py --model 1b --devices 1,2
-    python3 experiments/bench_scaling.py --model 8b --run optimizer=poetx \\
+    python3 -m experiments.bench_scaling --model 1b --devices 1,2
+    python3 -m experiments.bench_scaling --model 8b --run optimizer=poetx \\
         --run optimizer=poetx,strategy=fsdp --run optimizer=adamw,strategy=fsdp
-    python3 experiments/bench_scaling.py --model tiny --seq-len 64 --cpu-devices --devices 1,8
+    python3 -m experiments.bench_scaling --model tiny --seq-len 64 --cpu-devices --devices 1,8
 
 With ``--scan-layers`` and fsdp the stacked layers are built straight into
 their shards, so a model too large for one GPU trains on several::
 
-    python3 experiments/bench_scaling.py --model 13b --model-overrides \\
+    python3 -m experiments.bench_scaling --model 13b --model-overrides \\
         hidden=8192,mlp=28672,layers=80,heads=64,kv_heads=8 \\
         --devices 2 --per-device-batch 1 --scan-layers --lean-state --param-dtype bfloat16 \\
         --merge-every 2 --run optimizer=poetx,strategy=fsdp,mode=mem,remat=block \\
@@ -35,18 +35,16 @@ import json
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import bench_train  # noqa: E402
-from common import Column, print_table as table, run_child  # noqa: E402
+from experiments import bench_train, harness
+from experiments.common import Column, print_table as table
 
 
-def child(a) -> dict:
+def child(a, run: harness.Run) -> dict:
   """One run on the devices this process sees, the batch ``per_device_batch`` each."""
   import jax
-  label, overrides = bench_train.parse_run(a.single)
-  cfg = bench_train.run_config(a, overrides)
+  cfg = bench_train.run_config(a, run)
   cfg = dataclasses.replace(cfg, batch_size=a.per_device_batch * jax.device_count())
-  return bench_train.one_run(cfg, label, warmup_steps=a.warmup_steps,
+  return bench_train.one_run(cfg, run.label, warmup_steps=a.warmup_steps,
                              timed_steps=a.timed_steps)
 
 
@@ -59,26 +57,25 @@ def main(argv=None):
   p.add_argument('--cpu-devices', action='store_true',
                  help='fake N CPU devices (a smoke test of the script)')
   a = p.parse_args(argv)
-  if a.single:
-    print(json.dumps(child(a)))
+  run = bench_train.child_run(a)
+  if run:
+    harness.report(child(a, run))
     return
+  argv = list(argv if argv is not None else sys.argv[1:])
   results = []
-  for run in bench_train.runs_of(a):
+  for run in bench_train.check_runs(p, a):
     for n in map(int, a.devices.split(',')):
       r = run_on(a, argv, run, n)
       results.append(r)
       print(json.dumps(r), flush=True)
   print_table(a, results)
   if a.json:
-    with open(a.json, 'w') as f:
-      json.dump(results, f, indent=1)
+    harness.write_record(a.json, results, module='bench_scaling', argv=argv)
 
 
-def run_on(a, argv, run: str, n: int) -> dict:
+def run_on(a, argv, run: harness.Run, n: int) -> dict:
   """The result of ``run`` in a fresh process that sees ``n`` devices."""
-  here = os.path.dirname(os.path.abspath(__file__))
-  env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-      [here, os.environ.get('PYTHONPATH', '')]))
+  env = dict(os.environ)
   if a.cpu_devices:
     env.update(XLA_FLAGS=f'--xla_force_host_platform_device_count={n}',
                JAX_PLATFORMS='cpu')
@@ -89,11 +86,10 @@ def run_on(a, argv, run: str, n: int) -> dict:
       raise SystemExit(f'--devices asks for {n} GPUs but CUDA_VISIBLE_DEVICES={visible!r} '
                        f'lists {len(ids)}')
     env['CUDA_VISIBLE_DEVICES'] = ','.join(ids[:n])
-  label = bench_train.parse_run(run)[0]
-  cmd = [sys.executable, __file__] + list(argv or sys.argv[1:]) + ['--single', run]
-  r, error = run_child(cmd, f'{label} x{n}', env=env)
+  r, error = harness.run_child('bench_scaling', argv, {'label': run.label, 'pairs': run.pairs},
+                               f'{run.label} x{n}', env=env)
   if error is not None:
-    return {'run': label, 'devices': n, 'error': error}
+    return {'run': run.label, 'devices': n, 'error': error}
   return r
 
 

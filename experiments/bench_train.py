@@ -15,13 +15,13 @@ of 1000 updates). A run (``--run``, repeatable) is ``K=V`` overrides of them,
 labelled by its text or by a ``NAME:`` before it; the default runs are
 ``optimizer=poetx`` and ``optimizer=adamw``::
 
-    python3 experiments/bench_train.py --model 1b --seq-len 1024 --batch-size 8
-    python3 experiments/bench_train.py --model 8b --seq-len 1024 --batch-size 1 --lean-state \\
+    python3 -m experiments.bench_train --model 1b --seq-len 1024 --batch-size 8
+    python3 -m experiments.bench_train --model 8b --seq-len 1024 --batch-size 1 --lean-state \\
         --run optimizer=poetx,mode=mem,remat=block --run optimizer=adamw
-    python3 experiments/bench_train.py --run optimizer=poetx,form=weight,implementation=pallas \\
+    python3 -m experiments.bench_train --run optimizer=poetx,form=weight,implementation=pallas \\
         --run tiers:optimizer=poetx,skew_tiers=true --run xq:optimizer=poetx,quantize=int8
-    python3 experiments/bench_train.py --rounds 2 --run optimizer=poetx --run optimizer=adamw  # A B, B A
-    python3 experiments/bench_train.py --model tiny --seq-len 64 --timed-steps 3   # CPU smoke test
+    python3 -m experiments.bench_train --rounds 2 --run optimizer=poetx --run optimizer=adamw  # A B, B A
+    python3 -m experiments.bench_train --model tiny --seq-len 64 --timed-steps 3   # CPU smoke test
 
 The run trains on the devices the process sees, as ``poetx train`` would
 (``CUDA_VISIBLE_DEVICES`` chooses them; bench_scaling.py varies their number);
@@ -36,7 +36,6 @@ import argparse
 import dataclasses
 import json
 import math
-import os
 import pathlib
 import re
 import statistics
@@ -45,7 +44,8 @@ import tempfile
 import time
 import typing as tp
 
-from common import Column, print_table as table, progress, run_child
+from experiments import harness
+from experiments.common import Column, print_table as table, progress
 
 BENCH_DEFAULTS = dict(model='1b', seq_len=1024, vocab_size=32000, batch_size=8,
                       merge_every=200, steps=1000)
@@ -55,24 +55,15 @@ DEFAULT_RUNS = ('optimizer=poetx', 'optimizer=adamw')
 GIB = 2 ** 30  # bytes in a GiB, the unit of every figure here
 
 
-def parse_run(text: str) -> tuple[str, str]:
-  """(label, ``K=V`` overrides) of a ``--run``: ``NAME:K=V,...``, or
-  ``K=V,...`` labelled by itself."""
-  name, sep, rest = text.partition(':')
-  if sep and name.strip() and '=' not in name:
-    return name.strip(), rest
-  return text or 'base', text
-
-
-def run_config(a, *overrides: str):
-  """The TrainConfig of a run: the options of ``a`` with each ``K=V``
-  overrides text applied in turn (a run whose optimizer does not poetize
+def run_config(a, *overrides):
+  """The TrainConfig of a run: the options of ``a`` with each run
+  (:class:`experiments.harness.Run`) or ``K=V`` overrides text applied in turn (a run whose optimizer does not poetize
   leaves out the POET options it shares with them). Strategy fsdp with
   ``fsdp=1`` shards over every device."""
-  from poetx_jax.pretrain import config, config_text
+  from poetx_jax.pretrain import config
   base = cfg = config.config_from_args(a)
-  for text in overrides:
-    cfg = config_text.apply_overrides(cfg, text, validate=False)
+  for run in overrides:
+    cfg = harness.apply(cfg, run)
   cfg = config.drop_shared_poet_options(cfg, base)
   if cfg.strategy == 'fsdp' and cfg.fsdp == 1:
     import jax
@@ -497,9 +488,10 @@ def add_run_args(p: argparse.ArgumentParser, *, runs=DEFAULT_RUNS, warmup_steps:
   from poetx_jax.pretrain import config
   config.add_options(p, overrides={**BENCH_DEFAULTS, **defaults},
                      exclude=UNUSED + tuple(exclude))
-  p.add_argument('--run', action='append', default=None, metavar='[NAME:]K=V,...',
-                 help='a run: overrides of the options above, e.g. '
-                      'optimizer=poetx,mode=mem,remat=block; repeatable (default: '
+  p.add_argument('--run', action='append', default=None, metavar='[LABEL:]K=V|V,...',
+                 help='runs: overrides of the options above, e.g. '
+                      'optimizer=poetx,mode=mem,remat=block; a value with |-separated '
+                      'alternatives stands for one run each; repeatable (default: '
                       + ' and '.join(runs) + ')')
   p.set_defaults(default_runs=list(runs))
   p.add_argument('--warmup-steps', type=int, default=warmup_steps,
@@ -511,38 +503,45 @@ def add_run_args(p: argparse.ArgumentParser, *, runs=DEFAULT_RUNS, warmup_steps:
                    help='run the list this many times, every other time in reverse order '
                         '(A B, B A, ...), each run a fresh process each time: a run\'s '
                         'spread between processes and its position in the list show')
-  p.add_argument('--json', default=json_path, help='write every result here')
-  p.add_argument('--single', default=None, help=argparse.SUPPRESS)
+  p.add_argument('--json', default=json_path,
+                 help='write the record (the command, commit, device and every result) here')
+  harness.add_child_option(p)
 
 
-def runs_of(a) -> list[str]:
-  """The ``--run`` texts of parsed :func:`add_run_args` options."""
-  return a.run or a.default_runs
+def runs_of(a) -> list[harness.Run]:
+  """The runs of parsed :func:`add_run_args` options' ``--run`` specs."""
+  return harness.expand_all(a.run or a.default_runs)
 
 
-def run_each(a, script: str, argv: list[str], show: tp.Callable[[dict], str]) -> list[dict]:
-  """Runs every ``--run`` of ``a`` in a process of its own (``script`` with
-  ``argv`` and ``--single RUN``: its last stdout line is the run's JSON
-  result), ``--rounds`` times (every other round in reverse order; each
-  result then records its ``round``), prints ``show(result)`` as each ends
-  (a failed run's result is ``{'run', 'error'}``) and writes them all to
-  ``a.json`` if set; the results, in the order they ran."""
+def child_run(a) -> harness.Run | None:
+  """In a child of :func:`run_each`, its run (None in the parent)."""
+  payload = harness.child_payload(a)
+  return payload and harness.Run(payload['label'], tuple(map(tuple, payload['pairs'])))
+
+
+def run_each(a, module: str, argv: list[str], show: tp.Callable[[dict], str]) -> list[dict]:
+  """Runs every ``--run`` of ``a`` in a process of its own (a child of
+  ``experiments.MODULE`` with ``argv``: :func:`experiments.harness.run_child`;
+  :func:`child_run` is its run), ``--rounds`` times (every other round in
+  reverse order; each result then records its ``round``), prints
+  ``show(result)`` as each ends (a failed run's result is ``{'run',
+  'error'}``) and writes the record of them all to ``a.json`` if set
+  (:func:`experiments.harness.write_record`); the results, in the order they
+  ran."""
   if a.rounds < 1:
     raise SystemExit(f'--rounds {a.rounds}: must be >= 1')
   results = []
-  base = [sys.executable, os.path.abspath(script)] + list(argv)
   runs = runs_of(a)
   for i in range(a.rounds):
     for run in (runs if i % 2 == 0 else runs[::-1]):
-      label = parse_run(run)[0]
-      r, error = run_child(base + ['--single', run], label)
-      results.append(r if error is None else {'run': label, 'error': error})
+      r, error = harness.run_child(module, argv, {'label': run.label, 'pairs': run.pairs},
+                                   run.label)
+      results.append(r if error is None else {'run': run.label, 'error': error})
       if a.rounds > 1:
         results[-1]['round'] = i
       print(show(results[-1]), flush=True)
       if a.json:  # as each ends: a call cut short keeps the runs done
-        with open(a.json, 'w') as f:
-          json.dump(results, f, indent=1)
+        harness.write_record(a.json, results, module=module, argv=argv)
   return results
 
 
@@ -569,17 +568,28 @@ def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   add_run_args(p, rounds=True)
   a = p.parse_args(argv)
-  if a.single:  # child process: one run, JSON on the last line
-    label, overrides = parse_run(a.single)
-    print(json.dumps(one_run(run_config(a, overrides), label, warmup_steps=a.warmup_steps,
-                             timed_steps=a.timed_steps)))
+  run = child_run(a)
+  if run:  # child process: one run, JSON on the last line
+    harness.report(one_run(run_config(a, run), run.label, warmup_steps=a.warmup_steps,
+                           timed_steps=a.timed_steps))
     return
-  for run in runs_of(a):
+  check_runs(p, a)
+  print_table(a, run_each(a, 'bench_train', argv or sys.argv[1:], json.dumps))
+
+
+def check_runs(p: argparse.ArgumentParser, a) -> list[harness.Run]:
+  """The runs of ``a``, each configured once here so that a bad one is
+  refused (``p.error``) before any process starts."""
+  try:
+    runs = runs_of(a)
+  except ValueError as e:
+    p.error(f'--run: {e}')
+  for run in runs:
     try:
-      run_config(a, parse_run(run)[1])  # refused here, before any process starts
+      run_config(a, run)
     except ValueError as e:
-      p.error(f'--run {run!r}: {e}')
-  print_table(a, run_each(a, __file__, argv or sys.argv[1:], json.dumps))
+      p.error(f'--run {run.label!r}: {e}')
+  return runs
 
 
 def print_table(a, results: list[dict]) -> None:

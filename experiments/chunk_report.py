@@ -15,21 +15,16 @@ fused kernels against XLA's compositions, each training step against AdamW
 each draw's validation perplexity per seed, so that every figure on the page
 comes from a record::
 
-    python3 experiments/chunk_report.py docs/results/chunk-permutations
+    python3 -m experiments.chunk_report docs/results/chunk-permutations
 """
 
 from __future__ import annotations
 
-import os
 import pathlib
 import statistics
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from study_page import call_lines, header, load  # noqa: E402
-import study_page  # noqa: E402
-
-
+from experiments.study_page import call_lines, header, load
+from experiments import study_page
 
 
 def gather_rows(kernels: list[dict]) -> list[str]:
@@ -206,7 +201,7 @@ def quality_section(folder: pathlib.Path, name: str, references: list[dict]) -> 
 
 def report(folder: pathlib.Path) -> str:
   meta = load(folder, 'calls.json')
-  lines = header(meta, 'chunk_report.py')
+  lines = header(meta, 'chunk_report', folder)
   lines += call_lines(meta)
   kernels = load(folder, 'kernels.json')
   lines += ['## The gathers against the copy floor (T = 8192 tokens, bf16)', '',

@@ -14,7 +14,7 @@ data-parallel update that all-reduces exactly its trained arrays (so
 promoted) is recorded with the bytes a GPU sends, ``gpu_allreduce_bytes``.
 Nothing is allocated, so an 8B-class update compiles in seconds on a CPU::
 
-    python3 experiments/comm_model.py --model 1b --devices 2,8 \\
+    python3 -m experiments.comm_model --model 1b --devices 2,8 \\
         --step-record docs/results/chunk-permutations/step-1b-tied.json \\
         --json docs/results/scaling/comm-1b.json
 
@@ -49,9 +49,8 @@ import json
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import bench_train  # noqa: E402
-from common import Column, print_table, progress  # noqa: E402
+from experiments import bench_train, harness
+from experiments.common import Column, print_table, progress
 
 DEFAULT_RUNS = ('chunk:optimizer=poetx,permutation=chunk', 'adamw:optimizer=adamw',
                 'chunk-fsdp:optimizer=poetx,permutation=chunk,strategy=fsdp',
@@ -206,9 +205,9 @@ def main(argv=None):
   import dataclasses
   records = []
   for run in bench_train.runs_of(a):
-    label, overrides = bench_train.parse_run(run)
+    label = run.label
     for n in devices:
-      cfg = bench_train.run_config(a, overrides)
+      cfg = bench_train.run_config(a, run)
       cfg = dataclasses.replace(cfg, batch_size=a.per_device_batch * n,
                                 fsdp=n if cfg.strategy == 'fsdp' else 1)
       progress(f'{label}: {cfg.model} on {n} devices, compiling an update and the merges')
@@ -222,7 +221,7 @@ def main(argv=None):
                                lambda r: f"{r['trainable_bytes'] / 2 ** 20:,.1f}")])
   out = {'records': records, 'links': links}
   if a.step_record:
-    steps = one_gpu_steps(json.load(open(a.step_record)))
+    steps = one_gpu_steps(harness.results_of(json.load(open(a.step_record))))
     projection = []
     for r in records:
       if (r['strategy'] == 'dp' and r['gpu_allreduce_bytes'] and r['run'] in steps
@@ -250,8 +249,8 @@ def main(argv=None):
         Column('overlap', 8, lambda r: f"{r['predicted_overlap']:.3f}"),
         Column('error', 7, lambda r: f"{r['error_no_overlap']:+.3f}")])
   if a.json:
-    with open(a.json, 'w') as f:
-      json.dump(out, f, indent=1)
+    harness.write_record(a.json, out, module='comm_model',
+                         argv=argv if argv is not None else sys.argv[1:])
   return out
 
 

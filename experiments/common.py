@@ -79,11 +79,14 @@ def print_rows(rows, base, baseline, width=38):
     print(f'  {name:{width}s} {ms:8.3f} ms  ±{sd:6.3f}  {ms / base:5.2f}x {baseline}')
 
 
-def dump_json(path, results) -> None:
-  """Writes the results where ``--json`` asked (nothing when it is None)."""
+def dump_json(path, results, module: str, argv) -> None:
+  """Writes the record of ``results`` (:func:`experiments.harness.write_record`:
+  the command ``python3 -m experiments.MODULE ARGV``, commit, device) where
+  ``--json`` asked (nothing when it is None)."""
   if path:
-    with open(path, 'w') as f:
-      json.dump(results, f, indent=1)
+    from experiments import harness
+    harness.write_record(path, results, module=module,
+                         argv=sys.argv[1:] if argv is None else argv)
 
 
 @dataclasses.dataclass(frozen=True)

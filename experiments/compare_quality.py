@@ -61,7 +61,7 @@ that much per cycle; AdamW's move by orders of magnitude more.
 CPU smoke test (tiny model, built-in corpus; about 25 s on 2 cores once the
 corpus is tokenized and cached)::
 
-    python3 experiments/compare_quality.py --model tiny --seq-len 64 --batch-size 8 \\
+    python3 -m experiments.compare_quality --model tiny --seq-len 64 --batch-size 8 \\
         --steps 60 --warmup 3 --eval-every 20 --probe-every 10 --merge-every 40 \\
         --block-size 16 --dtype float32 --out runs/quality-smoke \\
         --runs optimizer=adamw,lr=3e-3 'optimizer=poetx,poet_lr=2.5e-3|5e-3,lr=best'
@@ -71,13 +71,13 @@ batch 64: each run sees 400 x 64 x 256 = 6,553,600 tokens (0.28 passes over the
 built-in corpus's 23.7 M training tokens, under CPython 3.12 without Debian's
 Python documentation); 2 AdamW + 2 POET-X runs::
 
-    python3 experiments/compare_quality.py --probe-every 50 --merge-every 100 \\
+    python3 -m experiments.compare_quality --probe-every 50 --merge-every 100 \\
         --block-size 256 --out runs/quality \\
         --runs 'optimizer=adamw,lr=1e-3|3e-3' 'optimizer=poetx,poet_lr=5e-4|1e-3,lr=best'
 
 Three seeds of each, and POET-X's merge interval as a third axis::
 
-    python3 experiments/compare_quality.py --block-size 256 --out runs/quality-seeds \\
+    python3 -m experiments.compare_quality --block-size 256 --out runs/quality-seeds \\
         --runs 'optimizer=adamw,lr=1e-3|3e-3,seed=0|1|2' \\
                'optimizer=poetx,poet_lr=5e-4|1e-3,merge_every=50|200,lr=best,seed=0|1|2'
 
@@ -85,9 +85,9 @@ Llama-130M, B = 128 and 256, on two GPUs side by side (BENCHMARKS.md; each
 command about 7.5 minutes on an H200)::
 
     Q="--model 130m --probe-every 50 --merge-every 100"
-    python3 experiments/compare_quality.py $Q --out runs/q130-b256 \\
+    python3 -m experiments.compare_quality $Q --out runs/q130-b256 \\
         --runs 'optimizer=adamw,lr=1e-3|3e-3' 'optimizer=poetx,block_size=256,poet_lr=1e-3,lr=3e-3'
-    python3 experiments/compare_quality.py $Q --out runs/q130-b128 \\
+    python3 -m experiments.compare_quality $Q --out runs/q130-b128 \\
         --runs optimizer=adamw,lr=6e-4 'optimizer=poetx,block_size=128,poet_lr=1e-3|2e-3,lr=3e-3'
 
 ``--jobs N`` trains N runs at once, each in a process of its own on the same
@@ -116,7 +116,7 @@ report adds the routing of each run's last validation: the share of token
 slots of the most and least loaded expert (summed over layers) and the slots
 dropped over capacity. On one H200::
 
-    python3 experiments/compare_quality.py --model moe-60m --merge-every 100 \\
+    python3 -m experiments.compare_quality --model moe-60m --merge-every 100 \\
         --block-size 128 --data data/builtin --out runs/moe-quality \\
         --runs 'optimizer=adamw|skewadam,lr=1e-3|3e-3' \\
                'optimizer=poetx,skew_tiers=true,poet_lr=1e-3|2e-3,lr=3e-3'
@@ -139,7 +139,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import itertools
 import json
 import os
 import pathlib
@@ -150,9 +149,8 @@ import sys
 import time
 import traceback
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-import quality_report as R  # noqa: E402
-from bench_train import progress  # noqa: E402
+from experiments import harness, quality_report as R
+from experiments.bench_train import progress
 
 QUALITY_DEFAULTS = dict(model='60m', seq_len=256, batch_size=64, steps=400, warmup=20,
                         eval_every=50, merge_every=200, clip=1.0,
@@ -163,15 +161,6 @@ TOP_K = 4            # singular values kept at each end of the spectrum
 
 
 # ------------------------------------------------------------------------ runs
-def expand(spec: str) -> list[list[tuple[str, str]]]:
-  """The runs of a spec, each its ``(key, value)`` pairs: one per
-  combination of the ``|`` alternatives of its values."""
-  from poetx_jax.pretrain.kv import split_assignments, split_top
-  pairs = split_assignments(spec)
-  choices = [[(k, v.strip()) for v in split_top(value, '|')] for k, value in pairs]
-  return [list(combo) for combo in itertools.product(*choices)]
-
-
 def _text(pairs) -> str:
   from poetx_jax.pretrain.kv import format_overrides
   return format_overrides(pairs)
@@ -184,8 +173,9 @@ def plan_runs(base, specs: list[str]) -> list[dict]:
   ValueError for a run given twice or one that cannot be configured."""
   runs = []
   for spec in specs:
-    for pairs in expand(spec):
-      name = re.sub(r'[^A-Za-z0-9.,=+_-]', '_', _text(pairs)) or 'base'
+    for run in harness.expand(spec):
+      pairs = list(run.pairs)
+      name = re.sub(r'[^A-Za-z0-9.,=+_-]', '_', run.label)
       key = _text([(k, v) for k, v in pairs if k != 'seed']) or 'base'
       best = ('lr', 'best') in pairs
       runs.append({'name': name, 'config': key, 'pairs': pairs, 'best_lr': best})
@@ -208,9 +198,8 @@ def run_config(base, run: dict, out: pathlib.Path, best_lr: float | None = None)
   """The ``TrainConfig`` of a run (``lr=best`` as ``best_lr``), in OUT/runs/NAME;
   a run whose optimizer does not poetize leaves out the POET options it shares
   with ``base``."""
-  from poetx_jax.pretrain import config, config_text
-  cfg = config_text.apply_overrides(base, _text(p for p in run['pairs'] if p != ('lr', 'best')),
-                               validate=False)
+  from poetx_jax.pretrain import config
+  cfg = harness.apply(base, _text(p for p in run['pairs'] if p != ('lr', 'best')))
   cfg = config.drop_shared_poet_options(cfg, base)
   if run['best_lr'] and best_lr is not None:
     cfg = dataclasses.replace(cfg, lr=best_lr)
@@ -252,8 +241,7 @@ def parse_args(argv=None):
                  help='runs trained at once, each in a process of its own on the same '
                       'devices (a small model leaves a GPU idle between its kernels); '
                       'default: one at a time, in this process')
-  p.add_argument('--only', default=None, help=argparse.SUPPRESS)  # a --jobs child's run
-  p.add_argument('--best-lr', type=float, default=None, help=argparse.SUPPRESS)
+  harness.add_child_option(p)  # a --jobs child: {'run': NAME, 'best_lr': lr or None}
   a = p.parse_args(argv)
   if a.jobs < 1:
     p.error(f'--jobs must be >= 1, got {a.jobs}')
@@ -262,8 +250,9 @@ def parse_args(argv=None):
     a.plan = plan_runs(a.base, a.runs)
   except (ValueError, TypeError) as e:
     p.error(str(e))
-  if a.only is not None and a.only not in [r['name'] for r in a.plan]:
-    p.error(f'--only {a.only!r} is not a run of --runs')
+  a.only = harness.child_payload(a)
+  if a.only is not None and a.only['run'] not in [r['name'] for r in a.plan]:
+    p.error(f"--child: {a.only['run']!r} is not a run of --runs")
   try:
     a.other_val = other_val_sets(a.other_val)
   except ValueError as e:
@@ -480,7 +469,7 @@ def run_serial(a, out: pathlib.Path) -> None:
 # ------------------------------------------------------- runs side by side
 def run_jobs(a, argv: list[str], out: pathlib.Path) -> None:
   """Trains the plan's runs ``a.jobs`` at a time, each in a process of its own
-  (this script with ``--only NAME``) on the same devices, its output in
+  (a child of this script whose payload names the run) on the same devices, its output in
   OUT/logs/NAME.log; the ``lr=best`` runs start once every other run is done.
   The children inherit this process's environment, where :func:`main` turned
   XLA's preallocation off: each takes the accelerator's memory as it needs it,
@@ -496,10 +485,10 @@ def run_jobs(a, argv: list[str], out: pathlib.Path) -> None:
   failed = []
   for phase in (False, True):  # the lr=best runs after the others
     queue = [r for r in a.plan if r['best_lr'] == phase]
-    best = []
+    best = None
     if phase and queue:
       try:
-        best = ['--best-lr', repr(R.best_adamw_lr(list(done.values())))]
+        best = R.best_adamw_lr(list(done.values()))
       except ValueError as e:  # no AdamW run finished: these cannot start
         for run in queue:
           failed.append(run['name'])
@@ -511,9 +500,9 @@ def run_jobs(a, argv: list[str], out: pathlib.Path) -> None:
       while queue and len(live) < a.jobs:
         run = queue.pop(0)
         log = open(run_log(out, run['name']), 'w')
-        cmd = [sys.executable, str(pathlib.Path(__file__).resolve()), *argv,
-               '--only', run['name'], *best]
-        live[run['name']] = subprocess.Popen(cmd, env=env, stdout=log, stderr=log)
+        cmd = harness.child_command('compare_quality', argv, {'run': run['name'], 'best_lr': best})
+        live[run['name']] = subprocess.Popen(cmd, env=harness.child_env(env), stdout=log,
+                                             stderr=log)
         log.close()
         progress(f'started {run["name"]} ({len(done) + len(failed) + len(live)}'
                  f'/{len(a.plan)}), log {run_log(out, run["name"])}')
@@ -578,8 +567,8 @@ def main(argv=None):
   a = parse_args(argv)
   if a.only is not None:  # one run of a --jobs study, in a process of its own
     out = pathlib.Path(a.out)
-    run = next(r for r in a.plan if r['name'] == a.only)
-    return train_run(a, run, [], out, best_lr=a.best_lr)
+    run = next(r for r in a.plan if r['name'] == a.only['run'])
+    return train_run(a, run, [], out, best_lr=a.only['best_lr'])
   if a.jobs > 1:  # the children take the accelerator's memory, not this process
     os.environ.setdefault('XLA_PYTHON_CLIENT_PREALLOCATE', 'false')
   import jax
@@ -588,7 +577,8 @@ def main(argv=None):
   data = loading.load_data(run_config(a.base, a.plan[0], out))  # tokenized once, cached
   print(f'data: {data.description}', flush=True)
   (out / 'study.json').write_text(json.dumps(
-      {'header': header(a, data), 'plan': [r['name'] for r in a.plan],
+      {'header': {**harness.header('compare_quality', argv), **header(a, data)},
+       'plan': [r['name'] for r in a.plan],
        'args': {'runs': a.runs, 'probe_every': a.probe_every,
                 'base': dataclasses.asdict(a.base)}}, indent=1))
   progress(f'{len(a.plan)} runs of {a.base.model}, {a.base.steps} updates x '

@@ -19,10 +19,10 @@ over its occurrences, nested events counted within their parents): where
 XLA spends the compile time on the device at hand. Only the first is cold:
 XLA keeps its autotuning results for the rest of the process.
 
-    python3 experiments/compile_time.py --model 130m --seq-len 256 --batch-size 64 \\
+    python3 -m experiments.compile_time --model 130m --seq-len 256 --batch-size 64 \\
         --run optimizer=poetx --run optimizer=poetx,form=input --run optimizer=adamw
-    python3 experiments/compile_time.py --model tiny --seq-len 64 --timed-steps 1  # CPU smoke
-    python3 experiments/compile_time.py --model 130m --seq-len 256 --batch-size 64 --passes 25 \\
+    python3 -m experiments.compile_time --model tiny --seq-len 64 --timed-steps 1  # CPU smoke
+    python3 -m experiments.compile_time --model 130m --seq-len 256 --batch-size 64 --passes 25 \\
         --run optimizer=poetx --run optimizer=adamw
 """
 
@@ -39,8 +39,6 @@ import statistics
 import sys
 import tempfile
 import time
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
 def entry_instructions(hlo_text: str) -> int:
@@ -141,7 +139,7 @@ def format_row(r: dict) -> str:
 
 
 def main(argv=None):
-  import bench_train
+  from experiments import bench_train, harness
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   bench_train.add_run_args(p, timed_steps=2, rounds=True)
   p.add_argument('--passes', type=int, default=0, metavar='N',
@@ -150,17 +148,12 @@ def main(argv=None):
   a = p.parse_args(argv)
   if a.passes < 0:
     p.error(f'--passes {a.passes}: must be >= 0')
-  if a.single:  # child process: one run, JSON on the last line
-    label, overrides = bench_train.parse_run(a.single)
-    print(json.dumps(time_run(bench_train.run_config(a, overrides), label, a.timed_steps,
-                              a.passes)))
+  run = bench_train.child_run(a)
+  if run:  # child process: one run, JSON on the last line
+    harness.report(time_run(bench_train.run_config(a, run), run.label, a.timed_steps, a.passes))
     return []
-  for run in bench_train.runs_of(a):
-    try:
-      bench_train.run_config(a, bench_train.parse_run(run)[1])
-    except ValueError as e:
-      p.error(f'--run {run!r}: {e}')
-  return bench_train.run_each(a, __file__, argv or sys.argv[1:], format_row)
+  bench_train.check_runs(p, a)
+  return bench_train.run_each(a, 'compile_time', argv or sys.argv[1:], format_row)
 
 if __name__ == '__main__':
   main()

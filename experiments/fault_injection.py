@@ -1,8 +1,8 @@
 """Random stops of one tiny training run, each followed by ``--resume``: the
 run must end bit for bit as the same run uninterrupted.
 
-    python experiments/fault_injection.py --stops 20 --stop-seed 0 --out /tmp/faults
-    python experiments/fault_injection.py --stops 40 --kill-share 0.5 --corpus corpus/
+    python3 -m experiments.fault_injection --stops 20 --stop-seed 0 --out /tmp/faults
+    python3 -m experiments.fault_injection --stops 40 --kill-share 0.5 --corpus corpus/
 
 Each stop takes the next of ``--stops`` distinct micro-steps drawn at random
 (increasing, so that every stop falls after the step the run resumes from)
@@ -40,19 +40,16 @@ import sys
 import typing as tp
 
 import numpy as np
+from flax import nnx
 
-HERE = pathlib.Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
-
-from flax import nnx  # noqa: E402
-
-from poetx_jax.pretrain import rundir  # noqa: E402
-from poetx_jax.pretrain.checkpoint import Checkpointer  # noqa: E402
-from poetx_jax.pretrain.config import TrainConfig  # noqa: E402
-from poetx_jax.pretrain.factories import build_model, build_optimizer  # noqa: E402
-from poetx_jax.pretrain.hooks import Hook  # noqa: E402
-from poetx_jax.pretrain.plan import make_plan  # noqa: E402
-from poetx_jax.pretrain.train import train  # noqa: E402
+from experiments import harness
+from poetx_jax.pretrain import rundir
+from poetx_jax.pretrain.checkpoint import Checkpointer
+from poetx_jax.pretrain.config import TrainConfig
+from poetx_jax.pretrain.factories import build_model, build_optimizer
+from poetx_jax.pretrain.hooks import Hook
+from poetx_jax.pretrain.plan import make_plan
+from poetx_jax.pretrain.train import train
 
 # A tiny POET-X run: merges every 3 updates, checkpoints every 4 steps.
 TINY = dict(model='tiny', model_overrides={'layers': 1, 'hidden': 32, 'mlp': 32,
@@ -61,22 +58,18 @@ TINY = dict(model='tiny', model_overrides={'layers': 1, 'hidden': 32, 'mlp': 32,
             block_size=8, eval_every=6, eval_batches=1, log_every=1, checkpoint_every=4,
             dtype='float32')
 
-# The child of a SIGKILL stop: the run resumed (or started) in this process,
-# killed by itself right after step AT is dispatched or its save starts.
-KILLED = '''
-import json, os, signal, sys
-from poetx_jax.pretrain.config import TrainConfig
-from poetx_jax.pretrain.hooks import Hook
-from poetx_jax.pretrain.train import train
-cfg, on, at, resume = json.loads(sys.argv[1])
+def killed_child(payload: dict) -> None:
+  """The child of a SIGKILL stop: the run of ``payload['config']`` resumed
+  (or started) in this process, killed by itself right after step
+  ``payload['at']`` is dispatched or its save starts (``payload['on']``)."""
+  at = payload['at']
 
-def kill(run):
-  if run.step == at:
-    os.kill(os.getpid(), signal.SIGKILL)
+  def kill(run):
+    if run.step == at:
+      os.kill(os.getpid(), signal.SIGKILL)
 
-train(TrainConfig(**cfg), resume=resume, log=lambda *_: None,
-      hooks=[Hook(kill, wait=False, on=on)])
-'''
+  train(TrainConfig(**payload['config']), resume=payload['resume'], log=lambda *_: None,
+        hooks=[Hook(kill, wait=False, on=payload['on'])])
 
 
 @dataclasses.dataclass
@@ -116,8 +109,9 @@ def _signal_self(at: int, name: str) -> Hook:
 
 
 def _killed(cfg: TrainConfig, stop: Stop, resume: bool, env: tp.Mapping[str, str]) -> None:
-  proc = subprocess.run([sys.executable, '-c', KILLED,
-                         json.dumps([dataclasses.asdict(cfg), stop.on, stop.step, resume])],
+  payload = {'config': dataclasses.asdict(cfg), 'on': stop.on, 'at': stop.step,
+             'resume': resume}
+  proc = subprocess.run(harness.child_command('fault_injection', [], payload),
                         capture_output=True, text=True, env=env, timeout=600)
   if proc.returncode != -signal.SIGKILL:
     raise RuntimeError(f'the child to be killed at step {stop.step} exited '
@@ -151,8 +145,7 @@ def run_with_stops(cfg: TrainConfig, stops: list[Stop], *, env=None,
   """Trains ``cfg`` from scratch, stopped at each of ``stops`` and resumed
   after each; returns ``{'steps_trained': ..., 'stops': [...]}`` (the
   micro-steps computed in all, and each stop with the step resumed from)."""
-  env = dict(os.environ if env is None else env)
-  env['PYTHONPATH'] = os.pathsep.join(filter(None, [str(HERE.parent), env.get('PYTHONPATH')]))
+  env = harness.child_env(env)
   trained, at = 0, 0  # micro-steps computed; the step the run stands at
   for i, stop in enumerate(stops):
     resume = i > 0
@@ -199,7 +192,12 @@ def main(argv=None) -> int:
                  help='the run\'s --data (default: the built-in corpus)')
   p.add_argument('--out', default='runs/fault-injection',
                  help='where the two runs go (replaced; default: %(default)s)')
+  harness.add_child_option(p)
   a = p.parse_args(argv)
+  payload = harness.child_payload(a)
+  if payload:
+    killed_child(payload)
+    return 1  # not reached: the child kills itself
   if not 0.0 <= a.kill_share <= 1.0:
     p.error(f'--kill-share must be in [0, 1], got {a.kill_share}')
   steps = a.run_steps or 2 * a.stops + 8

@@ -12,22 +12,20 @@ options, the evaluations it reached and the merges it warned about), and
 folder's ``README.md``: each run's validation perplexity at equal tokens,
 the ratios that answer the study's questions, and the steps' times::
 
-    python3 experiments/paper_report.py --collect runs/q19 docs/results/paper-baseline/partial-19m.json
-    python3 experiments/paper_report.py docs/results/paper-baseline
+    python3 -m experiments.paper_report --collect runs/q19 docs/results/paper-baseline/partial-19m.json
+    python3 -m experiments.paper_report docs/results/paper-baseline
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import pathlib
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from chunk_report import step_rows  # noqa: E402
-from study_page import call_lines, header, load  # noqa: E402
-import study_page  # noqa: E402
+from experiments.chunk_report import step_rows
+from experiments.study_page import call_lines, header, load
+from experiments import study_page
 
 OPTIONS = ('optimizer', 'lr', 'poet_lr', 'weight_decay', 'param_dtype', 'min_lr_ratio', 'clip',
            'clip_ramp', 'poet_eps', 'poet_eps_placement', 'seed', 'steps', 'block_size',
@@ -119,7 +117,7 @@ def ratio_rows(res: dict, pairs: list[dict]) -> list[str]:
 
 def report(folder: pathlib.Path) -> str:
   meta = load(folder, 'calls.json')
-  lines = [*header(meta, 'paper_report.py'), *call_lines(meta)]
+  lines = [*header(meta, 'paper_report', folder), *call_lines(meta)]
   for call in meta['calls']:
     if call.get('predictions'):
       lines += [f"Predictions stated before the call writing {', '.join(call['records'])}:", '',

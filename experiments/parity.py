@@ -26,7 +26,7 @@ validation windows. The report (OUT/parity.md, results.json, parity.png)
 gives each variant's validation loss at every evaluation and at the end, per
 seed, with the mean and the spread (max - min) over seeds.
 
-    python3 experiments/parity.py --anchor-dir .anchors --out-dir runs/parity \\
+    python3 -m experiments.parity --anchor-dir .anchors --out-dir runs/parity \\
         --model 130m --seq-len 256 --batch-size 64 --steps 1200 --eval-every 200 \\
         --lr 1e-3 --poet-lr 2.5e-4 --merge-every 200 --warmup 100 --seeds 0,1 \\
         --variants ours:optimizer=poetx anchor:optimizer=poetx \\
@@ -36,7 +36,7 @@ seed, with the mean and the spread (max - min) over seeds.
 package (github Sphere-AI-Lab/poet; kept out of this repository). CPU smoke
 test of our side alone (the anchor needs a GPU)::
 
-    python3 experiments/parity.py --model tiny --seq-len 32 --batch-size 4 --steps 6 \\
+    python3 -m experiments.parity --model tiny --seq-len 32 --batch-size 4 --steps 6 \\
         --eval-every 3 --eval-batches 2 --dtype float32 --seeds 0 \\
         --variants ours:optimizer=poetx --out-dir runs/parity-smoke
 """
@@ -53,8 +53,8 @@ import subprocess
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import progress  # noqa: E402
+from experiments import harness
+from experiments.common import progress
 
 SIDES = ('ours', 'anchor')
 
@@ -63,8 +63,9 @@ def parse_args(argv=None):
   from poetx_jax.pretrain import config
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   config.add_options(p)
-  p.add_argument('--variants', nargs='+', metavar='SIDE:K=V,...',
-                 help=f'runs to compare; SIDE one of {SIDES}')
+  p.add_argument('--variants', nargs='+', metavar='SIDE:K=V|V,...',
+                 help=f'runs to compare, labelled by their side, one of {SIDES}; a value '
+                      'with |-separated alternatives stands for one run each')
   p.add_argument('--seeds', default='0', help='comma-separated seeds (data order and init)')
   p.add_argument('--anchor-dir', default='.anchors',
                  help='folder with poet_torch_train.py and the poet_torch package')
@@ -74,7 +75,7 @@ def parse_args(argv=None):
   p.add_argument('--probe-every', type=int, default=0,
                  help='our POET-X runs: record the generators\' norms every N updates '
                       '(0: never)')
-  p.add_argument('--child', default=None, help=argparse.SUPPRESS)
+  harness.add_child_option(p)  # one of our runs: {'config': PATH}
   a = p.parse_args(argv)
   if a.child:
     return a
@@ -84,32 +85,25 @@ def parse_args(argv=None):
   a.seeds = [int(s) for s in a.seeds.split(',') if s.strip()]
   a.specs = []
   for text in a.variants:
-    side, _, overrides = text.partition(':')
-    if side not in SIDES:
-      p.error(f'variant {text!r}: side must be one of {SIDES}')
     try:
-      cfg = config.drop_shared_poet_options(apply(base, overrides), base)
-      cfg = with_element_draws(without_default_decay(cfg, side), side)
-      cfg.validate()
+      runs = harness.expand(text)
     except ValueError as e:
       p.error(f'variant {text!r}: {e}')
-    a.specs.append({'name': text, 'side': side, 'cfg': cfg})
+    for run in runs:
+      side = run.label.split(' ')[0]
+      if side not in SIDES:
+        p.error(f'variant {text!r}: side must be one of {SIDES}')
+      try:
+        cfg = config.drop_shared_poet_options(harness.apply(base, run), base)
+        cfg = with_element_draws(without_default_decay(cfg, side), side)
+        cfg.validate()
+      except ValueError as e:
+        p.error(f'variant {text!r}: {e}')
+      a.specs.append({'name': f'{side}:{run.overrides}', 'side': side, 'cfg': cfg})
   if not a.seeds:
     p.error('--seeds is empty')
   a.out = pathlib.Path(a.out_dir or 'runs/parity')
   return a
-
-
-def apply(cfg, text: str):
-  """``cfg`` with the ``K=V,...`` overrides of ``text`` (values read as JSON
-  where they parse, else strings)."""
-  from poetx_jax.pretrain.config import TrainConfig, parse_overrides
-  values = parse_overrides(text)
-  fields = {f.name for f in dataclasses.fields(TrainConfig)}
-  unknown = sorted(set(values) - fields)
-  if unknown:
-    raise ValueError(f'unknown TrainConfig field(s) {unknown}; valid: {sorted(fields)}')
-  return dataclasses.replace(cfg, **values)
 
 
 # -------------------------------------------------------------------------- data
@@ -194,8 +188,9 @@ def launch(a, spec: dict, seed: int, windows: pathlib.Path, vocab: int):
       env['XLA_PYTHON_CLIENT_MEM_FRACTION'] = str(a.jax_mem_fraction)
     else:
       env['XLA_PYTHON_CLIENT_PREALLOCATE'] = 'false'
-    cmd = [sys.executable, __file__, '--child', str(run_dir / 'config.json'),
-           '--probe-every', str(a.probe_every)]
+    cmd = harness.child_command('parity', ['--probe-every', str(a.probe_every)],
+                                {'config': str(run_dir / 'config.json')})
+    env = harness.child_env(env)
     metrics = run_dir / 'run' / 'metrics.jsonl'
   else:
     metrics = run_dir / 'anchor.jsonl'
@@ -327,7 +322,8 @@ def main(argv=None):
     from poetx_jax.pretrain.config import TrainConfig
     from poetx_jax.pretrain.recipes import RECIPES
     from poetx_jax.pretrain.train import Hook, train
-    cfg = TrainConfig(**json.loads(pathlib.Path(a.child).read_text()))
+    path = harness.child_payload(a)['config']
+    cfg = TrainConfig(**json.loads(pathlib.Path(path).read_text()))
     n = a.probe_every
     # At the step before each multiple of N: with N = merge_every, just before a merge.
     probe = lambda run: generator_norms(run.model) if (run.step + 1) % n == 0 else None

@@ -33,11 +33,11 @@ Run on a GPU machine with torch and transformers and ``poet_torch`` on
 the AdamW variant (or POET-X, if poet_torch runs there) without the CUDA
 statistics::
 
-    PYTHONPATH=DIR_HOLDING_poet_torch python3 experiments/poet_torch_memory.py \\
+    PYTHONPATH=DIR_HOLDING_poet_torch python3 -m experiments.poet_torch_memory \\
         --variant poetx-fast --size 8b --seq 1024 --batch 8
-    python3 experiments/bench_memory.py --models 8b --seqs 1024 --batch-size 8 --breakdown \\
+    python3 -m experiments.bench_memory --models 8b --seqs 1024 --batch-size 8 --breakdown \\
         --scan-layers --run poetx:optimizer=poetx,mode=fast,remat=block   # ours, same GPU
-    python3 experiments/poet_torch_memory.py --variant adamw --size tiny --seq 32 --batch 2 \\
+    python3 -m experiments.poet_torch_memory --variant adamw --size tiny --seq 32 --batch 2 \\
         --device cpu   # a CPU check of the setup and the accounting
 
 The script imports without torch: its accounting works on any objects with

@@ -14,9 +14,9 @@ back as a training loop does (no sync between them) and prints per step:
 * the top kernels with the HLO op they came from (its result shape and the
   JAX operation named in its metadata, read from the compiled program).
 
-    python3 experiments/profile_step.py --model 8b --scan-layers --param-dtype bfloat16 \\
+    python3 -m experiments.profile_step --model 8b --scan-layers --param-dtype bfloat16 \\
         --batch-size 8 --run optimizer=poetx,remat=block --run optimizer=adamw,remat=block
-    python3 experiments/profile_step.py --model tiny --seq-len 64 --timed-steps 2 --dtype float32  # CPU
+    python3 -m experiments.profile_step --model tiny --seq-len 64 --timed-steps 2 --dtype float32  # CPU
 
 On a CPU the "kernels" are XLA:CPU's thunks on the host threads. ``--json``
 keeps everything; ``--trace-dir`` keeps the traces (Perfetto JSON).
@@ -36,7 +36,6 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 CATEGORIES = ('gemm', 'attention', 'gather', 'transpose/copy', 'reduction', 'other')
 
@@ -196,11 +195,11 @@ def file_name(label: str) -> str:
   return re.sub(r'[^A-Za-z0-9.=+-]', '_', label)
 
 
-def profile_run(a, run: str) -> dict:
-  """Builds ``run`` (a ``--run`` text) as bench_train does, then traces
+def profile_run(a, run) -> dict:
+  """Builds ``run`` (a :class:`experiments.harness.Run`) as bench_train does, then traces
   ``a.timed_steps`` steps."""
   import jax
-  import bench_train
+  from experiments import bench_train
   # The compiled program's text comes from a second compilation: the cache
   # makes it a lookup.
   jax.config.update('jax_compilation_cache_dir', tempfile.mkdtemp(prefix='jaxcache'))
@@ -208,8 +207,8 @@ def profile_run(a, run: str) -> dict:
   jax.config.update('jax_persistent_cache_min_entry_size_bytes', 0)
   for name in filter(None, (a.variant or '').split(',')):
     importlib.import_module(name)  # e.g. a module that swaps in another version of an op
-  label, overrides = bench_train.parse_run(run)
-  cfg = bench_train.run_config(a, overrides)
+  label = run.label
+  cfg = bench_train.run_config(a, run)
   setup = bench_train.setup_run(cfg, label)
   model, opt, step, batches = setup['model'], setup['opt'], setup['step'], setup['batches']
   bench_train.progress(f'{label}: compiling and warming up')
@@ -240,7 +239,7 @@ def profile_run(a, run: str) -> dict:
 
 
 def main(argv=None):
-  import bench_train
+  from experiments import bench_train, harness
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   bench_train.add_run_args(p, warmup_steps=2, timed_steps=5, rounds=True)
   p.add_argument('--top', type=int, default=15, help='kernels listed per run')
@@ -250,10 +249,12 @@ def main(argv=None):
   p.add_argument('--trace-dir', default=None,
                  help='keep the traces and the compiled programs (HLO text) here')
   a = p.parse_args(argv)
-  if a.single:  # child process: one run, JSON on the last line
-    print(json.dumps(profile_run(a, a.single)))
+  run = bench_train.child_run(a)
+  if run:  # child process: one run, JSON on the last line
+    harness.report(profile_run(a, run))
     return
-  bench_train.run_each(a, __file__, argv or sys.argv[1:],
+  bench_train.check_runs(p, a)
+  bench_train.run_each(a, 'profile_step', argv or sys.argv[1:],
                        lambda r: f"{r['run']}: failed: {r['error']}" if 'error' in r
                        else format_report(r))
 

@@ -8,27 +8,26 @@ every figure of the study is shown. Claims whose figures have no record yet
 (memory at scale, quality at three sizes) link to the page that holds them.
 A test fails when the page differs from what this writes::
 
-    python3 experiments/results_page.py RESULTS.md
+    python3 -m experiments.results_page RESULTS.md
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import pathlib
 import re
 import statistics
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from experiments import harness
+
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 RESULTS = ROOT / 'docs' / 'results'
 
 
 def _load(study: str, name: str):
-  return json.loads((RESULTS / study / name).read_text())
+  return harness.results_of(json.loads((RESULTS / study / name).read_text()))
 
 
 def _call(study: str, record: str) -> dict:
@@ -149,7 +148,7 @@ def quality_rows() -> list[dict]:
 
 def three_size_rows() -> list[dict]:
   """The best POET-X against a tuned AdamW and Muon at each size."""
-  import three_sizes_report as T
+  from experiments import three_sizes_report as T
   study, record = 'three-sizes', 'finals.json'
   out = []
   for size in _load(study, record)['sizes']:
@@ -178,7 +177,7 @@ def report() -> str:
            'POET-X trains each linear weight as `R·W0·P`: `W0` frozen, `R` and `P` learned',
            'block-diagonal orthogonal matrices (Cayley–Neumann parameterised, permuted,',
            'merged into `W0` every few hundred updates). Every figure below is read from a',
-           'record in `docs/results/` by `experiments/results_page.py`; the study pages',
+           'record in `docs/results/` by `python3 -m experiments.results_page`; the study pages',
            'linked hold every figure of their studies, the runs\' notes and the',
            'predictions made before them. Step times are medians of device-synchronised',
            'steps; ratios of tokens per second compare runs of one call on one machine.', '',
@@ -192,9 +191,11 @@ def report() -> str:
   lines += [f'* {claim}: [{name}]({link})' for claim, name, link in ELSEWHERE]
   lines += ['', '## The commands', '',
             'Run from the repository root; each wrote the record of its row (the study '
-            'pages say where a record joins more than one call).', '']
+            'pages say where a record joins more than one call), at the commit of its row, '
+            'and is written here as it is run today.', '']
   for i, r in enumerate(rows, 1):
-    lines += [f'{i}. {r["claim"]}:', '', *[f'       {c}' for c in r['commands']], '']
+    lines += [f'{i}. {r["claim"]}:', '',
+              *[f'       {harness.todays_form(c)}' for c in r['commands']], '']
   return '\n'.join(lines)
 
 

@@ -1,8 +1,8 @@
 """How long ``poetx train`` keeps a user waiting: launch to the first update,
 cold and with a warm compilation cache, fresh and resumed.
 
-For each run (``NAME:OPTIONS``, the options of ``poetx train`` as one
-string) in a fresh temporary folder:
+For each run (``[NAME:]K=V,...``, ``poetx train``'s options as overrides:
+:mod:`experiments.harness`) in a fresh temporary folder:
 
 * **cold**: a new run with an empty ``--compile-cache``, ``--steps S`` (``--first-steps``)
   (checkpointing at step S);
@@ -15,17 +15,15 @@ reading, set-up, restore and compilation included), and to its exit; the
 times its log reports the data read, the state built, the checkpoint
 restored and the step-0 validation (:data:`MARKS`) show where the wait goes.
 
-    python3 experiments/resume_time.py --run "poetx:--model 130m --seq-len 256 --batch-size 64" \\
-        --run "adamw:--model 130m --seq-len 256 --batch-size 64 --optimizer adamw"
-    python3 experiments/resume_time.py --first-steps 2 --run "tiny:--model tiny"  # CPU smoke
+    python3 -m experiments.resume_time --run poetx:model=130m,seq_len=256,batch_size=64 \\
+        --run adamw:model=130m,seq_len=256,batch_size=64,optimizer=adamw
+    python3 -m experiments.resume_time --first-steps 2 --run tiny:model=tiny  # CPU smoke
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import shlex
 import subprocess
 import sys
 import tempfile
@@ -33,8 +31,7 @@ import threading
 import time
 from pathlib import Path
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
+from experiments import harness
 
 # The lines of poetx train's log that mark its stages, by the key they are
 # reported under: the data read, the state built (the model, or its shapes to
@@ -84,9 +81,21 @@ def first_update(cmd: list[str], metrics: Path, after: int, env=None) -> dict:
   return {'first_update_s': seen, 'exit_s': total, 'marks': marks}
 
 
-def time_run(options: str, steps: int, root: Path) -> dict:
-  """The cold, warm and resumed figures of one run's options."""
-  base = [sys.executable, '-m', 'poetx_jax.pretrain.cli', 'train', *shlex.split(options), '--log-every', '1',
+def config_file(run: harness.Run, root: Path) -> Path:
+  """ROOT/run.json: the options ``run`` sets, as a ``poetx train --config``
+  file (checked as ``poetx train`` checks them; ValueError if one is bad)."""
+  from poetx_jax.pretrain.config import TrainConfig
+  cfg = harness.apply(TrainConfig(), run)
+  cfg.validate()
+  path = root / 'run.json'
+  path.write_text(json.dumps({k: getattr(cfg, k) for k, _ in run.pairs}))
+  return path
+
+
+def time_run(run: harness.Run, steps: int, root: Path) -> dict:
+  """The cold, warm and resumed figures of one run."""
+  base = [sys.executable, '-m', 'poetx_jax.pretrain.cli', 'train',
+          '--config', str(config_file(run, root)), '--log-every', '1',
           '--checkpoint-every', str(steps), '--compile-cache', str(root / 'cache')]
   out = {}
   for key, out_dir, args, after in (
@@ -104,25 +113,30 @@ def time_run(options: str, steps: int, root: Path) -> dict:
 
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  p.add_argument('--run', action='append', required=True, metavar='NAME:OPTIONS',
-                 help='a label and the options of poetx train, e.g. '
-                      '"adamw:--model 130m --optimizer adamw"; repeatable')
+  p.add_argument('--run', action='append', required=True, metavar='[NAME:]K=V|V,...',
+                 help='runs: the options of poetx train as overrides, e.g. '
+                      'adamw:model=130m,optimizer=adamw; a value with |-separated '
+                      'alternatives stands for one run each; repeatable')
   p.add_argument('--first-steps', type=int, default=4, help='updates of the first run (>= 1)')
-  p.add_argument('--json', help='write the results here')
+  p.add_argument('--json', help='write the record (command, commit, device, results) here')
   a = p.parse_args(argv)
   if a.first_steps < 1:
     p.error(f'--first-steps {a.first_steps}: must be >= 1')
+  try:
+    runs = harness.expand_all(a.run)
+    with tempfile.TemporaryDirectory() as root:
+      for run in runs:
+        config_file(run, Path(root))  # refused here, before any run starts
+  except ValueError as e:
+    p.error(f'--run: {e}')
   results = []
-  for run in a.run:
-    name, sep, options = run.partition(':')
-    if not sep:
-      p.error(f'--run {run!r}: expected NAME:OPTIONS')
-    print(f'{name}: {options}', file=sys.stderr, flush=True)
+  for run in runs:
+    print(f'{run.label}: {run.overrides}', file=sys.stderr, flush=True)
     with tempfile.TemporaryDirectory() as root:
       try:
-        results.append({'run': name, **time_run(options, a.first_steps, Path(root))})
+        results.append({'run': run.label, **time_run(run, a.first_steps, Path(root))})
       except RuntimeError as e:
-        results.append({'run': name, 'error': str(e)})
+        results.append({'run': run.label, 'error': str(e)})
   print(f'{"run":12s} {"cold":>8s} {"warm":>8s} {"resumed":>8s}   (launch to first update, s)')
   for r in results:
     if 'error' in r:
@@ -131,7 +145,8 @@ def main(argv=None):
       print(f'{r["run"]:12s} ' + ' '.join(
           f'{r[k]["first_update_s"]:8.1f}' for k in ('cold', 'warm', 'resumed')))
   if a.json:
-    Path(a.json).write_text(json.dumps(results, indent=1))
+    harness.write_record(a.json, results, module='resume_time',
+                         argv=sys.argv[1:] if argv is None else argv)
   return results
 
 

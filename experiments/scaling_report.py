@@ -9,22 +9,17 @@ the model is checked against (``two-h200.json``). This writes the folder's
 ``README.md`` from them, so that every figure on the page comes from a
 record::
 
-    python3 experiments/scaling_report.py docs/results/scaling
+    python3 -m experiments.scaling_report docs/results/scaling
 """
 
 from __future__ import annotations
 
-import os
 import pathlib
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from study_page import call_lines, header, load  # noqa: E402
-import study_page  # noqa: E402
+from experiments.study_page import call_lines, header, load
+from experiments import study_page
 
 KINDS = ('all-reduce', 'reduce-scatter', 'all-gather', 'all-to-all', 'collective-permute')
-
-
 
 
 def _mib(d: dict) -> list[str]:
@@ -90,13 +85,14 @@ def check_rows(rec: dict) -> list[str]:
 
 def report(folder: pathlib.Path) -> str:
   meta = load(folder, 'calls.json')
-  lines = [*header(meta, 'scaling_report.py'),
+  lines = [*header(meta, 'scaling_report', folder),
            meta['summary'], '', meta['paper'], '']
   lines += call_lines(meta)
   measured = load(folder, 'two-h200.json')
   lines += ['## The model against the two-GPU measurement', '',
             f"{measured['what']}; {measured['date']}, commit `{measured['commit']}`, "
-            f"{measured['device']}:", '', f"    {measured['command']}", '']
+            f"{measured['device']}; its command, in the options of that commit (a script "
+            f"path and `--runs`; not runnable today): `{measured['command']}`.", '']
   for r in measured['runs']:
     lines.append(f"* {r['run']}: {r['allreduce_mib']:,.1f} MiB all-reduced a step "
                  f"({r['allreduce_source']}).")

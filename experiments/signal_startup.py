@@ -2,8 +2,8 @@
 each must end in a stop that wrote nothing (before the training loop) or in
 a run that ``--resume`` ends exactly as the uninterrupted one (after).
 
-    python experiments/signal_startup.py --instants 50 --out /tmp/signals   # the full sweep
-    python experiments/signal_startup.py --instants 5 --draw-seed 1         # a quick sample
+    python3 -m experiments.signal_startup --instants 50 --out /tmp/signals   # the full sweep
+    python3 -m experiments.signal_startup --instants 5 --draw-seed 1         # a quick sample
 
 A tiny run of a few steps is first trained uninterrupted, in a process of its
 own as every run here, and its start-up timed, from launch to the start of
@@ -36,9 +36,7 @@ instant failed.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
-import os
 import pathlib
 import random
 import shutil
@@ -47,13 +45,9 @@ import subprocess
 import sys
 import time
 
-HERE = pathlib.Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
-sys.path.insert(0, str(HERE))
-
-import fault_injection  # noqa: E402  pylint: disable=g-import-not-at-top
-from poetx_jax.pretrain.config import TrainConfig  # noqa: E402
-from poetx_jax.pretrain.kv import format_overrides  # noqa: E402
+from experiments import fault_injection, harness
+from poetx_jax.pretrain.config import TrainConfig
+from poetx_jax.pretrain.kv import format_overrides
 
 SIGNALS = ('SIGINT', 'SIGTERM')
 STEPS = 3
@@ -74,9 +68,7 @@ def _args(run: pathlib.Path, corpus: str, root: pathlib.Path) -> list[str]:
 
 
 def _env() -> dict:
-  env = dict(os.environ)
-  env['PYTHONPATH'] = os.pathsep.join(filter(None, [str(HERE.parent), env.get('PYTHONPATH')]))
-  return env
+  return harness.child_env()
 
 
 def _config(run: pathlib.Path, corpus: str, root: pathlib.Path) -> TrainConfig:
@@ -202,8 +194,7 @@ def main(argv=None) -> int:
   shutil.rmtree(root, ignore_errors=True)
   corpus = a.corpus
   if corpus is None:
-    sys.path.insert(0, str(HERE.parent / 'tests'))
-    from conftest import write_corpus  # pylint: disable=g-import-not-at-top
+    from tests.conftest import write_corpus  # pylint: disable=g-import-not-at-top
     (root / 'corpus').mkdir(parents=True)
     corpus = str(write_corpus(root / 'corpus'))
   results = sweep(corpus, root, a.instants, a.draw_seed, span=a.span,

@@ -8,7 +8,7 @@ package is in both. Only their text files (.py .md .rst .txt) are read, through
 a folder of links to them (OUT/src), so packages' data files stay out. Both are prepared with ``poetx prepare``: training with a
 byte-level BPE trained on it, validation with that tokenizer::
 
-    python3 experiments/site_corpus.py --out data/site --sample-chars 30000000
+    python3 -m experiments.site_corpus --out data/site --sample-chars 30000000
     poetx train --model 130m --data data/site/train --val-data data/site/val
 
 It also writes OUT/prose: the standard library's prose documentation (the
@@ -16,7 +16,7 @@ help topics of ``pydoc_data.topics``, one .txt file each), text of another
 kind than the mostly-code training side and from no installed package, for
 scoring a run on what it did not train on::
 
-    python3 experiments/compare_quality.py --data data/site/train --val-data data/site/val \
+    python3 -m experiments.compare_quality --data data/site/train --val-data data/site/val \
         --other-val prose=data/site/prose ...
 
 Options it does not know go to the training side's ``poetx prepare``

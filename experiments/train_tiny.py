@@ -6,8 +6,8 @@ random orthogonal matrices on both sides (same spectra), so only rotations
 need to be learned. AdamW on the same network (all weights trained) is the
 baseline.
 
-    python3 experiments/train_tiny.py            # POET-X, then AdamW
-    python3 experiments/train_tiny.py --toy-steps 200 --toy-block-size 16
+    python3 -m experiments.train_tiny            # POET-X, then AdamW
+    python3 -m experiments.train_tiny --toy-steps 200 --toy-block-size 16
 
 Its flags are named ``--toy-*``: they set this toy's training, not the
 ``poetx train`` options of the same names (``TrainConfig``), which the

@@ -4,7 +4,6 @@ poet_torch_memory.py's accounting (no torch needed)."""
 import argparse
 import json
 import pathlib
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -13,10 +12,8 @@ import pytest
 from flax import nnx
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / 'experiments'))
-import bench_memory  # noqa: E402
-import bench_train  # noqa: E402
-import poet_torch_memory as ptm  # noqa: E402
+from experiments import bench_memory, bench_train, harness
+from experiments import poet_torch_memory as ptm
 
 GIB = 2 ** 30
 
@@ -153,7 +150,7 @@ def test_bench_memory_breakdown_table(tmp_path, capsys):
   bench_memory.main(['--models', 'tiny', '--seqs', '32', '--vocab-size', '512',
                      '--breakdown', '--state-only', '--run', 'x:optimizer=poetx,remat=block',
                      '--run', 'optimizer=adamw', '--json', str(out)])
-  rows = json.loads(out.read_text())
+  rows = harness.results_of(json.loads(out.read_text()))
   assert [r['run'] for r in rows] == ['x', 'optimizer=adamw']
   assert rows[0]['gib']['bases'] > 0 and rows[1]['gib']['bases'] == 0
   text = capsys.readouterr().out

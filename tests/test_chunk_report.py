@@ -1,13 +1,10 @@
 """experiments/chunk_report.py: the quality rows of the chunk-permutation page
 (the page itself: test_study_pages.py)."""
 
-import json
 import pathlib
-import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / 'experiments'))
-import chunk_report  # noqa: E402
+from experiments import chunk_report
 
 
 def _run(config, seed, final, prose=None):

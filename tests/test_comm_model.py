@@ -10,8 +10,7 @@ import sys
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / 'experiments'))
-import comm_model  # noqa: E402
+from experiments import comm_model
 
 
 def test_allreduce_time_and_efficiencies():
@@ -39,15 +38,17 @@ def test_a_data_parallel_update_sends_its_trained_arrays_once(tmp_path):
   env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS='cpu')
   env.pop('XLA_FLAGS', None)
   proc = subprocess.run(
-      [sys.executable, str(ROOT / 'experiments' / 'comm_model.py'), '--model', 'tiny',
+      [sys.executable, '-m', 'experiments.comm_model', '--model', 'tiny',
        '--model-overrides', 'layers=1,mlp=64', '--seq-len', '32', '--vocab-size', '512',
        '--dtype', 'float32', '--grad-accum', '3', '--devices', '2', '--per-device-batch', '1',
        '--merge-every', '2', '--run', 'poet:optimizer=poetx',
        '--run', 'poet-fsdp:optimizer=poetx,strategy=fsdp', '--step-record', str(steps),
        '--gpus', '8,64', '--accum', '3', '--json', str(out)],
-      capture_output=True, text=True, env=env, timeout=900)
+      capture_output=True, text=True, env=env, timeout=900, cwd=ROOT)
   assert proc.returncode == 0, proc.stderr[-3000:]
   rec = json.loads(out.read_text())
+  assert rec['header']['command'].startswith('python3 -m experiments.comm_model --model tiny')
+  rec = rec['results']
   dp = [r for r in rec['records'] if r['run'] == 'poet']
   assert [r['devices'] for r in dp] == [2]
   for r in dp:

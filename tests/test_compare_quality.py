@@ -9,9 +9,8 @@ import numpy as np
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / 'experiments'))
-import compare_quality  # noqa: E402
-import quality_report as R  # noqa: E402
+from experiments import compare_quality
+from experiments import quality_report as R
 from conftest import write_corpus
 
 
@@ -145,7 +144,7 @@ def test_jobs_train_runs_side_by_side_with_the_same_results(serial, tmp_path, co
   popen, lost = compare_quality.subprocess.Popen, 'optimizer=adamw,lr=2e-3'
 
   def failing(cmd, **kw):  # the lost run's process dies at once, as a killed one does
-    killed = cmd[cmd.index('--only') + 1] == lost
+    killed = '--child' in cmd and json.loads(cmd[cmd.index('--child') + 1])['run'] == lost
     return popen([sys.executable, '-c', 'raise SystemExit(3)'] if killed else cmd, **kw)
   monkeypatch.setattr(compare_quality.subprocess, 'Popen', failing)
   with pytest.raises(SystemExit, match=r"runs \['optimizer=adamw,lr=2e-3'\] failed .*"
@@ -189,7 +188,8 @@ def test_a_run_stopped_before_its_last_update_is_not_a_result(tmp_path, corpus, 
   monkeypatch.setattr(train_lib, 'train', functools.partial(train_lib.train, stop_after=4))
   name = 'optimizer=adamw,lr=3e-3'
   with pytest.raises(SystemExit, match=f'{name}: stopped at step 4 of 30'):
-    compare_quality.main(_args(tmp_path, corpus, name) + ['--jobs', '2', '--only', name])
+    compare_quality.main(_args(tmp_path, corpus, name)
+                         + ['--jobs', '2', '--child', json.dumps({'run': name, 'best_lr': None})])
   run_dir = tmp_path / 'out' / 'runs' / name
   assert (run_dir / 'metrics.jsonl').is_file() and not (run_dir / 'summary.json').exists()
 
@@ -225,8 +225,10 @@ def test_lr_best_runs_fail_unstarted_when_no_adamw_run_finished(tmp_path, corpus
   parent died of the ValueError and wrote nothing), and no run finished."""
   popen, started = compare_quality.subprocess.Popen, []
 
-  def killed(cmd, **kw):  # every child dies at once
-    started.append(cmd[cmd.index('--only') + 1])
+  def killed(cmd, **kw):  # every child dies at once (git, asked for the commit, runs)
+    if '--child' not in cmd:
+      return popen(cmd, **kw)
+    started.append(json.loads(cmd[cmd.index('--child') + 1])['run'])
     return popen([sys.executable, '-c', 'raise SystemExit(3)'], **kw)
   monkeypatch.setattr(compare_quality.subprocess, 'Popen', killed)
   best = 'optimizer=poetx,poet_lr=2.5e-3,lr=best'

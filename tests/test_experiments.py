@@ -10,16 +10,14 @@ import jax
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / 'experiments'))
-import bench_layer  # noqa: E402
-import bench_train  # noqa: E402
+from experiments import bench_layer, bench_train, harness
 
 
 def test_bench_layer_checks_and_times(tmp_path):
   out = tmp_path / 'layer.json'
   bench_layer.main(['--shapes', '64x96', '--blocks', '32', '--tokens', '64',
                     '--iters', '1', '--json', str(out)])
-  (row,) = json.loads(out.read_text())
+  (row,) = harness.results_of(json.loads(out.read_text()))
   assert row['checks']['poetx xla fast']['dq_in'] < 3e-2
   assert row['ms']['dense (W trained)'][0] > 0
 
@@ -34,10 +32,11 @@ def _bench_args(*argv):
 
 def test_bench_train_runs_are_overrides_of_the_train_options():
   a = _bench_args('--lean-state')
-  assert bench_train.parse_run('xq:optimizer=poetx,quantize=int8') == (
-      'xq', 'optimizer=poetx,quantize=int8')
-  assert bench_train.parse_run('optimizer=adamw') == ('optimizer=adamw', 'optimizer=adamw')
-  assert bench_train.runs_of(a) == ['optimizer=poetx', 'optimizer=adamw']
+  assert [r.label for r in bench_train.runs_of(a)] == ['optimizer=poetx', 'optimizer=adamw']
+  b = _bench_args('--run', 'xq:optimizer=poetx,quantize=int8|int4')
+  assert [(r.label, r.overrides) for r in bench_train.runs_of(b)] == [
+      ('xq quantize=int8', 'optimizer=poetx,quantize=int8'),
+      ('xq quantize=int4', 'optimizer=poetx,quantize=int4')]
   cfg = bench_train.run_config(a, 'optimizer=poetx,mode=mem,remat=block,quantize=int8')
   assert (cfg.model, cfg.model_overrides, cfg.seq_len, cfg.batch_size, cfg.vocab_size) == (
       'tiny', {'layers': 1, 'mlp': 64}, 32, 2, 512)
@@ -81,7 +80,7 @@ def test_bench_train_runs_each_run_in_a_process_of_its_own(tmp_path, monkeypatch
           '--warmup-steps', '1', '--timed-steps', '2', '--json', str(out)]
   bench_train.main(argv + ['--run', 'optimizer=adamw', '--run', 'lean:optimizer=poetx,'
                            'lean_state=true,model_overrides={layers=1,hidden=32,mlp=64}'])
-  adamw, lean = json.loads(out.read_text())
+  adamw, lean = harness.results_of(json.loads(out.read_text()))
   assert adamw['run'] == 'optimizer=adamw' and lean['run'] == 'lean'
   assert adamw['block_size'] is None and lean['block_size'] == 16
   assert adamw['permutation'] is None and lean['permutation'] == 'element'
@@ -98,7 +97,7 @@ def test_bench_train_runs_each_run_in_a_process_of_its_own(tmp_path, monkeypatch
 def test_bench_cayley_interpreted():
   pytest.importorskip('pallas_kernels.cayley_neumann')
   out = subprocess.run(
-      [sys.executable, str(ROOT / 'experiments' / 'bench_cayley.py'), '--blocks', '64',
+      [sys.executable, '-m', 'experiments.bench_cayley', '--blocks', '64',
        '--hidden', '64', '--mlp', '128', '--iters', '1', '--interpret'],
       capture_output=True, text=True, timeout=600, cwd=ROOT)
   assert out.returncode == 0, out.stderr[-2000:]
@@ -108,11 +107,11 @@ def test_bench_cayley_interpreted():
 def test_bench_kernels_checks_every_kernel(tmp_path):
   """Every kernel variant runs (interpreted) and matches its XLA row before timing."""
   pytest.importorskip('pallas_kernels.block_rotate')
-  import bench_kernels
+  from experiments import bench_kernels
   out = tmp_path / 'kernels.json'
   bench_kernels.main(['--widths', '128', '--blocks', '64', '--tokens', '64', '--iters', '1',
                       '--chain', '2', '--json', str(out)])
-  (r,) = json.loads(out.read_text())
+  (r,) = harness.results_of(json.loads(out.read_text()))
   want = ({f'rotate kernel {n}' for n, c in bench_kernels.ROTATE_CONFIGS.items()
            if c.tile_c in (None, 64)} | {'gram kernel'}
           | {f'gather kernel {n}' for n in bench_kernels.GATHER_VARIANTS})
@@ -126,10 +125,10 @@ def test_bench_fused_checks_and_times(tmp_path):
   the run gathers too, and where the width is a multiple of B the Mosaic run
   kernels."""
   pytest.importorskip('pallas_kernels.fused_rotate')
-  import bench_fused
+  from experiments import bench_fused
   out = tmp_path / 'fused.json'
   bench_fused.main(['--smoke', '--chunks', '1,16', '--json', str(out)])
-  results = {(r['width'], r['chunk']): r for r in json.loads(out.read_text())}
+  results = {(r['width'], r['chunk']): r for r in harness.results_of(json.loads(out.read_text()))}
   assert set(results) == {(128, 1), (128, 16)}
   fused = ({f'gather_rotate {n}' for n, c in bench_fused.GATHER_ROTATE_CONFIGS.items()
             if c.tile_c in (None, 64)}
@@ -150,13 +149,13 @@ def test_bench_fused_checks_and_times(tmp_path):
 def test_bench_memory_state_only(tmp_path):
   """Resident state from abstract shapes matches the real arrays' bytes; the
   compiled program's arguments hold exactly that state plus the batch."""
-  import bench_memory
+  from experiments import bench_memory
   out = tmp_path / 'state.json'
   bench_memory.main(['--models', 'tiny', '--seqs', '32', '--vocab-size', '512',
                      '--state-only', '--compiled', '--lean-state',
                      '--run', 'xq:optimizer=poetx,mode=mem,remat=block,quantize=int8',
                      '--json', str(out)])
-  (r,) = json.loads(out.read_text())
+  (r,) = harness.results_of(json.loads(out.read_text()))
   assert r['run'] == 'xq' and r['model'] == 'tiny'
   from flax import nnx
   from poetx_jax.pretrain import factories as F
@@ -185,14 +184,14 @@ def test_bench_memory_state_only(tmp_path):
 def test_profile_step_reports_a_real_step(tmp_path, monkeypatch):
   """profile_step on the CPU: XLA's thunks stand in for kernels; every
   category share adds up, the top kernels name their HLO ops."""
-  import profile_step
+  from experiments import profile_step
   monkeypatch.setenv('PYTHONPATH', str(ROOT))  # the child imports this checkout
   out = tmp_path / 'prof.json'
   profile_step.main(['--model', 'tiny', '--model-overrides', 'layers=1,mlp=64', '--seq-len', '32',
                      '--batch-size', '2', '--vocab-size', '512', '--dtype', 'float32',
                      '--timed-steps', '2', '--warmup-steps', '1', '--run', 'optimizer=poetx',
                      '--json', str(out)])
-  (r,) = json.loads(out.read_text())
+  (r,) = harness.results_of(json.loads(out.read_text()))
   assert r['run'] == 'optimizer=poetx' and r['steps'] == 2
   # busy: the union of the kernels' intervals, at most their sum (up to rounding)
   assert r['wall_ms'] > 0 and 0 < r['busy_ms'] <= r['kernel_ms'] * (1 + 1e-12)
@@ -207,13 +206,13 @@ def test_compile_time_reports_each_program(tmp_path):
   programs' sizes counted, POET-X's first merge (its programs compiled) slower
   than a second one, the compiler's costliest events read off a traced
   compilation (the backend's compile among them, no JAX Python frames)."""
-  import compile_time
+  from experiments import compile_time
   out = tmp_path / 'c.json'
   compile_time.main(['--model', 'tiny', '--model-overrides', 'layers=1,mlp=64', '--seq-len', '32',
                      '--batch-size', '2', '--vocab-size', '512', '--timed-steps', '1',
                      '--passes', '4', '--run', 'optimizer=poetx',
                      '--run', 'optimizer=adamw', '--json', str(out)])
-  poet, adamw = json.loads(out.read_text())
+  poet, adamw = harness.results_of(json.loads(out.read_text()))
   for r in (poet, adamw):
     assert r['trace_lower_s'] > 0 and r['trace_lower_cpu_s'] > 0 and r['compile_s'] > 0
     events = r['compiler_events']
@@ -228,7 +227,7 @@ def test_compile_time_reports_each_program(tmp_path):
 
 
 def test_profile_step_busy_time_and_categories():
-  import profile_step
+  from experiments import profile_step
   events = [{'start': 0.0, 'dur': 10.0}, {'start': 5.0, 'dur': 10.0},
             {'start': 20.0, 'dur': 5.0}, {'start': 21.0, 'dur': 1.0}]
   assert profile_step.busy_time(events) == 20.0  # overlaps count once
@@ -248,11 +247,11 @@ def test_profile_step_busy_time_and_categories():
 def test_bench_prepare_measures_prepare_and_first_step(tmp_path):
   """bench_prepare on two small corpora: each prepared, its tokens counted,
   its throughput and the peak memory of the process tree measured."""
-  import bench_prepare
+  from experiments import bench_prepare
   out = tmp_path / 'r.json'
   rows = bench_prepare.main(['--sizes-mb', '0.25,0.5', '--work', str(tmp_path / 'w'),
                              '--no-train', '--json', str(out)])
-  assert json.loads(out.read_text()) == rows and len(rows) == 2
+  assert harness.results_of(json.loads(out.read_text())) == rows and len(rows) == 2
   small, large = rows
   assert 0.25 < small['corpus_mb'] < large['corpus_mb'] < 0.6
   assert 0 < small['tokens'] < large['tokens']
@@ -284,7 +283,7 @@ def test_no_experiment_declares_a_train_option():
 
 
 def test_train_tiny_flags(capsys):
-  import train_tiny
+  from experiments import train_tiny
   train_tiny.main(['--toy-steps', '3', '--toy-block-size', '8', '--toy-seed', '1'])
   out = capsys.readouterr().out
   assert 'poetx: loss' in out and 'adamw: loss' in out and 'step    2' in out
@@ -293,7 +292,7 @@ def test_train_tiny_flags(capsys):
 def test_site_corpus_splits_packages_by_name_and_prepares_both(tmp_path, monkeypatch):
   """site_corpus: every package on one side only, split by its name alone;
   validation prepared with the training side's tokenizer."""
-  import site_corpus
+  from experiments import site_corpus
   sp = tmp_path / 'site-packages'
   words = ' '.join(f'w{i % 97}' for i in range(3000))
   for i in range(12):
@@ -322,7 +321,7 @@ def test_resume_time_times_launch_to_the_first_new_update(tmp_path):
   of a step above ``after`` (not to an earlier one, nor to the exit), the
   times its log's stage lines appear (a progress bar's redraws split), and a
   failed command raised with its last lines."""
-  import resume_time
+  from experiments import resume_time
   metrics = tmp_path / 'metrics.jsonl'
   script = (
       'import json, sys, time\n'
@@ -353,20 +352,23 @@ def test_bench_train_rounds_alternate_the_order_and_report_the_median(tmp_path, 
   with every round's step in the order they ran."""
   ran, steps = [], {'a': iter([0.30, 0.10, 0.20]), 'b': iter([0.5, 0.7, 0.6])}
 
-  def child(cmd, label):
+  def child(module, argv, payload, label, env=None):
+    assert (module, payload['label']) == ('bench_train', label)
     ran.append(label)
     return {'run': label, 'step_s': next(steps[label]), 'tokens_per_s': 1.0,
             'peak_gib': 1.0, 'optimizer_state_gib': 0.5}, None
 
-  monkeypatch.setattr(bench_train, 'run_child', child)
+  monkeypatch.setattr(harness, 'run_child', child)
   p = argparse.ArgumentParser()
   bench_train.add_run_args(p, rounds=True)
   out = tmp_path / 'r.json'
   a = p.parse_args(['--model', 'tiny', '--rounds', '3', '--run', 'a:optimizer=adamw',
                     '--run', 'b:optimizer=poetx', '--json', str(out)])
-  results = bench_train.run_each(a, 'bench_train.py', [], lambda r: '')
+  results = bench_train.run_each(a, 'bench_train', [], lambda r: '')
   assert ran == ['a', 'b', 'b', 'a', 'a', 'b']
-  assert [r['round'] for r in json.loads(out.read_text())] == [0, 0, 1, 1, 2, 2]
+  record = json.loads(out.read_text())
+  assert record['header']['command'].startswith('python3 -m experiments.bench_train')
+  assert [r['round'] for r in record['results']] == [0, 0, 1, 1, 2, 2]
   a_row, b_row = bench_train.by_run(results)
   assert a_row['step_s'] == 0.20 and a_row['rounds_ms'] == pytest.approx([300, 100, 200])
   assert b_row['step_s'] == 0.6 and b_row['rounds_ms'] == pytest.approx([500, 700, 600])

@@ -4,15 +4,12 @@ the uninterrupted run, bit for bit."""
 
 import collections
 import dataclasses
-import pathlib
-import sys
 
 from conftest import write_corpus
 from poetx_jax.pretrain.config import TrainConfig
 from poetx_jax.pretrain.train import train
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / 'experiments'))
-import fault_injection  # noqa: E402  pylint: disable=g-import-not-at-top
+from experiments import fault_injection
 
 STEPS, STOPS = 20, 6
 

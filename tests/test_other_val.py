@@ -5,14 +5,12 @@ import contextlib
 import io
 import math
 import pathlib
-import sys
 
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / 'experiments'))
-import compare_quality  # noqa: E402
-import site_corpus  # noqa: E402
+from experiments import compare_quality
+from experiments import site_corpus
 from conftest import write_corpus
 
 

@@ -3,11 +3,9 @@ finished, and their rows and ratios (its page: test_study_pages.py)."""
 
 import json
 import pathlib
-import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / 'experiments'))
-import paper_report  # noqa: E402
+from experiments import paper_report
 
 
 def _study(tmp_path):

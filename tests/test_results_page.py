@@ -2,16 +2,14 @@
 
 import pathlib
 import re
-import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / 'experiments'))
-import results_page  # noqa: E402
+from experiments import results_page
 
 
 def test_results_md_is_generated_from_the_records():
   """A record changed without the page, or the page edited by hand, fails here:
-  rerun ``python3 experiments/results_page.py``."""
+  rerun ``python3 -m experiments.results_page``."""
   assert (ROOT / 'RESULTS.md').read_text() == results_page.report()
 
 

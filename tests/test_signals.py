@@ -4,14 +4,12 @@ nothing (before the training loop) or in a run that --resume ends exactly as
 the uninterrupted one (after). The suite runs a sample; the full sweep, 50
 instants for each signal:
 
-    python experiments/signal_startup.py --instants 50 --out /tmp/signals
+    python3 -m experiments.signal_startup --instants 50 --out /tmp/signals
 """
 
-import pathlib
 import sys
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / 'experiments'))
-import signal_startup  # noqa: E402  pylint: disable=g-import-not-at-top
+from experiments import signal_startup
 
 
 def test_signals_at_start_up_instants_write_nothing_or_resume_exactly(tmp_path, corpus):

@@ -4,11 +4,9 @@
 import math
 import pathlib
 import statistics
-import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / 'experiments'))
-import three_sizes_report as T  # noqa: E402
+from experiments import three_sizes_report as T
 
 
 def test_a_kept_pair_is_restored_to_two_values_of_its_mean_and_sd():

@@ -1,0 +1,179 @@
+"""experiments/harness.py: the run-spec grammar, the child protocol and the
+record; and every experiments command written in the docs parses today."""
+
+import argparse
+import importlib
+import json
+import pathlib
+import re
+import shlex
+import subprocess
+import sys
+
+import pytest
+
+from experiments import harness
+from poetx_jax.pretrain.config import TrainConfig
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def test_a_spec_expands_into_every_combination_of_its_alternatives():
+  runs = harness.expand('optimizer=poetx,lr=1e-3|2e-3,seed=0|1')
+  assert [r.overrides for r in runs] == [
+      'optimizer=poetx,lr=1e-3,seed=0', 'optimizer=poetx,lr=1e-3,seed=1',
+      'optimizer=poetx,lr=2e-3,seed=0', 'optimizer=poetx,lr=2e-3,seed=1']
+  assert [r.label for r in runs] == [r.overrides for r in runs]  # unlabelled: by overrides
+
+
+def test_labels_name_the_values_a_sweep_chose():
+  (one,) = harness.expand('xq:optimizer=poetx,quantize=int8')
+  assert (one.label, one.overrides) == ('xq', 'optimizer=poetx,quantize=int8')
+  swept = harness.expand('xq:optimizer=poetx,quantize=int8|int4,model_overrides={layers=1,mlp=64}')
+  assert [(r.label, r.overrides) for r in swept] == [
+      ('xq quantize=int8', 'optimizer=poetx,quantize=int8,model_overrides={layers=1,mlp=64}'),
+      ('xq quantize=int4', 'optimizer=poetx,quantize=int4,model_overrides={layers=1,mlp=64}')]
+  # a colon inside a value is no label; an empty spec is the base run
+  (url,) = harness.expand('data=hf:owner/name')
+  assert url.label == 'data=hf:owner/name' and url.pairs == (('data', 'hf:owner/name'),)
+  assert harness.expand('') == [harness.Run('base', ())]
+
+
+def test_bad_specs_are_refused_naming_what_is_wrong():
+  with pytest.raises(ValueError, match='lr is given twice'):
+    harness.expand('lr=1e-3,lr=2e-3')
+  with pytest.raises(ValueError, match="run 'a' is given twice"):
+    harness.expand_all(['a:lr=1e-3', 'a:lr=2e-3'])
+  with pytest.raises(ValueError, match="'poet_rate' .* is not an option"):
+    harness.apply(TrainConfig(), 'poet_rate=1')
+
+
+def test_apply_reads_values_as_poetx_train_does():
+  (run,) = harness.expand('optimizer=adamw,lr=3e-4,model_overrides={layers=2},lean_state=true')
+  cfg = harness.apply(TrainConfig(), run)
+  assert (cfg.optimizer, cfg.lr, cfg.model_overrides, cfg.lean_state) == (
+      'adamw', 3e-4, {'layers': 2}, True)
+
+
+def test_a_child_gets_its_payload_back_and_reports_on_its_last_line(tmp_path):
+  """The parent's command runs the module with its options and --child JSON,
+  from any directory; the child's payload and result cross intact."""
+  p = argparse.ArgumentParser()
+  p.add_argument('--x', type=int)
+  harness.add_child_option(p)
+  payload = {'label': 'a b', 'pairs': [['lr', '1e-3']], 'point': 'model=tiny'}
+  cmd = harness.child_command('bench_train', ['--x', '3'], payload)
+  assert cmd[:3] == [sys.executable, '-m', 'experiments.bench_train']
+  a = p.parse_args(cmd[3:])
+  assert a.x == 3 and harness.child_payload(a) == payload
+  assert harness.child_payload(p.parse_args([])) is None
+  # -m experiments.NAME resolves from another directory through child_env
+  code = 'from experiments import harness; harness.report({"ok": harness.ROOT.name})'
+  proc = subprocess.run([sys.executable, '-c', code], cwd=tmp_path, capture_output=True,
+                        text=True, env=harness.child_env({'PATH': '/usr/bin:/bin'}))
+  assert proc.returncode == 0, proc.stderr
+  assert json.loads(proc.stdout.splitlines()[-1]) == {'ok': ROOT.name}
+
+
+def test_a_record_holds_its_header_and_reads_back_its_results(tmp_path):
+  path = tmp_path / 'r.json'
+  rec = harness.write_record(path, [{'run': 'a', 'step_s': 0.5}], module='bench_train',
+                             argv=['--run', 'a:optimizer=adamw', '--model', '1b'])
+  back = json.loads(path.read_text())
+  assert back == json.loads(json.dumps(rec))
+  h = back['header']
+  assert h['command'] == "python3 -m experiments.bench_train --run a:optimizer=adamw --model 1b"
+  assert re.fullmatch(r'[0-9a-f]{7,40}(-dirty)?|unknown', h['commit'])
+  assert h['device'].startswith('1 x ') and 'jax ' in h['software']
+  assert re.fullmatch(r'\d{4}-\d\d-\d\d', h['date'])
+  assert harness.results_of(back) == [{'run': 'a', 'step_s': 0.5}]
+  assert harness.results_of([{'run': 'old'}]) == [{'run': 'old'}]  # a bare older record
+  assert not list(tmp_path.glob('*.tmp'))
+
+
+def test_recorded_commands_are_shown_in_todays_form():
+  assert harness.todays_form('python3 experiments/bench_train.py --model 1b > x.json') == (
+      'python3 -m experiments.bench_train --model 1b > x.json')
+  assert harness.todays_form('python experiments/site_corpus.py') == (
+      'python3 -m experiments.site_corpus')
+  assert harness.todays_form('python3 -m experiments.x --y') == 'python3 -m experiments.x --y'
+
+
+def test_no_script_edits_sys_path():
+  for path in [*ROOT.glob('experiments/*.py'), *ROOT.glob('tests/*.py')]:
+    assert 'sys.path.insert' not in path.read_text() or path.name == 'test_harness.py', path
+
+
+# ---------------------------------------------------- the commands of the docs
+DOCS = ['README.md', 'RESULTS.md', *sorted(str(p.relative_to(ROOT)) for p in ROOT.glob('docs/*.md')),
+        *sorted(str(p.relative_to(ROOT)) for p in ROOT.glob('docs/results/*/README.md'))]
+COMMAND = re.compile(r'python3? -m experiments\.(\w+)')
+OLD_FORM = re.compile(r'python3? experiments/\w+\.py')
+SHELL_END = {'>', '>>', '|', '&&', '||', ';', '2>&1', '&'}
+
+
+def doc_commands(text: str) -> list[tuple[str, list[str]]]:
+  """Every ``python3 -m experiments.NAME ...`` command of a markdown text:
+  its module and arguments (backslash continuations joined; an inline code
+  span ends at its backtick; shell redirections, pipes and comments cut)."""
+  text = re.sub(r'\\\n\s*', ' ', text)
+  out = []
+  for m in COMMAND.finditer(text):
+    line_start = text.rfind('\n', 0, m.start()) + 1
+    rest = text[m.end():text.find('\n', m.end()) if '\n' in text[m.end():] else len(text)]
+    if text[line_start:m.start()].count('`') % 2:  # inside an inline code span
+      rest = rest.split('`', 1)[0]
+    args = []
+    for tok in shlex.split(rest, comments=True):
+      if tok in SHELL_END or tok.startswith(('>', '2>')):
+        break
+      args.append(tok)
+    out.append((m.group(1), args))
+  return out
+
+
+class _Parsed(Exception):
+  pass
+
+
+def parses(module: str, argv: list[str], monkeypatch) -> None:
+  """Runs ``experiments.MODULE.main(argv)`` until its parser has read
+  ``argv``: a bad option exits 2 here, as it would for the user."""
+  known = argparse.ArgumentParser.parse_known_args
+
+  def parse_only(self, args=None, namespace=None):
+    _, extras = known(self, args, namespace)
+    if extras:
+      self.error(f'unrecognized arguments: {" ".join(extras)}')
+    raise _Parsed
+
+  def parse_known_only(self, args=None, namespace=None):
+    known(self, args, namespace)
+    raise _Parsed
+
+  monkeypatch.setattr(argparse.ArgumentParser, 'parse_args', parse_only)
+  monkeypatch.setattr(argparse.ArgumentParser, 'parse_known_args', parse_known_only)
+  with pytest.raises(_Parsed):
+    importlib.import_module(f'experiments.{module}').main(argv)
+
+
+@pytest.mark.parametrize('doc', DOCS)
+def test_every_experiments_command_in_the_docs_parses(doc, monkeypatch):
+  """Each command a page shows is run as a module and is accepted by its
+  script's parser today; none is written in the old script-path form."""
+  text = (ROOT / doc).read_text()
+  for line in text.splitlines():  # a command of an older commit says so on its line
+    old = OLD_FORM.search(line)
+    assert not old or 'not runnable today' in line, f'{doc}: {old.group()}'
+  for module, argv in doc_commands(text):
+    assert (ROOT / 'experiments' / f'{module}.py').is_file(), f'{doc}: no experiments.{module}'
+    try:
+      parses(module, argv, monkeypatch)
+    except SystemExit as e:
+      pytest.fail(f'{doc}: python3 -m experiments.{module} {shlex.join(argv)}: exit {e.code}')
+
+
+def test_doc_commands_are_read_whole():
+  text = ('Run `python3 -m experiments.a --x 1` then\n\n'
+          '    python3 -m experiments.b --y "2 3" \\\n        --z 4 > out.log 2>&1  # note\n')
+  assert doc_commands(text) == [('a', ['--x', '1']), ('b', ['--y', '2 3', '--z', '4'])]
