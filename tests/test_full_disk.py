@@ -19,7 +19,7 @@ from conftest import write_corpus
 from poetx_jax.pretrain import checkpoint, cli
 from poetx_jax.pretrain import train as train_lib
 from poetx_jax.pretrain.checkpoint import Checkpointer
-from poetx_jax.pretrain.files import check_digests
+from poetx_jax.pretrain.digests import check_digests
 from test_faults import _assert_same_run, _cfg, _one_line_error
 from test_faults_runs import _tree
 

@@ -30,7 +30,7 @@ from poetx_jax.pretrain.plan import Plan, finish_options, make_plan, recorded_pl
 from poetx_jax.pretrain.checkpoint import Checkpointer, full_disk_stop, resumed_message
 from poetx_jax.pretrain.config import TrainConfig
 from poetx_jax.pretrain.evaluation import evaluate, place_batch
-from poetx_jax.pretrain.files import when_full
+from poetx_jax.pretrain.disk_full import when_full
 from poetx_jax.pretrain.factories import (abstract_state, build_state, make_step,
                                           make_training_mesh, state_sizes)
 from poetx_jax.pretrain.hooks import Hook, crossed
