@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from poetx_jax.pretrain import evaluation, factories
+from poetx_jax.pretrain import factories
+from poetx_jax.pretrain import loss as loss_lib
 from poetx_jax.pretrain.config import TrainConfig
 from poetx_jax.pretrain.plan import make_plan
 
@@ -30,7 +31,7 @@ def test_default_poet_lr_shrinks_with_the_block_size():
     model = factories.build_model(plan)
     opt = factories.build_optimizer(plan, model)
     # One jitted update (eagerly, op by op, this test took 16 s on a CPU).
-    update = nnx.jit(lambda m, o, b: o.update(m, nnx.grad(evaluation.training_loss)(m, b)))
+    update = nnx.jit(lambda m, o, b: o.update(m, nnx.grad(loss_lib.training_loss)(m, b)))
     for _ in range(2):  # the first update is at learning rate 0 (warmup)
       update(model, opt, batch)
     return np.asarray(model.layers[0].mlp.up_proj.q_in[...])

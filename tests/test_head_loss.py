@@ -1,4 +1,4 @@
-"""The head and loss in pieces (evaluation.head_loss, --loss-chunk): the
+"""The head and loss in pieces (loss.head_loss, --loss-chunk): the
 loss and gradients of the whole batch at once, without its logits held."""
 
 import dataclasses
@@ -13,7 +13,7 @@ from flax import nnx
 from conftest import app_steps, assert_trees_rel_close
 from poetx_jax.linear import POETParam
 from poetx_jax.models import get_config
-from poetx_jax.pretrain import evaluation
+from poetx_jax.pretrain import loss as loss_lib
 from poetx_jax.pretrain.config import TrainConfig
 
 
@@ -26,7 +26,7 @@ def _batch(keys, b, t, vocab):
 
 def _value_and_grad(model, batch, chunk):
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-  f = lambda p: evaluation.training_loss(nnx.merge(graphdef, p, rest), batch, chunk)
+  f = lambda p: loss_lib.training_loss(nnx.merge(graphdef, p, rest), batch, chunk)
   return jax.jit(jax.value_and_grad(f))(params)
 
 
@@ -84,7 +84,7 @@ def test_pieces_do_not_hold_the_logits_of_the_whole_batch(keys):
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
 
   def temp_bytes(chunk):
-    f = lambda p: evaluation.training_loss(nnx.merge(graphdef, p, rest), batch, chunk)
+    f = lambda p: loss_lib.training_loss(nnx.merge(graphdef, p, rest), batch, chunk)
     return jax.jit(jax.grad(f)).lower(params).compile().memory_analysis().temp_size_in_bytes
 
   logits = 4 * 64 * cfg.vocab_size * 4

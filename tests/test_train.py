@@ -12,7 +12,7 @@ import pytest
 from flax import nnx
 
 from poetx_jax.pretrain import cli
-from poetx_jax.pretrain import evaluation
+from poetx_jax.pretrain import loss as loss_lib
 from poetx_jax.pretrain.checkpoint import CheckpointError, Checkpointer, DamagedCheckpoint
 from poetx_jax.pretrain.config import TrainConfig, drop_shared_poet_options
 from poetx_jax.pretrain.loading import load_run
@@ -544,8 +544,8 @@ def test_the_training_loss_of_an_moe_model_adds_its_weighted_aux_losses():
                                   -1)[..., 0] * mask) / mask.sum()
   want = ce + 0.01 * float(aux['load_balance']) + 1e-3 * float(aux['router_z_loss'])
   assert float(aux['aux_loss']) > 0
-  np.testing.assert_allclose(float(evaluation.training_loss(model, batch)), want, rtol=1e-5)
-  total, count, _ = evaluation.token_loss(model, batch)
+  np.testing.assert_allclose(float(loss_lib.training_loss(model, batch)), want, rtol=1e-5)
+  total, count, _ = loss_lib.token_loss(model, batch)
   np.testing.assert_allclose(float(total / count), ce, rtol=1e-5)
 
 
