@@ -533,3 +533,35 @@ def test_batched_series_runs_one_series_per_block_size(keys):
     return sum(str(e.primitive) == 'dot_general' for e in jaxpr.jaxpr.eqns)
 
   assert call_dots(jnp.bfloat16) - call_dots(jnp.float32) == terms - 1
+
+
+def test_using_blocks_gives_layers_their_rotation_blocks_while_the_block_runs(keys):
+  """Under using_blocks a layer computes with the blocks and inverses given
+  for it: identity blocks make it the layer at zero generators; blocks of
+  another series precision than its input's are not used (its own series
+  then), its inverses are; an inner using_blocks overrides the outer one for
+  the layers it names, which applies again once it ends, and after both the
+  layer computes its own series."""
+  layer = POETLinear(32, 32, block_size=16, rngs=nnx.Rngs(0))
+  randomize_generators(layer, keys())
+  at_zero = nnx.clone(layer)
+  at_zero.q_in[...] = jnp.zeros_like(at_zero.q_in[...])
+  at_zero.q_out[...] = jnp.zeros_like(at_zero.q_out[...])
+  x = jax.random.normal(keys(), (4, 32))
+  own, identity = layer(x), at_zero(x)
+  assert rel_err(own, identity) > 1e-3
+  eye = jnp.broadcast_to(jnp.eye(16), (2, 16, 16))
+  inverses = (ops.invert_permutation(layer.perm_in[...]),
+              ops.invert_permutation(layer.perm_out[...]))
+  given = lambda precision: {id(layer): (eye, eye, precision, inverses)}
+  with poetx_jax.linear.using_blocks(given(ops.series_precision(x.dtype))):
+    assert poetx_jax.linear.given_inverses(layer) is inverses
+    assert rel_err(layer(x), identity) < 1e-6
+    with poetx_jax.linear.using_blocks({id(layer): (*layer.rotation_blocks(),
+                                                    ops.series_precision(x.dtype), inverses)}):
+      assert rel_err(layer(x), own) < 1e-6
+    assert rel_err(layer(x), identity) < 1e-6
+    with poetx_jax.linear.using_blocks(given(jax.lax.Precision.DEFAULT)):
+      assert rel_err(layer(x), own) < 1e-6
+  assert poetx_jax.linear.given_inverses(layer) is None
+  assert rel_err(layer(x), own) == 0
