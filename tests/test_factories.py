@@ -14,6 +14,7 @@ from poetx_jax.pretrain.config import TrainConfig
 from poetx_jax.pretrain.plan import make_plan
 
 
+@pytest.mark.slow
 def test_default_poet_lr_shrinks_with_the_block_size():
   """poet_lr=None trains with min(5e-3, 0.25 / B): what an explicit step of
   that value gives, not what 5e-3 gives."""
@@ -82,6 +83,7 @@ def test_the_poet_eps_options_reach_the_poetx_transform(monkeypatch):
     assert (seen[-1]['eps'], seen[-1]['eps_placement']) == want
 
 
+@pytest.mark.slow
 def test_adamw_in_bfloat16_keeps_weights_and_moments_in_bfloat16():
   """--optimizer adamw --param-dtype bfloat16 is AdamW as the published
   POET-X's scripts train it: every weight and both Adam moments in bfloat16,

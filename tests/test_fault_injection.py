@@ -7,6 +7,8 @@ import dataclasses
 import pathlib
 import sys
 
+import pytest
+
 from conftest import write_corpus
 from poetx_jax.pretrain.config import TrainConfig
 from poetx_jax.pretrain.train import train
@@ -15,6 +17,8 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / 'experiment
 import fault_injection  # noqa: E402  pylint: disable=g-import-not-at-top
 
 STEPS, STOPS = 20, 6
+
+pytestmark = pytest.mark.slow  # a minute: a run of 20 steps, six stops and their resumes
 
 
 def test_six_random_stops_end_as_the_uninterrupted_run(tmp_path):

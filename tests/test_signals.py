@@ -10,10 +10,13 @@ instants for each signal:
 import pathlib
 import sys
 
+import pytest
+
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / 'experiments'))
 import signal_startup  # noqa: E402  pylint: disable=g-import-not-at-top
 
 
+@pytest.mark.slow
 def test_signals_at_start_up_instants_write_nothing_or_resume_exactly(tmp_path, corpus):
   """Two instants for each signal, one in each of the first two seconds after
   the launch: the interpreter's start, the imports, the devices' start, the

@@ -4,6 +4,7 @@ import pathlib
 import sys
 
 import numpy as np
+import pytest
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / 'experiments'))
 import train_tiny  # noqa: E402
@@ -13,6 +14,7 @@ import train_tiny  # noqa: E402
 BOUND = 0.2
 
 
+@pytest.mark.slow
 def test_poetx_lowers_loss_across_merges():
   losses = train_tiny.train(optimizer='poetx', steps=300, merge_every=50, seed=0)
   first, last = losses[0], float(np.mean(losses[-10:]))
@@ -23,6 +25,7 @@ def test_poetx_lowers_loss_across_merges():
   assert max(jumps) < 0.05 * first, jumps
 
 
+@pytest.mark.slow
 def test_other_seed_also_learns():
   losses = train_tiny.train(optimizer='poetx', steps=300, seed=3, block_size=32)
   assert np.mean(losses[-10:]) < BOUND * losses[0]
