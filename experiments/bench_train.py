@@ -224,7 +224,7 @@ def step_residuals(plan, model, batch) -> tuple[dict[str, int], list[tuple]]:
   """What the backward of the run's loss keeps, and its gradients, from
   abstract shapes (traced, not compiled).
 
-  The loss is the train step's (``evaluation.training_loss``) as a function
+  The loss is the train step's (``loss.training_loss``) as a function
   of the model's ``nnx.Param``s, the other variables entering through
   ``stop_gradient`` (the step differentiates only the Params). Its residuals
   are what ``jax.ad_checkpoint.print_saved_residuals`` lists, read the same
@@ -248,7 +248,7 @@ def step_residuals(plan, model, batch) -> tuple[dict[str, int], list[tuple]]:
   from flax import nnx
   from jax.extend.core import Literal
   import poetx_jax
-  from poetx_jax.pretrain.evaluation import training_loss
+  from poetx_jax.pretrain.loss import training_loss
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
 
   def loss(params, rest, batch):

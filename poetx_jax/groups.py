@@ -14,8 +14,8 @@ from flax.nnx.nn import dtypes
 from jax.ad_checkpoint import checkpoint_name
 
 from poetx_jax import ops
-from poetx_jax.linear import (_BLOCKS, POETLinear, fuses_gather, given_inverses,
-                              implementation_for)
+from poetx_jax.linear import (POETLinear, fuses_gather, given_inverses, implementation_for,
+                              using_blocks)
 from poetx_jax.ties import tied
 
 Array = jax.Array
@@ -71,11 +71,8 @@ def batched_series(module: nnx.Module, x: Array):
                                     impl.series if impl is not None else None, max_norm)
     for j, m in enumerate(members):
       blocks[id(m)] = (g[2 * j], g[2 * j + 1], precision, inverses[id(m)])
-  token = _BLOCKS.set({**(_BLOCKS.get() or {}), **blocks})
-  try:
+  with using_blocks(blocks):
     yield
-  finally:
-    _BLOCKS.reset(token)
 
 
 def linear_operands(layer: nnx.Linear | POETLinear, x: Array) -> tuple[Array, Array]:

@@ -8,6 +8,7 @@ that works on whole models (conversion, stacks of layers) is in
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import typing as tp
 
@@ -55,16 +56,38 @@ IMPLEMENTATIONS = ('auto', 'xla', 'pallas', 'fused')
 
 
 # id(POETLinear) -> (G_P, G_R, series precision, (inverse of perm_in, of
-# perm_out)): the rotation blocks and inverse permutations that
-# poetx_jax.groups.batched_series computed for the layers of a module, while
-# its block runs.
+# perm_out)): the rotation blocks and inverse permutations given to layers
+# while a using_blocks block runs.
 _BLOCKS: contextvars.ContextVar[dict | None] = contextvars.ContextVar('poetx_blocks',
                                                                       default=None)
 
 
+@contextlib.contextmanager
+def using_blocks(blocks: dict[int, tuple]) -> tp.Iterator[None]:
+  """While the block runs, the POET layers named in ``blocks`` use the
+  rotation blocks and inverse permutations given there in place of their own.
+
+  ``blocks`` maps ``id(layer)`` to ``(G_P, G_R, precision, (inverse of
+  perm_in, inverse of perm_out))``: the blocks of the layer's input and
+  output rotations, computed by the Cayley–Neumann series at ``precision``
+  (:func:`poetx_jax.ops.series_precision`), and its inverse permutations. A
+  layer called on inputs whose series precision differs computes its own
+  blocks and still uses the inverses (:func:`given_inverses`). Blocks given
+  in an enclosing ``using_blocks`` stay given unless ``blocks`` names the
+  same layer; they alone apply again once the block ends. It is how
+  :func:`poetx_jax.groups.batched_series` hands the series it batched over a
+  module's layers to them.
+  """
+  token = _BLOCKS.set({**(_BLOCKS.get() or {}), **blocks})
+  try:
+    yield
+  finally:
+    _BLOCKS.reset(token)
+
+
 def given_inverses(layer: 'POETLinear') -> tuple[jax.Array, jax.Array] | None:
-  """The inverses of ``layer``'s (perm_in, perm_out) that batched_series
-  formed while its block runs, or None."""
+  """The inverses of ``layer``'s (perm_in, perm_out) given to it by the
+  :func:`using_blocks` block running, or None."""
   given = (_BLOCKS.get() or {}).get(id(layer))
   return None if given is None else given[3]
 

@@ -13,6 +13,7 @@ import poetx_jax
 from poetx_jax import perms as perms_module
 from poetx_jax import sharding
 from poetx_jax.pretrain import evaluation, factories
+from poetx_jax.pretrain import loss as loss_lib
 from poetx_jax.pretrain.checkpoint import Checkpointer
 from poetx_jax.pretrain.config import TrainConfig
 from poetx_jax.pretrain.plan import make_plan
@@ -55,7 +56,7 @@ def built_shards(mesh) -> int:
 
 def loss_fn(m, b):
   """The mean over unmasked (>= 0) targets, as ``poetx train`` computes it."""
-  total, count, _ = evaluation.token_loss(m, b)
+  total, count, _ = loss_lib.token_loss(m, b)
   return total / count
 
 
@@ -81,7 +82,7 @@ def run(mesh=None, strategy=None, scan=False):
   model, opt = build(scan, mesh, 'fsdp' if strategy == 'fsdp' else 'dp')
   per_device = strategy == 'dp_per_device'
   step = poetx_jax.make_train_step(loss_fn, seed=0, data_parallel=mesh if per_device else None,
-                                   loss_weight=evaluation.target_count if per_device else None)
+                                   loss_weight=loss_lib.target_count if per_device else None)
   losses = []
   for b in batches():
     b = sharding.shard_batch(b, mesh) if mesh is not None else jax.tree.map(jnp.asarray, b)
@@ -354,7 +355,7 @@ def accumulate():
   def go(mesh=None, acc=1):
     model, opt = build(mesh=mesh)
     step = poetx_jax.make_train_step(loss_fn, seed=0, data_parallel=mesh, accumulate=acc,
-                                     loss_weight=evaluation.target_count)
+                                     loss_weight=loss_lib.target_count)
     losses = []
     for g in groups:
       b = {n: (np.stack if acc > 1 else np.concatenate)([m[n] for m in g]) for n in g[0]}

@@ -39,6 +39,7 @@ def _param_bytes(model, keep):
              for v in leaves if keep(v))
 
 
+@pytest.mark.slow
 def test_breakdown_of_poetx_sums_to_the_state_and_to_xla_buffers():
   """POET-X with bf16 bases: the categories add up to resident_state's sizes
   byte for byte; gradients are each Param's at its own dtype (generators
@@ -75,6 +76,7 @@ def test_breakdown_of_poetx_sums_to_the_state_and_to_xla_buffers():
   assert r['gib']['bases'] == b['bases'] / GIB and r['backend'] == jax.default_backend()
 
 
+@pytest.mark.slow
 def test_breakdown_matches_memory_analysis_of_the_step():
   """The compiled figures are those of the step's own program, compiled here."""
   from poetx_jax.pretrain import factories as F
@@ -110,6 +112,7 @@ def test_breakdown_of_dense_optimizers_has_no_poet_parts(run):
   assert 'temporaries' not in b and b['sum'] == b['state'] + b['gradients'] + b['saved_residuals']
 
 
+@pytest.mark.slow
 def test_saved_residuals_shrink_with_remat_and_leave_the_arguments_out():
   """Without remat the backward keeps every layer's activations; with
   ``remat=block`` each layer's input (and the loss's softmax) only. What it
@@ -129,6 +132,7 @@ def test_saved_residuals_shrink_with_remat_and_leave_the_arguments_out():
   assert block['host_residuals'] == 0
 
 
+@pytest.mark.slow
 def test_offloaded_layer_inputs_count_in_host_memory_and_the_loss_pieces_drop_the_softmax():
   """``remat=offload`` moves each layer's input from the device's residuals
   to ``host_residuals``; ``loss_chunk`` replaces the (B, T, V) softmax by
@@ -144,6 +148,7 @@ def test_offloaded_layer_inputs_count_in_host_memory_and_the_loss_pieces_drop_th
   assert pieces['saved_residuals'] <= block['saved_residuals'] - softmax + layer_input + 512 * 64 * 4
 
 
+@pytest.mark.slow
 def test_bench_memory_breakdown_table(tmp_path, capsys):
   """``--breakdown --state-only``: a table with every category and the JSON."""
   out = tmp_path / 'bd.json'

@@ -231,6 +231,7 @@ def test_gathers_with_chunk_equal_indexing_values_and_gradients(keys, n, c, dtyp
     np.testing.assert_array_equal(np.asarray(dx, np.float32), back, err_msg=name)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('dtype', [jnp.bfloat16, jnp.int8])  # float32: by the gathers above
 def test_run_gather_equals_indexing(keys, dtype):
   """Runs moved as words of 2 or 4 bytes (where the run's bytes divide into
@@ -311,6 +312,7 @@ def _relabel_generators(q, sigma, n, b):
   return jnp.stack([blocks[j][np.ix_(local[j], local[j])] for j in range(k)])
 
 
+@pytest.mark.slow
 def test_chunk_training_equals_element_training_of_the_same_partition_float64(keys):
   """The issue's claim, end to end in float64: a layer with chunk
   permutations, trained by poetx (Adam) for 5 updates, merged (new chunk
@@ -435,6 +437,7 @@ def _as_element(layer):
   return other
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('c, form, mode', [(4, 'input', 'fast'), (4, 'weight', 'mem'),
                                            (8, 'input', 'mem'), (8, 'weight', 'fast')])
 def test_chunk_layer_is_the_dense_formula_and_the_element_path(keys, c, form, mode):
@@ -470,6 +473,7 @@ def test_chunk_layer_is_the_dense_formula_and_the_element_path(keys, c, form, mo
   assert rel_err(got[1][1], want[1][1]) < 1e-5
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('c, form', [(4, 'input'), (8, 'weight')])
 def test_chunk_layer_bf16(keys, c, form):
   i, o, b = 70, 40, 16
@@ -489,6 +493,7 @@ def test_chunk_layer_bf16(keys, c, form):
     assert rel_err(got[name][...], want[name][...]) < 1e-3, name
 
 
+@pytest.mark.slow
 def test_chunk_layer_from_linear_starts_at_its_base_and_draws_chunks(keys):
   lin = nnx.Linear(70, 40, rngs=nnx.Rngs(0), bias_init=nnx.initializers.normal(1.0))
   layer = POETLinear.from_linear(lin, block_size=16, rngs=nnx.Rngs(1), permutation='chunk',
@@ -546,6 +551,7 @@ def test_chunk_pair_per_side(keys):
                                 np.asarray(kernel)[np.asarray(p_in)][:, np.asarray(p_out)])
 
 
+@pytest.mark.slow
 def test_chunk_layer_trains_as_its_relabelled_element_layer_across_merge_layer(keys):
   """The layers themselves (float32): a chunk layer and an element layer
   holding its permutations relabelled inside each block (the base folded to
@@ -624,6 +630,7 @@ def _randomize_all(model, key):
     randomize_generators(layer, jax.random.fold_in(key, j), 0.05)
 
 
+@pytest.mark.slow
 def test_merge_keeps_chunk_permutations_and_the_function(keys):
   """poetx_jax.merge of chunk layers (single layers and a stack): new chunk
   permutations of each layer's run length, the same function, Q = 0."""
@@ -666,6 +673,7 @@ def test_merge_keeps_chunk_permutations_and_the_function(keys):
   poetx_jax.check_permutations(model)
 
 
+@pytest.mark.slow
 def test_tie_permutations_refuses_mixed_draws(keys):
   """A group mixing element and chunk layers, or chunk layers of two run
   lengths, is refused before anything changes."""
@@ -680,6 +688,7 @@ def test_tie_permutations_refuses_mixed_draws(keys):
     assert m.a.tie_in is None and m.b.tie_in is None
 
 
+@pytest.mark.slow
 def test_tied_chunk_layers_share_one_chunk_permutation_across_merges(keys):
   m = _Tied(_layer_maker())
   x = jax.random.normal(keys(), (6, 70))
@@ -704,6 +713,7 @@ def test_tied_chunk_layers_share_one_chunk_permutation_across_merges(keys):
   poetx_jax.check_permutations(m)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('chunks', [(16, 16, 4), (8, 8, 16)])
 def test_swiglu_join_of_chunk_layers(keys, chunks):
   """The SwiGLU join gathers the gate and up outputs straight into down's
@@ -787,6 +797,7 @@ def _values_and_grads(f, x, g, ct):
   return y, pull(ct.astype(y.dtype))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('n, c, dtype', FUSED_CASES)
 def test_fused_kernels_with_chunk_match_the_references(keys, n, c, dtype):
   """permute_rotate and rotate_unpermute told ``chunk`` (the kernels read one
@@ -854,6 +865,7 @@ def test_run_table(n, c):
   np.testing.assert_array_equal(table[cols // c] * c + cols % c, p)
 
 
+@pytest.mark.slow
 def test_fused_chunk_layer_matches_xla(keys, monkeypatch):
   """POETLinear(implementation='fused') with chunk permutations (bf16, the
   kernels interpreted on CPUs) computes what the XLA path computes: outputs

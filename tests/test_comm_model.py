@@ -24,6 +24,7 @@ def test_allreduce_time_and_efficiencies():
   assert comm_model.efficiency(0.1, 0.2) == pytest.approx((0.1 / 0.3, 0.5))
 
 
+@pytest.mark.slow
 def test_a_data_parallel_update_sends_its_trained_arrays_once(tmp_path):
   """A tiny POET-X run with 3 micro-batches an update on 2 simulated
   devices: dp all-reduces the trained arrays (and two scalars) once per

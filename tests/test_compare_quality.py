@@ -72,6 +72,7 @@ def serial(tmp_path_factory, corpus):
   return res, printed.getvalue(), tmp
 
 
+@pytest.mark.slow
 def test_compare_quality_end_to_end(serial, corpus):
   res, printed, tmp_path = serial
   out = tmp_path / 'out'
@@ -133,6 +134,7 @@ def test_compare_quality_end_to_end(serial, corpus):
     compare_quality.main(_args(tmp_path, corpus))
 
 
+@pytest.mark.slow
 def test_jobs_train_runs_side_by_side_with_the_same_results(serial, tmp_path, corpus,
                                                             monkeypatch):
   """--jobs 2: each run in a process of its own gives the perplexities of the
@@ -179,6 +181,7 @@ def test_jobs_train_runs_side_by_side_with_the_same_results(serial, tmp_path, co
   assert f'| {lost}' not in md
 
 
+@pytest.mark.slow
 def test_a_run_stopped_before_its_last_update_is_not_a_result(tmp_path, corpus, monkeypatch):
   """A --jobs child whose training a SIGTERM stopped early (here stop_after,
   the same path) writes no summary and exits non-zero, so the parent counts
@@ -194,6 +197,7 @@ def test_a_run_stopped_before_its_last_update_is_not_a_result(tmp_path, corpus, 
   assert (run_dir / 'metrics.jsonl').is_file() and not (run_dir / 'summary.json').exists()
 
 
+@pytest.mark.slow
 def test_a_run_that_raises_stops_none_of_the_others_one_at_a_time(tmp_path, corpus,
                                                                     monkeypatch):
   """Without --jobs, a run whose training raises is logged with its
@@ -263,6 +267,7 @@ def test_run_specs_expand_into_runs_and_configurations():
   assert cfg.model_overrides == {'layers': 1, 'hidden': 32} and cfg.block_size == 8
 
 
+@pytest.mark.slow
 def test_probes_cover_the_single_matrices_only():
   """Dense models: q and down projections; mixture-of-experts models: the
   expert projections are stacks of kernels, so the q projections only."""
@@ -315,6 +320,7 @@ def test_spike_rule_and_time_interpolation():
   assert R.ppl_at_time(pts, 3.0) is None
 
 
+@pytest.mark.slow
 def test_join_reports_studies_of_other_seeds_as_one(serial, tmp_path):
   """quality_report.py joins results.json files: a configuration written with
   its K=V pairs in another order in a later study (a second seed, say) is the
@@ -371,6 +377,7 @@ def test_join_reports_studies_of_other_seeds_as_one(serial, tmp_path):
     R.from_study(tmp_path / 'empty')
 
 
+@pytest.mark.slow
 def test_a_run_without_a_result_is_reported_with_how_far_it_got(serial, tmp_path):
   """A run stopped partway (metrics but no summary) is failed, and the
   report says how far it got: the last update it logged and its last

@@ -34,6 +34,7 @@ def _randomize_all(model, key, scale=0.1):
     randomize_generators(layer, jax.random.fold_in(key, i), scale)
 
 
+@pytest.mark.slow
 def test_poetize_replaces_intended_layers(keys):
   base = Tiny(nnx.Rngs(0))
   model = poetx_jax.poetize(base, block_size=8, rngs=nnx.Rngs(1))
@@ -49,6 +50,7 @@ def test_poetize_replaces_intended_layers(keys):
   assert base_paths <= new_paths
 
 
+@pytest.mark.slow
 def test_the_input_and_an_unpoetized_copy_survive_training_with_donation(keys):
   """Unless consume, poetize's result and unpoetize's share no array with
   their input: a donating train step of the POET model leaves both usable and
@@ -134,6 +136,7 @@ def test_poetize_keeps_sharding_annotations_and_refuses_custom_products():
         poetx_jax.poetize(nnx.Sequential(custom), block_size=8, rngs=nnx.Rngs(1))
 
 
+@pytest.mark.slow
 def test_merge_preserves_function_and_resets(keys):
   model = poetx_jax.poetize(Tiny(nnx.Rngs(0)), block_size=8, rngs=nnx.Rngs(1))
   _randomize_all(model, keys())
@@ -150,6 +153,7 @@ def test_merge_preserves_function_and_resets(keys):
     assert rel_err(l.effective_kernel(), k) < 1e-6
 
 
+@pytest.mark.slow
 def test_merge_reports_the_factors_orthogonality_error(keys):
   """merge returns the largest ||G^T G - I||_F / sqrt(B) of the factors it
   merged, over every block of every layer: 0 at Q = 0, the series' small
@@ -229,6 +233,7 @@ def _by_path(model):
   return {poetx_jax.convert.path_str(p): n for p, n in nnx.iter_graph(model)}
 
 
+@pytest.mark.slow
 def test_unpoetize_gives_plain_linears_computing_the_same_function(keys):
   """unpoetize gives plain nnx.Linear layers only (no POET variables, the
   base model's state structure) that compute what the POET layers compute,

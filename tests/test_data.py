@@ -112,6 +112,7 @@ def test_read_documents_errors(tmp_path, monkeypatch):
     data.read_documents([blank, empty_dir])
 
 
+@pytest.mark.slow
 def test_default_corpus():
   docs, desc = corpus_lib.default_corpus(doc_root='/nonexistent')
   sources = corpus_lib.stdlib_sources()

@@ -13,6 +13,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 from experiments import bench_layer, bench_train, harness
 
 
+@pytest.mark.slow
 def test_bench_layer_checks_and_times(tmp_path):
   out = tmp_path / 'layer.json'
   bench_layer.main(['--shapes', '64x96', '--blocks', '32', '--tokens', '64',
@@ -51,6 +52,7 @@ def test_bench_train_runs_are_overrides_of_the_train_options():
     bench_train.run_config(a, 'optimizer=adamw,quantize=int8')
 
 
+@pytest.mark.slow
 def test_bench_train_one_run(monkeypatch):
   a = _bench_args('--lean-state')
   cfg = bench_train.run_config(a, 'optimizer=poetx,mode=mem,remat=block,quantize=int8')
@@ -70,6 +72,7 @@ def test_bench_train_one_run(monkeypatch):
   assert r['checks']['export_check'] == 'one layer' and r['checks']['poet_vs_dense'] < 1e-4
 
 
+@pytest.mark.slow
 def test_bench_train_runs_each_run_in_a_process_of_its_own(tmp_path, monkeypatch, capsys):
   """The CPU smoke test: one child per --run, labelled by its name or its text;
   a run that cannot be configured is refused before any starts."""
@@ -94,6 +97,7 @@ def test_bench_train_runs_each_run_in_a_process_of_its_own(tmp_path, monkeypatch
   assert "--run 'optimizer=adamw,mode=slow': mode must be one of" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_bench_cayley_interpreted():
   pytest.importorskip('pallas_kernels.cayley_neumann')
   out = subprocess.run(
@@ -104,6 +108,7 @@ def test_bench_cayley_interpreted():
   assert 'pallas bf16-out' in out.stdout and 'K=3' in out.stdout
 
 
+@pytest.mark.slow
 def test_bench_kernels_checks_every_kernel(tmp_path):
   """Every kernel variant runs (interpreted) and matches its XLA row before timing."""
   pytest.importorskip('pallas_kernels.block_rotate')
@@ -119,6 +124,7 @@ def test_bench_kernels_checks_every_kernel(tmp_path):
   assert {name for name in r['ms'] if 'kernel' in name} == want
 
 
+@pytest.mark.slow
 def test_bench_fused_checks_and_times(tmp_path):
   """--smoke: every fused kernel runs interpreted, matches its XLA composition
   and is timed beside it, with the bytes it moves; for a chunk permutation
@@ -146,6 +152,7 @@ def test_bench_fused_checks_and_times(tmp_path):
     assert set(r['bytes']) == set(r['ms']) and r['bytes']['copy'] == 2 * 40 * n * 2
 
 
+@pytest.mark.slow
 def test_bench_memory_state_only(tmp_path):
   """Resident state from abstract shapes matches the real arrays' bytes; the
   compiled program's arguments hold exactly that state plus the batch."""
@@ -181,6 +188,7 @@ def test_bench_memory_state_only(tmp_path):
   assert big.model_overrides['layers'] == 44 and big.seq_len == 1024
 
 
+@pytest.mark.slow
 def test_profile_step_reports_a_real_step(tmp_path, monkeypatch):
   """profile_step on the CPU: XLA's thunks stand in for kernels; every
   category share adds up, the top kernels name their HLO ops."""
@@ -201,6 +209,7 @@ def test_profile_step_reports_a_real_step(tmp_path, monkeypatch):
   assert r['kernels'] > 0 and r['launch_gaps_ms'] >= 0 and r['host_waits_ms'] >= 0
 
 
+@pytest.mark.slow
 def test_compile_time_reports_each_program(tmp_path):
   """compile_time.py on the tiny model: trace+lower and XLA compile timed, the
   programs' sizes counted, POET-X's first merge (its programs compiled) slower
@@ -244,6 +253,7 @@ def test_profile_step_busy_time_and_categories():
   assert cat('loop_multiply_fusion', 'loop_multiply_fusion') == 'other'
 
 
+@pytest.mark.slow
 def test_bench_prepare_measures_prepare_and_first_step(tmp_path):
   """bench_prepare on two small corpora: each prepared, its tokens counted,
   its throughput and the peak memory of the process tree measured."""
@@ -282,6 +292,7 @@ def test_no_experiment_declares_a_train_option():
   assert {name: flags & fields for name, flags in declared.items() if flags & fields} == {}
 
 
+@pytest.mark.slow
 def test_train_tiny_flags(capsys):
   from experiments import train_tiny
   train_tiny.main(['--toy-steps', '3', '--toy-block-size', '8', '--toy-seed', '1'])
@@ -289,6 +300,7 @@ def test_train_tiny_flags(capsys):
   assert 'poetx: loss' in out and 'adamw: loss' in out and 'step    2' in out
 
 
+@pytest.mark.slow
 def test_site_corpus_splits_packages_by_name_and_prepares_both(tmp_path, monkeypatch):
   """site_corpus: every package on one side only, split by its name alone;
   validation prepared with the training side's tokenizer."""

@@ -54,6 +54,7 @@ def _one_line_error(capsys, command):
   return err
 
 
+@pytest.mark.slow
 def test_export_names_the_special_tokens_transformers_reads(run, tmp_path, capsys):
   out = tmp_path / 'hf'
   assert cli.main(['export', str(run), '--out', str(out)]) == 0
@@ -209,6 +210,7 @@ def _val_loss(run, step):
   return next(r['val_loss'] for r in read_metrics(run) if r['step'] == step and 'val_loss' in r)
 
 
+@pytest.mark.slow
 def test_an_exported_poet_run_starts_a_new_run_with_the_same_function(run, tmp_path, capsys):
   """poetx train --init-from-hf: the model is config.json's, the tokenizer the
   checkpoint's, the step-0 state (poetized afresh) the exported function: the
@@ -301,6 +303,7 @@ def _sp_model(pieces, **ids):
                 (3, _proto((3, 0))))
 
 
+@pytest.mark.slow
 def test_a_chunk_permutation_run_exports_the_function_it_trained(run, tmp_path):
   """A run drawing chunk permutations (runs of 4 in blocks of 8, merged once)
   exports its function: a run started from the export begins at the chunk

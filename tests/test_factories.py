@@ -8,11 +8,13 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from poetx_jax.pretrain import evaluation, factories
+from poetx_jax.pretrain import factories
+from poetx_jax.pretrain import loss as loss_lib
 from poetx_jax.pretrain.config import TrainConfig
 from poetx_jax.pretrain.plan import make_plan
 
 
+@pytest.mark.slow
 def test_default_poet_lr_shrinks_with_the_block_size():
   """poet_lr=None trains with min(5e-3, 0.25 / B): what an explicit step of
   that value gives, not what 5e-3 gives."""
@@ -30,7 +32,7 @@ def test_default_poet_lr_shrinks_with_the_block_size():
     model = factories.build_model(plan)
     opt = factories.build_optimizer(plan, model)
     # One jitted update (eagerly, op by op, this test took 16 s on a CPU).
-    update = nnx.jit(lambda m, o, b: o.update(m, nnx.grad(evaluation.training_loss)(m, b)))
+    update = nnx.jit(lambda m, o, b: o.update(m, nnx.grad(loss_lib.training_loss)(m, b)))
     for _ in range(2):  # the first update is at learning rate 0 (warmup)
       update(model, opt, batch)
     return np.asarray(model.layers[0].mlp.up_proj.q_in[...])
@@ -81,6 +83,7 @@ def test_the_poet_eps_options_reach_the_poetx_transform(monkeypatch):
     assert (seen[-1]['eps'], seen[-1]['eps_placement']) == want
 
 
+@pytest.mark.slow
 def test_adamw_in_bfloat16_keeps_weights_and_moments_in_bfloat16():
   """--optimizer adamw --param-dtype bfloat16 is AdamW as the published
   POET-X's scripts train it: every weight and both Adam moments in bfloat16,

@@ -5,6 +5,8 @@ the uninterrupted run, bit for bit."""
 import collections
 import dataclasses
 
+import pytest
+
 from conftest import write_corpus
 from poetx_jax.pretrain.config import TrainConfig
 from poetx_jax.pretrain.train import train
@@ -12,6 +14,8 @@ from poetx_jax.pretrain.train import train
 from experiments import fault_injection
 
 STEPS, STOPS = 20, 6
+
+pytestmark = pytest.mark.slow  # a minute: a run of 20 steps, six stops and their resumes
 
 
 def test_six_random_stops_end_as_the_uninterrupted_run(tmp_path):

@@ -110,6 +110,7 @@ def _one_line_error(capsys, command='train'):
   return lines[0]
 
 
+@pytest.mark.slow
 def test_kill_9_anywhere_then_resume_equals_the_uninterrupted_run(tmp_path, corpus, reference):
   """SIGKILL during a checkpoint write and right after a merge; each time
   --resume continues (taking over the dead process's lock) and the end is the
@@ -136,6 +137,7 @@ def test_kill_9_anywhere_then_resume_equals_the_uninterrupted_run(tmp_path, corp
   _assert_same_run(cfg, reference)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('damage', ['truncated array file', 'missing manifest',
                                     'empty data item', 'missing model item'])
 def test_damage_is_told_apart_from_a_configuration_mismatch(tmp_path, reference, damage):
@@ -164,6 +166,7 @@ def test_damage_is_told_apart_from_a_configuration_mismatch(tmp_path, reference,
   assert not isinstance(e.value, DamagedCheckpoint)
 
 
+@pytest.mark.slow
 def test_load_model_builds_from_the_checkpoint_what_restore_fills_in(reference):
   """load_model restores into the model's shapes (nnx.eval_shape, nothing drawn):
   the model build_model would give, restored in place."""
@@ -175,6 +178,7 @@ def test_load_model_builds_from_the_checkpoint_what_restore_fills_in(reference):
   assert loading.load_model(cfg.out_dir, step=8)[2] == 8
 
 
+@pytest.mark.slow
 def test_a_damaged_newest_checkpoint_resumes_from_the_previous_one(tmp_path, reference,
                                                                    capsys):
   """A copied run, its step 12 truncated: eval names it and the way out;
@@ -202,6 +206,7 @@ def test_a_damaged_newest_checkpoint_resumes_from_the_previous_one(tmp_path, ref
   _assert_same_run(cfg, reference)
 
 
+@pytest.mark.slow
 def test_non_finite_state_keeps_the_last_good_checkpoint_newest(tmp_path, corpus, capsys,
                                                                 monkeypatch):
   """The state goes NaN after step 6; with no loss logged before the
@@ -263,6 +268,7 @@ def test_a_refused_second_writer_removes_nothing_the_owner_writes_meanwhile(
   assert not (tmp_path / 'a').exists()
 
 
+@pytest.mark.slow
 def test_a_second_writer_is_refused_and_signals_release_the_lock(tmp_path, corpus, capsys):
   run = tmp_path / 'run'
   args = ['train', '--model-overrides', overrides(SMALL),
@@ -316,6 +322,7 @@ def test_stale_foreign_and_copied_locks(tmp_path):
   assert 'this directory is a copy' in messages[0]
 
 
+@pytest.mark.slow
 def test_resume_reads_the_run_options_and_run_directory_errors(tmp_path, reference, capsys,
                                                                monkeypatch):
   """--resume takes the options from run.json: given again they must agree

@@ -309,6 +309,7 @@ def _running(psutil, p):
     return False
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('sig', [signal.SIGTERM, signal.SIGKILL])
 def test_a_stopped_prepare_leaves_no_process_behind(prepared, big_sources, tmp_path, sig):
   psutil = pytest.importorskip('psutil')

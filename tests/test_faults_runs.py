@@ -24,6 +24,9 @@ from poetx_jax.pretrain import train as train_lib
 from poetx_jax.pretrain.checkpoint import Checkpointer
 from test_faults import _assert_same_run, _cfg, _copy, _one_line_error
 
+# Each test trains, resumes or reads a whole run (most the session's reference run).
+pytestmark = pytest.mark.slow
+
 
 def _tree(run):
   """{path: bytes} of every file of a run directory."""

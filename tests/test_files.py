@@ -11,15 +11,15 @@ import sys
 import numpy as np
 import pytest
 
-from poetx_jax.pretrain.files import (DiskFull, atomic_write, full_disk, write_array,
-                                      writing)
+from poetx_jax.pretrain.atomic import atomic_write, write_array
+from poetx_jax.pretrain.disk_full import DiskFull, full_disk, writing
 
 # Writes 2000 uint16 (4000 bytes) as .npy to ARGV[1] under a 1000-byte file
 # size limit; prints the error code, or 'ok'.
 LIMITED_WRITE = '''
 import resource, sys
 import numpy as np
-from poetx_jax.pretrain.files import write_array
+from poetx_jax.pretrain.atomic import write_array
 resource.setrlimit(resource.RLIMIT_FSIZE, (1000, resource.RLIM_INFINITY))
 try:
   write_array(sys.argv[1], np.arange(2000, dtype=np.uint16), npy=True)

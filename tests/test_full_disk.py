@@ -19,7 +19,7 @@ from conftest import write_corpus
 from poetx_jax.pretrain import checkpoint, cli
 from poetx_jax.pretrain import train as train_lib
 from poetx_jax.pretrain.checkpoint import Checkpointer
-from poetx_jax.pretrain.files import check_digests
+from poetx_jax.pretrain.digests import check_digests
 from test_faults import _assert_same_run, _cfg, _one_line_error
 from test_faults_runs import _tree
 
@@ -74,6 +74,7 @@ def _error_line(err: str, command: str) -> str:
   return lines[0]
 
 
+@pytest.mark.slow
 def test_a_checkpoint_over_the_file_size_limit_keeps_the_previous_one(
     tmp_path, corpus, reference, capsys):
   """From step 8 no file may grow past 20 kB: the save of step 8 fails in
@@ -120,6 +121,7 @@ def test_a_failed_saves_threads_are_joined_without_raising_its_error_again():
     commit.result()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('where', ['final checkpoint', 'metrics line'])
 def test_no_space_for_a_write_while_training_stops_in_one_line(
     tmp_path, corpus, reference, capsys, monkeypatch, where):
@@ -193,6 +195,7 @@ def test_no_space_for_a_write_while_training_stops_in_one_line(
 _train = train_lib.train
 
 
+@pytest.mark.slow
 def test_a_prepare_over_the_file_size_limit_keeps_its_finished_parts(tmp_path, capsys):
   """A prepare whose third part meets a 1000-byte file size limit (numpy
   would cut its 1400-byte shard short without a word): one line names the
@@ -225,6 +228,7 @@ def test_a_prepare_over_the_file_size_limit_keeps_its_finished_parts(tmp_path, c
   assert _tree(ds) == want
 
 
+@pytest.mark.slow
 def test_an_export_without_space_leaves_no_partial_export(tmp_path, reference, capsys,
                                                           monkeypatch):
   """ENOSPC half-way through tokenizer_config.json (the weights and config

@@ -32,7 +32,8 @@ def _layer(keys, i, o, b):
 
 
 @pytest.mark.parametrize('i, o, b', [(48, 32, 16), (64, 48, 32)])
-@pytest.mark.parametrize('sides', [(True, True), (False, True), (True, False)])
+@pytest.mark.parametrize('sides', [pytest.param((True, True), marks=pytest.mark.slow),
+                                   (False, True), (True, False)])  # both sides: slow
 def test_layer_on_fused_kernels_matches_xla(keys, i, o, b, sides):
   """poet_linear with the fused kernels against the XLA path in bf16 (ragged
   last blocks at 48 / 32): outputs, input and generator gradients; with
@@ -93,6 +94,7 @@ def test_output_dst_places_the_output(keys, form):
     layer(x, permute_output=False, output_dst=dst)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('tie', [False, True])
 def test_swiglu_with_fused_kernels_matches_xla(keys, monkeypatch, tie):
   """A SwiGLU of POET layers whose implementation fuses its gathers (the gate
@@ -152,6 +154,7 @@ def test_auto_takes_the_kernels_only_for_measured_16_bit_sides(monkeypatch):
   assert not fuse(sds((4, 4096), jnp.bfloat16), g, 16)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('hidden, inner, tie', [(128, 192, False), (128, 192, True),
                                                  (96, 160, False)],
                          ids=['run-kernels', 'run-kernels-tied', 'ragged-triton'])

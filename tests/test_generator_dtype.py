@@ -29,6 +29,7 @@ def _layers(keys, dtype):
   return low, full
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('dtype', [jnp.float32, jnp.bfloat16])
 def test_the_layer_computes_as_float32_generators_of_the_same_values(keys, dtype):
   """Outputs equal bit for bit; each generator gradient is the float32
@@ -58,6 +59,7 @@ def test_an_unsupported_generator_dtype_is_refused_by_name(bad):
     poetx_jax.POETLinear(16, 16, block_size=8, generator_dtype=bad, rngs=nnx.Rngs(0))
 
 
+@pytest.mark.slow
 def test_a_run_with_bfloat16_generators_trains_as_the_float32_one(keys):
   """The app's train step through a merge: the generators and their moments
   are bfloat16 (half the generators' bytes); losses and the merged bases

@@ -1,4 +1,4 @@
-"""The head and loss in pieces (evaluation.head_loss, --loss-chunk): the
+"""The head and loss in pieces (loss.head_loss, --loss-chunk): the
 loss and gradients of the whole batch at once, without its logits held."""
 
 import dataclasses
@@ -13,7 +13,7 @@ from flax import nnx
 from conftest import app_steps, assert_trees_rel_close
 from poetx_jax.linear import POETParam
 from poetx_jax.models import get_config
-from poetx_jax.pretrain import evaluation
+from poetx_jax.pretrain import loss as loss_lib
 from poetx_jax.pretrain.config import TrainConfig
 
 
@@ -26,12 +26,13 @@ def _batch(keys, b, t, vocab):
 
 def _value_and_grad(model, batch, chunk):
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-  f = lambda p: evaluation.training_loss(nnx.merge(graphdef, p, rest), batch, chunk)
+  f = lambda p: loss_lib.training_loss(nnx.merge(graphdef, p, rest), batch, chunk)
   return jax.jit(jax.value_and_grad(f))(params)
 
 
 # Each piece length (3: pieces padded; 10: one piece; 16: one longer than T)
 # in both dtypes, each dtype tied and untied.
+@pytest.mark.slow
 @pytest.mark.parametrize('chunk,dtype,tol,tie', [
     (3, jnp.float32, 2e-6, False), (3, jnp.bfloat16, 1e-2, True),
     (10, jnp.float32, 2e-6, True), (10, jnp.bfloat16, 1e-2, False),
@@ -47,6 +48,7 @@ def test_pieces_give_the_loss_and_gradients_of_the_whole_batch(keys, tie, dtype,
   assert_trees_rel_close(grads, want_grads, tol)
 
 
+@pytest.mark.slow
 def test_a_poetx_run_with_loss_chunk_trains_as_the_whole_batch_does(keys):
   """The app's train step (make_step) with --loss-chunk: the same losses and
   the same model after updates that include a merge, within float32 error.
@@ -75,6 +77,7 @@ def test_a_poetx_run_with_loss_chunk_trains_as_the_whole_batch_does(keys):
   assert len(jax.tree.leaves(generators)) == 14  # the 7 projections' q_in and q_out
 
 
+@pytest.mark.slow
 def test_pieces_do_not_hold_the_logits_of_the_whole_batch(keys):
   """The compiled gradient's temporaries shrink by most of the (B, T, V)
   float32 logits and their softmax when the loss goes 8 positions at a time."""
@@ -84,7 +87,7 @@ def test_pieces_do_not_hold_the_logits_of_the_whole_batch(keys):
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
 
   def temp_bytes(chunk):
-    f = lambda p: evaluation.training_loss(nnx.merge(graphdef, p, rest), batch, chunk)
+    f = lambda p: loss_lib.training_loss(nnx.merge(graphdef, p, rest), batch, chunk)
     return jax.jit(jax.grad(f)).lower(params).compile().memory_analysis().temp_size_in_bytes
 
   logits = 4 * 64 * cfg.vocab_size * 4

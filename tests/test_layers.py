@@ -5,6 +5,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 # What only the app (poetx_jax.pretrain, the `pretrain` extra) may import.
 APP_PACKAGES = ('grain', 'orbax', 'tokenizers', 'pyarrow', 'safetensors', 'matplotlib',
                 'tqdm', 'tensorboardX', 'wandb', 'sentencepiece')
@@ -24,6 +26,7 @@ LIBRARY = ('poetx_jax', 'poetx_jax.ops', 'poetx_jax.quant', 'poetx_jax.layout', 
            'poetx_jax.lean', 'poetx_jax.sharding', 'pallas_kernels')
 
 
+@pytest.mark.slow
 def test_library_imports_without_the_app_or_its_packages():
   """With the app's packages made unimportable, every library module imports
   and the README's example trains; no app module gets loaded on the way."""

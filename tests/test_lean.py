@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 
 from poetx_jax.lean import lean_adamw, scale_by_lean_adam
 
@@ -14,6 +15,7 @@ def _params(key):
           'small': jax.random.normal(k3, (4, 200))}
 
 
+@pytest.mark.slow
 def test_factored_moment_is_row_and_column_means(keys):
   params = _params(keys())
   g = _params(keys())

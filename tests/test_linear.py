@@ -15,6 +15,11 @@ from conftest import dense_rotation, gathered, randomize_generators, rel_err
 import poetx_jax
 from poetx_jax import POETLinear, POETParam, ops
 
+# Each form with each mode; the input form's 'fast' case, the slowest, is
+# left to the full suite.
+FORMS_AND_MODES = [pytest.param('input', 'fast', marks=pytest.mark.slow), ('input', 'mem'),
+                   ('weight', 'fast'), ('weight', 'mem')]
+
 
 def _as_function(layer):
   """(x, q_in, q_out) -> layer(x) with those generators, a pure function."""
@@ -51,6 +56,7 @@ def test_identity_at_zero_q_equals_linear(keys, use_bias):
   np.testing.assert_allclose(layer.effective_kernel(), lin.kernel[...], atol=1e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('i,o,b', [(64, 96, 32), (60, 90, 16)])  # the second: ragged blocks
 def test_spectrum_preserved(keys, i, o, b):
   """The singular values of R W0 P are those of W0 up to the factors'
@@ -72,8 +78,7 @@ def test_spectrum_preserved(keys, i, o, b):
   np.testing.assert_array_less(np.abs(sv / sv0 - 1), bound)
 
 
-@pytest.mark.parametrize('mode', ['fast', 'mem'])
-@pytest.mark.parametrize('form', ['input', 'weight'])
+@pytest.mark.parametrize('form,mode', FORMS_AND_MODES)
 @pytest.mark.parametrize('i,o,b', [(32, 48, 16), (30, 20, 8)])
 def test_gradients_match_naive_float32(keys, mode, form, i, o, b):
   layer = POETLinear(i, o, block_size=b, mode=mode, form=form, rngs=nnx.Rngs(1),
@@ -99,8 +104,7 @@ def test_gradients_match_naive_float32(keys, mode, form, i, o, b):
     assert rel_err(a, r) < 1e-5
 
 
-@pytest.mark.parametrize('mode', ['fast', 'mem'])
-@pytest.mark.parametrize('form', ['input', 'weight'])
+@pytest.mark.parametrize('form,mode', FORMS_AND_MODES)
 def test_gradients_match_naive_bf16(keys, mode, form):
   i, o, b = 64, 40, 16  # 40 = 16 + 16 + 8: a ragged block on the output side
   layer = POETLinear(i, o, block_size=b, mode=mode, form=form, dtype=jnp.bfloat16,
@@ -139,6 +143,7 @@ def _activation_residuals(layer, x):
   return [l for l in lines if l.split('[')[1].startswith(f'{x.shape[0]},')]
 
 
+@pytest.mark.slow
 def test_reverse_mode_jacobian_and_forward_mode_refused(keys):
   """jax.jacrev through a POET layer is the dense formula's Jacobian; forward
   mode (jax.jacfwd) is refused by JAX's custom_vjp rule, as the docstring
@@ -169,6 +174,7 @@ def test_mem_mode_saves_fewer_residuals(keys):
     np.testing.assert_allclose(g[0][name][...], g[1][name][...], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_mem_mode_recomputes_the_series(keys):
   """POET-Xmem saves only its arguments: no rotation blocks or series powers
   (which 'fast' keeps: the check can see them)."""
@@ -195,6 +201,7 @@ def test_weight_form_saves_no_activations(keys):
   assert _activation_residuals(layer, x) == []  # x (an argument) and weight-sized arrays
 
 
+@pytest.mark.slow
 def test_base_weight_gets_no_gradient_and_no_optimizer_state():
   import optax
   layer = POETLinear(32, 16, block_size=8, rngs=nnx.Rngs(0))
@@ -271,8 +278,7 @@ def test_wrong_input_width_is_a_clear_error(keys, implementation, quantize, mode
       jax.jit(lambda x: layer(x))(x)  # at trace time
 
 
-@pytest.mark.parametrize('mode', ['fast', 'mem'])
-@pytest.mark.parametrize('form', ['input', 'weight'])
+@pytest.mark.parametrize('form,mode', FORMS_AND_MODES)
 def test_skipped_permutations_are_the_callers_gathers(keys, mode, form):
   """permute_input=False takes x[..., perm_in]; permute_output=False returns
   y[..., perm_out]: values and gradients those of the whole layer (exactly in
@@ -325,6 +331,7 @@ def _swiglu_loss(mlp, weights):
   return loss, state
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('mode', ['fast', 'mem'])
 @pytest.mark.parametrize('dtype', [jnp.float32, jnp.bfloat16])
 def test_swiglu_joins_poet_gathers_exactly(keys, mode, dtype):
@@ -354,6 +361,7 @@ def test_swiglu_joins_poet_gathers_exactly(keys, mode, dtype):
   assert (gathers(True), gathers(False)) == (5, 6)  # activation gathers in the forward
 
 
+@pytest.mark.slow
 def test_swiglu_join_under_batched_series_gathers_by_given_inverses(keys):
   """Under batched_series the SwiGLU join of input-form layers takes its
   index and that index's inverse from the block's inverses (gathers, no
@@ -385,6 +393,7 @@ def test_swiglu_join_under_batched_series_gathers_by_given_inverses(keys):
   assert (scatters(True), scatters(False)) == (1, 5)
 
 
+@pytest.mark.slow
 def test_a_capped_layer_merges_the_rotation_it_applied(keys):
   """With max_generator_norm the layer applies, forms and merges the rotation
   of its capped generators: the merged base keeps the function."""
@@ -403,6 +412,7 @@ def test_a_capped_layer_merges_the_rotation_it_applied(keys):
     POETLinear(48, 32, block_size=16, max_generator_norm=1.5, rngs=nnx.Rngs(0))
 
 
+@pytest.mark.slow
 def test_auto_form_takes_the_form_of_fewer_flops_per_call(keys):
   """form='auto' resolves per call from the token count (ops.choose_form:
   I O (T + 6B) < 3 T B (I + O) picks the weight form) and then computes
@@ -427,6 +437,7 @@ def test_auto_form_takes_the_form_of_fewer_flops_per_call(keys):
     ops.resolve_form('fast', (4, 64), 64, 64, 16)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('form', ['weight', 'auto'])
 def test_swiglu_of_weight_form_layers_gathers_no_activations(keys, form):
   """A down projection in the weight form takes its input permutation in its
@@ -473,6 +484,7 @@ def _series_forward(m, x, batched):
   return body()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('dtype', [jnp.float32, jnp.bfloat16])
 def test_batched_series_gives_each_layers_own_values_and_gradients(keys, dtype):
   """Under batched_series the layers of a block use blocks computed in one
@@ -489,6 +501,7 @@ def test_batched_series_gives_each_layers_own_values_and_gradients(keys, dtype):
   assert float(jnp.abs(grads[0][1][0]['a']['q_in'][...]).max()) > 0
 
 
+@pytest.mark.slow
 def test_batched_series_inverts_the_blocks_permutations_at_once(keys):
   """Under batched_series the eight permutations of the four 'fast' layers
   are inverted by one scatter: of the forward's six inversions (the output
@@ -533,3 +546,35 @@ def test_batched_series_runs_one_series_per_block_size(keys):
     return sum(str(e.primitive) == 'dot_general' for e in jaxpr.jaxpr.eqns)
 
   assert call_dots(jnp.bfloat16) - call_dots(jnp.float32) == terms - 1
+
+
+def test_using_blocks_gives_layers_their_rotation_blocks_while_the_block_runs(keys):
+  """Under using_blocks a layer computes with the blocks and inverses given
+  for it: identity blocks make it the layer at zero generators; blocks of
+  another series precision than its input's are not used (its own series
+  then), its inverses are; an inner using_blocks overrides the outer one for
+  the layers it names, which applies again once it ends, and after both the
+  layer computes its own series."""
+  layer = POETLinear(32, 32, block_size=16, rngs=nnx.Rngs(0))
+  randomize_generators(layer, keys())
+  at_zero = nnx.clone(layer)
+  at_zero.q_in[...] = jnp.zeros_like(at_zero.q_in[...])
+  at_zero.q_out[...] = jnp.zeros_like(at_zero.q_out[...])
+  x = jax.random.normal(keys(), (4, 32))
+  own, identity = layer(x), at_zero(x)
+  assert rel_err(own, identity) > 1e-3
+  eye = jnp.broadcast_to(jnp.eye(16), (2, 16, 16))
+  inverses = (ops.invert_permutation(layer.perm_in[...]),
+              ops.invert_permutation(layer.perm_out[...]))
+  given = lambda precision: {id(layer): (eye, eye, precision, inverses)}
+  with poetx_jax.linear.using_blocks(given(ops.series_precision(x.dtype))):
+    assert poetx_jax.linear.given_inverses(layer) is inverses
+    assert rel_err(layer(x), identity) < 1e-6
+    with poetx_jax.linear.using_blocks({id(layer): (*layer.rotation_blocks(),
+                                                    ops.series_precision(x.dtype), inverses)}):
+      assert rel_err(layer(x), own) < 1e-6
+    assert rel_err(layer(x), identity) < 1e-6
+    with poetx_jax.linear.using_blocks(given(jax.lax.Precision.DEFAULT)):
+      assert rel_err(layer(x), own) < 1e-6
+  assert poetx_jax.linear.given_inverses(layer) is None
+  assert rel_err(layer(x), own) == 0

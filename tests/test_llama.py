@@ -109,6 +109,7 @@ def test_rmsnorm_matches_formula(keys):
   assert rel_err(y, want) < 1e-2
 
 
+@pytest.mark.slow
 def test_tied_embeddings(keys):
   cfg = get_config('tiny', tie_embeddings=True)
   m = Llama(cfg, rngs=nnx.Rngs(1))
@@ -164,6 +165,7 @@ def _is_norm(path):
   return 'norm' in jax.tree_util.keystr(path)
 
 
+@pytest.mark.slow
 def test_init_model_is_seeded():
   """init_model(seed): the same seed gives identical parameters, another seed
   other draws in every random leaf; layers draw independently; the draw does
@@ -205,6 +207,7 @@ def test_init_model_is_seeded():
       init_model(TINY, seed=bad)
 
 
+@pytest.mark.slow
 def test_poetize_replaces_projections(model, keys):
   poet = poetx_jax.poetize(model, block_size=16, rngs=nnx.Rngs(0))
   want = {f'layers/{i}/{part}' for i in range(TINY.layers)
@@ -274,6 +277,7 @@ def _saved(model, tokens):
   return [l for l in buf.getvalue().splitlines() if 'from the argument' not in l]
 
 
+@pytest.mark.slow
 def test_remat_policies_save_only_named_residuals():
   import poetx_jax
   cfg = get_config('tiny', layers=2, vocab_size=97)
@@ -299,6 +303,7 @@ def test_remat_policies_save_only_named_residuals():
     Llama(cfg, remat='some', rngs=nnx.Rngs(0))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('scan', [False, True])
 def test_remat_offload_keeps_the_layer_inputs_in_host_memory(keys, scan):
   """remat='offload': the loss and gradients of remat='block', and the
@@ -333,6 +338,7 @@ def test_remat_offload_keeps_the_layer_inputs_in_host_memory(keys, scan):
   assert on_host == ([(cfg.layers, *layer_input)] if scan else [layer_input] * cfg.layers)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('remat', ['none', 'block'])
 def test_scanned_layers_are_the_same_model(keys, remat):
   """scan_layers=True stores the same weights (drawn in the same order) with a
@@ -373,6 +379,7 @@ class _Wrapped(nnx.Module):
     return h + 2 * (out - h), stats
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('remat', ['none', 'block'])
 def test_the_layers_convert_layer_returns_run_scanned_or_not(keys, remat):
   """Each decoder layer runs its own __call__, whatever class convert_layer
@@ -406,6 +413,7 @@ def test_stacked_layers_errors():
     Llama(cfg, rngs=nnx.Rngs(0), place=lambda shape: None)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('quantize', [None, 'int4'])
 def test_scanned_poet_model_merges_and_exports(keys, quantize):
   """POET layers converted as built and stacked: the same function as the
@@ -454,6 +462,7 @@ def test_scanned_poet_model_merges_and_exports(keys, quantize):
   assert float(jnp.abs(stacked.q_out[...]).max()) == 0.0
 
 
+@pytest.mark.slow
 def test_stacked_merge_updates_in_place_one_layer_at_a_time():
   """The merge program of a stack of 8 layers aliases every input buffer to
   its output (donated, in place) and its scratch is a few layers' worth, not
@@ -473,6 +482,7 @@ def test_stacked_merge_updates_in_place_one_layer_at_a_time():
   assert mem.temp_size_in_bytes < 0.5 * stack
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('tie,dtype,tol', [(False, jnp.float32, 1e-5),
                                             (True, jnp.bfloat16, 2e-2)])
 def test_gathers_moved_into_the_norms_give_the_same_model(keys, tie, dtype, tol):

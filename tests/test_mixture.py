@@ -83,6 +83,7 @@ def test_selection_is_grains_mixing_and_counts_its_prefixes(tmp_path_factory):
   assert order.tolist() == [[0, 0], [1, 0], [0, 1], [1, 1], [0, 2], [0, 3]]
 
 
+@pytest.mark.slow
 def test_a_mixture_trains_resumes_bit_exactly_and_reports_each_source(corpora, tmp_path,
                                                                      capsys):
   """Files and a prepared directory mixed 0.7 : 0.3, validated on a set of its own."""

@@ -212,6 +212,7 @@ def _poet_mlp(key, **kw):
   return mlp
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('mode,dtype,tol', [('fast', jnp.float32, 2e-6),
                                             ('mem', jnp.float32, 2e-6),
                                             ('fast', jnp.bfloat16, 2e-2)])
@@ -256,6 +257,7 @@ def test_poet_experts_match_effective_kernels(keys, mode, dtype, tol):
   assert formed.dtype == dtype and rel_err(formed, eff) < tol
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('permutation', ['element', 'chunk'])
 def test_merge_keeps_each_experts_function(keys, permutation):
   """A merge keeps each expert's function and draws each expert its own
@@ -359,6 +361,7 @@ def _reference_aux(model, tokens):
   return np.mean(lbs), np.mean(zs)
 
 
+@pytest.mark.slow
 def test_model_forward_backward_scanned_and_aux(keys):
   tokens = _tokens(keys())
   flat = MoELlama(TINY, rngs=nnx.Rngs(0), remat='attn')
@@ -384,6 +387,7 @@ def test_model_forward_backward_scanned_and_aux(keys):
                            nnx.to_pure_dict(nnx.state(grads.layers[i])), 1e-4)
 
 
+@pytest.mark.slow
 def test_scanned_poet_model_nested_stacks(keys):
   tokens = _tokens(keys())
   dense = MoELlama(TINY, rngs=nnx.Rngs(0), scan_layers=True)
@@ -425,6 +429,7 @@ def test_a_dense_llama_refuses_an_moe_config():
     Llama(get_config('moe-tiny'), rngs=nnx.Rngs(0))
 
 
+@pytest.mark.slow
 def test_the_moe_decoder_layer_batches_its_attention_series(keys, monkeypatch):
   """The MoE decoder layer is the dense one's call: its four POET attention
   projections take their rotation blocks from one batched series, so only

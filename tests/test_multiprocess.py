@@ -120,6 +120,7 @@ def _losses(run):
           {r['step']: r['val_loss'] for r in records if 'val_loss' in r})
 
 
+@pytest.mark.slow
 def test_two_processes_train_on_the_windows_of_one_with_its_losses(tmp_path):
   corpus = tmp_path / 'corpus'
   corpus.mkdir()
@@ -189,6 +190,7 @@ def _distributed(i, port, timeout):
           '--process-id', str(i), '--peer-timeout', str(timeout)]
 
 
+@pytest.mark.slow
 def test_a_process_whose_peer_never_starts_stops_naming_it(tmp_path):
   """Process 0 of 2 alone: it stops once the peer timeout has passed, with
   one line naming process 1 and exit status 5 (it used to wait 300 s, then
@@ -205,6 +207,7 @@ def test_a_process_whose_peer_never_starts_stops_naming_it(tmp_path):
   assert not (tmp_path / 'run').exists()
 
 
+@pytest.mark.slow
 def test_a_killed_peer_stops_the_other_naming_it(tmp_path):
   """Process 1 of 2 killed while they train: process 0, waiting for it in a
   collective, stops within the peer timeout of its last heartbeat, naming it
@@ -235,6 +238,7 @@ def test_a_killed_peer_stops_the_other_naming_it(tmp_path):
   assert waited < timeout + 15, waited
 
 
+@pytest.mark.slow
 def test_two_processes_merge_drawing_the_same_permutations_with_no_collective():
   """A POET model replicated over the devices of two processes (dp) merges
   with no collective, and each process draws the same new permutations from

@@ -158,6 +158,7 @@ def _dense_weight(kernel, q_in, q_out, p_in, p_out, b):
 _SHAPES = [(16, 24, 8), (21, 10, 4), (12, 30, 8)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('i,o,b,remat,form', [
     (*shape, (k + j) % 2 == 1, form) for k, shape in enumerate(_SHAPES)
     for j, form in enumerate(ops.FORMS)])
@@ -181,7 +182,8 @@ def test_poet_linear_matches_dense_formula(keys, i, o, b, remat, form):
   check_grads(fast, (x, q_in, q_out), order=1, modes=['rev'], atol=1e-2, rtol=1e-2)
 
 
-@pytest.mark.parametrize('form', ops.FORMS)
+@pytest.mark.parametrize('form', [pytest.param(f, marks=pytest.mark.slow) if f == 'input' else f
+                                  for f in ops.FORMS])  # the input form's case is slow
 def test_poet_linear_bf16(keys, form):
   i, o, b = 64, 48, 16
   x, kernel, q_in, q_out, p_in, p_out = _layer_inputs(keys, i, o, b, t=32)
@@ -204,6 +206,7 @@ def test_poet_linear_bf16(keys, form):
     assert rel_err(a, r) < 2e-2
 
 
+@pytest.mark.slow
 def test_poet_kernel_matches_dense(keys):
   """poet_kernel is (R W0 P)^T: in float32 to float32 rounding (the same from
   precomputed blocks), in bf16 to bf16 rounding; the layer multiplies by it."""
@@ -221,6 +224,7 @@ def test_poet_kernel_matches_dense(keys):
   assert rel_err(x @ eff, y) < 1e-5
 
 
+@pytest.mark.slow
 def test_rotate_weight_rounds_before_its_gathers_with_the_same_values(keys):
   """rotate_weight(dtype=bf16) gathers bf16 (half the bytes) and equals the
   float32 result rounded after its gathers, values and generator gradients."""
@@ -296,6 +300,7 @@ def test_check_block_size_errors():
     ops.check_block_size(2.0, 8, 8)
 
 
+@pytest.mark.slow
 def test_generator_cap_bounds_the_spectral_norm(keys):
   """generator_bound_sq bounds ||Q||_2^2 from above (exactly for the plane of
   two orthogonal sign vectors, the pattern of a sign-like Adam step);

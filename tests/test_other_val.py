@@ -25,6 +25,7 @@ def _args(tmp, train, val, *other):
           '--runs', 'optimizer=adamw,lr=3e-3']
 
 
+@pytest.mark.slow
 def test_other_val_scores_each_evaluation_and_agrees_with_the_own_validation(tmp_path):
   """Given the run's own validation folder as an --other-val text, the score
   is the run's validation perplexity at every evaluation (same windows, same

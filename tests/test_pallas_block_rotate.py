@@ -113,6 +113,7 @@ def test_bad_permute_arguments():
 
 
 # float32 activations fall back to XLA's own product: the two paths are equal.
+@pytest.mark.slow
 @pytest.mark.parametrize('dtype, tol', [(jnp.bfloat16, 2e-2), (jnp.float32, 1e-6)])
 def test_layer_on_kernels_matches_xla(keys, dtype, tol):
   """implementation='pallas' against 'xla': ragged widths (160 = 2.5 blocks),
@@ -134,6 +135,7 @@ def test_layer_on_kernels_matches_xla(keys, dtype, tol):
     assert rel_err(gm_p[name][...], gm_x[name][...]) < tol
 
 
+@pytest.mark.slow
 def test_layer_on_every_kernel_matches_reference(keys):
   """poet_linear with all kernels (series, block products, gathers), bf16,
   against the float32 XLA layer: value and the gradients of x and both sides'

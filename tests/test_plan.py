@@ -32,6 +32,7 @@ def test_adamw_learning_rate_default_is_per_size():
   assert _plan(model='60m', optimizer='muon').lr == 4e-3
 
 
+@pytest.mark.slow
 def test_weight_decay_default_is_per_recipe_and_reaches_the_optimizer():
   """weight_decay None: 0.1 for AdamW and Muon on a model of hidden >= 512, 0
   below and for POET-X and SkewAdam; a given value is kept; a resumed run

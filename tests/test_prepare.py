@@ -132,6 +132,7 @@ def test_damaged_dataset_and_bad_inputs_are_clear_errors(sources, tmp_path):
   assert prepare.token_dtype(65536) == np.uint16 and prepare.token_dtype(65537) == np.uint32
 
 
+@pytest.mark.slow
 def test_train_streams_from_a_prepared_directory(sources, tmp_path, capsys):
   assert cli.main(['prepare', str(sources), '--out', str(tmp_path / 'ds'), '--vocab-size',
                    '300', '--workers', '1']) == 0

@@ -35,6 +35,7 @@ def test_quantize_roundtrip_error_bound(keys, bits):
   np.testing.assert_array_equal(q64, q)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('bits', ['int8', 'int4'])
 def test_xq_layer_close_to_float_layer_and_merge_requantises(keys, bits):
   lin = nnx.Linear(256, 96, rngs=nnx.Rngs(0), kernel_init=nnx.initializers.normal(1.0))
@@ -63,6 +64,7 @@ def test_bad_quantize_option():
     POETLinear(8, 8, block_size=4, quantize='fp8', rngs=nnx.Rngs(0))
 
 
+@pytest.mark.slow
 def test_int8_bases_add_no_dequantised_copies_under_remat():
   """Under model-level remat, the dequantised bases (and rotation blocks) are
   made layer by layer: the compiled step's temporaries with int8 bases stay

@@ -35,6 +35,7 @@ def eight(tmp_path_factory):
   return _run(8, ckpt), ckpt
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('strategy', ['dp', 'dp_per_device', 'fsdp'])
 def test_sharded_steps_equal_single_device(eight, strategy):
   r = eight[0][strategy]
@@ -48,6 +49,7 @@ def test_sharded_steps_equal_single_device(eight, strategy):
   assert r['kernel_shards'] == (4 if strategy == 'fsdp' else 1), r
 
 
+@pytest.mark.slow
 def test_stacked_layers_built_into_shards_train_as_on_one_device(eight):
   """scan_layers + FSDP: the stacked layers are allocated sharded and each
   layer written into its shards as built; five updates with two merges equal
@@ -61,6 +63,7 @@ def test_stacked_layers_built_into_shards_train_as_on_one_device(eight):
   assert r['placed_specs'] == [[None, 'fsdp', None], [None, 'fsdp'], [None, 'fsdp']], r
 
 
+@pytest.mark.slow
 def test_per_device_gradients_all_reduce_only_the_trainable_arrays(eight):
   """make_train_step(data_parallel=mesh) all-reduces the gradients as they
   are, plus the loss and the sum of the devices' loss weights (two float32
@@ -80,12 +83,14 @@ def restored(eight):
   return _run(4, 'restore', eight[1], 1, 4)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('devices,fsdp', [(1, 1), (4, 4)])
 def test_checkpoint_from_8_devices_restores_on_fewer(restored, devices, fsdp):
   r = restored[str(fsdp)]
   assert r == {'step': 5, 'exact': True, 'devices': devices}, r
 
 
+@pytest.mark.slow
 def test_every_sharding_fsdp_mesh_of_4_devices_trains_as_one_device():
   """POET-X under FSDP on (data, fsdp) = (2, 2) and (1, 4), merges and
   gradient accumulation included, gives one device's losses and
@@ -96,6 +101,7 @@ def test_every_sharding_fsdp_mesh_of_4_devices_trains_as_one_device():
     assert got['loss_diff'] < 1e-5 and got['perm_equal'], (fsdp, got)
 
 
+@pytest.mark.slow
 def test_every_optimizer_family_trains_and_resumes_on_2_and_4_devices(tmp_path):
   """Each optimizer of ``poetx train --optimizer`` (Muon's state holds optax
   MaskedNodes, placeholders with no array) under dp and fsdp on 2 and 4
@@ -211,6 +217,7 @@ def _records(run):
   return {(r['step'], k): r[k] for r in recs for k in ('loss', 'val_loss') if k in r}
 
 
+@pytest.mark.slow
 def test_an_fsdp_run_resumes_on_other_device_counts(tmp_path):
   """``poetx train`` on 8 devices, a (data, fsdp) = (2, 4) mesh, resumes on
   1 device (its fsdp lowered to 1, saying so) and on 4 (a (1, 4) mesh), from
@@ -300,6 +307,7 @@ def test_collective_bytes_counts_outputs_once():
       'reduce-scatter': 10}
 
 
+@pytest.mark.slow
 def test_accumulated_updates_cross_devices_once():
   """make_train_step(accumulate=4) under data_parallel on 2 and 8 devices:
   5 updates of 4 micro-batches (unequal target counts, merges included) give
@@ -316,6 +324,7 @@ def test_accumulated_updates_cross_devices_once():
   assert r['control'] == [['all-reduce', 2 * 5 * 4, True, 3]], r['control']  # 3 iterations
 
 
+@pytest.mark.slow
 def test_merges_under_dp_send_nothing_and_a_stack_merges_a_layer_at_a_time():
   """cycle.merge_collectives reads the merge programs: with the state
   replicated (dp) every device draws the same permutations from the same key

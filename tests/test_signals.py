@@ -9,9 +9,12 @@ instants for each signal:
 
 import sys
 
+import pytest
+
 from experiments import signal_startup
 
 
+@pytest.mark.slow
 def test_signals_at_start_up_instants_write_nothing_or_resume_exactly(tmp_path, corpus):
   """Two instants for each signal, one in each of the first two seconds after
   the launch: the interpreter's start, the imports, the devices' start, the

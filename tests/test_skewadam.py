@@ -181,6 +181,7 @@ class TinyMoE(nnx.Module):
     return self.lm_head(x)
 
 
+@pytest.mark.slow
 def test_composes_with_poetx_under_nnx_optimizer(keys):
   model = poetx_jax.poetize(TinyMoE(nnx.Rngs(0)), block_size=8, rngs=nnx.Rngs(1),
                             exclude=('lm_head', 'router'))

@@ -48,6 +48,7 @@ def _train(merge_every_host, merge_every=3, accum=1, calls=10):
   return model, losses, merges
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('accum', [1, 2])
 def test_host_clock_merges_where_the_optimizer_says(accum):
   """Counting calls on the host gives the merges, losses and parameters of
@@ -65,6 +66,7 @@ def test_a_wrong_cycle_length_is_caught():
     _train(2, merge_every=3)
 
 
+@pytest.mark.slow
 def test_clock_resyncs_when_the_optimizer_counter_is_restored():
   """After the optimizer's counter is set by something else (a checkpoint
   restore), the host clock reads it again instead of counting on."""
@@ -110,6 +112,7 @@ def test_optimizer_without_poetx_is_a_plain_step():
   assert int(opt_a.step[...]) == 4
 
 
+@pytest.mark.slow
 def test_state_stays_in_the_objects_and_other_objects_rebind():
   """The model and optimizer objects hold the state after each call (what
   a checkpoint or an evaluation reads); a second model trains on its own."""
@@ -128,6 +131,7 @@ def test_state_stays_in_the_objects_and_other_objects_rebind():
   np.testing.assert_allclose(float(_loss(one, batch)), float(nnx.jit(_loss)(one, batch)))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('merge_every', [3, None], ids=['poetx', 'adam'])
 def test_grad_norm_is_returned_without_changing_the_training(merge_every):
   """grad_norm=True returns the gradients' global norm beside each loss; the
@@ -157,6 +161,7 @@ def test_grad_norm_is_returned_without_changing_the_training(merge_every):
     np.testing.assert_allclose(got, want, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_compiler_options_reach_the_update_program(tmp_path):
   """``compiler_options`` are XLA's options of the update program: an unknown
   one is refused by XLA by name, a known one is in the compiled program's
@@ -205,6 +210,7 @@ def _accumulated_and_multisteps(dtype, updates=4, k=3):
   return out
 
 
+@pytest.mark.slow
 def test_accumulated_update_is_the_multisteps_update_in_float64():
   """accumulate=k applies the mean of k micro-batches' gradients in one
   update, as optax.MultiSteps does over k calls: equal to float64 rounding

@@ -65,6 +65,7 @@ def _tokens(key, b=2, t=16):
   return jax.random.randint(key, (b, t), 0, TINY.vocab_size, jnp.int32)
 
 
+@pytest.mark.slow
 def test_tie_permutations_ties_each_group_and_keeps_the_function(keys):
   """Each declared group takes its first member's permutation, the bases
   re-folded: the logits stay those of the untied model; other sides keep
@@ -84,6 +85,7 @@ def test_tie_permutations_ties_each_group_and_keeps_the_function(keys):
   assert a_tied.q_proj.tie_out is None and a_untied.q_proj.tie_in is None
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('form', ['input', 'weight'])
 @pytest.mark.parametrize('dtype', [jnp.float32, jnp.bfloat16])
 def test_tied_path_gives_the_untied_paths_loss_and_gradients(keys, form, dtype):
@@ -120,6 +122,7 @@ def test_tied_llama_gathers_fewer_activations(keys):
   assert _gathers(_model(True), tokens) == 8 * TINY.layers
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('scan', [False, True])
 def test_merge_keeps_the_ties_and_the_function(keys, scan):
   """A merge draws each group's permutation once, from its first member's
@@ -143,6 +146,7 @@ def test_merge_keeps_the_ties_and_the_function(keys, scan):
   assert not bool(jnp.all(a.q_proj.perm_in[...] == _decoder(model).mlp.gate_proj.perm_in[...]))
 
 
+@pytest.mark.slow
 def test_merge_under_jit_draws_what_the_compiled_merge_draws(keys):
   """The traced merge (inside jit) gives the ties the same permutations as
   the merge of one compiled program per layer."""
@@ -190,6 +194,7 @@ def test_a_merge_of_part_of_a_group_is_refused_and_changes_nothing(keys):
   chex.assert_trees_all_equal(nnx.to_pure_dict(nnx.state(model)), before)
 
 
+@pytest.mark.slow
 def test_reconverted_layers_forget_their_ties(keys):
   """unpoetize then poetize draws new, independent permutations: the layers
   hold no tie record, so the model gathers for each (the same function as

@@ -63,6 +63,7 @@ def _records(run):
   return [json.loads(l) for l in (pathlib.Path(run) / 'metrics.jsonl').read_text().splitlines()]
 
 
+@pytest.mark.slow
 def test_trackers_get_every_record_and_the_steps_are_profiled(tmp_path, monkeypatch):
   """A run stopped and resumed with both trackers and a profile window:
   TensorBoard's events and W&B's logs hold each number of metrics.jsonl at its

@@ -12,7 +12,7 @@ import pytest
 from flax import nnx
 
 from poetx_jax.pretrain import cli
-from poetx_jax.pretrain import evaluation
+from poetx_jax.pretrain import loss as loss_lib
 from poetx_jax.pretrain.checkpoint import CheckpointError, Checkpointer, DamagedCheckpoint
 from poetx_jax.pretrain.config import TrainConfig, drop_shared_poet_options
 from poetx_jax.pretrain.loading import load_run
@@ -46,6 +46,7 @@ def _params(run):
   return step, nnx.to_pure_dict(nnx.state(model))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('options', [dict(optimizer='poetx'), dict(optimizer='adamw'),
                                      dict(optimizer='skewadam'), dict(optimizer='muon'),
                                      dict(optimizer='poetx', skew_tiers=True),
@@ -77,6 +78,7 @@ def test_resume_is_bit_exact_across_merges(tmp_path, corpus, options, monkeypatc
   chex.assert_trees_all_equal(pa, pb)
 
 
+@pytest.mark.slow
 def test_grad_accumulation_is_one_batch_of_all_its_rows_and_resumes_exactly(
     tmp_path, corpus, monkeypatch):
   """--grad-accum 2 at batch 4 trains as batch 8 does (the same windows in
@@ -110,6 +112,7 @@ def test_grad_accumulation_is_one_batch_of_all_its_rows_and_resumes_exactly(
   chex.assert_trees_all_equal(_params(tmp_path / 'c' / 'run'), _params(tmp_path / 'b' / 'run'))
 
 
+@pytest.mark.slow
 def test_grad_accumulation_and_lean_state_run(tmp_path, corpus):
   s = train(_cfg(tmp_path, corpus, grad_accum=2, steps=4, lean_state=True, remat='attn',
                  mode='mem'),
@@ -139,6 +142,7 @@ def test_clear_errors(tmp_path, corpus):
     train(_cfg(tmp_path, corpus, poet_lr=0.0))
 
 
+@pytest.mark.slow
 def test_the_device_counts_train_at_the_largest_values_their_options_take(tmp_path, corpus):
   """warmup, merge_every and clip_ramp reach the device as int32 counts
   (optax's schedule boundary, the merge cycle, the clip's ramp): at their
@@ -154,6 +158,7 @@ def test_the_device_counts_train_at_the_largest_values_their_options_take(tmp_pa
           f'warmup, and the learning rate never reaches its peak') in logged
 
 
+@pytest.mark.slow
 def test_merges_record_orthogonality_and_warn_when_it_is_lost(tmp_path, corpus):
   """Every merge writes its factors' orthogonality error to metrics.jsonl; a
   POET learning rate far too large for the block size gets a warning naming
@@ -179,6 +184,7 @@ def test_merges_record_orthogonality_and_warn_when_it_is_lost(tmp_path, corpus):
   assert '--max-generator-norm 0.5' in warning  # this run has no cap
 
 
+@pytest.mark.slow
 def test_incompatible_and_corrupt_checkpoints(tmp_path, corpus):
   cfg = _cfg(tmp_path, corpus, steps=2)
   train(cfg, log=lambda *_: None)
@@ -212,6 +218,7 @@ def test_incompatible_and_corrupt_checkpoints(tmp_path, corpus):
     Checkpointer(tmp_path / 'void').restore(None, None)
 
 
+@pytest.mark.slow
 def test_cli_train_eval_export_plot(tmp_path, corpus, capsys):
   run = str(tmp_path / 'cli')
   common = ['--model', 'tiny', '--model-overrides', overrides(SMALL),
@@ -246,6 +253,7 @@ def test_cli_train_eval_export_plot(tmp_path, corpus, capsys):
   assert 'nosuch' in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_sigterm_saves_and_resume_continues(tmp_path, corpus):
   import signal
   import subprocess
@@ -323,6 +331,7 @@ def test_a_signal_whose_exception_was_dropped_while_starting_stops_with_nothing_
   assert {s: signal.getsignal(s) for s in before} == before  # the handlers put back
 
 
+@pytest.mark.slow
 def test_a_sigterm_with_the_last_step_leaves_the_run_complete(tmp_path, corpus):
   """A SIGTERM that comes with the run's last step stops nothing: the run
   ends complete (its final checkpoint the last step's), saying so, not
@@ -343,6 +352,7 @@ def test_a_sigterm_with_the_last_step_leaves_the_run_complete(tmp_path, corpus):
   assert step == 4 and meta['reason'] == 'final'
 
 
+@pytest.mark.slow
 def test_xq_int4_run_checkpoints_and_resumes(tmp_path, corpus):
   cfg = _cfg(tmp_path, corpus, quantize='int4', group_size=16, steps=4)
   s = train(cfg, log=lambda *_: None, stop_after=2)
@@ -369,6 +379,7 @@ def _spectrum_probe(calls):
   return probe
 
 
+@pytest.mark.slow
 def test_probe_hook_records_without_changing_training(tmp_path, corpus):
   """A Hook with at_start calls the probe at step 0 and every ``every``
   steps, writes its records to metrics.jsonl and leaves the run unchanged.
@@ -406,6 +417,7 @@ def test_probe_hook_records_without_changing_training(tmp_path, corpus):
   assert np.linalg.norm(sv_adamw[12] - sv[0]) > 1e-2 * np.linalg.norm(sv[0])
 
 
+@pytest.mark.slow
 def test_scanned_layers_train_as_unrolled_and_resume_exactly(tmp_path, corpus):
   """scan_layers=True: the losses of the unrolled run up to the first merge
   (4; later merges draw other permutations), and a resume equal to an
@@ -438,6 +450,7 @@ def test_scanned_layers_train_as_unrolled_and_resume_exactly(tmp_path, corpus):
     train(_cfg(tmp_path / 'c', corpus, scan_layers='yes'))
 
 
+@pytest.mark.slow
 def test_the_tokenizer_and_data_identity_are_part_of_the_run(tmp_path, corpus, capsys):
   """The run keeps its tokenizer and the hashes of its splits: after the corpus
   changes, eval and resume refuse it (exit 2, naming the run), export ships the
@@ -495,6 +508,7 @@ MOE = dict(model='moe-tiny', model_overrides={'layers': 1, 'hidden': 32, 'mlp': 
                                               'capacity_factor': 1.0})
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('options', [dict(optimizer='poetx', skew_tiers=True),
                                      dict(optimizer='skewadam')],
                          ids=['poetx-skew-tiers', 'skewadam'])
@@ -531,6 +545,7 @@ def cli_export(run, out):
   return export_run(run, out)
 
 
+@pytest.mark.slow
 def test_the_training_loss_of_an_moe_model_adds_its_weighted_aux_losses():
   from poetx_jax.models import get_config, init_model
   model = init_model(get_config('moe-tiny', vocab_size=64))
@@ -544,11 +559,12 @@ def test_the_training_loss_of_an_moe_model_adds_its_weighted_aux_losses():
                                   -1)[..., 0] * mask) / mask.sum()
   want = ce + 0.01 * float(aux['load_balance']) + 1e-3 * float(aux['router_z_loss'])
   assert float(aux['aux_loss']) > 0
-  np.testing.assert_allclose(float(evaluation.training_loss(model, batch)), want, rtol=1e-5)
-  total, count, _ = evaluation.token_loss(model, batch)
+  np.testing.assert_allclose(float(loss_lib.training_loss(model, batch)), want, rtol=1e-5)
+  total, count, _ = loss_lib.token_loss(model, batch)
   np.testing.assert_allclose(float(total / count), ce, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_a_generator_cap_trains_a_step_that_diverges_without_it(tmp_path, corpus):
   """At 40 times its default step (block 8: 5e-3) POET-X's series leaves its
   region of convergence at the first merge and the model collapses to a
@@ -568,6 +584,7 @@ def test_a_generator_cap_trains_a_step_that_diverges_without_it(tmp_path, corpus
   assert error < 0.1 and after < before - 1.0                   # trains
 
 
+@pytest.mark.slow
 def test_the_merge_aware_clip_changes_only_the_updates_after_a_merge(tmp_path, corpus):
   """--clip-ramp: the updates before the first merge are those of plain
   clipping, bit for bit; after it the bound dips (0.1 x clip) and the run
@@ -660,6 +677,7 @@ def test_a_compile_cache_loses_its_empty_entries_and_a_full_one_is_left_unused(
       jax.config.update(n, v)
 
 
+@pytest.mark.slow
 def test_poetx_train_keeps_its_programs_in_the_compile_cache(tmp_path, corpus):
   """--compile-cache (on by default): a process's programs land in the
   persistent cache, and the same run repeated in another process reads them

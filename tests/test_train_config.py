@@ -41,6 +41,7 @@ def _losses(run):
   return [(r['step'], r['loss']) for r in recs if 'loss' in r]
 
 
+@pytest.mark.slow
 def test_run_json_trains_the_same_run_and_the_command_line_wins(tmp_path, capsys):
   (tmp_path / 'corpus').mkdir()
   write_corpus(tmp_path / 'corpus')

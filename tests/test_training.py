@@ -2,6 +2,7 @@
 
 
 import numpy as np
+import pytest
 
 from experiments import train_tiny
 
@@ -10,6 +11,7 @@ from experiments import train_tiny
 BOUND = 0.2
 
 
+@pytest.mark.slow
 def test_poetx_lowers_loss_across_merges():
   losses = train_tiny.train(optimizer='poetx', steps=300, merge_every=50, seed=0)
   first, last = losses[0], float(np.mean(losses[-10:]))
@@ -20,6 +22,7 @@ def test_poetx_lowers_loss_across_merges():
   assert max(jumps) < 0.05 * first, jumps
 
 
+@pytest.mark.slow
 def test_other_seed_also_learns():
   losses = train_tiny.train(optimizer='poetx', steps=300, seed=3, block_size=32)
   assert np.mean(losses[-10:]) < BOUND * losses[0]

@@ -60,6 +60,7 @@ def test_a_cache_dir_that_cannot_be_written_is_refused_in_one_line(
     assert list(cache.iterdir()) == []
 
 
+@pytest.mark.slow
 def test_eval_and_resume_with_a_read_only_cache_that_lost_its_tokens(
     reference, tmp_path, capsys, monkeypatch):
   """A run whose cache is read-only and no longer holds its token stream:
@@ -83,6 +84,7 @@ def test_eval_and_resume_with_a_read_only_cache_that_lost_its_tokens(
   assert cli.main(['eval', str(run), '--cache-dir', str(tmp_path / 'other')]) == 0  # elsewhere
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('command', ['prepare', 'export', 'plot'])
 @pytest.mark.parametrize('where', ['under a file', 'read-only'])
 def test_an_output_that_cannot_be_written_is_refused_in_one_line(

@@ -11,7 +11,7 @@ finishes the options (resume, ``--init-from-hf``, prepared data) and
 resolves every default once into a frozen ``plan.Plan``, recorded in
 run.json; ``recipes`` says how each optimizer family builds its chain;
 ``factories`` builds the model, optimizer and step from the plan; ``train``
-runs the loop (``hooks``, ``evaluation``, ``metrics``, ``tracking``,
+runs the loop (``hooks``, ``loss``, ``evaluation``, ``metrics``, ``tracking``,
 ``checkpoint``, ``rundir``); ``data`` is the corpus wing; ``loading``,
 ``export`` and ``hf_init`` read and write finished runs.
 """

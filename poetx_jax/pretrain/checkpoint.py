@@ -6,7 +6,7 @@ state and step), ``data`` (the data iterator's state, JSON) and ``meta`` (JSON:
 the run's configuration and anything else the caller wants back).
 
 Each step also holds ``digests.json``, the sha256 of every file of its items
-(files.py), written as the save commits and checked before the step is
+(digests.py), written as the save commits and checked before the step is
 read. A restore that fails is diagnosed: a step with an item missing or
 unreadable (a missing manifest, an empty JSON item, a truncated array file)
 or a file whose bytes changed since it was saved raises
@@ -14,7 +14,7 @@ or a file whose bytes changed since it was saved raises
 than the model (a configuration mismatch) raises :class:`CheckpointError`
 saying it does not fit, naming the first differences.
 
-A save refused for want of space (files.py's :class:`DiskFull`: the device
+A save refused for want of space (disk_full.py's :class:`DiskFull`: the device
 full, a quota or the file size limit reached), in orbax's background threads
 or not, raises DiskFull naming the step from the call that meets it (the
 next save, :meth:`Checkpointer.wait` or :meth:`Checkpointer.close`), once
@@ -43,8 +43,8 @@ import poetx_jax
 from poetx_jax.pretrain import processes
 from poetx_jax.pretrain.checkpoint_faults import (NO_FULL_DISK_ERRORS, first_line, flat_shapes,
                                                   quiet, tree_diff)
-from poetx_jax.pretrain.files import (DiskFull, check_digests, full_disk_remedy,
-                                      full_disk_text, when_full, write_digests)
+from poetx_jax.pretrain.digests import check_digests, write_digests
+from poetx_jax.pretrain.disk_full import DiskFull, full_disk_remedy, full_disk_text, when_full
 
 JSON_ITEMS = ('meta', 'data')
 ITEMS = ('model', 'opt', *JSON_ITEMS)

@@ -11,7 +11,7 @@ import logging
 
 import jax
 
-from poetx_jax.pretrain.files import full_disk
+from poetx_jax.pretrain.disk_full import full_disk
 
 
 def first_line(e: BaseException, limit: int = 300) -> str:

@@ -21,7 +21,7 @@ import signal
 import sys
 import threading
 
-from poetx_jax.pretrain.files import DiskFull, full_disk, full_disk_remedy, full_disk_text
+from poetx_jax.pretrain.disk_full import DiskFull, full_disk, full_disk_remedy, full_disk_text
 from poetx_jax.pretrain import signals
 
 

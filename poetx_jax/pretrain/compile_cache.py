@@ -9,7 +9,7 @@ import shutil
 
 import jax
 
-from poetx_jax.pretrain.files import nearest_existing, not_a_directory
+from poetx_jax.pretrain.unwritable import nearest_existing, not_a_directory
 
 # A run leaves its compile cache unused when the cache's device has less free
 # than this: jax writes an entry in place, so on a full device it warns for

@@ -53,8 +53,10 @@ import poetx_jax
 from poetx_jax import models
 from poetx_jax.models import hf, hf_files
 from poetx_jax.pretrain.data.tokenizer_files import tokenizer_files
-from poetx_jax.pretrain.files import (DiskFull, atomic_write, check_writable, first_missing,
-                                      refused_unless_writable, writing)
+from poetx_jax.pretrain.atomic import atomic_write
+from poetx_jax.pretrain.disk_full import DiskFull, writing
+from poetx_jax.pretrain.footprint import first_missing
+from poetx_jax.pretrain.unwritable import check_writable, refused_unless_writable
 
 # A directory holding any of these holds an export: the files written here, and
 # those of other Hugging Face exports that a loader would read beside them.

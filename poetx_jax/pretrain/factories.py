@@ -22,7 +22,7 @@ import poetx_jax
 from poetx_jax import sharding
 from poetx_jax.models import hf
 from poetx_jax.pretrain.config import CLIP_RAMP_UNTIL
-from poetx_jax.pretrain.evaluation import target_count, training_loss
+from poetx_jax.pretrain.loss import target_count, training_loss
 
 if tp.TYPE_CHECKING:
   from poetx_jax.pretrain.plan import Plan

@@ -33,7 +33,8 @@ from poetx_jax.models.llama import LlamaConfig
 from poetx_jax.pretrain import processes
 from poetx_jax.pretrain.checkpoint import CheckpointError
 from poetx_jax.pretrain.config import TrainConfig
-from poetx_jax.pretrain.files import atomic_write, read_json
+from poetx_jax.pretrain.atomic import atomic_write
+from poetx_jax.pretrain.json_records import read_json
 from poetx_jax.pretrain.data.tokenizer import file_hash
 
 RECORD = 'init_from_hf'  # the key of data.json

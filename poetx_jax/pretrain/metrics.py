@@ -40,8 +40,10 @@ import jax
 import tqdm
 
 from poetx_jax.pretrain import signals
-from poetx_jax.pretrain.files import (atomic_write, check_writable, read_jsonl,
-                                      refused_unless_writable, writing)
+from poetx_jax.pretrain.atomic import atomic_write
+from poetx_jax.pretrain.disk_full import writing
+from poetx_jax.pretrain.json_records import read_jsonl
+from poetx_jax.pretrain.unwritable import check_writable, refused_unless_writable
 
 # A merge whose factors are further than this from orthogonal is reported:
 # healthy runs stay at a few 1e-2 or less (docs/quality.md); the series
@@ -244,7 +246,7 @@ def _stderr(message: str) -> None:
 def read_metrics(run: str | pathlib.Path, *, warn=_stderr) -> list[dict]:
   """The records of a run's ``metrics.jsonl``, in order; a last line cut short
   by a crash is dropped with ``warn(message)``, another damaged line raises
-  ValueError (:func:`~poetx_jax.pretrain.files.read_jsonl`)."""
+  ValueError (:func:`~poetx_jax.pretrain.json_records.read_jsonl`)."""
   path = pathlib.Path(run) / 'metrics.jsonl'
   if not path.exists():
     raise FileNotFoundError(f'no metrics.jsonl in {run}')

@@ -37,7 +37,10 @@ from poetx_jax.pretrain.data import windows as data_lib
 from poetx_jax.pretrain import processes, signals
 from poetx_jax.pretrain.checkpoint import CheckpointError, Checkpointer
 from poetx_jax.pretrain.config import PLAN_KEY, TrainConfig
-from poetx_jax.pretrain.files import Footprint, atomic_write, read_json, writing
+from poetx_jax.pretrain.atomic import atomic_write
+from poetx_jax.pretrain.disk_full import writing
+from poetx_jax.pretrain.footprint import Footprint
+from poetx_jax.pretrain.json_records import read_json
 from poetx_jax.pretrain.data.tokenizer import file_hash
 
 RUN_FILE, DATA_FILE = 'run.json', 'data.json'

@@ -5,9 +5,9 @@ optimizer and train step), runs the loop with validation, metrics, progress
 and checkpoints, and returns a summary. ``poetx train`` (cli.py) is a thin
 shell over it. The pieces live beside it: the options in config.py, their
 defaults resolved into the run's plan in plan.py, what the plan builds in
-factories.py (the optimizer families in recipes.py), the loss and validation in evaluation.py, the metrics,
-progress bar and clock in metrics.py, the hooks in hooks.py, the run
-directory in rundir.py.
+factories.py (the optimizer families in recipes.py), the loss in loss.py,
+validation in evaluation.py, the metrics, progress bar and clock in
+metrics.py, the hooks in hooks.py, the run directory in rundir.py.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from poetx_jax.pretrain.plan import Plan, finish_options, make_plan, recorded_pl
 from poetx_jax.pretrain.checkpoint import Checkpointer, full_disk_stop, resumed_message
 from poetx_jax.pretrain.config import TrainConfig
 from poetx_jax.pretrain.evaluation import evaluate, place_batch
-from poetx_jax.pretrain.files import when_full
+from poetx_jax.pretrain.disk_full import when_full
 from poetx_jax.pretrain.factories import (abstract_state, build_state, make_step,
                                           make_training_mesh, state_sizes)
 from poetx_jax.pretrain.hooks import Hook, crossed

@@ -59,8 +59,11 @@ import numpy as np
 
 from poetx_jax.pretrain.data import documents, shards
 from poetx_jax.pretrain.data.prepare_tasks import run_tasks, source_documents
-from poetx_jax.pretrain.files import (DiskFull, atomic_write, check_writable, first_missing,
-                                      read_json, full_disk_remedy, full_disk_text, when_full)
+from poetx_jax.pretrain.atomic import atomic_write
+from poetx_jax.pretrain.disk_full import DiskFull, full_disk_remedy, full_disk_text, when_full
+from poetx_jax.pretrain.footprint import first_missing
+from poetx_jax.pretrain.json_records import read_json
+from poetx_jax.pretrain.unwritable import check_writable
 from poetx_jax.pretrain.data.tokenizer import Tokenizer, check_bpe_vocab, file_hash
 
 FORMAT = shards.FORMAT

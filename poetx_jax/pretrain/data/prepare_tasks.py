@@ -24,7 +24,8 @@ from pathlib import Path
 import numpy as np
 
 from poetx_jax.pretrain.data import documents
-from poetx_jax.pretrain.files import atomic_write, write_array, writing
+from poetx_jax.pretrain.atomic import atomic_write, write_array
+from poetx_jax.pretrain.disk_full import writing
 from poetx_jax.pretrain.data.tokenizer import Tokenizer, file_hash
 
 _TOKENIZERS: dict[str, Tokenizer] = {}

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
-from poetx_jax.pretrain.files import atomic_write, write_array, writing_in
+from poetx_jax.pretrain.atomic import atomic_write, write_array
+from poetx_jax.pretrain.unwritable import writing_in
 
 PathLike = tp.Union[str, os.PathLike]
 
@@ -166,7 +167,7 @@ def load_or_train_tokenizer(docs: tp.Sequence[str], *, path: PathLike | None = N
   """Loads ``path`` if given; else the BPE of ``docs`` cached in ``cache_dir``
   (keyed by a hash of the corpus and the vocabulary size), trained and saved
   there first if absent: a ``cache_dir`` that cannot be written in is a
-  ValueError naming it (:func:`~poetx_jax.pretrain.files.writing_in`), a full
+  ValueError naming it (:func:`~poetx_jax.pretrain.unwritable.writing_in`), a full
   disk a DiskFull naming the file."""
   if path is not None:
     return Tokenizer.load(path)
