@@ -168,7 +168,7 @@ ELSEWHERE = [
      'below poet_torch', 'BENCHMARKS.md',
      'BENCHMARKS.md#llama-8b-below-poet_torchs-memory-bf16-generators-lean-state-offloaded-layer-inputs-2026-12-04'),
     ('Peak memory at 13B and of a 70B-class Llama on one and two H200s', 'BENCHMARKS.md',
-     'BENCHMARKS.md#peak-memory-on-one-h200-llama-8b-and-a-70b-class-llama-that-trains'),
+     'BENCHMARKS.md#peak-memory-on-one-h200-llama-8b-and-a-70b-class-llama-that-trains-2026-11-30'),
 ]
 
 
