@@ -13,7 +13,8 @@ sys.path.insert(0, str(ROOT / 'experiments'))
 
 # study folder -> the experiments module whose report(folder) writes its README.md
 PAGES = {'chunk-permutations': 'chunk_report', 'scaling': 'scaling_report',
-         'paper-baseline': 'paper_report', 'three-sizes': 'three_sizes_report'}
+         'paper-baseline': 'paper_report', 'three-sizes': 'three_sizes_report',
+         'memory': 'memory_report'}
 MACHINE_PATH = re.compile(r'(?<![\w.])/(tmp|home|root|work|usr|var|mnt)/')
 
 
