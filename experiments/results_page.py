@@ -4,9 +4,9 @@ study records under ``docs/results/``.
 Each row reads its figure from a record (a study folder's JSON, written by
 the script its ``calls.json`` names) and gives the device, commit and date of
 the call that wrote it, the command, and a link to the study's page, where
-every figure of the study is shown. Claims whose figures have no record yet
-(memory at scale, quality at three sizes) link to the page that holds them.
-A test fails when the page differs from what this writes::
+every figure of the study is shown. The memory rows' record was recovered
+from BENCHMARKS.md, whose sections give their commands. A test fails when the
+page differs from what this writes::
 
     python3 -m experiments.results_page RESULTS.md
 """
@@ -162,17 +162,59 @@ def three_size_rows() -> list[dict]:
   return out
 
 
-ELSEWHERE = [
-    ('Peak memory of the memory modes (lean state, bf16 generators, offloaded layer inputs) at 8B, '
-     'below poet_torch', 'BENCHMARKS.md',
-     'BENCHMARKS.md#llama-8b-below-poet_torchs-memory-bf16-generators-lean-state-offloaded-layer-inputs-2026-12-04'),
-    ('Peak memory at 13B and of a 70B-class Llama on one and two H200s', 'BENCHMARKS.md',
-     'BENCHMARKS.md#peak-memory-on-one-h200-llama-8b-and-a-70b-class-llama-that-trains'),
-]
+def _memory_row(claim: str, figure, ids: tuple[str, ...]) -> dict:
+  """A row of the memory record's entries ``ids``, all of one commit, date and
+  device; ``figure`` writes the row's figure from them (a dict by id). Its
+  commands are the entries' as BENCHMARKS.md writes them, their notes after."""
+  study, record = 'memory', 'results.json'
+  by_id = {e['id']: e for e in _load(study, record)['entries']}
+  entries = [by_id[i] for i in ids]
+  where = {k: {e[k] for e in entries} for k in ('commit', 'date', 'device')}
+  assert all(len(v) == 1 for v in where.values()), (claim, where)
+  commands = list(dict.fromkeys(e['command'] for e in entries))
+  notes = list(dict.fromkeys(e['command_note'] for e in entries if 'command_note' in e))
+  commands += [f"# {n.replace('`', '')}" for n in notes]
+  return {'claim': claim, 'figure': figure(by_id), 'study': study, 'record': record,
+          'commands': commands, **{k: v.pop() for k, v in where.items()}}
+
+
+def memory_rows() -> list[dict]:
+  """Peak GPU memory in the memory modes at 8B (beside poet_torch in one call,
+  and at batch 1 with quantised bases), at 13B, and of a 70B-class Llama on
+  one H200 and under FSDP on two."""
+  fast, mem, torch = '8b-b8-fast-L-S6-2f65fce', '8b-b8-mem-L-O-S6-2f65fce', '8b-b8-torch-fast-2f65fce'
+  b1 = ('8b-b1-mem-lean', '8b-b1-mem-lean-int8', '8b-b1-mem-lean-int4', '8b-b1-adamw-bf16', '8b-b1-adamw-f32')
+  big, fsdp = '13b-b1-mem-L-S6-2f65fce', '70b-fsdp2-mem-lean'
+  x4, x8 = '70b-b1-mem-lean-int4', '70b-b1-mem-lean-int8'
+  gib = lambda e: f"{e['peak_gib']:.2f} GiB"
+  return [
+      _memory_row('Peak GPU memory of the 8B step in the memory modes (batch 8 x 1024), beside poet_torch',
+                  lambda m: f"fast, lean state, bf16 generators, XLA memory limit 6%: {gib(m[fast])} "
+                            f"({m[fast]['step_ms']:g} ms a step); mem, the same, layer inputs offloaded: "
+                            f"{gib(m[mem])} ({m[mem]['step_ms']:g} ms); poet_torch fast {gib(m[torch])} "
+                            '(same call)', (fast, mem, torch)),
+      _memory_row('Peak GPU memory at 8B, batch 1 x 1024: mem mode, lean state; bf16, int8 and int4 bases',
+                  lambda m: f"bf16 {gib(m[b1[0]])}, int8 {gib(m[b1[1]])}, int4 {gib(m[b1[2]])}; AdamW "
+                            f"with bf16 weights and moments {gib(m[b1[3]])}, with float32 weights out of "
+                            'memory', b1),
+      _memory_row('Peak GPU memory at 13B (mem mode, lean state, bf16 generators, batch 1 x 1024)',
+                  lambda m: f"{gib(m[big])} ({m[big]['tokens_per_s']:,} tokens/s)", (big,)),
+      _memory_row('Peak GPU memory of a 70B-class Llama on one H200 (mem mode, lean state, batch 1 x 1024)',
+                  lambda m: f'int4 bases {gib(m[x4])}, int8 bases {gib(m[x8])}', (x4, x8)),
+      _memory_row('Peak GPU memory of a 70B-class Llama with bf16 bases under FSDP on two H200s '
+                  '(mem mode, lean state, 1 x 1024 per GPU)',
+                  lambda m: f'{gib(m[fsdp])} per GPU', (fsdp,)),
+  ]
+
+
+def rows() -> list[dict]:
+  """Every row of the page, in its order."""
+  return (step_rows() + memory_rows() + kernel_rows() + scaling_rows() + three_size_rows()
+          + quality_rows())
 
 
 def report() -> str:
-  rows = step_rows() + kernel_rows() + scaling_rows() + three_size_rows() + quality_rows()
+  rows_ = rows()
   lines = ['# Where POET-X stands', '',
            'POET-X trains each linear weight as `R·W0·P`: `W0` frozen, `R` and `P` learned',
            'block-diagonal orthogonal matrices (Cayley–Neumann parameterised, permuted,',
@@ -183,19 +225,22 @@ def report() -> str:
            'steps; ratios of tokens per second compare runs of one call on one machine.', '',
            '| # | claim | figure | device | commit | date | study |',
            '|---|---|---|---|---|---|---|']
-  for i, r in enumerate(rows, 1):
+  for i, r in enumerate(rows_, 1):
     commit = f"`{r['commit']}`" if re.fullmatch(r'[0-9a-f]{7,40}', r['commit']) else r['commit']
     lines.append(f"| {i} | {r['claim']} | {r['figure']} | {r['device']} | {commit} | "
                  f"{r['date']} | [{r['study']}](docs/results/{r['study']}/README.md) (`{r['record']}`) |")
-  lines += ['', 'Not yet in records (their figures are on the pages linked):', '']
-  lines += [f'* {claim}: [{name}]({link})' for claim, name, link in ELSEWHERE]
   lines += ['', '## The commands', '',
             'Run from the repository root; each wrote the record of its row (the study '
             'pages say where a record joins more than one call), at the commit of its row, '
-            'and is written here as it is run today.', '']
-  for i, r in enumerate(rows, 1):
-    lines += [f'{i}. {r["claim"]}:', '',
-              *[f'       {harness.todays_form(c)}' for c in r['commands']], '']
+            'written here as it is run today; except the memory rows\', whose record was '
+            'recovered from BENCHMARKS.md: their commands are as written there at the commit '
+            'given (docs/results/memory/README.md says what their abbreviations stand for).', '']
+  for i, r in enumerate(rows_, 1):
+    if r['study'] == 'memory':
+      commands = [f'{c}  # as written at `{r["commit"]}`; not runnable today' for c in r['commands']]
+    else:
+      commands = [harness.todays_form(c) for c in r['commands']]
+    lines += [f'{i}. {r["claim"]}:', '', *[f'       {c}' for c in commands], '']
   return '\n'.join(lines)
 
 

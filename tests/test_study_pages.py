@@ -11,7 +11,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 # study folder -> the experiments module whose report(folder) writes its README.md
 PAGES = {'chunk-permutations': 'chunk_report', 'scaling': 'scaling_report',
-         'paper-baseline': 'paper_report', 'three-sizes': 'three_sizes_report'}
+         'paper-baseline': 'paper_report', 'three-sizes': 'three_sizes_report',
+         'memory': 'memory_report'}
 MACHINE_PATH = re.compile(r'(?<![\w.])/(tmp|home|root|work|usr|var|mnt)/')
 
 
