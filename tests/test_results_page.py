@@ -1,8 +1,11 @@
-"""RESULTS.md is generated from the study records by experiments/results_page.py."""
+"""RESULTS.md, and the results rows of README.md, are generated from the study
+records by experiments/results_page.py."""
 
 import pathlib
 import re
 import sys
+
+import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / 'experiments'))
@@ -11,17 +14,44 @@ import results_page  # noqa: E402
 
 def test_results_md_is_generated_from_the_records():
   """A record changed without the page, or the page edited by hand, fails here:
-  rerun ``python3 experiments/results_page.py``."""
+  rerun ``python3 -m experiments.results_page``."""
   assert (ROOT / 'RESULTS.md').read_text() == results_page.report()
 
 
 def test_every_row_links_a_study_page_and_its_record_that_exist():
   text = (ROOT / 'RESULTS.md').read_text()
   links = re.findall(r'\]\((docs/results/[\w-]+/README\.md)\) \(`([\w.-]+)`\)', text)
-  assert len(links) == len(results_page.step_rows() + results_page.kernel_rows()
-                           + results_page.scaling_rows() + results_page.three_size_rows()
-                           + results_page.quality_rows())
+  assert len(links) == len(results_page.all_rows())
   for page, record in links:
     assert (ROOT / page).exists() and (ROOT / page).with_name(record).exists(), (page, record)
   for _, _, link in results_page.ELSEWHERE:
     assert (ROOT / link.split('#')[0]).exists(), link
+
+
+def test_readme_results_rows_are_generated_from_the_records():
+  """The README's block between its results markers is what results_page
+  writes now: a record changed, or the block edited by hand, fails here
+  (rerun ``python3 -m experiments.results_page``)."""
+  readme = (ROOT / 'README.md').read_text()
+  assert results_page.readme_block() in readme, (
+      'README.md\'s results block is stale: run python3 -m experiments.results_page')
+  assert readme.count(results_page.README_BEGIN) == readme.count(results_page.README_END) == 1
+
+
+def test_readme_block_shows_each_chosen_row_as_results_md_does():
+  block = results_page.readme_block()
+  results = (ROOT / 'RESULTS.md').read_text()
+  rows = {r['claim']: r for r in results_page.all_rows()}
+  for claim in results_page.README_CLAIMS:
+    figure = rows[claim]['figure']
+    assert f'| {claim} | {figure} |' in block and f'| {claim} | {figure} |' in results, claim
+
+
+def test_with_readme_block_rewrites_only_between_the_markers():
+  stale = (f'# title\n\nbefore\n{results_page.README_BEGIN}\n| 1 | old figure |\n'
+           f'{results_page.README_END}\nafter\n')
+  new = results_page.with_readme_block(stale)
+  assert new == f'# title\n\nbefore\n{results_page.readme_block()}\nafter\n'
+  assert results_page.with_readme_block(new) == new
+  with pytest.raises(ValueError, match='results:begin'):
+    results_page.with_readme_block('# no markers\n')
