@@ -107,8 +107,9 @@ def report() -> str:
            'edit those and run it again, not this page. -->', '',
            parser.description.replace('``', '`'), '',
            'Every command and option, as `poetx COMMAND --help` gives them. What the',
-           'commands do in practice is in the [README](../README.md); what each exit',
-           'status means, in [failures.md](failures.md).', '',
+           'commands do in practice is in the [README](../README.md),',
+           '[training.md](training.md) and [data.md](data.md); what each exit status',
+           'means, in [failures.md](failures.md).', '',
            '| command | what it does |', '|---|---|']
   for name in commands:
     lines.append(f'| [`poetx {name}`](#poetx-{name}) | {summaries[name]} |')
