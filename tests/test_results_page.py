@@ -55,3 +55,50 @@ def test_with_readme_block_rewrites_only_between_the_markers():
   assert results_page.with_readme_block(new) == new
   with pytest.raises(ValueError, match='results:begin'):
     results_page.with_readme_block('# no markers\n')
+
+
+# RESULTS.md's headline figures as its rows write them: a number of three
+# digits or more followed by its unit ('0.878×', '787.7 ms', '1162 µs',
+# '25.93 GiB'), and a bare number with three decimals (the efficiencies,
+# '0.984'). Typed by hand into README.md or a page of docs/, such a figure
+# goes stale when its record changes; those pages link RESULTS.md instead
+# (or show it in a block that results_page writes).
+FIGURE = re.compile(r'(?<![\d.,])(?:\d[\d,.]*\d ?(?:×|ms|µs|GiB|MiB)|\d+\.\d{3}(?![\d.]))')
+
+
+def headline_figures() -> set[str]:
+  figures = set()
+  for row in results_page.all_rows():
+    for m in FIGURE.finditer(row['figure']):
+      if len(re.sub(r'\D', '', m.group())) >= 3:
+        figures.add(m.group())
+  return figures
+
+
+def test_headline_figures_are_what_the_rule_finds():
+  figures = headline_figures()
+  rows = {r['claim']: r['figure'] for r in results_page.all_rows()}
+  assert '0.984' in figures and '25.93 GiB' in figures
+  assert any(f.endswith('×') and f in rows['POET-X step against AdamW, 8B'] for f in figures)
+  assert not any(f.endswith('%') for f in figures)
+
+
+def test_no_headline_figure_is_typed_by_hand_in_readme_or_docs():
+  """README.md and docs/*.md (not docs/results/, whose study pages are
+  generated with the records, and not BENCHMARKS.md, the dated log) hold
+  none of RESULTS.md's headline figures outside the README's generated
+  block: they link RESULTS.md."""
+  figures = headline_figures()
+  assert len(figures) > 10
+  found = []
+  for page in [ROOT / 'README.md', *sorted((ROOT / 'docs').glob('*.md'))]:
+    text = page.read_text()
+    if results_page.README_BEGIN in text:
+      begin, end = text.index(results_page.README_BEGIN), text.index(results_page.README_END)
+      text = text[:begin] + '\n' * text[begin:end].count('\n') + text[end:]  # lines kept
+    for n, line in enumerate(text.splitlines(), 1):
+      for figure in figures:
+        if re.search(r'(?<![\d.,])' + re.escape(figure) + r'(?![\d]|\.\d)', line):
+          found.append(f'{page.relative_to(ROOT)}:{n}: {figure}')
+  assert not found, ('RESULTS.md figures typed by hand (link RESULTS.md instead): '
+                     + '; '.join(found))
