@@ -5,10 +5,11 @@ Each row reads its figure from a record (a study folder's JSON, written by
 the script its ``calls.json`` names) and gives the device, commit and date of
 the call that wrote it, the command, and a link to the study's page, where
 every figure of the study is shown. The memory rows' record was recovered
-from BENCHMARKS.md, whose sections give their commands. A test fails when the
-page differs from what this writes::
+from BENCHMARKS.md, whose sections give their commands. It also writes a few of
+the rows into README.md, between the markers ``README_BEGIN`` and
+``README_END``. A test fails when either differs from what this writes::
 
-    python3 -m experiments.results_page RESULTS.md
+    python3 -m experiments.results_page
 """
 
 from __future__ import annotations
@@ -213,6 +214,39 @@ def rows() -> list[dict]:
           + quality_rows())
 
 
+# The rows the README shows, by claim: step time against AdamW and against
+# poet_torch at 8B, the 8B step's peak memory, quality at 130M.
+README_CLAIMS = (
+    'POET-X step against AdamW, 8B',
+    'POET-X step against poet_torch (the published PyTorch POET-X), 8B',
+    'Peak GPU memory of the 8B step (default mode, batch 8 x 1024)',
+    'POET-X against a tuned AdamW and Muon, 130M parameters, 100 M tokens',
+)
+README_BEGIN = '<!-- results:begin: written by python3 -m experiments.results_page; do not edit -->'
+README_END = '<!-- results:end -->'
+
+
+def readme_block() -> str:
+  """The README's results rows, with their markers: the figures of
+  ``README_CLAIMS`` as RESULTS.md gives them, each with its row number there."""
+  numbered = {r['claim']: (i, r) for i, r in enumerate(rows(), 1)}
+  lines = [README_BEGIN, '| # | claim | figure | device | study |', '|---|---|---|---|---|']
+  for claim in README_CLAIMS:
+    i, r = numbered[claim]
+    lines.append(f"| {i} | {claim} | {r['figure']} | {r['device']} | "
+                 f"[{r['study']}](docs/results/{r['study']}/README.md) |")
+  return '\n'.join(lines + [README_END])
+
+
+def with_readme_block(readme: str) -> str:
+  """``readme`` with the text between its markers (markers included)
+  replaced by :func:`readme_block`; ValueError if it lacks them."""
+  begin, end = readme.find(README_BEGIN), readme.find(README_END)
+  if begin < 0 or end < begin:
+    raise ValueError(f'README.md has no {README_BEGIN!r} ... {README_END!r} block')
+  return readme[:begin] + readme_block() + readme[end + len(README_END):]
+
+
 def report() -> str:
   rows_ = rows()
   lines = ['# Where POET-X stands', '',
@@ -247,8 +281,11 @@ def report() -> str:
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument('out', type=pathlib.Path, nargs='?', default=ROOT / 'RESULTS.md')
+  p.add_argument('--readme', type=pathlib.Path, default=ROOT / 'README.md',
+                 help='the README whose results block to rewrite (default: %(default)s)')
   a = p.parse_args(argv)
   a.out.write_text(report())
+  a.readme.write_text(with_readme_block(a.readme.read_text()))
   print(report())
 
 

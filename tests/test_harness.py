@@ -115,14 +115,20 @@ SHELL_END = {'>', '>>', '|', '&&', '||', ';', '2>&1', '&'}
 def doc_commands(text: str) -> list[tuple[str, list[str]]]:
   """Every ``python3 -m experiments.NAME ...`` command of a markdown text:
   its module and arguments (backslash continuations joined; an inline code
-  span ends at its backtick; shell redirections, pipes and comments cut)."""
+  span read to its closing backtick; ``$NAME`` replaced by the text's
+  ``NAME="..."`` assignment before it; shell redirections, pipes and
+  comments cut)."""
   text = re.sub(r'\\\n\s*', ' ', text)
   out = []
   for m in COMMAND.finditer(text):
     line_start = text.rfind('\n', 0, m.start()) + 1
-    rest = text[m.end():text.find('\n', m.end()) if '\n' in text[m.end():] else len(text)]
     if text[line_start:m.start()].count('`') % 2:  # inside an inline code span
-      rest = rest.split('`', 1)[0]
+      rest = text[m.end():text.index('`', m.end())].replace('\n', ' ')
+    else:
+      end = text.find('\n', m.end())
+      rest = text[m.end():end if end >= 0 else len(text)]
+    shell = dict(re.findall(r'^\s*(\w+)="([^"]*)"', text[:m.start()], flags=re.M))
+    rest = re.sub(r'\$\{?(\w+)\}?', lambda v: shell.get(v.group(1), v.group(0)), rest)
     args = []
     for tok in shlex.split(rest, comments=True):
       if tok in SHELL_END or tok.startswith(('>', '2>')):
@@ -153,8 +159,15 @@ def parses(module: str, argv: list[str], monkeypatch) -> None:
 
   monkeypatch.setattr(argparse.ArgumentParser, 'parse_args', parse_only)
   monkeypatch.setattr(argparse.ArgumentParser, 'parse_known_args', parse_known_only)
-  with pytest.raises(_Parsed):
+  try:
     importlib.import_module(f'experiments.{module}').main(argv)
+  except _Parsed:
+    return
+  except SystemExit as e:  # --help exits 0
+    if e.code:
+      raise
+    return
+  pytest.fail(f'experiments.{module}.main returned without parsing its options')
 
 
 @pytest.mark.parametrize('doc', DOCS)
@@ -174,6 +187,8 @@ def test_every_experiments_command_in_the_docs_parses(doc, monkeypatch):
 
 
 def test_doc_commands_are_read_whole():
-  text = ('Run `python3 -m experiments.a --x 1` then\n\n'
-          '    python3 -m experiments.b --y "2 3" \\\n        --z 4 > out.log 2>&1  # note\n')
-  assert doc_commands(text) == [('a', ['--x', '1']), ('b', ['--y', '2 3', '--z', '4'])]
+  text = ('Run `python3 -m experiments.a --x 1` then `python3 -m experiments.a\n--w 2`\n\n'
+          '    P="--q 5 --r 6"\n'
+          '    python3 -m experiments.b $P --y "2 3" \\\n        --z 4 > out.log 2>&1  # note\n')
+  assert doc_commands(text) == [('a', ['--x', '1']), ('a', ['--w', '2']),
+                                ('b', ['--q', '5', '--r', '6', '--y', '2 3', '--z', '4'])]
