@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
+import statistics
 import sys
 
 from experiments.chunk_report import step_rows
@@ -115,6 +116,51 @@ def ratio_rows(res: dict, pairs: list[dict]) -> list[str]:
   return out
 
 
+def configuration(o: dict) -> str:
+  """A run's label without its seed: the configuration its seeds share."""
+  return label(o).rsplit(', seed ', 1)[0]
+
+
+def finals(res: dict) -> dict[str, list[float]]:
+  """The final validation perplexities of a record's finished runs, by
+  configuration, in seed order."""
+  out: dict[str, list[tuple[int, float]]] = {}
+  for r in res['runs']:
+    if r['finished']:
+      last = max(r['evals'], key=lambda e: e['step'])
+      out.setdefault(configuration(r['options']), []).append((r['options']['seed'], last['val_ppl']))
+  return {k: [v for _, v in sorted(vs)] for k, vs in out.items()}
+
+
+def baselines(size: str) -> dict[str, list[float]]:
+  """The three-sizes study's finals at ``size`` (same corpus, tokens and
+  validation set), by family: the tuned AdamW, Muon and the POET-X bests."""
+  from experiments import three_sizes_report as T
+  rec = load(pathlib.Path(__file__).resolve().parents[1] / 'docs' / 'results' / 'three-sizes',
+             'finals.json')
+  (entry,) = [s for s in rec['sizes'] if s['size'] == size]
+  return {f"{name} ({f['config']}; three-sizes study)": T.finals(f)
+          for name, f in entry['families'].items()}
+
+
+def finals_rows(res: dict, size: str) -> list[str]:
+  """Each configuration's finals (mean ± sd over its seeds) beside the
+  three-sizes study's at the same size, with the ratios of their means to
+  the tuned AdamW's and to POET-X B 512's."""
+  base = baselines(size)
+  rows = {**finals(res), **base}
+  mean = lambda v: statistics.mean(v)
+  adamw = mean(next(v for k, v in base.items() if k.startswith('AdamW')))
+  poetx = mean(next(v for k, v in base.items() if k.startswith('POET-X B 512')))
+  out = ['| configuration | finals by seed | mean ± sd | / tuned AdamW | / POET-X B 512 |',
+         '|---|---|---|---|---|']
+  for name, v in sorted(rows.items(), key=lambda kv: mean(kv[1])):
+    sd = f' ± {statistics.stdev(v):.2f}' if len(v) > 1 else ''
+    out.append(f"| {name} | {' / '.join(f'{x:.2f}' for x in v)} | {mean(v):.2f}{sd} | "
+               f'{mean(v) / adamw:.3f} | {mean(v) / poetx:.3f} |')
+  return out
+
+
 def report(folder: pathlib.Path) -> str:
   meta = load(folder, 'calls.json')
   lines = [*header(meta, 'paper_report', folder), *call_lines(meta)]
@@ -122,7 +168,17 @@ def report(folder: pathlib.Path) -> str:
     if call.get('predictions'):
       lines += [f"Predictions stated before the call writing {', '.join(call['records'])}:", '',
                 *[f'* {p}' for p in call['predictions']], '']
-  for name in sorted(p.name for p in folder.glob('partial-*.json')):
+    if call.get('outcomes'):
+      lines += ['Outcomes:', '', *[f'* {o}' for o in call['outcomes']], '']
+  for name in sorted(p.name for p in folder.glob('finals-*.json')):
+    res = load(folder, name)
+    size = name.removeprefix('finals-').removesuffix('.json').upper()
+    lines += [f'## `{name}`: final validation perplexity at {size}', '',
+              'The finished runs of the record beside the three-sizes study\'s finals at '
+              'the same size (the same corpus, tokens in the same order, validation set and '
+              'schedule); sorted by mean:', '', *finals_rows(res, size), '']
+  for name in sorted(p.name for p in folder.glob('*.json')
+                     if p.name.startswith(('partial-', 'finals-'))):
     res = load(folder, name)
     h = res['header']
     model = h['model'] + (f" ({', '.join(f'{k}={v}' for k, v in h['model_overrides'].items())})"

@@ -132,19 +132,19 @@ def scaling_rows() -> list[dict]:
 
 
 def quality_rows() -> list[dict]:
-  """The paper's bf16 AdamW against ours (unfinished runs)."""
-  study, record = 'paper-baseline', 'partial-19m.json'
-  res = _load(study, record)
-  runs = {(r['options']['optimizer'], r['options']['param_dtype'], r['options']['lr']): r
-          for r in res['runs']}
-  fp32, bf16 = runs[('adamw', 'float32', 1e-3)], runs[('adamw', 'bfloat16', 1e-3)]
-  last = max(set(e['step'] for e in fp32['evals']) & set(e['step'] for e in bf16['evals']))
-  at = lambda r: next(e['val_ppl'] for e in r['evals'] if e['step'] == last)
-  tokens = last * res['header']['tokens_per_step'] / 1e6
-  return [_row('AdamW as the POET-X paper trains it (pure bf16, weight decay 0), 19M',
-               f'{at(bf16) / at(fp32):.3f}× our fp32 AdamW\'s perplexity at {tokens:.1f} M tokens '
-               f'({at(bf16):.2f} against {at(fp32):.2f}); runs unfinished', study, record,
-               also=('site_corpus', 'compare_quality'))]
+  """The paper's bf16 AdamW at 19M against our tuned fp32 AdamW and POET-X
+  (the three-sizes study's finals: same corpus, tokens and validation)."""
+  from experiments import paper_report as P
+  study, record = 'paper-baseline', 'finals-19m.json'
+  runs = P.finals(_load(study, record))
+  bf16 = runs['AdamW bf16, lr 0.001, wd 0']
+  base = {k.split(' (')[0]: v for k, v in P.baselines('19M').items()}
+  mean = statistics.mean
+  return [_row('AdamW as the POET-X paper trains it (pure bf16, weight decay 0), 19M, 100 M tokens',
+               f"{mean(bf16):.2f} ± {statistics.stdev(bf16):.2f} ({len(bf16)} seeds): "
+               f"{mean(bf16) / mean(base['AdamW']):.3f}× our tuned fp32 AdamW's perplexity, "
+               f"{mean(bf16) / mean(base['POET-X B 512']):.3f}× POET-X's (B 512)",
+               study, record, also=('site_corpus', 'compare_quality'))]
 
 
 def three_size_rows() -> list[dict]:
