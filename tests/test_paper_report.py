@@ -57,3 +57,26 @@ def test_rows_and_ratios(tmp_path):
   ratios = paper_report.ratio_rows(res, [{'run': 'POET-X, step 0.0005, lr 0.001, seed 0',
                                           'against': 'AdamW fp32, lr 0.001, wd 0, seed 0'}])
   assert ratios[-2] == '| ratio | 1.250 |'
+
+
+def _run(seed, finals, finished=True, optimizer='adamw'):
+  o = {'optimizer': optimizer, 'param_dtype': 'bfloat16', 'lr': 1e-3, 'weight_decay': 0.0,
+       'poet_lr': None, 'min_lr_ratio': 0.1, 'clip': 1.0, 'clip_ramp': 0, 'poet_eps': 1e-8,
+       'poet_eps_placement': 'corrected', 'seed': seed}
+  return {'options': o, 'finished': finished,
+          'evals': [{'step': 9, 'val_ppl': finals + 1}, {'step': 10, 'val_ppl': finals}]}
+
+
+def test_finals_group_the_finished_seeds_of_a_configuration_and_compare_them():
+  """The last evaluation of each finished run, by configuration in seed
+  order (an unfinished run left out), beside the three-sizes finals at the
+  size, with the ratios of the means to the tuned AdamW and POET-X B 512."""
+  res = {'runs': [_run(1, 11.0), _run(0, 10.0), _run(2, 5.0, finished=False)]}
+  assert paper_report.finals(res) == {'AdamW bf16, lr 0.001, wd 0': [10.0, 11.0]}
+  rows = paper_report.finals_rows(res, '19M')
+  (mine,) = [r for r in rows if r.startswith('| AdamW bf16')]
+  adamw = sum([9.60, 9.70, 9.62]) / 3  # the three-sizes record's 19M finals
+  poetx = sum([10.11, 10.27, 10.19]) / 3
+  assert mine == (f'| AdamW bf16, lr 0.001, wd 0 | 10.00 / 11.00 | 10.50 ± 0.71 | '
+                  f'{10.5 / adamw:.3f} | {10.5 / poetx:.3f} |')
+  assert any(r.startswith('| POET-X B 512 (') and r.endswith('| 1.000 |') for r in rows)
