@@ -109,7 +109,7 @@ def report() -> str:
            'Every command and option, as `poetx COMMAND --help` gives them. What the',
            'commands do in practice is in the [README](../README.md),',
            '[training.md](training.md) and [data.md](data.md); what each exit status',
-           'means, in [failures.md](failures.md).', '',
+           'means, in [operations.md](operations.md).', '',
            '| command | what it does |', '|---|---|']
   for name in commands:
     lines.append(f'| [`poetx {name}`](#poetx-{name}) | {summaries[name]} |')
