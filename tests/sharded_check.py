@@ -236,14 +236,15 @@ def _follows(model, opt) -> tuple[int, int]:
 SHARDED_CASES = {'poetx-muon': ((2, 'dp'), (2, 'fsdp'))}
 
 
-def optimizers(ckpt_dir):
-  """Every optimizer family of ``poetx train`` (recipes.RECIPES) on 2 and 4
+def optimizers(ckpt_dir, families):
+  """The optimizer families ``families`` of ``poetx train`` (recipes.RECIPES) on 2 and 4
   of this process's devices, by dp and by fsdp (fsdp = the device count), and
   resumed across device counts (a checkpoint of step 2 of one device
   restored onto fsdp 2, one of fsdp 2 onto one device), against the same
   run on one device: 4 updates (POET-X merging after the 2nd and 4th);
   POET-X with chunk permutations under fsdp 2, fresh and resumed from one
-  device; and Muon with scan_layers and lean_state under fsdp on 2 devices. For
+  device (with poetx); and Muon with scan_layers and lean_state under fsdp on
+  2 devices (with muon). For
   each: the largest distance of the losses from one device's, the smallest
   fraction of each array's elements within 1e-4 of one device's, and the
   optimizer arrays shaped like their parameter (``_follows``) and how many
@@ -303,7 +304,7 @@ def optimizers(ckpt_dir):
             'split': sum('fsdp' in s for s in _specs(opt).values())}
 
   out = {}
-  for family in RECIPES:
+  for family in families:
     ref = reference(config(family))
     two = f'{ckpt_dir}/{family}-2'
     for n, strategy in SHARDED_CASES.get(family, ((2, 'dp'), (4, 'dp'), (2, 'fsdp'), (4, 'fsdp'))):
@@ -316,8 +317,20 @@ def optimizers(ckpt_dir):
           ref)
     out[f'{family} resume 2->1'] = compare(
         train(config(family), 1, range(2, 4), restore=two), ref)
-  # POET-X drawing chunk permutations (runs of 4 in blocks of 16) under fsdp,
-  # fresh and resumed from one device.
+  if 'poetx' in families:
+    out.update(_chunk_cases(config, train, compare, ckpt_dir))
+  if 'muon' in families:  # Muon's stacked layers (scan_layers) with bf16 momenta under fsdp
+    lean = dict(scan_layers=True, lean_state=True)
+    ref = train(config('muon', **lean), 1)
+    ref = (ref[2], flat(ref[0]) + flat(ref[1]))
+    out['muon scan lean fsdp 2'] = compare(train(config('muon', 'fsdp', 2, **lean), 2), ref)
+  json.dump(out, sys.stdout)
+
+
+def _chunk_cases(config, train, compare, ckpt_dir) -> dict:
+  """POET-X drawing chunk permutations (runs of 4 in blocks of 16) under
+  fsdp 2, fresh and resumed from one device."""
+  out = {}
   chunk = dict(permutation='chunk', chunk_size=4)
   model, opt, losses = train(config('poetx', **chunk), 1, save=f'{ckpt_dir}/poetx-chunk-1')
   ref = (losses, flat(model) + flat(opt))
@@ -330,12 +343,7 @@ def optimizers(ckpt_dir):
     # (an element draw of 32 features moves runs of 4 whole with odds below 1e-30)
     out[case] = {**compare(got, ref),
                  'chunk_drawn': all(perms_module.is_chunk_permutation(q, 4) for q in perms)}
-  # Muon's stacked layers (scan_layers) with bf16 momenta (lean_state) under fsdp.
-  lean = dict(scan_layers=True, lean_state=True)
-  ref = train(config('muon', **lean), 1)
-  ref = (ref[2], flat(ref[0]) + flat(ref[1]))
-  out['muon scan lean fsdp 2'] = compare(train(config('muon', 'fsdp', 2, **lean), 2), ref)
-  json.dump(out, sys.stdout)
+  return out
 
 
 def accumulate():
@@ -421,7 +429,7 @@ if __name__ == '__main__':
   elif sys.argv[1] == 'accumulate':
     accumulate()
   elif sys.argv[1] == 'optimizers':
-    optimizers(sys.argv[2])
+    optimizers(sys.argv[2], sys.argv[3].split(','))  # optimizers CKPT FAMILY,...
   elif sys.argv[1] == 'meshes':
     json.dump(meshes(), sys.stdout)
   else:
