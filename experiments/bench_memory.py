@@ -90,7 +90,7 @@ def run_one(a, argv, name: str, seq: int, run: harness.Run, ladder: bool = False
   if a.cap_gib:
     env['XLA_PYTHON_CLIENT_MEM_FRACTION'] = f'{a.cap_gib / a.device_gib:.4f}'
   payload = {'label': run.label, 'pairs': run.pairs, 'point': point(name, seq, ladder)}
-  r, error = harness.run_child('bench_memory', list(argv or sys.argv[1:]), payload,
+  r, error = harness.run_child('bench_memory', list(argv), payload,
                                f'{name} seq {seq} {run.label}', env=env)
   if error is not None:
     return {'run': run.label, 'model': name, 'seq_len': seq, 'cap_gib': a.cap_gib,
@@ -278,7 +278,8 @@ def main(argv=None):
   if a.breakdown:
     print_breakdown(results)
     print_peak_ops(results)
-  harness.write_record(a.json, results, module='bench_memory', argv=a.argv)
+  harness.write_record(a.json, results, module='bench_memory', argv=a.argv,
+                       device=harness.children_device(results))
   try:
     plot(results, a.plot, a.device_gib)
   except ImportError:

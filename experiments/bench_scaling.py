@@ -63,14 +63,19 @@ def main(argv=None):
     return
   argv = list(argv if argv is not None else sys.argv[1:])
   results = []
-  for run in bench_train.check_runs(p, a):
+  try:  # configured in the children: a parent that asked for the devices would hold them
+    runs = bench_train.runs_of(a)
+  except ValueError as e:
+    p.error(f'--run: {e}')
+  for run in runs:
     for n in map(int, a.devices.split(',')):
       r = run_on(a, argv, run, n)
       results.append(r)
       print(json.dumps(r), flush=True)
   print_table(a, results)
   if a.json:
-    harness.write_record(a.json, results, module='bench_scaling', argv=argv)
+    harness.write_record(a.json, results, module='bench_scaling', argv=argv,
+                         device=harness.children_device(results))
 
 
 def run_on(a, argv, run: harness.Run, n: int) -> dict:

@@ -541,7 +541,8 @@ def run_each(a, module: str, argv: list[str], show: tp.Callable[[dict], str]) ->
         results[-1]['round'] = i
       print(show(results[-1]), flush=True)
       if a.json:  # as each ends: a call cut short keeps the runs done
-        harness.write_record(a.json, results, module=module, argv=argv)
+        harness.write_record(a.json, results, module=module, argv=argv,
+                             device=harness.children_device(results))
   return results
 
 

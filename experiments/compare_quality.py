@@ -168,7 +168,8 @@ def _text(pairs) -> str:
 
 def plan_runs(base, specs: list[str]) -> list[dict]:
   """Every run of ``specs``, those with ``lr=best`` after the others: its
-  ``name`` (its overrides; its directory under OUT/runs), ``config`` (the name
+  ``name`` (its label, by default its overrides: :func:`experiments.harness.expand`;
+  its directory under OUT/runs), ``config`` (the name
   without its seed: its configuration), ``pairs`` and ``best_lr``. Raises
   ValueError for a run given twice or one that cannot be configured."""
   runs = []
@@ -183,6 +184,11 @@ def plan_runs(base, specs: list[str]) -> list[dict]:
   for n in names:
     if names.count(n) > 1:
       raise ValueError(f'run {n!r} is given twice by --runs {specs}')
+  seeds = [(r['config'], dict(r['pairs']).get('seed', str(base.seed))) for r in runs]
+  for key in seeds:
+    if seeds.count(key) > 1:
+      raise ValueError(f'configuration {key[0]!r} is given twice with seed {key[1]} by --runs '
+                       f'{specs} (runs of one configuration must differ in seed)')
   runs.sort(key=lambda r: r['best_lr'])
   for r in runs:
     check(run_config(base, r, pathlib.Path('.'), best_lr=base.lr))

@@ -62,7 +62,7 @@ def expand(spec: str) -> list[Run]:
   run ``LABEL k=v,...`` by the values it chose. Raises ValueError for an item
   that is no ``K=V`` or a key given twice."""
   from poetx_jax.pretrain.kv import format_overrides, split_assignments, split_top, unique_keys
-  label, text = _label(spec)
+  label, text = split_label(spec)
   pairs = split_assignments(text)
   unique_keys(pairs, f' in run spec {spec!r}')
   choices = [[(k, v.strip()) for v in split_top(value, '|')] for k, value in pairs]
@@ -81,15 +81,16 @@ def expand(spec: str) -> list[Run]:
 
 def expand_all(specs: tp.Iterable[str]) -> list[Run]:
   """The runs of every spec, in order; ValueError for a label given twice."""
+  specs = list(specs)
   runs = [r for spec in specs for r in expand(spec)]
   labels = [r.label for r in runs]
   for label in labels:
     if labels.count(label) > 1:
-      raise ValueError(f'run {label!r} is given twice by the run specs {list(specs)}')
+      raise ValueError(f'run {label!r} is given twice by the run specs {specs}')
   return runs
 
 
-def _label(spec: str) -> tuple[str | None, str]:
+def split_label(spec: str) -> tuple[str | None, str]:
   """(label or None, overrides text) of a spec: a label is text before the
   first ``:`` that holds no ``=``."""
   head, sep, rest = spec.partition(':')
@@ -148,16 +149,19 @@ def report(result: dict) -> None:
 
 
 # ------------------------------------------------------------------------ records
-def header(module: str, argv: tp.Sequence[str]) -> dict:
+def header(module: str, argv: tp.Sequence[str], device: str | None = None) -> dict:
   """Where and how a record is made: the command that reruns it (from the
   repository root), the commit (``-dirty`` when tracked files differ from
-  it), the devices, the software and the date."""
-  import jax
-  devices = jax.devices()
-  kinds = sorted({d.device_kind for d in devices})
+  it), the devices (``device``, else this process's JAX devices: a parent
+  whose children ran on the accelerator passes theirs, so that it never
+  opens the accelerator itself), the software and the date."""
+  if device is None:
+    import jax
+    devices = jax.devices()
+    device = f'{len(devices)} x {", ".join(sorted({d.device_kind for d in devices}))}'
   return {'command': shlex.join(['python3', '-m', f'experiments.{module}', *argv]),
           'commit': commit(),
-          'device': f'{len(devices)} x {", ".join(kinds)}',
+          'device': device,
           'software': software(),
           'date': datetime.date.today().isoformat()}
 
@@ -189,15 +193,25 @@ def software() -> str:
 
 
 def write_record(path: str | os.PathLike, figures, *, module: str, argv: tp.Sequence[str],
-                 **fields) -> dict:
-  """Writes the JSON record ``{'header': header(...), **fields, 'results':
-  figures}`` to ``path`` (whole: a reader never sees half of it); returns it."""
-  record = {'header': header(module, argv), **fields, 'results': figures}
+                 device: str | None = None, **fields) -> dict:
+  """Writes the JSON record ``{'header': header(module, argv, device),
+  **fields, 'results': figures}`` to ``path`` (whole: a reader never sees
+  half of it); returns it."""
+  record = {'header': header(module, argv, device), **fields, 'results': figures}
   path = pathlib.Path(path)
   tmp = path.with_name(path.name + '.tmp')
   tmp.write_text(json.dumps(record, indent=1, default=str) + '\n')
   tmp.replace(path)
   return record
+
+
+def children_device(results: tp.Iterable[dict]) -> str:
+  """The devices the children's results name (their ``devices`` count and
+  ``device`` kind), for a parent's record header; ``unknown`` if none does."""
+  for r in results:
+    if 'device' in r:
+      return f"{r.get('devices') or 1} x {r['device']}"
+  return 'unknown'
 
 
 def results_of(data):

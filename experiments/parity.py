@@ -89,8 +89,8 @@ def parse_args(argv=None):
       runs = harness.expand(text)
     except ValueError as e:
       p.error(f'variant {text!r}: {e}')
+    side = harness.split_label(text)[0]
     for run in runs:
-      side = run.label.split(' ')[0]
       if side not in SIDES:
         p.error(f'variant {text!r}: side must be one of {SIDES}')
       try:

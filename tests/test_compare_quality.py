@@ -295,6 +295,8 @@ def test_bad_flags_are_named(capsys):
                      'docs/quality.md), got -1.0'),
                     (['--runs', 'optimizer=adamw,lr=1e-3|1e-3'],
                      "run 'optimizer=adamw,lr=1e-3' is given twice"),
+                    (['--runs', 'a:optimizer=adamw', 'b:optimizer=adamw'],
+                     "configuration 'optimizer=adamw' is given twice with seed 0"),
                     (['--runs', 'optimizer=poetx,lr=best'], 'has no AdamW run'),
                     (['--model', 'tiny', '--block-size', '128'],
                      'block_size=128 is larger than the dimension 64; valid block '

@@ -55,24 +55,25 @@ def test_apply_reads_values_as_poetx_train_does():
       'adamw', 3e-4, {'layers': 2}, True)
 
 
-def test_a_child_gets_its_payload_back_and_reports_on_its_last_line(tmp_path):
-  """The parent's command runs the module with its options and --child JSON,
-  from any directory; the child's payload and result cross intact."""
-  p = argparse.ArgumentParser()
-  p.add_argument('--x', type=int)
-  harness.add_child_option(p)
-  payload = {'label': 'a b', 'pairs': [['lr', '1e-3']], 'point': 'model=tiny'}
-  cmd = harness.child_command('bench_train', ['--x', '3'], payload)
+def test_a_child_gets_its_run_back_and_its_module_resolves_from_anywhere(tmp_path):
+  """The parent's command runs the module with its options and --child JSON:
+  bench_train's child reads back the very Run (tuples, not JSON's lists);
+  the command resolves the module from another directory through child_env
+  and its last stdout line is its result."""
+  from experiments import bench_train
+  (run,) = harness.expand('xq:optimizer=poetx,model_overrides={layers=1,mlp=64}')
+  cmd = harness.child_command('bench_train', ['--model', 'tiny'],
+                              {'label': run.label, 'pairs': run.pairs})
   assert cmd[:3] == [sys.executable, '-m', 'experiments.bench_train']
+  p = argparse.ArgumentParser()
+  bench_train.add_run_args(p)
   a = p.parse_args(cmd[3:])
-  assert a.x == 3 and harness.child_payload(a) == payload
-  assert harness.child_payload(p.parse_args([])) is None
-  # -m experiments.NAME resolves from another directory through child_env
-  code = 'from experiments import harness; harness.report({"ok": harness.ROOT.name})'
-  proc = subprocess.run([sys.executable, '-c', code], cwd=tmp_path, capture_output=True,
-                        text=True, env=harness.child_env({'PATH': '/usr/bin:/bin'}))
-  assert proc.returncode == 0, proc.stderr
-  assert json.loads(proc.stdout.splitlines()[-1]) == {'ok': ROOT.name}
+  assert a.model == 'tiny' and bench_train.child_run(a) == run
+  assert bench_train.child_run(p.parse_args([])) is None
+  proc = subprocess.run([sys.executable, '-m', 'experiments.results_page', '--help'], cwd=tmp_path,
+                        capture_output=True, text=True,
+                        env=harness.child_env({'PATH': '/usr/bin:/bin'}))
+  assert proc.returncode == 0 and 'RESULTS.md' in proc.stdout, proc.stderr
 
 
 def test_a_record_holds_its_header_and_reads_back_its_results(tmp_path):
@@ -80,11 +81,15 @@ def test_a_record_holds_its_header_and_reads_back_its_results(tmp_path):
   rec = harness.write_record(path, [{'run': 'a', 'step_s': 0.5}], module='bench_train',
                              argv=['--run', 'a:optimizer=adamw', '--model', '1b'])
   back = json.loads(path.read_text())
-  assert back == json.loads(json.dumps(rec))
+  assert back['results'] == rec['results'] == [{'run': 'a', 'step_s': 0.5}]
   h = back['header']
   assert h['command'] == "python3 -m experiments.bench_train --run a:optimizer=adamw --model 1b"
   assert re.fullmatch(r'[0-9a-f]{7,40}(-dirty)?|unknown', h['commit'])
-  assert h['device'].startswith('1 x ') and 'jax ' in h['software']
+  assert re.fullmatch(r'\d+ x .+', h['device']) and 'jax ' in h['software']
+  given = harness.write_record(path, [], module='m', argv=[], device='2 x GPU')
+  assert given['header']['device'] == '2 x GPU'
+  assert harness.children_device([{'run': 'a', 'error': 'x'},
+                                  {'device': 'H100', 'devices': 2}]) == '2 x H100'
   assert re.fullmatch(r'\d{4}-\d\d-\d\d', h['date'])
   assert harness.results_of(back) == [{'run': 'a', 'step_s': 0.5}]
   assert harness.results_of([{'run': 'old'}]) == [{'run': 'old'}]  # a bare older record
@@ -138,34 +143,45 @@ def doc_commands(text: str) -> list[tuple[str, list[str]]]:
   return out
 
 
-class _Parsed(Exception):
+class _Parsed(BaseException):  # past any `except Exception` of a script
   pass
 
 
 def parses(module: str, argv: list[str], monkeypatch) -> None:
   """Runs ``experiments.MODULE.main(argv)`` until its parser has read
-  ``argv``: a bad option exits 2 here, as it would for the user."""
+  ``argv`` (a bad option exits 2 here, as it would for the user), then reads
+  its run specs (``--run``, ``--runs``, ``--variants``) as the harness does:
+  each a spec whose keys are options and whose values they take."""
   known = argparse.ArgumentParser.parse_known_args
+  specs = []
+
+  def parsed(ns):
+    for name in ('run', 'runs', 'variants'):
+      value = getattr(ns, name, None)
+      specs.extend([value] if isinstance(value, str) else value or [])
+    raise _Parsed
 
   def parse_only(self, args=None, namespace=None):
-    _, extras = known(self, args, namespace)
+    ns, extras = known(self, args, namespace)
     if extras:
       self.error(f'unrecognized arguments: {" ".join(extras)}')
-    raise _Parsed
+    parsed(ns)
 
   def parse_known_only(self, args=None, namespace=None):
-    known(self, args, namespace)
-    raise _Parsed
+    parsed(known(self, args, namespace)[0])
 
   monkeypatch.setattr(argparse.ArgumentParser, 'parse_args', parse_only)
   monkeypatch.setattr(argparse.ArgumentParser, 'parse_known_args', parse_known_only)
   try:
     importlib.import_module(f'experiments.{module}').main(argv)
-  except _Parsed:
-    return
   except SystemExit as e:  # --help exits 0
     if e.code:
       raise
+    return
+  except _Parsed:
+    for run in (r for spec in specs for r in harness.expand(spec)):
+      harness.apply(TrainConfig(), harness.Run(run.label, tuple(
+          (k, v) for k, v in run.pairs if (k, v) != ('lr', 'best'))))  # compare_quality's
     return
   pytest.fail(f'experiments.{module}.main returned without parsing its options')
 
@@ -182,8 +198,8 @@ def test_every_experiments_command_in_the_docs_parses(doc, monkeypatch):
     assert (ROOT / 'experiments' / f'{module}.py').is_file(), f'{doc}: no experiments.{module}'
     try:
       parses(module, argv, monkeypatch)
-    except SystemExit as e:
-      pytest.fail(f'{doc}: python3 -m experiments.{module} {shlex.join(argv)}: exit {e.code}')
+    except (SystemExit, ValueError) as e:
+      pytest.fail(f'{doc}: python3 -m experiments.{module} {shlex.join(argv)}: {e!r}')
 
 
 def test_doc_commands_are_read_whole():
