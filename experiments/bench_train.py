@@ -12,8 +12,9 @@ each run's median round beside every round's step.
 The options are ``poetx train``'s (one ``TrainConfig``; here by default model
 1b, seq 1024, vocab 32000, batch 8, a merge every 200 updates and a schedule
 of 1000 updates). A run (``--run``, repeatable) is ``K=V`` overrides of them,
-labelled by its text or by a ``NAME:`` before it; the default runs are
-``optimizer=poetx`` and ``optimizer=adamw``::
+labelled by its text or by a ``LABEL:`` before it, a value with ``|``
+alternatives standing for one run each (:mod:`experiments.harness`); the
+default runs are ``optimizer=poetx`` and ``optimizer=adamw``::
 
     python3 -m experiments.bench_train --model 1b --seq-len 1024 --batch-size 8
     python3 -m experiments.bench_train --model 8b --seq-len 1024 --batch-size 1 --lean-state \\
@@ -57,8 +58,9 @@ GIB = 2 ** 30  # bytes in a GiB, the unit of every figure here
 
 def run_config(a, *overrides):
   """The TrainConfig of a run: the options of ``a`` with each run
-  (:class:`experiments.harness.Run`) or ``K=V`` overrides text applied in turn (a run whose optimizer does not poetize
-  leaves out the POET options it shares with them). Strategy fsdp with
+  (:class:`experiments.harness.Run`) or ``K=V`` overrides text applied in
+  turn (a run whose optimizer does not poetize leaves out the POET options
+  it shares with them). Strategy fsdp with
   ``fsdp=1`` shards over every device."""
   from poetx_jax.pretrain import config
   base = cfg = config.config_from_args(a)
