@@ -528,9 +528,9 @@ def run_jobs(a, argv: list[str], out: pathlib.Path) -> None:
 
 def header(a, data) -> dict:
   """What the report says about the study, known before it trains: the base
-  options, the data, the device (quality_report.from_study adds the probes and
-  the runs that failed)."""
-  import jax
+  options and the data (beside :func:`experiments.harness.header`'s command,
+  commit, device, software and date; quality_report.from_study adds the
+  probes and the runs that failed)."""
   from poetx_jax.pretrain.plan import make_plan
   cfg = a.base
   plan = make_plan(cfg, data.tokenizer.vocab_size)
@@ -548,9 +548,7 @@ def header(a, data) -> dict:
       'tokens_per_run': cfg.steps * tokens_per_step, 'train_tokens': train_tokens,
       'epochs': cfg.steps * tokens_per_step / train_tokens,
       'val_tokens': val_windows * cfg.seq_len, 'data': data.description,
-      'device': f'{jax.device_count()} x {jax.devices()[0].device_kind}',
       'dtype': plan.dtype,
-      'date': time.strftime('%Y-%m-%d'),
       'spike_rule': f'loss > {R.SPIKE_FACTOR} x median of the previous {R.SPIKE_WINDOW} logged',
   }
 

@@ -15,12 +15,11 @@ the rows into README.md, between the markers ``README_BEGIN`` and
 from __future__ import annotations
 
 import argparse
-import json
 import pathlib
 import re
 import statistics
 
-from experiments import harness
+from experiments import harness, study_page
 
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -28,7 +27,7 @@ RESULTS = ROOT / 'docs' / 'results'
 
 
 def _load(study: str, name: str):
-  return harness.results_of(json.loads((RESULTS / study / name).read_text()))
+  return study_page.load(RESULTS / study, name)
 
 
 def _call(study: str, record: str) -> dict:
