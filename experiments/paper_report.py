@@ -38,8 +38,9 @@ def collect(study: pathlib.Path) -> dict:
   """Every run of a compare_quality study folder, finished or not: its name,
   its options as run (``run.json``: the plan's values where the plan
   resolved them), the evaluations of ``metrics.jsonl`` (step, tokens,
-  validation and prose perplexity), the last step it logged, and how many of
-  its merges warned that the factors were far from orthogonal (its log)."""
+  validation and prose perplexity), the last step it logged, how many of
+  its merges warned that the factors were far from orthogonal (its log), and
+  a finished run's steady tokens per second (``summary.json``)."""
   header = json.loads((study / 'study.json').read_text())['header']
   runs = []
   for folder in sorted((study / 'runs').iterdir()):
@@ -53,9 +54,12 @@ def collect(study: pathlib.Path) -> dict:
              for r in lines if 'val_ppl' in r]
     log = study / 'logs' / f'{folder.name}.log'
     warned = log.read_text().count(WARNING) if log.exists() else None
+    summary = folder / 'summary.json'
     runs.append({'name': folder.name, 'options': options, 'evals': evals,
                  'last_step': max((r['step'] for r in lines if 'step' in r), default=0),
-                 'finished': (folder / 'summary.json').exists(), 'merge_warnings': warned})
+                 'finished': summary.exists(), 'merge_warnings': warned,
+                 'tokens_per_s': (json.loads(summary.read_text()).get('steady_tokens_per_s')
+                                  if summary.exists() else None)})
   keep = ('model', 'model_overrides', 'seq_len', 'batch_size', 'steps', 'warmup', 'device',
           'dense_params', 'tokens_per_step', 'val_tokens', 'date')
   return {'header': {k: header[k] for k in keep if k in header}, 'runs': runs}
@@ -170,13 +174,16 @@ def report(folder: pathlib.Path) -> str:
                 *[f'* {p}' for p in call['predictions']], '']
     if call.get('outcomes'):
       lines += ['Outcomes:', '', *[f'* {o}' for o in call['outcomes']], '']
+  by_size: dict[str, list[str]] = {}  # finals-SIZE[-WHAT].json
   for name in sorted(p.name for p in folder.glob('finals-*.json')):
-    res = load(folder, name)
-    size = name.removeprefix('finals-').removesuffix('.json').upper()
-    lines += [f'## `{name}`: final validation perplexity at {size}', '',
-              'The finished runs of the record beside the three-sizes study\'s finals at '
-              'the same size (the same corpus, tokens in the same order, validation set and '
-              'schedule); sorted by mean:', '', *finals_rows(res, size), '']
+    by_size.setdefault(name.removesuffix('.json').split('-')[1].upper(), []).append(name)
+  for size, names in by_size.items():
+    res = {'runs': [r for name in names for r in load(folder, name)['runs']]}
+    lines += [f'## Final validation perplexity at {size}', '',
+              f"The finished runs of {', '.join(f'`{n}`' for n in names)} beside the "
+              'three-sizes study\'s finals at the same size (the same corpus, tokens in the '
+              'same order, validation set and schedule); sorted by mean:', '',
+              *finals_rows(res, size), '']
   for name in sorted(p.name for p in folder.glob('*.json')
                      if p.name.startswith(('partial-', 'finals-'))):
     res = load(folder, name)

@@ -131,19 +131,32 @@ def scaling_rows() -> list[dict]:
 
 
 def quality_rows() -> list[dict]:
-  """The paper's bf16 AdamW at 19M against our tuned fp32 AdamW and POET-X
-  (the three-sizes study's finals: same corpus, tokens and validation)."""
+  """The paper's bf16 AdamW and POET-X Muon at 19M against our tuned fp32
+  AdamW, POET-X and Muon (the three-sizes study's finals: same corpus,
+  tokens and validation)."""
   from experiments import paper_report as P
   study, record = 'paper-baseline', 'finals-19m.json'
   runs = P.finals(_load(study, record))
   bf16 = runs['AdamW bf16, lr 0.001, wd 0']
   base = {k.split(' (')[0]: v for k, v in P.baselines('19M').items()}
   mean = statistics.mean
+  record_b = 'finals-19m-recipe.json'
+  res = _load(study, record_b)
+  muon = P.finals(res)['POET-X Muon, step 0.000977, lr 0.012']
+  speed = {o: mean([r['tokens_per_s'] for r in res['runs'] if r['options']['optimizer'] == o])
+           for o in ('poetx', 'poetx-muon')}
   return [_row('AdamW as the POET-X paper trains it (pure bf16, weight decay 0), 19M, 100 M tokens',
                f"{mean(bf16):.2f} ± {statistics.stdev(bf16):.2f} ({len(bf16)} seeds): "
                f"{mean(bf16) / mean(base['AdamW']):.3f}× our tuned fp32 AdamW's perplexity, "
                f"{mean(bf16) / mean(base['POET-X B 512']):.3f}× POET-X's (B 512)",
-               study, record, also=('site_corpus', 'compare_quality'))]
+               study, record, also=('site_corpus', 'compare_quality')),
+          _row("POET-X Muon (Muon's orthogonalised updates on the generators), 19M, 100 M tokens",
+               f"{mean(muon):.2f} ± {statistics.stdev(muon):.2f} ({len(muon)} seeds): "
+               f"{mean(muon) / mean(base['AdamW']):.3f}× our tuned fp32 AdamW's perplexity, "
+               f"{mean(muon) / mean(base['POET-X B 512']):.3f}× POET-X's (B 512), "
+               f"{mean(muon) / mean(base['Muon']):.3f}× Muon's; "
+               f"{speed['poetx-muon'] / speed['poetx']:.2f}× POET-X's tokens/s",
+               study, record_b, also=('site_corpus', 'compare_quality'))]
 
 
 def three_size_rows() -> list[dict]:

@@ -31,7 +31,7 @@ def _study(tmp_path):
              {'step': 5, 'other_val/prose/ppl': 40.0}, {'step': last, 'loss': 2.0}]
     (run / 'metrics.jsonl').write_text('\n'.join(json.dumps(l) for l in lines) + '\n')
     if optimizer == 'adamw':
-      (run / 'summary.json').write_text('{}')
+      (run / 'summary.json').write_text('{"steady_tokens_per_s": 1234.5}')
     (study / 'logs' / f'{name}.log').write_text(
         'warning: at the merge of step 4 the POET factors were far from orthogonal\n'
         if optimizer == 'poetx' else '')
@@ -45,6 +45,7 @@ def test_collect_keeps_unfinished_runs_with_their_evaluations(tmp_path):
   assert p['options']['lr'] == 1e-3 and p['options']['poet_lr'] == 5e-4  # the plan's values
   assert p['evals'][1] == {'step': 5, 'tokens': 100_000, 'val_ppl': 25.0, 'prose': 40.0}
   assert (a['merge_warnings'], p['merge_warnings']) == (0, 1)
+  assert (a['tokens_per_s'], p['tokens_per_s']) == (1234.5, None)  # a finished run's only
 
 
 def test_rows_and_ratios(tmp_path):
@@ -80,3 +81,30 @@ def test_finals_group_the_finished_seeds_of_a_configuration_and_compare_them():
   assert mine == (f'| AdamW bf16, lr 0.001, wd 0 | 10.00 / 11.00 | 10.50 ± 0.71 | '
                   f'{10.5 / adamw:.3f} | {10.5 / poetx:.3f} |')
   assert any(r.startswith('| POET-X B 512 (') and r.endswith('| 1.000 |') for r in rows)
+
+
+def test_the_page_has_one_finals_table_a_size_over_its_records(tmp_path):
+  """finals-19m.json and finals-19m-more.json make one table at 19M that
+  holds the runs of both."""
+  folder = tmp_path / 'study'
+  folder.mkdir()
+  (folder / 'calls.json').write_text(json.dumps({
+      'study': 's', 'date': 'd', 'commit': 'c', 'device': 'x', 'software': 'y',
+      'calls': [{'records': ['finals-19m.json', 'finals-19m-more.json'], 'note': 'n',
+                 'commands': []}]}))
+  header = {'model': 'tiny', 'seq_len': 8, 'batch_size': 2, 'steps': 10, 'warmup': 1,
+            'device': 'cpu', 'dense_params': 100, 'val_tokens': 32, 'tokens_per_step': 20}
+  for name, runs in (('finals-19m.json', [_run(0, 10.0)]),
+                     ('finals-19m-more.json', [_run(0, 12.0, optimizer='poetx')])):
+    for r in runs:
+      r.update(name=name, last_step=10, merge_warnings=0)
+      r['options'].update(steps=10, poet_lr=5e-4 if r['options']['optimizer'] == 'poetx'
+                          else None)
+      for e in r['evals']:
+        e.update(tokens=e['step'] * 20, prose=None)
+    (folder / name).write_text(json.dumps({'header': header, 'runs': runs}))
+  page = paper_report.report(folder)
+  assert page.count('## Final validation perplexity at 19M') == 1, page
+  table = page.split('## Final validation perplexity at 19M')[1].split('\n## ')[0]
+  assert '| AdamW bf16, lr 0.001, wd 0 | 10.00 |' in table, table
+  assert '| POET-X, step 0.0005, lr 0.001 | 12.00 |' in table, table
