@@ -20,7 +20,11 @@ Nothing is allocated, so an 8B-class update compiles in seconds on a CPU::
 
 The projection (every figure of it labelled projected) covers the
 data-parallel runs, whose update sends one all-reduce of S bytes
-(``gpu_allreduce_bytes``): on N GPUs
+(``gpu_allreduce_bytes``), and POET-X's fsdp runs, whose update gathers
+its trained arrays once and reduce-scatters their gradients once (together
+the bytes of one all-reduce of them) and gathers the frozen bases F bytes a
+micro-batch (``frozen_gather_bytes_per_microbatch``; half an all-reduce's
+traffic each). For an all-reduce of S bytes, on N GPUs
 in nodes of ``--gpus-per-node`` G, a hierarchical ring moves
 ``2 (g-1)/g S`` bytes per GPU over NVLink (g = min(N, G)) and
 ``2 (m-1)/m S/g`` over the network (m = N / G nodes), at ``--nvlink-gbs`` and
@@ -31,10 +35,15 @@ efficiency is given twice: compute / (compute + communication), nothing
 overlapped (a lower bound), and compute / max(compute, communication), all
 overlapped (an upper bound); and the tokens per GPU and update below which
 the communication outlasts the compute (with no accumulation, those of a
-micro-batch). Merges of data-parallel POET-X send
-nothing (each device draws the same permutations), so they add no term.
-Runs under fsdp are listed, not projected: their per-layer gathers overlap
-the layers' compute in ways this model does not describe.
+micro-batch). An fsdp run projects from the one-GPU step of its label
+without ``-fsdp`` (one GPU runs one program whatever the strategy). Merges
+of data-parallel POET-X send nothing (each device draws the same
+permutations), so they add no term; an fsdp merge's collectives are
+counted as the others (an all-reduce whole, the rest as half of one),
+spread over the ``merge_every`` updates of a cycle. Runs whose
+update the model does not describe (AdamW under fsdp: the compiler's
+partitioning, gradients reduced every micro-batch) are listed, not
+projected.
 
 ``--check RECORD`` predicts a measured scaling record (per run: one-GPU and
 N-GPU step times and the bytes its program all-reduced) with the same model
@@ -113,12 +122,24 @@ def update_collectives(cfg, label: str, n: int) -> dict:
   # trained arrays at their own size.
   promoted = sum(x.size * max(x.dtype.itemsize, 4) for x in params)
   exact = cfg.strategy == 'dp' and dict(update) == {'all-reduce': promoted + 8}
+  # A POET-X fsdp update (make_train_step's fully_sharded): the trained
+  # arrays gathered once and reduce-scattered once (each device keeps
+  # 1/n of the sum), the frozen bases gathered where each micro-batch uses
+  # them, and scalars: the loss and weight sums, each array's share of the
+  # gradients' global norm (an all-reduce of a few bytes an array).
+  gathered = update.get('all-gather', 0)
+  fsdp_exact = (cfg.strategy == 'fsdp' and set(update) <= {'all-gather', 'reduce-scatter',
+                                                            'all-reduce'}
+                and update.get('reduce-scatter', 0) * n in (trainable, promoted)
+                and gathered >= trainable and update.get('all-reduce', 0) <= 4 * (len(params) + 8))
   return {'run': label, 'model': cfg.model, 'devices': n, 'strategy': cfg.strategy,
           'optimizer': cfg.optimizer, 'grad_accum': cfg.grad_accum,
           'per_device_batch': cfg.batch_size // n, 'seq_len': cfg.seq_len,
           'trainable_bytes': trainable, 'collectives': len(sites),
           'update_bytes': dict(update), 'merge_bytes': dict(merge),
           'gpu_allreduce_bytes': trainable + 8 if exact else None,
+          'frozen_gather_bytes_per_microbatch': ((gathered - trainable) / cfg.grad_accum
+                                                 if fsdp_exact else None),
           'merge_every': plan.merge_every}
 
 
@@ -147,18 +168,41 @@ def efficiency(compute_s: float, comm_s: float) -> tuple[float, float]:
   return compute_s / (compute_s + comm_s), compute_s / max(compute_s, comm_s)
 
 
+def projectable(record: dict) -> bool:
+  """Whether the model describes ``record``'s update: a dp update that
+  all-reduces exactly its trained arrays, or a POET-X fsdp update that
+  gathers and reduce-scatters them once and gathers only frozen bases in
+  between."""
+  return bool(record['gpu_allreduce_bytes']
+              or record.get('frozen_gather_bytes_per_microbatch') is not None)
+
+
 def project(record: dict, step: dict, gpus: list[int], links: dict) -> list[dict]:
-  """The projected data-parallel scaling of ``record`` (a dp run's update)
-  with the one-GPU ``step`` (a bench_train record of one micro-batch)."""
-  nbytes = record['gpu_allreduce_bytes']
+  """The projected scaling of ``record`` (a :func:`projectable` update at
+  the accumulation ``record['grad_accum']``) with the one-GPU ``step`` (a
+  bench_train record of one micro-batch). Under fsdp the trained arrays'
+  gather and reduce-scatter cost one all-reduce of their bytes, and each
+  micro-batch's gathers of the frozen bases half an all-reduce of theirs
+  (an all-gather is the second half of a ring all-reduce)."""
+  fsdp = record['strategy'] == 'fsdp'
+  nbytes = record['trainable_bytes'] if fsdp else record['gpu_allreduce_bytes']
+  frozen = (record['grad_accum'] * record['frozen_gather_bytes_per_microbatch'] if fsdp
+            else 0)
+  merge = record['merge_bytes']  # once every merge_every updates
+  reduced = merge.get('all-reduce', 0)
+  moved = sum(v for k, v in merge.items() if k != 'all-reduce')
   compute = record['grad_accum'] * step['step_s']
   tokens = step['batch'] * step['seq_len']  # of one micro-batch on one GPU
   out = []
   for n in gpus:
-    comm = allreduce_s(nbytes, n, **links)
+    merges = ((allreduce_s(reduced, n, **links) + allreduce_s(moved, n, **links) / 2)
+              / record['merge_every'] if merge else 0.0)
+    comm = allreduce_s(nbytes, n, **links) + allreduce_s(frozen, n, **links) / 2 + merges
     low, high = efficiency(compute, comm)
     out.append({'run': record['run'], 'model': record['model'], 'gpus': n,
+                'strategy': record['strategy'],
                 'grad_accum': record['grad_accum'], 'allreduce_mib': nbytes / 2 ** 20,
+                'frozen_gather_mib': frozen / 2 ** 20, 'merge_ms_per_update': 1e3 * merges,
                 'compute_ms': 1e3 * compute, 'comm_ms': 1e3 * comm,
                 'efficiency_no_overlap': low, 'efficiency_overlap': high,
                 'compute_bound_tokens': comm / (step['step_s'] / tokens),
@@ -224,15 +268,18 @@ def main(argv=None):
     steps = one_gpu_steps(harness.results_of(json.load(open(a.step_record))))
     projection = []
     for r in records:
-      if (r['strategy'] == 'dp' and r['gpu_allreduce_bytes'] and r['run'] in steps
-          and r['devices'] == devices[0]):
+      # one GPU runs one program whatever the strategy: an fsdp run's step
+      # is that of its label without '-fsdp'
+      step = steps.get(r['run'], steps.get(r['run'].removesuffix('-fsdp')))
+      if projectable(r) and step is not None and r['devices'] == devices[0]:
         for k in (int(x) for x in a.accum.split(',')):
-          projection += project({**r, 'grad_accum': k}, steps[r['run']],
+          projection += project({**r, 'grad_accum': k}, step,
                                 [int(x) for x in a.gpus.split(',')], links)
-    print_table(projection, title='projected (data parallel):', columns=[
+    print_table(projection, title='projected:', columns=[
         Column('run', 10, lambda r: r['run'], key=True),
         Column('gpus', 5, lambda r: str(r['gpus'])),
         Column('accum', 6, lambda r: str(r['grad_accum'])),
+        Column('frozen gathered MiB', 20, lambda r: f"{r['frozen_gather_mib']:,.1f}"),
         Column('comm ms', 9, lambda r: f"{r['comm_ms']:.1f}"),
         Column('compute ms', 11, lambda r: f"{r['compute_ms']:.1f}"),
         Column('eff. no overlap', 16, lambda r: f"{r['efficiency_no_overlap']:.3f}"),

@@ -10,15 +10,28 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from poetx_jax import sharding
 from poetx_jax.convert import path_str
+from poetx_jax.linear import pinned_activations
 
 
 def value_and_grad(loss_fn: tp.Callable, has_aux: bool,
                     data_parallel: jax.sharding.Mesh | None,
-                    loss_weight: tp.Callable | None, accumulate: int = 1) -> tp.Callable:
+                    loss_weight: tp.Callable | None, accumulate: int = 1,
+                    fully_sharded: jax.sharding.Mesh | None = None) -> tp.Callable:
   """``value_and_grad(model, batch)`` of ``loss_fn``: ``nnx.value_and_grad``,
-  or with ``data_parallel`` per device and averaged (:func:`_per_device_grads`);
-  with ``accumulate`` > 1 over the batch's micro-batches (:func:`_accumulated`)."""
+  or with ``data_parallel`` per device and averaged (:func:`_per_device_grads`),
+  or with ``fully_sharded`` per device and reduced to the parameters'
+  shards (:func:`_per_device_sharded`); with ``accumulate`` > 1 over the
+  batch's micro-batches (:func:`_accumulated`)."""
+  if data_parallel is not None and fully_sharded is not None:
+    raise ValueError('data_parallel and fully_sharded exclude each other: the training '
+                     'state is either replicated over the mesh or sharded over it')
+  if fully_sharded is not None:
+    if has_aux:
+      raise ValueError('fully_sharded does not take has_aux=True (auxiliary outputs '
+                       'cannot be averaged over devices in general)')
+    return _per_device_sharded(loss_fn, fully_sharded, loss_weight, accumulate)
   if data_parallel is None:
     if accumulate > 1:
       return _accumulated(loss_fn, loss_weight, accumulate, mutable=True)
@@ -125,6 +138,121 @@ def _per_device_grads(loss_fn: tp.Callable, mesh: jax.sharding.Mesh,
                          check_vma=False)(params, rest, batch)
 
   return value_and_grad
+
+
+def _per_device_sharded(loss_fn: tp.Callable, mesh: jax.sharding.Mesh,
+                        loss_weight: tp.Callable | None, accumulate: int = 1) -> tp.Callable:
+  """``value_and_grad(loss_fn)`` of a model whose arrays are sharded over
+  ``mesh`` (fsdp), each batch's rows split over all its axes: each device
+  computes the gradients of its own rows, sums them over the update's
+  micro-batches in a full-size accumulator of its own, and after the last
+  one a single reduction per trainable array (to its own sharding: a
+  reduce-scatter where it is sharded) gives the mean. The compiler still
+  partitions the model: it gathers each weight where a device needs it.
+
+  Per device means a ``jax.vmap`` over a leading device axis of the rows,
+  sharded over the mesh, with the parameters shared (``in_axes=None``): each
+  device's gradient is a slice of a ``(devices, *param.shape)`` array that
+  the compiler has no reason to reduce until the sum over that axis at the
+  end. What crosses is therefore the trainable arrays at their own size
+  (the POET-X generators packed, never as dense ``B x B`` blocks), once an
+  update, where the compiler's own partitioning of a summed gradient
+  reduces every micro-batch's. The cost is memory: each device holds one
+  full-size gradient of the trainable arrays (for POET-X the generators, a
+  small fraction of the model). Per-device weights ``loss_weight`` (or 1
+  each) weigh the mean, as :func:`_per_device_grads` does. A loss that
+  writes variables other than ``nnx.Param`` is refused."""
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  axes = tuple(mesh.axis_names)
+  devices = mesh.size
+  if axes != sharding.AXES:
+    raise ValueError(f'fully_sharded takes a mesh of axes {sharding.AXES} '
+                     f'(poetx_jax.sharding.make_mesh), got {axes}')
+
+  def value_and_grad(model, batch):
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    batches = batch if accumulate > 1 else jax.tree.map(lambda x: x[None], batch)
+    lengths = {x.shape[0] if x.ndim > 1 else None for x in jax.tree.leaves(batches)}
+    if lengths != {accumulate}:
+      raise ValueError(f'make_train_step(accumulate={accumulate}) takes a batch whose every '
+                       f'array has a leading axis of {accumulate} micro-batches; got leading '
+                       f'lengths {sorted(lengths, key=str)}')
+    rows = {x.shape[1] for x in jax.tree.leaves(batches)}
+    if any(r % devices for r in rows):
+      raise ValueError(f'fully_sharded: the rows of a micro-batch ({sorted(rows)}) must split '
+                       f'evenly over the mesh\'s {devices} devices')
+    split = NamedSharding(mesh, P(None, axes))
+    batches = jax.tree.map(
+        lambda x: jax.lax.with_sharding_constraint(
+            x.reshape(x.shape[0], devices, x.shape[1] // devices, *x.shape[2:]), split),
+        batches)
+
+    def one(params, rest, rows):  # one device's rows of one micro-batch
+      m = nnx.merge(graphdef, params, rest)
+      for _, sub in nnx.iter_graph(m):  # a device's rows are its own: not split again
+        if getattr(sub, 'carry_sharding', None) is not None:
+          sub.carry_sharding = NamedSharding(mesh, P())
+      before = _raw_values(m)
+      with pinned_activations(NamedSharding(mesh, P())):  # the rows stay on their device
+        loss = loss_fn(m, rows)
+      _refuse_state_changes(before, _raw_values(m))
+      w = (jnp.ones((), jnp.float32) if loss_weight is None
+           else jnp.asarray(loss_weight(rows), jnp.float32))
+      return w * loss.astype(jnp.float32), w
+
+    # The trainable arrays whole on every device, gathered once an update:
+    # gathered inside the loop, each micro-batch would gather them again (the
+    # generators as dense blocks, the embedding as partial lookups summed).
+    params = jax.tree.map(
+        lambda p: jax.lax.with_sharding_constraint(p, NamedSharding(mesh, P())), params)
+    each = jax.vmap(jax.value_and_grad(one, has_aux=True), in_axes=(None, None, 0),
+                    spmd_axis_name=axes)
+    per_device = lambda x: jax.lax.with_sharding_constraint(  # noqa: E731
+        x, NamedSharding(mesh, P(axes)))
+
+    def micro(carry, rows):
+      loss_sum, grad_sum, weight_sum = carry
+      (loss, w), grads = each(params, rest, rows)  # the weighted loss's gradients
+      grad_sum = jax.tree.map(lambda s, g: per_device(s + g.astype(s.dtype)), grad_sum, grads)
+      return (loss_sum + loss, grad_sum, weight_sum + w), None
+
+    zero = jnp.zeros((devices,), jnp.float32)
+    grad_zero = jax.tree.map(
+        lambda p: per_device(jnp.zeros((devices, *p.shape), p.dtype)), params)
+    (loss, grads, weight), _ = jax.lax.scan(micro, (zero, grad_zero, zero), batches)
+    weight = jnp.maximum(weight.sum(), 1e-30)
+    specs = [sharding.variable_sharding(v, mesh, 'fsdp').spec for v in jax.tree.leaves(
+        nnx.state(model, nnx.Param), is_leaf=lambda v: isinstance(v, nnx.Variable))]
+    leaves, tree = jax.tree.flatten(grads)
+    sums = _reduced_to_shards(leaves, specs, mesh)
+    means = [(g.astype(jnp.float32) / weight).astype(g.dtype) for g in sums]
+    return loss.sum() / weight, jax.tree.unflatten(tree, means)
+
+  return value_and_grad
+
+
+def _reduced_to_shards(per_device: list, specs: list, mesh: jax.sharding.Mesh) -> list:
+  """The sums over devices of ``per_device`` arrays (``(devices, *shape)``,
+  each device holding its own slice), each left in its ``specs``' sharding,
+  in one program: where an array is split over ``fsdp`` a reduce-scatter
+  over that axis along its split dimension (then, on the shard, a sum over
+  ``data``), elsewhere a sum over both axes. Summed in each array's dtype."""
+  from jax.sharding import PartitionSpec as P
+
+  def reduce(*xs):
+    out = []
+    for x, spec in zip(xs, specs, strict=True):
+      x = x[0]  # this device's own sum
+      dim = next((i for i, name in enumerate(spec) if name is not None), None)
+      if dim is None:
+        out.append(jax.lax.psum(x, sharding.AXES))
+      else:
+        x = jax.lax.psum_scatter(x, 'fsdp', scatter_dimension=dim, tiled=True)
+        out.append(jax.lax.psum(x, 'data') if mesh.shape['data'] > 1 else x)
+    return tuple(out)
+
+  return list(jax.shard_map(reduce, mesh=mesh, in_specs=tuple(P(sharding.AXES) for _ in specs),
+                            out_specs=tuple(specs), check_vma=False)(*per_device))
 
 
 def _raw_values(model) -> dict:

@@ -85,6 +85,27 @@ def using_blocks(blocks: dict[int, tuple]) -> tp.Iterator[None]:
     _BLOCKS.reset(token)
 
 
+# The sharding every POET layer pins its inputs and outputs to while a
+# pinned_activations block runs (None: no constraint).
+_PINNED: contextvars.ContextVar[jax.sharding.Sharding | None] = contextvars.ContextVar(
+    'poetx_pinned', default=None)
+
+
+@contextlib.contextmanager
+def pinned_activations(where: jax.sharding.Sharding) -> tp.Iterator[None]:
+  """While the block runs (a trace), every POET layer called constrains its
+  inputs and outputs to ``where`` (``jax.lax.with_sharding_constraint``).
+  :func:`poetx_jax.gradients` uses it to keep each device's rows whole on
+  that device under ``fully_sharded``: left free, XLA's partitioner may
+  split a layer's rotation blocks over the devices and move the activations
+  between them to match."""
+  token = _PINNED.set(where)
+  try:
+    yield
+  finally:
+    _PINNED.reset(token)
+
+
 def given_inverses(layer: 'POETLinear') -> tuple[jax.Array, jax.Array] | None:
   """The inverses of ``layer``'s (perm_in, perm_out) given to it by the
   :func:`using_blocks` block running, or None."""
@@ -453,6 +474,10 @@ class POETLinear(nnx.Module):
     else:  # dequantised inside the layer (recomputed under mode='mem')
       x, bias = dtypes.promote_dtype((inputs, bias), dtype=self.compute_dtype(inputs.dtype))
       kernel, scale = self.kernel[...], self.kernel_scale[...]
+    pinned = _PINNED.get()
+    pin = ((lambda a: jax.lax.with_sharding_constraint(a, pinned)) if pinned is not None
+           else (lambda a: a))
+    x = pin(x)
     given = (_BLOCKS.get() or {}).get(id(self))
     blocks = (given[:2] if given is not None and given[2] == ops.series_precision(x.dtype)
               else None)
@@ -470,7 +495,7 @@ class POETLinear(nnx.Module):
                         output_dst=output_dst, chunk=self.chunk)
     if bias is not None:
       y = y + bias
-    return y
+    return pin(y)
 
   def compute_dtype(self, input_dtype) -> tp.Any:
     """The dtype a call on inputs of ``input_dtype`` computes in: ``dtype``,

@@ -126,7 +126,6 @@ def abstract_placed(node, mesh: jax.sharding.Mesh, strategy: str) -> None:
 def _place(node, mesh: jax.sharding.Mesh, strategy: str, placeable, put_one) -> None:
   """Sets every placeable value of ``node`` to ``put_one(value, sharding)``
   by the rules of :func:`shard_state`."""
-  fsdp = mesh.shape['fsdp']
   if strategy == 'fsdp':
     for _, sub in nnx.iter_graph(node):
       if hasattr(sub, 'carry_sharding'):
@@ -136,14 +135,20 @@ def _place(node, mesh: jax.sharding.Mesh, strategy: str, placeable, put_one) -> 
     x = v.get_value()
     if not placeable(x):
       return x
-    if isinstance(v, Permutation):
-      return put_one(x, NamedSharding(mesh, P()))
-    spec = array_spec(x.shape, strategy, fsdp,
-                      stacked=v.get_metadata().get('layer_axis') == 0)
-    return put_one(x, NamedSharding(mesh, spec))
+    return put_one(x, variable_sharding(v, mesh, strategy))
 
   nnx.update(node, jax.tree.map(put, nnx.state(node),
                                 is_leaf=lambda v: isinstance(v, nnx.Variable)))
+
+
+def variable_sharding(v: nnx.Variable, mesh: jax.sharding.Mesh,
+                      strategy: str) -> NamedSharding:
+  """Where :func:`shard_state` places the array of variable ``v``."""
+  if isinstance(v, Permutation):
+    return NamedSharding(mesh, P())
+  shape = v.get_value().shape
+  return NamedSharding(mesh, array_spec(shape, strategy, mesh.shape['fsdp'],
+                                        stacked=v.get_metadata().get('layer_axis') == 0))
 
 
 def is_array(x) -> bool:

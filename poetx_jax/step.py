@@ -21,7 +21,8 @@ def make_train_step(loss_fn: tp.Callable, *, merge_every: int | None = None,
                     data_parallel: jax.sharding.Mesh | None = None,
                     loss_weight: tp.Callable | None = None, grad_norm: bool = False,
                     compiler_options: dict[str, tp.Any] | None = None,
-                    accumulate: int = 1) -> tp.Callable:
+                    accumulate: int = 1,
+                    fully_sharded: jax.sharding.Mesh | None = None) -> tp.Callable:
   """Builds ``step(model, optimizer, batch) -> loss`` (state donated).
 
   One call computes ``nnx.value_and_grad(loss_fn)(model, batch)`` (all
@@ -69,11 +70,27 @@ def make_train_step(loss_fn: tp.Callable, *, merge_every: int | None = None,
       ``loss_weight`` counts) and the rows split evenly. Not with ``has_aux``,
       nor with a loss that writes variables other than ``nnx.Param`` s
       (BatchNorm statistics, Dropout's RNG counters): refused when traced.
-    loss_weight: with ``data_parallel``: ``loss_weight(batch)`` is how many
-      items a device's loss averages over on its rows (e.g. its unmasked
-      tokens). The devices' losses and gradients are then averaged with these
-      weights, which is the global mean however unevenly the items fall. None
-      weighs the devices equally (a mean over rows).
+    fully_sharded: the mesh (:func:`poetx_jax.sharding.make_mesh`) when the
+      training state is sharded over it as :func:`poetx_jax.sharding.shard_state`
+      places it under ``'fsdp'`` and each batch split over all its axes. Each
+      device computes the gradients of its own rows, the compiler gathering
+      the frozen weights where they are used, and the trainable arrays cross
+      devices twice an update, each at its own size (the POET generators
+      packed): gathered whole once before the micro-batches, and their
+      gradients summed on each device over the micro-batches, then
+      reduce-scattered once to each array's shards. The cost is memory:
+      every device holds the trainable arrays whole and a full-size gradient
+      of them during the update (for POET-X the generators and the
+      embeddings, a small part of the model; for AdamW the whole model, so
+      leave it unset there and the compiler partitions the step as usual).
+      The loss and the refusals are as for ``data_parallel``, with which it
+      cannot be combined.
+    loss_weight: with ``data_parallel`` or ``fully_sharded``:
+      ``loss_weight(batch)`` is how many items a device's loss averages over
+      on its rows (e.g. its unmasked tokens). The devices' losses and
+      gradients are then averaged with these weights, which is the global
+      mean however unevenly the items fall. None weighs the devices equally
+      (a mean over rows).
     grad_norm: return ``(out, grad_norm)``: also the gradients' global norm before
       clipping (of the call's micro-batch, or its ``accumulate`` micro-batches'
       mean), as a device array (``_update_fn``).
@@ -83,9 +100,10 @@ def make_train_step(loss_fn: tp.Callable, *, merge_every: int | None = None,
       sums them, and applies their mean (weighted by ``loss_weight`` where
       given: the mean over all the update's items) with one
       ``optimizer.update``; the loss returned is the same mean. With
-      ``data_parallel`` each device sums its own micro-batches' gradients and
-      the devices average once per update, not once per micro-batch (batch
-      arrays then split over the mesh on their second axis). The sum is kept
+      ``data_parallel`` or ``fully_sharded`` each device sums its own
+      micro-batches' gradients and the devices average once per update, not
+      once per micro-batch (batch arrays then split over the mesh on their
+      second axis). The sum is kept
       in the gradients' dtype, as ``optax.MultiSteps`` keeps it (each
       weighted term computed in float32).
 
@@ -107,7 +125,7 @@ def make_train_step(loss_fn: tp.Callable, *, merge_every: int | None = None,
   base_key = jax.random.key(seed)
   verdicts = _MergeVerdicts(merge_every)
   value_and_grad = gradients.value_and_grad(loss_fn, has_aux, data_parallel, loss_weight,
-                                            accumulate)
+                                            accumulate, fully_sharded)
   programs = _Programs(_update_fn(value_and_grad, base_key, grad_norm, accumulate), donate,
                        compiler_options)
 

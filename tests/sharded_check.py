@@ -347,8 +347,8 @@ def _chunk_cases(config, train, compare, ckpt_dir) -> dict:
 
 
 def accumulate():
-  """make_train_step(accumulate=4) on 2 and 8 devices (data_parallel)
-  against one device: 5 updates of 4 micro-batches of 8 rows (merges after
+  """make_train_step(accumulate=4) on 2 and 8 devices (data_parallel) and
+  on fsdp meshes of 2 and 2 x 4 devices (fully_sharded) against one device: 5 updates of 4 micro-batches of 8 rows (merges after
   the 2nd and 4th); where the update program's collectives are; and, as a
   control, a psum inside a scan."""
   k = 4
@@ -360,9 +360,11 @@ def accumulate():
     micro.append(b)
   groups = [micro[u * k:(u + 1) * k] for u in range(5)]
 
-  def go(mesh=None, acc=1):
-    model, opt = build(mesh=mesh)
-    step = poetx_jax.make_train_step(loss_fn, seed=0, data_parallel=mesh, accumulate=acc,
+  def go(mesh=None, acc=1, strategy='dp'):
+    model, opt = build(mesh=mesh, strategy=strategy)
+    fsdp = strategy == 'fsdp'
+    step = poetx_jax.make_train_step(loss_fn, seed=0, data_parallel=None if fsdp else mesh,
+                                     fully_sharded=mesh if fsdp else None, accumulate=acc,
                                      loss_weight=loss_lib.target_count)
     losses = []
     for g in groups:
@@ -372,21 +374,27 @@ def accumulate():
       losses.append(float(step(model, opt, b)))
     sites = (sharding.collective_sites(step.lower(model, opt, b).compile().as_text())
              if mesh is not None else [])
-    return flat(model), losses, sites
+    sharded = [np.array_equal(x.sharding.shard_shape(x.shape), x.shape)
+               for x in jax.tree.leaves(nnx.state(model, nnx.Param))] if fsdp else []
+    return flat(model), losses, sites, sharded
 
-  ref, ref_losses, _ = go(acc=k)
+  ref, ref_losses, _, _ = go(acc=k)
   model, _ = build()
-  out = {'trainable_bytes': sum(x.nbytes for x in jax.tree.leaves(nnx.state(model, nnx.Param)))}
-  for name, n in (('2', 2), ('8', 8)):
-    mesh = sharding.make_mesh(n, 1, devices=jax.devices()[:n])
-    got, losses, sites = go(mesh, k)
+  params = jax.tree.leaves(nnx.state(model, nnx.Param))
+  out = {'trainable_bytes': sum(x.nbytes for x in params),
+         'trainable_arrays': len(params)}
+  for name, (d, f), strategy in (('2', (2, 1), 'dp'), ('8', (8, 1), 'dp'),
+                                 ('fsdp 2', (1, 2), 'fsdp'), ('fsdp 2x4', (2, 4), 'fsdp')):
+    mesh = sharding.make_mesh(d, f, devices=jax.devices()[:d * f])
+    got, losses, sites, whole = go(mesh, k, strategy)
     out[name] = {'loss_diff': max(abs(a - b) for a, b in zip(losses, ref_losses)),
                  'min_close_fraction': min(
                      float(np.mean(np.abs(a.astype(np.float64) - b) <= 1e-4))
                      for a, b in zip(got, ref) if a.dtype.kind == 'f'),
                  'perm_equal': all(np.array_equal(a, b) for a, b in zip(got, ref)
                                    if a.dtype.kind == 'i'),
-                 'sites': [[s['kind'], s['bytes'], s['in_loop'], s['trips']] for s in sites]}
+                 'sites': [[s['kind'], s['bytes'], s['in_loop'], s['trips']] for s in sites],
+                 'replicated_arrays': sum(whole)}
   from jax.sharding import PartitionSpec as P
   mesh = sharding.make_mesh(2, 1, devices=jax.devices()[:2])
 

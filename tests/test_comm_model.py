@@ -28,8 +28,10 @@ def test_allreduce_time_and_efficiencies():
 def test_a_data_parallel_update_sends_its_trained_arrays_once(tmp_path):
   """A tiny POET-X run with 3 micro-batches an update on 2 simulated
   devices: dp all-reduces the trained arrays (and two scalars) once per
-  update and its merges send nothing; fsdp's collectives are listed; the
-  projection uses the step record of its run label."""
+  update and its merges send nothing; fsdp gathers and reduce-scatters the
+  trained arrays once an update and gathers the frozen bases each
+  micro-batch; the projection uses the step record of its run label (under
+  fsdp, of the label without '-fsdp')."""
   steps = tmp_path / 'steps.json'
   steps.write_text(json.dumps([{'run': 'poet', 'step_s': 0.01, 'batch': 2, 'seq_len': 32,
                                 'round': 0},
@@ -56,9 +58,17 @@ def test_a_data_parallel_update_sends_its_trained_arrays_once(tmp_path):
     assert r['grad_accum'] == 3 and r['merge_bytes'] == {}
     assert r['update_bytes'] == {'all-reduce': r['trainable_bytes'] + 8}, r  # float32
     assert r['gpu_allreduce_bytes'] == r['trainable_bytes'] + 8
-  fsdp = [r for r in rec['records'] if r['run'] == 'poet-fsdp']
-  assert len(fsdp) == 1 and all(r['update_bytes'] and r['merge_bytes'] for r in fsdp)
+  (fsdp,) = [r for r in rec['records'] if r['run'] == 'poet-fsdp']
+  got = fsdp['update_bytes']
+  assert set(got) == {'all-gather', 'reduce-scatter', 'all-reduce'} and fsdp['merge_bytes'], got
+  assert got['reduce-scatter'] * 2 == fsdp['trainable_bytes'], got  # each device keeps half
+  frozen = fsdp['frozen_gather_bytes_per_microbatch']
+  assert frozen > 0 and got['all-gather'] == fsdp['trainable_bytes'] + 3 * frozen, fsdp
   proj = rec['projection']
-  assert [(p['gpus'], p['grad_accum']) for p in proj] == [(8, 3), (64, 3)]
+  assert [(p['run'], p['gpus'], p['grad_accum']) for p in proj] == [
+      ('poet', 8, 3), ('poet', 64, 3), ('poet-fsdp', 8, 3), ('poet-fsdp', 64, 3)]
   assert all(p['projected'] for p in proj)
-  assert proj[0]['compute_ms'] == pytest.approx(3 * 20.0)  # 3 x the median over rounds
+  assert proj[0]['compute_ms'] == proj[2]['compute_ms'] == pytest.approx(3 * 20.0)  # medians
+  assert proj[0]['frozen_gather_mib'] == 0 and proj[0]['merge_ms_per_update'] == 0
+  assert proj[2]['frozen_gather_mib'] == pytest.approx(3 * frozen / 2 ** 20)
+  assert proj[3]['comm_ms'] > proj[2]['comm_ms'] > 0 and proj[2]['merge_ms_per_update'] > 0

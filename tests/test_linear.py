@@ -578,3 +578,27 @@ def test_using_blocks_gives_layers_their_rotation_blocks_while_the_block_runs(ke
       assert rel_err(layer(x), own) < 1e-6
   assert poetx_jax.linear.given_inverses(layer) is None
   assert rel_err(layer(x), own) == 0
+
+
+def test_pinned_activations_constrain_a_layers_input_and_output_only_inside_the_block():
+  """Under linear.pinned_activations every POET layer called pins its input
+  and its output (two sharding constraints in the traced program, the
+  output's last); outside the block, none; the values are unchanged."""
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  from poetx_jax.linear import pinned_activations
+  layer = POETLinear(16, 8, block_size=4, rngs=nnx.Rngs(0))
+  randomize_generators(layer, jax.random.key(1))
+  x = jax.random.normal(jax.random.key(2), (3, 16))
+  where = NamedSharding(poetx_jax.sharding.make_mesh(), P())
+
+  def constraints(jaxpr):
+    eqns = jaxpr.jaxpr.eqns
+    return [i for i, e in enumerate(eqns) if e.primitive.name == 'sharding_constraint'], len(eqns)
+
+  assert constraints(jax.make_jaxpr(lambda a: layer(a))(x))[0] == []
+  with pinned_activations(where):
+    pinned = jax.make_jaxpr(lambda a: layer(a))(x)
+    y = jax.jit(lambda a: layer(a))(x)
+  found, n = constraints(pinned)
+  assert len(found) == 2 and found[-1] == n - 1, pinned
+  np.testing.assert_array_equal(np.asarray(y), np.asarray(jax.jit(lambda a: layer(a))(x)))

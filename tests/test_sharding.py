@@ -319,18 +319,38 @@ def test_collective_bytes_counts_outputs_once():
 
 @pytest.mark.slow
 def test_accumulated_updates_cross_devices_once():
-  """make_train_step(accumulate=4) under data_parallel on 2 and 8 devices:
-  5 updates of 4 micro-batches (unequal target counts, merges included) give
-  one device's updates to float32 rounding, and the update program holds one
+  """make_train_step(accumulate=4) under data_parallel on 2 and 8 devices
+  and fully_sharded on fsdp meshes of 2 and 2 x 4: 5 updates of 4
+  micro-batches (unequal target counts, merges included) give one device's
+  updates to float32 rounding. Under dp the update program holds one
   all-reduce, outside any loop, of the trainable arrays plus two float32
-  scalars (the loss and weight sums), not one per micro-batch;
+  scalars (the loss and weight sums), not one per micro-batch. Under fsdp
+  (every trainable array sharded) the trainable arrays cross twice an
+  update, outside the loop, each at its own size: one all-gather each
+  before the micro-batches, one reduce-scatter each after them (on the
+  2 x 4 mesh then one all-reduce of the shards over ``data``); inside the
+  loop only the frozen bases are gathered, once per micro-batch.
   collective_sites finds a psum inside a scan, run once per iteration."""
   r = _run(8, 'accumulate')
-  for n in ('2', '8'):
+  size, arrays = r['trainable_bytes'], r['trainable_arrays']
+  for n in ('2', '8', 'fsdp 2', 'fsdp 2x4'):
     got = r[n]
     assert (got['loss_diff'] < 1e-5 and got['min_close_fraction'] > 0.99
             and got['perm_equal']), (n, got)
-    assert got['sites'] == [['all-reduce', r['trainable_bytes'] + 8, False, 1]], got
+  for n in ('2', '8'):
+    assert r[n]['sites'] == [['all-reduce', size + 8, False, 1]], r[n]
+  for n, data, fsdp in (('fsdp 2', 1, 2), ('fsdp 2x4', 2, 4)):
+    sites = r[n]['sites']
+    assert r[n]['replicated_arrays'] == 0, r[n]  # each trainable array is split
+    once = lambda kind: [b for k, b, loop, trips in sites  # noqa: E731
+                         if k == kind and not loop and trips == 1]
+    assert len(once('all-gather')) == arrays and sum(once('all-gather')) == size, sites
+    assert (len(once('reduce-scatter')) == arrays
+            and sum(once('reduce-scatter')) * fsdp == size), sites
+    assert sum(once('all-reduce')) == 8 + (size // fsdp if data > 1 else 0), sites
+    looped = [s for s in sites if s[2]]
+    assert looped and all(k == 'all-gather' and trips == 4 for k, _, _, trips in looped), sites
+    assert len(sites) == len(looped) + 2 * arrays + len(once('all-reduce')), sites
   assert r['control'] == [['all-reduce', 2 * 5 * 4, True, 3]], r['control']  # 3 iterations
 
 

@@ -265,3 +265,40 @@ def test_accumulate_refuses_a_batch_of_another_length():
   x, y = _batches(1)[0]
   with pytest.raises(ValueError, match=r'accumulate=3.*leading axis of 3.*got leading lengths \[4\]'):
     step(model, opt, (x, y))  # one micro-batch of 4 rows, not 3 stacked
+
+
+def test_fully_sharded_refusals():
+  mesh = poetx_jax.sharding.make_mesh()
+  with pytest.raises(ValueError, match='exclude each other'):
+    poetx_jax.make_train_step(_loss, data_parallel=mesh, fully_sharded=mesh)
+  with pytest.raises(ValueError, match='fully_sharded does not take has_aux'):
+    poetx_jax.make_train_step(lambda m, b: (_loss(m, b), {}), has_aux=True,
+                              fully_sharded=mesh)
+  other = jax.sharding.Mesh(np.array(jax.devices()[:1]), ('x',))
+  with pytest.raises(ValueError, match=r"fully_sharded takes a mesh of axes \('data', 'fsdp'\)"):
+    poetx_jax.make_train_step(_loss, fully_sharded=other)
+
+
+@pytest.mark.parametrize('accumulate', [1, 3])
+def test_fully_sharded_on_one_device_is_the_plain_step(accumulate):
+  """The per-device gradients of fully_sharded (a vmap over a device axis
+  of length 1, the sums reduced to each parameter's sharding) give the
+  plain step's losses and parameters, merges included, to float32
+  rounding."""
+  batches = _batches(4 * accumulate)
+  if accumulate > 1:  # micro-batches stacked on a leading axis
+    batches = [jax.tree.map(lambda *xs: jnp.stack(xs), *batches[i:i + accumulate])
+               for i in range(0, len(batches), accumulate)]
+
+  def train(**kw):
+    model = _model()
+    opt = _optimizer(model, merge_every=2)
+    step = poetx_jax.make_train_step(_loss, merge_every=2, accumulate=accumulate, **kw)
+    losses = [float(step(model, opt, b)) for b in batches]
+    return losses, jax.tree.leaves(nnx.state(model, nnx.Param))
+
+  ref_losses, ref = train()
+  losses, got = train(fully_sharded=poetx_jax.sharding.make_mesh())
+  np.testing.assert_allclose(losses, ref_losses, rtol=1e-6)
+  for a, b in zip(got, ref, strict=True):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)

@@ -165,9 +165,11 @@ def make_step(plan: 'Plan', on_merge=None, mesh=None, grad_norm: bool = False):
   # Per-device programs (one crossing of exactly the trained arrays an
   # update) only where each row is computed on its own (a routed model's
   # capacity and aux losses are per global batch).
-  dp = (mesh if mesh is not None and cfg.strategy == 'dp' and plan.model.rows_independent
-        else None)
-  common = dict(data_parallel=dp, loss_weight=target_count, grad_norm=grad_norm,
+  per_device = mesh is not None and plan.model.rows_independent
+  common = dict(data_parallel=mesh if per_device and cfg.strategy == 'dp' else None,
+                fully_sharded=(mesh if per_device and cfg.strategy == 'fsdp' and plan.poetize
+                               else None),
+                loss_weight=target_count, grad_norm=grad_norm,
                 compiler_options=options, accumulate=cfg.grad_accum)
   if plan.poetize:
     return poetx_jax.make_train_step(loss, merge_every=plan.merge_every, seed=cfg.seed,
