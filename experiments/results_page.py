@@ -108,7 +108,7 @@ def kernel_rows() -> list[dict]:
 
 def scaling_rows() -> list[dict]:
   """Data-parallel bytes per update at 1B, the model's check against two
-  GPUs, and the projection at 64 GPUs."""
+  GPUs, and the projection at 64 GPUs; POET-X under fsdp at 8B."""
   study, record = 'scaling', 'comm-1b.json'
   rec = _load(study, record)
   dp = {r['optimizer']: r for r in rec['records'] if r['strategy'] == 'dp' and r['devices'] == 2
@@ -127,7 +127,26 @@ def scaling_rows() -> list[dict]:
            study, record),
       _row('Data-parallel efficiency at 64 GPUs, 1B (projected)',
            f"POET-X {poet['efficiency_no_overlap']:.3f}–{poet['efficiency_overlap']:.3f} "
-           '(no overlap – full overlap); projected, not measured', study, record)]
+           '(no overlap – full overlap); projected, not measured', study, record),
+      *fsdp_rows()]
+
+
+def fsdp_rows() -> list[dict]:
+  """POET-X under fsdp at 8B: what its update sends, and its projected
+  efficiency at 64 GPUs with one micro-batch an update."""
+  study, record = 'scaling', 'comm-8b.json'
+  rec = _load(study, record)
+  (r,) = [r for r in rec['records'] if r['run'] == 'chunk-fsdp' and r['devices'] == 8]
+  (p,) = [p for p in rec['projection'] if p['run'] == 'chunk-fsdp' and p['gpus'] == 64
+          and p['grad_accum'] == 1]
+  gib = 2 ** 30
+  return [_row('POET-X under FSDP, 8B: an update on 8 devices (from the compiled program), and '
+               'its efficiency at 64 GPUs (projected)',
+               f"trained arrays {r['trainable_bytes'] / gib:.2f} GiB gathered once and "
+               f"reduce-scattered once; frozen bases gathered "
+               f"{r['frozen_gather_bytes_per_microbatch'] / gib:.1f} GiB a micro-batch; "
+               f"64 GPUs {p['efficiency_no_overlap']:.3f}–{p['efficiency_overlap']:.3f} "
+               '(no overlap – full overlap), projected, not measured', study, record)]
 
 
 def quality_rows() -> list[dict]:
