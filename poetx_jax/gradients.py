@@ -55,11 +55,7 @@ def _accumulated(loss_fn: tp.Callable, loss_weight: tp.Callable | None, accumula
   back; otherwise such a write is refused (:func:`_refuse_state_changes`)."""
 
   def value_and_grad(model, batches):
-    lengths = {x.shape[0] if x.ndim else None for x in jax.tree.leaves(batches)}
-    if lengths != {accumulate}:
-      raise ValueError(f'make_train_step(accumulate={accumulate}) takes a batch whose every '
-                       f'array has a leading axis of {accumulate} micro-batches; got leading '
-                       f'lengths {sorted(lengths, key=str)}')
+    _check_micro_batches(batches, accumulate)
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
 
     def pure_loss(params, rest, batch):
@@ -94,6 +90,16 @@ def _accumulated(loss_fn: tp.Callable, loss_weight: tp.Callable | None, accumula
       return _divided((loss, grads), weight)
     return mean
   return value_and_grad
+
+
+def _check_micro_batches(batches, accumulate: int) -> None:
+  """Raises unless every array of ``batches`` has a leading axis of
+  ``accumulate`` micro-batches."""
+  lengths = {x.shape[0] if x.ndim else None for x in jax.tree.leaves(batches)}
+  if lengths != {accumulate}:
+    raise ValueError(f'make_train_step(accumulate={accumulate}) takes a batch whose every '
+                     f'array has a leading axis of {accumulate} micro-batches; got leading '
+                     f'lengths {sorted(lengths, key=str)}')
 
 
 def _divided(out, weight):
@@ -157,11 +163,16 @@ def _per_device_sharded(loss_fn: tp.Callable, mesh: jax.sharding.Mesh,
   end. What crosses is therefore the trainable arrays at their own size
   (the POET-X generators packed, never as dense ``B x B`` blocks), once an
   update, where the compiler's own partitioning of a summed gradient
-  reduces every micro-batch's. The cost is memory: each device holds one
-  full-size gradient of the trainable arrays (for POET-X the generators, a
-  small fraction of the model). Per-device weights ``loss_weight`` (or 1
-  each) weigh the mean, as :func:`_per_device_grads` does. A loss that
-  writes variables other than ``nnx.Param`` is refused."""
+  reduces every micro-batch's. The trainable arrays are gathered whole once
+  before the micro-batches (inside them each would gather them again), and
+  every POET layer pins its activations to the device's rows
+  (:func:`poetx_jax.linear.pinned_activations`), so that inside the loop
+  only the frozen bases cross. The cost is memory: each device holds the
+  trainable arrays whole and one full-size gradient of them (for POET-X the
+  generators and the embeddings, a small part of the model). Per-device
+  weights ``loss_weight`` (or 1 each) weigh the mean, as
+  :func:`_per_device_grads` does. A loss that writes variables other than
+  ``nnx.Param`` is refused."""
   from jax.sharding import NamedSharding, PartitionSpec as P
   axes = tuple(mesh.axis_names)
   devices = mesh.size
@@ -172,11 +183,7 @@ def _per_device_sharded(loss_fn: tp.Callable, mesh: jax.sharding.Mesh,
   def value_and_grad(model, batch):
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     batches = batch if accumulate > 1 else jax.tree.map(lambda x: x[None], batch)
-    lengths = {x.shape[0] if x.ndim > 1 else None for x in jax.tree.leaves(batches)}
-    if lengths != {accumulate}:
-      raise ValueError(f'make_train_step(accumulate={accumulate}) takes a batch whose every '
-                       f'array has a leading axis of {accumulate} micro-batches; got leading '
-                       f'lengths {sorted(lengths, key=str)}')
+    _check_micro_batches(batches, accumulate)
     rows = {x.shape[1] for x in jax.tree.leaves(batches)}
     if any(r % devices for r in rows):
       raise ValueError(f'fully_sharded: the rows of a micro-batch ({sorted(rows)}) must split '

@@ -157,14 +157,18 @@ def make_step(plan: 'Plan', on_merge=None, mesh=None, grad_norm: bool = False):
   grad_norm)`` (:func:`poetx_jax.make_train_step`). With ``grad_accum`` > 1
   one call is one update: the micro-batches come stacked on a leading axis
   and their gradients are summed in the one compiled update (under ``dp``,
-  on each device, then averaged across devices once)."""
+  and under ``fsdp`` for POET-X, on each device, then averaged across
+  devices once)."""
   cfg = plan.options
   loss = functools.partial(training_loss, loss_chunk=cfg.loss_chunk)
   options = ({'xla_gpu_memory_limit_slop_factor': cfg.memory_slop}
              if cfg.memory_slop is not None else None)
-  # Per-device programs (one crossing of exactly the trained arrays an
-  # update) only where each row is computed on its own (a routed model's
-  # capacity and aux losses are per global batch).
+  # Per-device programs (dp: one all-reduce of exactly the trained arrays an
+  # update; fsdp: one gather and one reduce-scatter of them) only where each
+  # row is computed on its own (a routed model's capacity and aux losses are
+  # per global batch), and under fsdp only for POET-X: a dense optimizer's
+  # trained arrays are the whole model, which fully_sharded holds whole on
+  # every device.
   per_device = mesh is not None and plan.model.rows_independent
   common = dict(data_parallel=mesh if per_device and cfg.strategy == 'dp' else None,
                 fully_sharded=(mesh if per_device and cfg.strategy == 'fsdp' and plan.poetize
