@@ -29,13 +29,14 @@ parts keep in step:
 
 from __future__ import annotations
 
+import contextvars
 import functools
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from poetx_jax import ops
+from poetx_jax import ops, perms
 from poetx_jax.convert import for_each_layer, poet_layers
 from poetx_jax.layout import on_gpu
 from poetx_jax.linear import POETLinear
@@ -84,12 +85,16 @@ def merge_layer(layer: POETLinear, key: Array, perm_in: Array | None = None,
     return jnp.max(for_each_layer(layer, merge_layer, keys, perm_in, perm_out, update=True))
   blocks = layer.rotation_blocks()  # one series for the error and the merged kernel
   error = layer.orthogonality_error(blocks)
-  merged = layer.effective_kernel(blocks)
   drawn_in, drawn_out = layer.draw_permutations(key)
   # A given permutation is copied: each layer's state holds a buffer of its own.
   perm_in = drawn_in if perm_in is None else jnp.copy(perm_in)
   perm_out = drawn_out if perm_out is None else jnp.copy(perm_out)
-  base, scale = layer.encode_base(ops.permute_kernel(merged, perm_in, perm_out, layer.chunk))
+  where = _BASE_SHARDING.get()
+  if where is not None and _merges_on_shards(layer, *where):
+    base, scale = _merged_on_shards(layer, blocks, perm_in, perm_out, *where), None
+  else:
+    merged = layer.effective_kernel(blocks)
+    base, scale = layer.encode_base(ops.permute_kernel(merged, perm_in, perm_out, layer.chunk))
   layer.kernel[...] = base
   if scale is not None:
     layer.kernel_scale[...] = scale
@@ -98,6 +103,81 @@ def merge_layer(layer: POETLinear, key: Array, perm_in: Array | None = None,
   layer.q_in[...] = jnp.zeros_like(layer.q_in[...])
   layer.q_out[...] = jnp.zeros_like(layer.q_out[...])
   return error
+
+
+# (mesh, PartitionSpec of one layer's base) while a merge program traces a
+# layer whose base is split over the mesh's 'fsdp' axis: the layer then
+# merges on its shards (_merged_on_shards).
+_BASE_SHARDING: contextvars.ContextVar[tuple | None] = contextvars.ContextVar(
+    'poetx_base_sharding', default=None)
+
+
+def _split_axis(spec) -> int | None:
+  """The axis of a one-layer (I, O) base that ``spec`` splits over 'fsdp'."""
+  axes = [d for d, name in enumerate(spec) if name is not None]
+  return axes[0] if len(axes) == 1 and spec[axes[0]] == 'fsdp' else None
+
+
+def _merges_on_shards(layer: POETLinear, mesh, spec) -> bool:
+  """Whether the layer's base can merge on its shards: split along one axis
+  over 'fsdp', into shards of whole rotation blocks, not quantised."""
+  d = _split_axis(spec)
+  if d is None or layer.quantize is not None:
+    return False
+  n = mesh.shape['fsdp']
+  width = (layer.in_features, layer.out_features)[d]
+  return width % (n * layer.block_size) == 0
+
+
+def _merged_on_shards(layer: POETLinear, blocks, perm_in, perm_out, mesh, spec) -> Array:
+  """The new stored base ``permute_kernel(effective_kernel, perm_in,
+  perm_out)`` computed on the base's shards, in the base's dtype: each
+  device rotates the blocks of its own rows (or columns) and folds the
+  permutation of the axis it holds whole; the permutation of the split axis
+  then moves rows (columns) between devices around a ring of ``fsdp``
+  (n - 1 collective-permutes of a shard), so no device holds more than two
+  shards of the layer. The same values as the whole-layer merge: the
+  rotations are the same block products, and the rest is permutation."""
+  from jax.sharding import PartitionSpec as P  # pylint: disable=import-outside-toplevel
+  c_in, c_out = ops._chunk_pair(layer.chunk)  # pylint: disable=protected-access
+  i, o = layer.in_features, layer.out_features
+  # Where each row / column of the new base comes from in the rotated,
+  # still-permuted base: the merge's permutations applied to indices.
+  rows = perms._take_rows(ops.unpermute_rows(jnp.arange(i)[:, None], layer.perm_in[...],  # pylint: disable=protected-access
+                                             chunk=c_in), perm_in, c_in)[:, 0]
+  cols = perms._gather(ops.unpermute(jnp.arange(o)[None, :], layer.perm_out[...],  # pylint: disable=protected-access
+                                     chunk=c_out), perm_out, c_out)[0]
+  g_in, g_out = blocks
+  d = _split_axis(spec)
+  n, b = mesh.shape['fsdp'], layer.block_size
+  exact = jax.lax.Precision.HIGHEST
+  kernel = layer.frozen_kernel()
+
+  def local(k, g_in, g_out, rows, cols):
+    me = jax.lax.axis_index('fsdp')
+    size = k.shape[d]
+    first = me * (size // b)  # this shard's first rotation block along d
+    if d == 0:
+      g_in = jax.lax.dynamic_slice_in_dim(g_in, first, size // b)
+    else:
+      g_out = jax.lax.dynamic_slice_in_dim(g_out, first, size // b)
+    a = ops.rotate_weight(k.astype(jnp.float32), g_in, g_out, None, None, exact,
+                          permute_input=False, permute_output=False)
+    a = jnp.take(a, cols, axis=1) if d == 0 else jnp.take(a, rows, axis=0)
+    want = jax.lax.dynamic_slice_in_dim(rows if d == 0 else cols, me * size, size)
+    out, buf = jnp.zeros_like(a), a
+    for step in range(n):  # buf holds shard (me - step) mod n
+      src = (me - step) % n
+      at = want - src * size
+      hit = (at >= 0) & (at < size)
+      got = jnp.take(buf, jnp.clip(at, 0, size - 1), axis=d)
+      out = jnp.where(hit[:, None] if d == 0 else hit[None, :], got, out)
+      if step < n - 1:
+        buf = jax.lax.ppermute(buf, 'fsdp', [(j, (j + 1) % n) for j in range(n)])
+    return out.astype(layer.param_dtype)
+
+  return jax.shard_map(local, mesh=mesh, in_specs=(spec, P(), P(), P(), P()),
+                       out_specs=spec, check_vma=False)(kernel, g_in, g_out, rows, cols)
 
 
 def merge(model, *, rngs: nnx.Rngs | Array) -> Array:
@@ -114,8 +194,12 @@ def merge(model, *, rngs: nnx.Rngs | Array) -> Array:
   it is updated, so the merge needs one layer's scratch memory, not a second
   model. The layers of a stack merge one after another inside one program
   that updates the stack in place: its old buffers are donated, so arrays
-  read from a stacked layer before the merge are invalid after it. Under jit
-  (the model's state traced, whether or not the key is) it traces inline.
+  read from a stacked layer before the merge are invalid after it. A base
+  split over a mesh's ``fsdp`` axis into shards of whole rotation blocks
+  (not quantised) merges on its shards: no device holds more than two
+  shards of a layer (:func:`_merged_on_shards`); other layouts are
+  partitioned by the compiler. Under jit (the model's state traced, whether
+  or not the key is) it traces inline, with the compiler's partitioning.
 
   Args:
     model: a model containing POETLinear layers.
@@ -170,7 +254,12 @@ def _layer_program(layer: POETLinear):
   graphdef, state = nnx.split(layer)
   shardings = jax.tree.map(lambda x: x.sharding, state)
   leaves, treedef = jax.tree.flatten(shardings)
-  return state, _merge_program(graphdef, treedef, tuple(leaves), bool(layer.stack_shape))
+  base = layer.kernel[...].sharding
+  where = None
+  if isinstance(base, jax.sharding.NamedSharding):  # one layer's spec, the stack axes dropped
+    spec = tuple(base.spec) + (None,) * (layer.kernel[...].ndim - len(base.spec))
+    where = (base.mesh, jax.sharding.PartitionSpec(*spec[len(layer.stack_shape):]))
+  return state, _merge_program(graphdef, treedef, tuple(leaves), bool(layer.stack_shape), where)
 
 
 def merge_collectives(model) -> list[tuple[str, list[dict]]]:
@@ -197,10 +286,14 @@ MERGE_GPU_COMPILER_OPTIONS = {'xla_gpu_autotune_level': 0}
 
 
 @functools.lru_cache(maxsize=64)
-def _merge_program(graphdef, treedef, sharding_leaves, donate):
+def _merge_program(graphdef, treedef, sharding_leaves, donate, base_sharding=None):
   def run(state, key, perms):
     layer = nnx.merge(graphdef, state)
-    error = merge_layer(layer, key, *perms)
+    token = _BASE_SHARDING.set(base_sharding)
+    try:
+      error = merge_layer(layer, key, *perms)
+    finally:
+      _BASE_SHARDING.reset(token)
     return nnx.state(layer), error
 
   if all(isinstance(s, jax.sharding.SingleDeviceSharding) for s in sharding_leaves):

@@ -412,8 +412,10 @@ def accumulate():
 def merges():
   """What each POET layer's merge program sends between 8 devices: under dp
   (state replicated), under fsdp (2, 4) and fsdp with the layers stacked;
-  per layer the collectives' total bytes, the largest one's, and the bytes
-  of the layer's frozen base."""
+  per layer the collectives' total bytes, the largest one's, the sizes of
+  its collective-permutes, and the bytes of the layer's frozen base. Then
+  the merged state under fsdp (2, 4), unstacked and stacked, against one
+  device's, from the same random generators and key."""
   from poetx_jax import cycle
   out = {}
   for name, (d, f), strategy, scan in (('dp', (8, 1), 'dp', False),
@@ -424,8 +426,28 @@ def merges():
     out[name] = [{'layer': path, 'collectives': len(sites),
                   'bytes': sum(s['bytes'] for s in sites),
                   'largest': max([s['bytes'] for s in sites] + [0]),
+                  'permuted': sorted({s['bytes'] for s in sites
+                                      if s['kind'] == 'collective-permute'}),
                   'base_bytes': layers[path].kernel[...].nbytes}
                  for path, sites in cycle.merge_collectives(model)]
+
+  def merged(scan, mesh):  # random generators, then one merge
+    model, _ = build(scan, mesh, 'fsdp' if mesh is not None else 'dp')
+    for i, (_, layer) in enumerate(cycle.poet_layers(model)):
+      for j, q in enumerate((layer.q_in, layer.q_out)):
+        q[...] = 0.05 * jax.random.normal(jax.random.key(100 * i + j), q[...].shape,
+                                          q[...].dtype)
+    error = float(cycle.merge(model, rngs=jax.random.key(5)))
+    return flat(model), error
+
+  for scan in (False, True):  # the sharded merge against one device's
+    ref, ref_error = merged(scan, None)
+    got, error = merged(scan, sharding.make_mesh(2, 4))
+    out[f'values scan={scan}'] = {
+        'error_diff': abs(error - ref_error),
+        'largest_diff': max(float(np.max(np.abs(a.astype(np.float64) - b)))
+                            for a, b in zip(got, ref) if a.dtype.kind == 'f'),
+        'ints_equal': all(np.array_equal(a, b) for a, b in zip(got, ref) if a.dtype.kind == 'i')}
   json.dump(out, sys.stdout)
 
 
