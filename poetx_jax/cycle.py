@@ -254,10 +254,11 @@ def _layer_program(layer: POETLinear):
   graphdef, state = nnx.split(layer)
   shardings = jax.tree.map(lambda x: x.sharding, state)
   leaves, treedef = jax.tree.flatten(shardings)
-  base = layer.kernel[...].sharding
+  value = layer.kernel.get_value()  # an array, or its shape (abstract state)
+  base = getattr(value, 'sharding', None)
   where = None
   if isinstance(base, jax.sharding.NamedSharding):  # one layer's spec, the stack axes dropped
-    spec = tuple(base.spec) + (None,) * (layer.kernel[...].ndim - len(base.spec))
+    spec = tuple(base.spec) + (None,) * (len(value.shape) - len(base.spec))
     where = (base.mesh, jax.sharding.PartitionSpec(*spec[len(layer.stack_shape):]))
   return state, _merge_program(graphdef, treedef, tuple(leaves), bool(layer.stack_shape), where)
 
