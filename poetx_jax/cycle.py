@@ -164,6 +164,7 @@ def _merged_on_shards(layer: POETLinear, blocks, perm_in, perm_out, mesh, spec) 
     a = ops.rotate_weight(k.astype(jnp.float32), g_in, g_out, None, None, exact,
                           permute_input=False, permute_output=False)
     a = jnp.take(a, cols, axis=1) if d == 0 else jnp.take(a, rows, axis=0)
+    a = a.astype(layer.param_dtype)  # rounded once, as the whole-layer merge; moved so
     want = jax.lax.dynamic_slice_in_dim(rows if d == 0 else cols, me * size, size)
     out, buf = jnp.zeros_like(a), a
     for step in range(n):  # buf holds shard (me - step) mod n
@@ -174,7 +175,7 @@ def _merged_on_shards(layer: POETLinear, blocks, perm_in, perm_out, mesh, spec) 
       out = jnp.where(hit[:, None] if d == 0 else hit[None, :], got, out)
       if step < n - 1:
         buf = jax.lax.ppermute(buf, 'fsdp', [(j, (j + 1) % n) for j in range(n)])
-    return out.astype(layer.param_dtype)
+    return out
 
   return jax.shard_map(local, mesh=mesh, in_specs=(spec, P(), P(), P(), P()),
                        out_specs=spec, check_vma=False)(kernel, g_in, g_out, rows, cols)
