@@ -135,9 +135,10 @@ def _merged_on_shards(layer: POETLinear, blocks, perm_in, perm_out, mesh, spec) 
   device rotates the blocks of its own rows (or columns) and folds the
   permutation of the axis it holds whole; the permutation of the split axis
   then moves rows (columns) between devices around a ring of ``fsdp``
-  (n - 1 collective-permutes of a shard), so no device holds more than two
-  shards of the layer. The same values as the whole-layer merge: the
-  rotations are the same block products, and the rest is permutation."""
+  (n - 1 collective-permutes of a shard, in the base's dtype), so a device
+  holds a few shards of the layer at a time, never the whole. The same
+  values as the whole-layer merge: the rotations are the same block
+  products, and the rest is permutation."""
   from jax.sharding import PartitionSpec as P  # pylint: disable=import-outside-toplevel
   c_in, c_out = ops._chunk_pair(layer.chunk)  # pylint: disable=protected-access
   i, o = layer.in_features, layer.out_features
@@ -164,7 +165,7 @@ def _merged_on_shards(layer: POETLinear, blocks, perm_in, perm_out, mesh, spec) 
     a = ops.rotate_weight(k.astype(jnp.float32), g_in, g_out, None, None, exact,
                           permute_input=False, permute_output=False)
     a = jnp.take(a, cols, axis=1) if d == 0 else jnp.take(a, rows, axis=0)
-    a = a.astype(layer.param_dtype)  # rounded once, as the whole-layer merge; moved so
+    a = a.astype(layer.param_dtype)  # rounded once, as the whole-layer merge rounds it
     want = jax.lax.dynamic_slice_in_dim(rows if d == 0 else cols, me * size, size)
     out, buf = jnp.zeros_like(a), a
     for step in range(n):  # buf holds shard (me - step) mod n
@@ -197,8 +198,8 @@ def merge(model, *, rngs: nnx.Rngs | Array) -> Array:
   that updates the stack in place: its old buffers are donated, so arrays
   read from a stacked layer before the merge are invalid after it. A base
   split over a mesh's ``fsdp`` axis into shards of whole rotation blocks
-  (not quantised) merges on its shards: no device holds more than two
-  shards of a layer (:func:`_merged_on_shards`); other layouts are
+  (not quantised) merges on its shards, no device holding the whole layer
+  (:func:`_merged_on_shards`); other layouts are
   partitioned by the compiler. Under jit (the model's state traced, whether
   or not the key is) it traces inline, with the compiler's partitioning.
 
