@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from poetx_jax import ops, perms
+from poetx_jax import ops, perms, sharding
 from poetx_jax.convert import for_each_layer, poet_layers
 from poetx_jax.layout import on_gpu
 from poetx_jax.linear import POETLinear
@@ -112,16 +112,10 @@ _BASE_SHARDING: contextvars.ContextVar[tuple | None] = contextvars.ContextVar(
     'poetx_base_sharding', default=None)
 
 
-def _split_axis(spec) -> int | None:
-  """The axis of a one-layer (I, O) base that ``spec`` splits over 'fsdp'."""
-  axes = [d for d, name in enumerate(spec) if name is not None]
-  return axes[0] if len(axes) == 1 and spec[axes[0]] == 'fsdp' else None
-
-
 def _merges_on_shards(layer: POETLinear, mesh, spec) -> bool:
   """Whether the layer's base can merge on its shards: split along one axis
   over 'fsdp', into shards of whole rotation blocks, not quantised."""
-  d = _split_axis(spec)
+  d = sharding.fsdp_axis(spec)
   if d is None or layer.quantize is not None:
     return False
   n = mesh.shape['fsdp']
@@ -149,7 +143,7 @@ def _merged_on_shards(layer: POETLinear, blocks, perm_in, perm_out, mesh, spec) 
   cols = perms._gather(ops.unpermute(jnp.arange(o)[None, :], layer.perm_out[...],  # pylint: disable=protected-access
                                      chunk=c_out), perm_out, c_out)[0]
   g_in, g_out = blocks
-  d = _split_axis(spec)
+  d = sharding.fsdp_axis(spec)
   n, b = mesh.shape['fsdp'], layer.block_size
   exact = jax.lax.Precision.HIGHEST
   kernel = layer.frozen_kernel()
@@ -272,7 +266,6 @@ def merge_collectives(model) -> list[tuple[str, list[dict]]]:
   untied permutations drawn as :func:`merge` draws them. Under data
   parallelism (the state replicated) every device draws the same
   permutations from the same key and merges on its own: no collective."""
-  from poetx_jax import sharding  # pylint: disable=import-outside-toplevel
   out = []
   for i, (path, layer) in enumerate(poet_layers(model)):
     state, fn = _layer_program(layer)

@@ -250,7 +250,7 @@ def _reduced_to_shards(per_device: list, specs: list, mesh: jax.sharding.Mesh) -
     out = []
     for x, spec in zip(xs, specs, strict=True):
       x = x[0]  # this device's own sum
-      dim = next((i for i, name in enumerate(spec) if name is not None), None)
+      dim = sharding.fsdp_axis(spec)
       if dim is None:
         out.append(jax.lax.psum(x, sharding.AXES))
       else:

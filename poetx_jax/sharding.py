@@ -141,6 +141,13 @@ def _place(node, mesh: jax.sharding.Mesh, strategy: str, placeable, put_one) -> 
                                 is_leaf=lambda v: isinstance(v, nnx.Variable)))
 
 
+def fsdp_axis(spec: P) -> int | None:
+  """The one dimension ``spec`` (an :func:`array_spec`) splits over
+  ``fsdp``, or None where it splits none."""
+  axes = [d for d, name in enumerate(spec) if name is not None]
+  return axes[0] if len(axes) == 1 and spec[axes[0]] == 'fsdp' else None
+
+
 def variable_sharding(v: nnx.Variable, mesh: jax.sharding.Mesh,
                       strategy: str) -> NamedSharding:
   """Where :func:`shard_state` places the array of variable ``v``."""
