@@ -526,14 +526,18 @@ def run_jobs(a, argv: list[str], out: pathlib.Path) -> None:
           progress(f'{name} failed (exit {proc.returncode}); see its log')
 
 
-def header(a, data) -> dict:
+def header(a, data, out: pathlib.Path) -> dict:
   """What the report says about the study, known before it trains: the base
   options and the data (beside :func:`experiments.harness.header`'s command,
   commit, device, software and date; quality_report.from_study adds the
-  probes and the runs that failed)."""
+  probes and the runs that failed). The model, dtype and merge interval are
+  the runs' own plans' (the first run's; the merge interval of the first run
+  that merges), never the base options' alone, whose POET options a study of
+  a narrow model may override in every run."""
   from poetx_jax.pretrain.plan import make_plan
   cfg = a.base
-  plan = make_plan(cfg, data.tokenizer.vocab_size)
+  plans = [make_plan(run_config(cfg, r, out), data.tokenizer.vocab_size) for r in a.plan]
+  plan = plans[0]
   mc = plan.model
   tokens_per_step = cfg.batch_size * cfg.seq_len
   train_tokens = int(data.train_windows.shape[0]) * cfg.seq_len
@@ -542,7 +546,7 @@ def header(a, data) -> dict:
       **{k: getattr(cfg, k) for k in ('model', 'model_overrides', 'seq_len', 'batch_size',
                                       'steps', 'warmup', 'min_lr_ratio', 'clip', 'seed',
                                       'eval_every')},
-      'merge_every': plan.merge_every,
+      'merge_every': next((p.merge_every for p in plans if p.poetize), None),
       'runs': a.runs, 'dense_params': mc.num_params(),
       'vocab_size': data.tokenizer.vocab_size, 'tokens_per_step': tokens_per_step,
       'tokens_per_run': cfg.steps * tokens_per_step, 'train_tokens': train_tokens,
@@ -581,7 +585,7 @@ def main(argv=None):
   data = loading.load_data(run_config(a.base, a.plan[0], out))  # tokenized once, cached
   print(f'data: {data.description}', flush=True)
   (out / 'study.json').write_text(json.dumps(
-      {'header': {**harness.header('compare_quality', argv), **header(a, data)},
+      {'header': {**harness.header('compare_quality', argv), **header(a, data, out)},
        'plan': [r['name'] for r in a.plan],
        'args': {'runs': a.runs, 'probe_every': a.probe_every,
                 'base': dataclasses.asdict(a.base)}}, indent=1))

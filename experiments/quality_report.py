@@ -324,8 +324,10 @@ def _intro(res: dict) -> list[str]:
       f"seq {h['seq_len']}, batch {h['batch_size']}, {h['steps']} updates = "
       f"{h['tokens_per_run']:,} tokens per run ({h['epochs']:.2f} epochs of "
       f"{h['train_tokens']:,} training tokens), warmup {h['warmup']} then cosine to "
-      f"{h['min_lr_ratio']:g} of the peak, clip {h['clip']}, seed {h['seed']}; POET-X "
-      f"merges every {h['merge_every']} updates unless a run sets merge_every. Validation: {h['val_tokens']:,} tokens "
+      f"{h['min_lr_ratio']:g} of the peak, clip {h['clip']}, seed {h['seed']}"
+      + (f"; POET-X merges every {h['merge_every']} updates unless a run sets merge_every"
+         if h['merge_every'] is not None else '')
+      + f". Validation: {h['val_tokens']:,} tokens "
       f"every {h['eval_every']} updates. Device {h['device']}, compute dtype {h['dtype']}; "
       f"{h['date']}.", '',
       'Runs (overrides of the above; `|` alternatives, each combination a run): '
