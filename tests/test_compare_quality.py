@@ -425,3 +425,25 @@ def test_family_names_every_optimizer_of_the_app():
   # bf16 weights are a family of their own; records written before the field, fp32
   assert R.family({'optimizer': 'adamw', 'param_dtype': 'bfloat16'}) == 'AdamW bf16'
   assert R.family({'optimizer': 'adamw', 'param_dtype': 'float32'}) == 'AdamW'
+
+
+def test_the_header_of_a_narrow_model_takes_the_runs_block_size(tmp_path):
+  """The 60m model at width 256 is narrower than the default block (512): a
+  study whose every run sets a block that fits is valid, and its header reads
+  the runs' plans (once it made a plan of the base options alone and
+  raised). The merge interval is the first merging run's; a study of AdamW
+  runs alone has none."""
+  import types
+  narrow = ['--model', '60m', '--model-overrides', 'hidden=256,mlp=768,layers=1,heads=4,kv_heads=4',
+            '--data', str(tmp_path), '--out', str(tmp_path / 'out'), '--runs']
+  data = types.SimpleNamespace(tokenizer=types.SimpleNamespace(vocab_size=4096),
+                               train_windows=np.zeros((100, 257)), val_windows=np.zeros((10, 257)),
+                               description='synthetic')
+  a = compare_quality.parse_args(narrow + ['optimizer=adamw,lr=1e-3',
+                                           'optimizer=poetx,block_size=256,merge_every=50'])
+  h = compare_quality.header(a, data, tmp_path / 'out')
+  assert h['merge_every'] == 50 and h['dense_params'] > 0
+  assert compare_quality.header(compare_quality.parse_args(narrow + ['optimizer=adamw']), data,
+                                tmp_path / 'out')['merge_every'] is None
+  with pytest.raises(SystemExit):  # a run whose block does not fit is refused before any run
+    compare_quality.parse_args(narrow + ['optimizer=poetx'])
