@@ -218,13 +218,19 @@ class _Programs:
   The variables of (model, optimizer) are found once per pair of objects (by
   identity) and their arrays passed in a fixed order, with no traversal of
   the module graph per call; the new arrays are set back into the same
-  Variable objects, so the objects stay the state.
+  Variable objects, so the objects stay the state. An array placed on a mesh
+  (a ``NamedSharding``) comes back with the sharding it went in with: left
+  to the compiler, an update that mixes layouts (parameters replicated,
+  optimizer moments split) returned the parameters split like the moments,
+  so the state's layout changed under the caller and the update's
+  communication was not the placed run's.
   """
 
   def __init__(self, fn: tp.Callable, donate: bool,
                compiler_options: dict[str, tp.Any] | None = None):
     self.fn, self.donate, self.compiler_options = fn, donate, compiler_options
-    self.bound = self.variables = self.jitted = None
+    self.bound = self.variables = self.pure = None
+    self.jitted = {}  # by the state's mesh placements
     self._cycle = None  # (optimizer ref, whether it holds a poetx state)
 
   def _bind(self, model, optimizer):
@@ -244,9 +250,22 @@ class _Programs:
     self.variables = [v for v in jax.tree.leaves(state, is_leaf=_is_variable)
                       if not _is_variable(v) or jax.tree.leaves(v)]
     self.plain = [_plain(v) for v in self.variables]
-    self.jitted = jax.jit(pure, donate_argnums=0 if self.donate else (),
-                          compiler_options=self.compiler_options)
+    self.pure, self.jitted = pure, {}
     self.bound = (weakref.ref(model), weakref.ref(optimizer))
+
+  def _jitted(self, values):
+    """The program for ``values``: its new state arrays placed as these are
+    where they are on a mesh (others, and the outputs, as the compiler
+    places them)."""
+    placed = tuple(s if isinstance(s := getattr(x, 'sharding', None),
+                                   jax.sharding.NamedSharding) else None for x in values)
+    jitted = self.jitted.get(placed)
+    if jitted is None:
+      jitted = self.jitted[placed] = jax.jit(
+          self.pure, donate_argnums=0 if self.donate else (),
+          out_shardings=(None, list(placed)) if any(placed) else None,
+          compiler_options=self.compiler_options)
+    return jitted
 
   def has_cycle(self, optimizer) -> bool:
     """Whether ``optimizer`` holds a POET-X state (read once per optimizer)."""
@@ -261,7 +280,8 @@ class _Programs:
 
   def run(self, model, optimizer, batch):
     self._bind(model, optimizer)
-    out, values = self.jitted(self._values(), batch)
+    values = self._values()
+    out, values = self._jitted(values)(values, batch)
     for v, plain, x in zip(self.variables, self.plain, values):
       if plain:
         v.set_raw_value(x)
@@ -271,7 +291,8 @@ class _Programs:
 
   def lower(self, model, optimizer, batch):
     self._bind(model, optimizer)
-    return self.jitted.lower(self._values(), batch)
+    values = self._values()
+    return self._jitted(values).lower(values, batch)
 
 
 def _plain(variable: nnx.Variable) -> bool:
