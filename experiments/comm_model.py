@@ -45,6 +45,13 @@ update the model does not describe (AdamW under fsdp: the compiler's
 partitioning, gradients reduced every micro-batch) are listed, not
 projected.
 
+A run key of this script alone, ``optimizer_state=sharded``, places a
+data-parallel run's optimizer state split over every device as fsdp splits
+it, and its model whole on each (ZeRO stage 1): the update all-reduces the
+gradients, each device updates its own part of the parameters, and one
+all-gather of the trained arrays follows, which the projection counts as
+half an all-reduce (``param_gather_bytes``).
+
 ``--check RECORD`` predicts a measured scaling record (per run: one-GPU and
 N-GPU step times and the bytes its program all-reduced) with the same model
 and prints the error.
@@ -62,8 +69,13 @@ from experiments import bench_train, harness
 from experiments.common import Column, print_table, progress
 
 DEFAULT_RUNS = ('chunk:optimizer=poetx,permutation=chunk', 'adamw:optimizer=adamw',
+                'adamw-zero1:optimizer=adamw,optimizer_state=sharded',
                 'chunk-fsdp:optimizer=poetx,permutation=chunk,strategy=fsdp',
                 'adamw-fsdp:optimizer=adamw,strategy=fsdp')
+# A run key of this script alone (not a ``poetx train`` option): ``sharded``
+# places a dp run's optimizer state split over all devices, as fsdp splits
+# it, and its model whole on each (ZeRO stage 1).
+OPTIMIZER_STATE = ('replicated', 'sharded')
 
 
 def simulate_devices(n: int) -> None:
@@ -79,10 +91,27 @@ def simulate_devices(n: int) -> None:
     raise SystemExit(f'{jax.device_count()} devices, {n} needed: run this in a fresh process')
 
 
-def update_collectives(cfg, label: str, n: int) -> dict:
+def state_option(run):
+  """``(run without its optimizer_state pair, whether that says sharded)``;
+  ValueError for a value not in OPTIMIZER_STATE, or sharded beside
+  strategy=fsdp."""
+  values = [v for k, v in run.pairs if k == 'optimizer_state']
+  if any(v not in OPTIMIZER_STATE for v in values):
+    raise ValueError(f'--run {run.label}: optimizer_state={values[-1]!r}; valid: '
+                     + ', '.join(OPTIMIZER_STATE))
+  sharded = bool(values) and values[-1] == 'sharded'
+  if sharded and ('strategy', 'fsdp') in run.pairs:
+    raise ValueError(f'--run {run.label}: optimizer_state=sharded is a data-parallel '
+                     'placement; strategy=fsdp splits the optimizer state itself')
+  return (type(run)(run.label, tuple(kv for kv in run.pairs if kv[0] != 'optimizer_state')),
+          sharded)
+
+
+def update_collectives(cfg, label: str, n: int, state_sharded: bool = False) -> dict:
   """The record of one run on ``n`` simulated devices: per update, the bytes
   of each kind of collective (result bytes times the times an update runs
-  it), and per merge the same (POET-X)."""
+  it), and per merge the same (POET-X). ``state_sharded``: a dp run's
+  optimizer state split over the devices (``optimizer_state=sharded``)."""
   import jax
   import jax.numpy as jnp
   from flax import nnx
@@ -92,11 +121,16 @@ def update_collectives(cfg, label: str, n: int) -> dict:
   from poetx_jax.pretrain import factories as F
   from poetx_jax.pretrain.plan import make_plan
   plan = make_plan(cfg)
-  mesh = sharding.make_mesh(fsdp=cfg.fsdp if cfg.strategy == 'fsdp' else 1,
-                            devices=jax.devices()[:n])
+  if state_sharded and cfg.strategy != 'dp':
+    raise ValueError(f'{label}: optimizer_state=sharded is a data-parallel placement; '
+                     f'strategy={cfg.strategy} places the optimizer state itself')
+  mesh = sharding.make_mesh(fsdp=n if state_sharded else cfg.fsdp if cfg.strategy == 'fsdp'
+                            else 1, devices=jax.devices()[:n])
   model, opt = F.abstract_state(plan)
   sharding.abstract_placed(model, mesh, cfg.strategy)
   sharding.abstract_placed(opt, mesh, cfg.strategy)
+  if state_sharded:
+    sharding.abstract_placed(opt.opt_state, mesh, 'fsdp')
   shape = F.update_batch_shape(cfg)
   rows = NamedSharding(mesh, P(*[None] * (len(shape) - 2), sharding.AXES))
   tokens = jax.ShapeDtypeStruct(shape, jnp.int32, sharding=rows)
@@ -121,7 +155,12 @@ def update_collectives(cfg, label: str, n: int) -> dict:
   # arrays so promoted, plus the loss and weight sums, sends on a GPU the
   # trained arrays at their own size.
   promoted = sum(x.size * max(x.dtype.itemsize, 4) for x in params)
-  exact = cfg.strategy == 'dp' and dict(update) == {'all-reduce': promoted + 8}
+  # With the optimizer state split, each device updates its own part of the
+  # parameters and gathers the rest: after the all-reduce, one all-gather
+  # of exactly the trained arrays.
+  exact = cfg.strategy == 'dp' and dict(update) == (
+      {'all-reduce': promoted + 8, 'all-gather': trainable} if state_sharded
+      else {'all-reduce': promoted + 8})
   # A POET-X fsdp update (make_train_step's fully_sharded): the trained
   # arrays gathered once and reduce-scattered once (each device keeps
   # 1/n of the sum), the frozen bases gathered where each micro-batch uses
@@ -133,11 +172,13 @@ def update_collectives(cfg, label: str, n: int) -> dict:
                 and update.get('reduce-scatter', 0) * n in (trainable, promoted)
                 and gathered >= trainable and update.get('all-reduce', 0) <= 4 * (len(params) + 8))
   return {'run': label, 'model': cfg.model, 'devices': n, 'strategy': cfg.strategy,
+          'optimizer_state': 'sharded' if state_sharded else 'replicated',
           'optimizer': cfg.optimizer, 'grad_accum': cfg.grad_accum,
           'per_device_batch': cfg.batch_size // n, 'seq_len': cfg.seq_len,
           'trainable_bytes': trainable, 'collectives': len(sites),
           'update_bytes': dict(update), 'merge_bytes': dict(merge),
           'gpu_allreduce_bytes': trainable + 8 if exact else None,
+          'param_gather_bytes': trainable if exact and state_sharded else 0,
           'frozen_gather_bytes_per_microbatch': ((gathered - trainable) / cfg.grad_accum
                                                  if fsdp_exact else None),
           'merge_every': plan.merge_every}
@@ -188,6 +229,8 @@ def project(record: dict, step: dict, gpus: list[int], links: dict) -> list[dict
   nbytes = record['trainable_bytes'] if fsdp else record['gpu_allreduce_bytes']
   frozen = (record['grad_accum'] * record['frozen_gather_bytes_per_microbatch'] if fsdp
             else 0)
+  # dp with the optimizer state split: the updated parameters gathered once
+  gathered = record.get('param_gather_bytes', 0)
   merge = record['merge_bytes']  # once every merge_every updates
   reduced = merge.get('all-reduce', 0)
   moved = sum(v for k, v in merge.items() if k != 'all-reduce')
@@ -197,12 +240,14 @@ def project(record: dict, step: dict, gpus: list[int], links: dict) -> list[dict
   for n in gpus:
     merges = ((allreduce_s(reduced, n, **links) + allreduce_s(moved, n, **links) / 2)
               / record['merge_every'] if merge else 0.0)
-    comm = allreduce_s(nbytes, n, **links) + allreduce_s(frozen, n, **links) / 2 + merges
+    comm = (allreduce_s(nbytes, n, **links) + allreduce_s(frozen + gathered, n, **links) / 2
+            + merges)
     low, high = efficiency(compute, comm)
     out.append({'run': record['run'], 'model': record['model'], 'gpus': n,
                 'strategy': record['strategy'],
                 'grad_accum': record['grad_accum'], 'allreduce_mib': nbytes / 2 ** 20,
-                'frozen_gather_mib': frozen / 2 ** 20, 'merge_ms_per_update': 1e3 * merges,
+                'frozen_gather_mib': frozen / 2 ** 20, 'param_gather_mib': gathered / 2 ** 20,
+                'merge_ms_per_update': 1e3 * merges,
                 'compute_ms': 1e3 * compute, 'comm_ms': 1e3 * comm,
                 'efficiency_no_overlap': low, 'efficiency_overlap': high,
                 'compute_bound_tokens': comm / (step['step_s'] / tokens),
@@ -247,15 +292,19 @@ def main(argv=None):
   devices = [int(x) for x in a.devices.split(',')]
   simulate_devices(max(devices))
   import dataclasses
+  try:
+    runs = [state_option(run) for run in bench_train.runs_of(a)]
+  except ValueError as e:
+    p.error(str(e))
   records = []
-  for run in bench_train.runs_of(a):
+  for run, state_sharded in runs:
     label = run.label
     for n in devices:
       cfg = bench_train.run_config(a, run)
       cfg = dataclasses.replace(cfg, batch_size=a.per_device_batch * n,
                                 fsdp=n if cfg.strategy == 'fsdp' else 1)
       progress(f'{label}: {cfg.model} on {n} devices, compiling an update and the merges')
-      records.append(update_collectives(cfg, label, n))
+      records.append(update_collectives(cfg, label, n, state_sharded))
   mib = lambda d: ', '.join(f'{k} {v / 2 ** 20:,.1f}' for k, v in sorted(d.items())) or '—'
   print_table(records, [Column('run', 22, lambda r: r['run'], key=True),
                         Column('devices', 8, lambda r: str(r['devices'])),

@@ -72,3 +72,53 @@ def test_a_data_parallel_update_sends_its_trained_arrays_once(tmp_path):
   assert proj[0]['frozen_gather_mib'] == 0 and proj[0]['merge_ms_per_update'] == 0
   assert proj[2]['frozen_gather_mib'] == pytest.approx(3 * frozen / 2 ** 20)
   assert proj[3]['comm_ms'] > proj[2]['comm_ms'] > 0 and proj[2]['merge_ms_per_update'] > 0
+
+
+def test_optimizer_state_key_is_read_and_checked():
+  from experiments import harness
+  (run,) = harness.expand_all(['z:optimizer=adamw,optimizer_state=sharded,lr=1e-3'])
+  bare, sharded = comm_model.state_option(run)
+  assert sharded and bare.pairs == (('optimizer', 'adamw'), ('lr', '1e-3'))
+  (run,) = harness.expand_all(['r:optimizer=adamw,optimizer_state=replicated'])
+  assert comm_model.state_option(run)[1] is False
+  (run,) = harness.expand_all(['b:optimizer=adamw,optimizer_state=split'])
+  with pytest.raises(ValueError, match="optimizer_state='split'; valid: replicated, sharded"):
+    comm_model.state_option(run)
+  (run,) = harness.expand_all(['f:optimizer=adamw,strategy=fsdp,optimizer_state=sharded'])
+  with pytest.raises(ValueError, match='data-parallel placement'):
+    comm_model.state_option(run)
+
+
+@pytest.mark.slow
+def test_a_sharded_optimizer_state_adds_one_gather_of_the_parameters(tmp_path):
+  """AdamW on 2 simulated devices with its moments split (ZeRO stage 1):
+  the update all-reduces the gradients once and all-gathers exactly the
+  trained arrays once, and the parameters stay whole on each device (the
+  step keeps the state's placement); the projection adds the gather to the
+  replicated run's all-reduce."""
+  steps = tmp_path / 'steps.json'
+  steps.write_text(json.dumps([{'run': r, 'step_s': 0.01, 'batch': 2, 'seq_len': 32, 'round': 0}
+                               for r in ('adamw', 'zero1')]))
+  out = tmp_path / 'comm.json'
+  env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS='cpu')
+  env.pop('XLA_FLAGS', None)
+  proc = subprocess.run(
+      [sys.executable, '-m', 'experiments.comm_model', '--model', 'tiny',
+       '--model-overrides', 'layers=1,mlp=64', '--seq-len', '32', '--vocab-size', '512',
+       '--dtype', 'float32', '--grad-accum', '2', '--devices', '2', '--per-device-batch', '1',
+       '--run', 'adamw:optimizer=adamw', '--run', 'zero1:optimizer=adamw,optimizer_state=sharded',
+       '--step-record', str(steps), '--gpus', '8', '--accum', '2', '--json', str(out)],
+      capture_output=True, text=True, env=env, timeout=900, cwd=ROOT)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  rec = json.loads(out.read_text())['results']
+  plain, zero1 = rec['records']
+  assert plain['optimizer_state'] == 'replicated' and zero1['optimizer_state'] == 'sharded'
+  trained = zero1['trainable_bytes']
+  assert plain['trainable_bytes'] == trained
+  assert plain['update_bytes'] == {'all-reduce': trained + 8} and plain['param_gather_bytes'] == 0
+  assert zero1['update_bytes'] == {'all-reduce': trained + 8, 'all-gather': trained}, zero1
+  assert zero1['param_gather_bytes'] == trained and zero1['gpu_allreduce_bytes'] == trained + 8
+  p_plain, p_zero1 = rec['projection']
+  assert p_zero1['param_gather_mib'] == pytest.approx(trained / 2 ** 20)
+  gather_s = comm_model.allreduce_s(trained, 8, **rec['links']) / 2
+  assert 1e-3 * (p_zero1['comm_ms'] - p_plain['comm_ms']) == pytest.approx(gather_s)
