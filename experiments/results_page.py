@@ -178,6 +178,33 @@ def quality_rows() -> list[dict]:
                study, record_b, also=('site_corpus', 'compare_quality'))]
 
 
+def muon_size_rows() -> list[dict]:
+  """POET-X Muon at the sizes beside 19M (``finals-SIZE.json``, its finished
+  runs' best configuration) against the three-sizes study's tuned AdamW,
+  best POET-X and Muon there."""
+  from experiments import paper_report as P
+  study, rows = 'paper-baseline', []
+  mean = statistics.mean
+  for size, record, out in (('5M', 'finals-5m.json', 'runs/q5'),
+                            ('130M', 'finals-130m.json', 'runs/q130')):
+    res = _load(study, record)
+    finals = {k: v for k, v in P.finals(res).items() if k.startswith('POET-X Muon')}
+    config, muon = min(finals.items(), key=lambda kv: mean(kv[1]))
+    base = {k.split(' (')[0]: mean(v) for k, v in P.baselines(size).items()}
+    best = min((k for k in base if k.startswith('POET-X')), key=base.get)
+    speed = [r['tokens_per_s'] for r in res['runs'] if r['finished']
+             and P.configuration(r['options']) == config]
+    seeds = f'{len(muon)} seed' + ('s' if len(muon) > 1 else '')
+    rows.append(_row(f"POET-X Muon (Muon's orthogonalised updates on the generators), {size}, "
+                    '100 M tokens',
+                    f"{mean(muon):.2f} ({seeds}): "
+                    f"{mean(muon) / base['AdamW']:.3f}× our tuned fp32 AdamW's perplexity, "
+                    f"{mean(muon) / base[best]:.3f}× POET-X's ({best.removeprefix('POET-X ')}), "
+                    f"{mean(muon) / base['Muon']:.3f}× Muon's; {mean(speed):,.0f} tokens/s",
+                    study, record, also=('site_corpus', f'--out {out} ')))
+  return rows
+
+
 def three_size_rows() -> list[dict]:
   """The best POET-X against a tuned AdamW and Muon at each size."""
   from experiments import three_sizes_report as T
@@ -242,7 +269,7 @@ def memory_rows() -> list[dict]:
 def rows() -> list[dict]:
   """Every row of the page, in its order."""
   return (step_rows() + memory_rows() + kernel_rows() + scaling_rows() + three_size_rows()
-          + quality_rows())
+          + quality_rows() + muon_size_rows())
 
 
 # The rows the README shows, by claim: step time against AdamW and against
@@ -252,6 +279,7 @@ README_CLAIMS = (
     'POET-X step against poet_torch (the published PyTorch POET-X), 8B',
     'Peak GPU memory of the 8B step (default mode, batch 8 x 1024)',
     'POET-X against a tuned AdamW and Muon, 130M parameters, 100 M tokens',
+    "POET-X Muon (Muon's orthogonalised updates on the generators), 130M, 100 M tokens",
 )
 README_BEGIN = '<!-- results:begin: written by python3 -m experiments.results_page; do not edit -->'
 README_END = '<!-- results:end -->'

@@ -71,7 +71,8 @@ def _run(seed, finals, finished=True, optimizer='adamw'):
 def test_finals_group_the_finished_seeds_of_a_configuration_and_compare_them():
   """The last evaluation of each finished run, by configuration in seed
   order (an unfinished run left out), beside the three-sizes finals at the
-  size, with the ratios of the means to the tuned AdamW and POET-X B 512."""
+  size, with the ratios of the means to the tuned AdamW and the best POET-X
+  there (B 512 at 19M, B 256 at 5M)."""
   res = {'runs': [_run(1, 11.0), _run(0, 10.0), _run(2, 5.0, finished=False)]}
   assert paper_report.finals(res) == {'AdamW bf16, lr 0.001, wd 0': [10.0, 11.0]}
   rows = paper_report.finals_rows(res, '19M')
@@ -81,6 +82,12 @@ def test_finals_group_the_finished_seeds_of_a_configuration_and_compare_them():
   assert mine == (f'| AdamW bf16, lr 0.001, wd 0 | 10.00 / 11.00 | 10.50 ± 0.71 | '
                   f'{10.5 / adamw:.3f} | {10.5 / poetx:.3f} |')
   assert any(r.startswith('| POET-X B 512 (') and r.endswith('| 1.000 |') for r in rows)
+  assert rows[0].endswith('| / tuned AdamW | / POET-X B 512 |')
+  # At 5M the three-sizes study ran B 256 alone: the ratio is to it.
+  rows = paper_report.finals_rows(res, '5M')
+  assert rows[0].endswith('| / tuned AdamW | / POET-X B 256 |')
+  (mine,) = [r for r in rows if r.startswith('| AdamW bf16')]
+  assert mine.endswith(f'| {10.5 / 11.63:.3f} |')  # 11.63: the 5M record's B 256 mean
 
 
 def test_the_page_has_one_finals_table_a_size_over_its_records(tmp_path):
