@@ -114,25 +114,30 @@ _BASE_SHARDING: contextvars.ContextVar[tuple | None] = contextvars.ContextVar(
 
 def _merges_on_shards(layer: POETLinear, mesh, spec) -> bool:
   """Whether the layer's base can merge on its shards: split along one axis
-  over 'fsdp', into shards of whole rotation blocks, not quantised."""
+  over 'fsdp', its other axis divisible by the axis's size too, not
+  quantised."""
   d = sharding.fsdp_axis(spec)
   if d is None or layer.quantize is not None:
     return False
-  n = mesh.shape['fsdp']
-  width = (layer.in_features, layer.out_features)[d]
-  return width % (n * layer.block_size) == 0
+  other = (layer.out_features, layer.in_features)[d]
+  return other % mesh.shape['fsdp'] == 0
 
 
 def _merged_on_shards(layer: POETLinear, blocks, perm_in, perm_out, mesh, spec) -> Array:
   """The new stored base ``permute_kernel(effective_kernel, perm_in,
-  perm_out)`` computed on the base's shards, in the base's dtype: each
-  device rotates the blocks of its own rows (or columns) and folds the
-  permutation of the axis it holds whole; the permutation of the split axis
-  then moves rows (columns) between devices around a ring of ``fsdp``
-  (n - 1 collective-permutes of a shard, in the base's dtype), so a device
-  holds a few shards of the layer at a time, never the whole. The same
-  values as the whole-layer merge: the rotations are the same block
-  products, and the rest is permutation."""
+  perm_out)`` computed on the base's shards, in the base's dtype, no device
+  holding the whole layer. Rotations and permutations of the two axes
+  commute, so each axis is done where a device holds it whole: first the
+  axis the shards hold whole (its blocks' products, then the merge's
+  permutation of it), then one all-to-all over ``fsdp`` re-splits the shard
+  along that axis, making the split axis whole; its rotation and
+  permutation follow, the result is rounded to the base's dtype once, and a
+  second all-to-all restores the base's layout. A device sends about twice
+  its shard (float32 in the first trip, the base's dtype in the second),
+  whatever the block size or the number of devices. The same values as the
+  whole-layer merge up to float32 rounding: the rotations are the same
+  block products (:func:`poetx_jax.ops.rotate_rows`,
+  :func:`poetx_jax.ops.rotate_features`), and the rest is permutation."""
   from jax.sharding import PartitionSpec as P  # pylint: disable=import-outside-toplevel
   c_in, c_out = ops._chunk_pair(layer.chunk)  # pylint: disable=protected-access
   i, o = layer.in_features, layer.out_features
@@ -144,36 +149,24 @@ def _merged_on_shards(layer: POETLinear, blocks, perm_in, perm_out, mesh, spec) 
                                      chunk=c_out), perm_out, c_out)[0]
   g_in, g_out = blocks
   d = sharding.fsdp_axis(spec)
-  n, b = mesh.shape['fsdp'], layer.block_size
   exact = jax.lax.Precision.HIGHEST
-  kernel = layer.frozen_kernel()
 
-  def local(k, g_in, g_out, rows, cols):
-    me = jax.lax.axis_index('fsdp')
-    size = k.shape[d]
-    first = me * (size // b)  # this shard's first rotation block along d
-    if d == 0:
-      g_in = jax.lax.dynamic_slice_in_dim(g_in, first, size // b)
-    else:
-      g_out = jax.lax.dynamic_slice_in_dim(g_out, first, size // b)
-    a = ops.rotate_weight(k.astype(jnp.float32), g_in, g_out, None, None, exact,
-                          permute_input=False, permute_output=False)
-    a = jnp.take(a, cols, axis=1) if d == 0 else jnp.take(a, rows, axis=0)
-    a = a.astype(layer.param_dtype)  # rounded once, as the whole-layer merge rounds it
-    want = jax.lax.dynamic_slice_in_dim(rows if d == 0 else cols, me * size, size)
-    out, buf = jnp.zeros_like(a), a
-    for step in range(n):  # buf holds shard (me - step) mod n
-      src = (me - step) % n
-      at = want - src * size
-      hit = (at >= 0) & (at < size)
-      got = jnp.take(buf, jnp.clip(at, 0, size - 1), axis=d)
-      out = jnp.where(hit[:, None] if d == 0 else hit[None, :], got, out)
-      if step < n - 1:
-        buf = jax.lax.ppermute(buf, 'fsdp', [(j, (j + 1) % n) for j in range(n)])
-    return out
+  def rows_done(a):  # the input axis (0) whole on this device
+    return jnp.take(ops.rotate_rows(a, g_in, precision=exact), rows, axis=0)
 
-  return jax.shard_map(local, mesh=mesh, in_specs=(spec, P(), P(), P(), P()),
-                       out_specs=spec, check_vma=False)(kernel, g_in, g_out, rows, cols)
+  def cols_done(a):  # the output axis (1) whole on this device
+    return jnp.take(ops.rotate_features(a, g_out, precision=exact), cols, axis=1)
+
+  whole_first, split_after = (cols_done, rows_done) if d == 0 else (rows_done, cols_done)
+
+  def local(k):
+    a = whole_first(k.astype(jnp.float32))
+    a = jax.lax.all_to_all(a, 'fsdp', split_axis=1 - d, concat_axis=d, tiled=True)
+    a = split_after(a).astype(layer.param_dtype)  # rounded once, as the whole-layer merge
+    return jax.lax.all_to_all(a, 'fsdp', split_axis=d, concat_axis=1 - d, tiled=True)
+
+  return jax.shard_map(local, mesh=mesh, in_specs=(spec,), out_specs=spec,
+                       check_vma=False)(layer.frozen_kernel())
 
 
 def merge(model, *, rngs: nnx.Rngs | Array) -> Array:

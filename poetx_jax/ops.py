@@ -204,6 +204,16 @@ def _poet_input(x, perm_in, inverses, impl, sides, chunk=1):
   return permute(x, perm_in, None if inverses is None else inverses[0], chunk=chunk)
 
 
+def rotate_rows(a_IxO: Array, g_in: Array, *, precision=None) -> Array:
+  """``G_P^T a``: the input factor's blocks on the rows of ``a`` (an (I, O)
+  weight in its own layout; I <= K*B, padded and sliced back)."""
+  i = a_IxO.shape[0]
+  k, b, _ = g_in.shape
+  a = jnp.pad(a_IxO, [(0, k * b - i), (0, 0)]) if k * b != i else a_IxO
+  return jnp.einsum('kjo,kji->kio', a.reshape(k, b, -1), g_in.astype(a.dtype),
+                    precision=precision).reshape(k * b, -1)[:i]
+
+
 def rotate_weight(kernel_IxO, g_in, g_out, perm_in, perm_out, precision=None, *,
                   permute_input=True, permute_output=True, dtype=None, inverses=None,
                   chunks=(1, 1)):
@@ -214,12 +224,8 @@ def rotate_weight(kernel_IxO, g_in, g_out, perm_in, perm_out, precision=None, *,
   ``permute_output`` is False, as in :func:`poet_linear`). ``inverses``: the
   permutations' inverses, if already formed; ``chunks``: the run lengths of
   ``perm_in`` and ``perm_out`` (1: element permutations)."""
-  i = kernel_IxO.shape[0]
-  k, b, _ = g_in.shape
   a = rotate_features(kernel_IxO, g_out, precision=precision)             # kernel G_R^T
-  a = jnp.pad(a, [(0, k * b - i), (0, 0)]) if k * b != i else a
-  a = jnp.einsum('kjo,kji->kio', a.reshape(k, b, -1), g_in.astype(a.dtype),
-                 precision=precision).reshape(k * b, -1)[:i]              # G_P^T (...)
+  a = rotate_rows(a, g_in, precision=precision)                            # G_P^T (...)
   a = a if dtype is None else a.astype(dtype)
   inv_in, inv_out = (None, None) if inverses is None else inverses
   if permute_input:

@@ -412,8 +412,8 @@ def accumulate():
 def merges():
   """What each POET layer's merge program sends between 8 devices: under dp
   (state replicated), under fsdp (2, 4) and fsdp with the layers stacked;
-  per layer the collectives' total bytes, the largest one's, the sizes of
-  its collective-permutes, and the bytes of the layer's frozen base. Then
+  per layer the collectives' total bytes, the largest one's, their kinds,
+  the sizes of its all-to-alls, and the bytes of the layer's frozen base. Then
   the merged state under fsdp (2, 4), unstacked and stacked, against one
   device's, from the same random generators and key."""
   from poetx_jax import cycle
@@ -426,8 +426,8 @@ def merges():
     out[name] = [{'layer': path, 'collectives': len(sites),
                   'bytes': sum(s['bytes'] for s in sites),
                   'largest': max([s['bytes'] for s in sites] + [0]),
-                  'permuted': sorted({s['bytes'] for s in sites
-                                      if s['kind'] == 'collective-permute'}),
+                  'kinds': sorted({s['kind'] for s in sites}),
+                  'all_to_all': sorted({s['bytes'] for s in sites if s['kind'] == 'all-to-all'}),
                   'base_bytes': layers[path].kernel[...].nbytes}
                  for path, sites in cycle.merge_collectives(model)]
 
