@@ -409,6 +409,33 @@ def accumulate():
   json.dump(out, sys.stdout)
 
 
+def layouts():
+  """AdamW on 2 devices with its parameters whole on each and its moments
+  split over 'fsdp' (ZeRO stage 1), trained 3 updates with the app's step:
+  the shardings its state has after them (by kind), and its losses and
+  parameters against the same run with everything replicated."""
+  def trained(split_moments):
+    cfg = dataclasses.replace(train_config(), optimizer='adamw', weight_decay=0.1)
+    mesh = sharding.make_mesh(1, 2, devices=jax.devices()[:2])
+    model, opt = factories.build_state(make_plan(cfg, VOCAB), mesh)
+    if split_moments:
+      sharding.shard_state(opt.opt_state, mesh, 'fsdp')
+    step = factories.make_step(make_plan(cfg, VOCAB), mesh=mesh)
+    losses = [float(step(model, opt, sharding.shard_batch(b, mesh))) for b in batches()[:3]]
+    return model, opt, losses
+  model, opt, losses = trained(True)
+  ref_model, _, ref_losses = trained(False)
+  split = lambda node: sorted({str(_spec(x)) for x in jax.tree.leaves(nnx.state(node))  # noqa: E731
+                               if sharding.is_array(x) and x.ndim == 2})
+  json.dump({'param_specs': split(nnx.state(model, nnx.Param)),
+             'moment_specs': split(opt.opt_state),
+             'loss_diff': max(abs(a - b) for a, b in zip(losses, ref_losses)),
+             'param_diff': max(float(np.max(np.abs(a - b)))
+                               for a, b in zip(flat(nnx.state(model, nnx.Param)),
+                                               flat(nnx.state(ref_model, nnx.Param))))},
+            sys.stdout)
+
+
 def merges():
   """What each POET layer's merge program sends between 8 devices: under dp
   (state replicated), under fsdp (2, 4) and fsdp with the layers stacked;
@@ -456,6 +483,8 @@ if __name__ == '__main__':
     json.dump({f: restore(sys.argv[2], int(f)) for f in sys.argv[3:]}, sys.stdout)
   elif sys.argv[1] == 'merges':
     merges()
+  elif sys.argv[1] == 'layouts':
+    layouts()
   elif sys.argv[1] == 'accumulate':
     accumulate()
   elif sys.argv[1] == 'optimizers':

@@ -378,3 +378,15 @@ def test_merges_under_dp_send_nothing_and_a_stack_merges_a_layer_at_a_time():
   for scan in ('False', 'True'):  # the same merge as one device's
     v = r[f'values scan={scan}']
     assert v['ints_equal'] and v['largest_diff'] < 1e-6 and v['error_diff'] < 1e-6, v
+
+
+@pytest.mark.slow
+def test_the_step_keeps_the_state_where_it_was_placed():
+  """AdamW with its parameters whole on each of 2 devices and its moments
+  split (ZeRO stage 1): after three updates the parameters are still whole
+  and the moments still split (left to the compiler, the parameters came
+  back split like the moments), and the run equals the fully replicated one."""
+  r = _run(2, 'layouts')
+  assert r['param_specs'] == ['()'], r
+  assert r['moment_specs'] == ["('fsdp', None)", "(None, 'fsdp')"], r
+  assert r['loss_diff'] < 1e-6 and r['param_diff'] < 1e-6, r
