@@ -39,8 +39,10 @@ micro-batch). An fsdp run projects from the one-GPU step of its label
 without ``-fsdp`` (one GPU runs one program whatever the strategy). Merges
 of data-parallel POET-X send nothing (each device draws the same
 permutations), so they add no term; an fsdp merge's collectives are
-counted as the others (an all-reduce whole, the rest as half of one),
-spread over the ``merge_every`` updates of a cycle. Runs whose
+counted as the others (an all-reduce whole, an all-to-all as each GPU
+sending its share to every other, those outside its node over the
+network, the rest as half an all-reduce), spread over the
+``merge_every`` updates of a cycle. Runs whose
 update the model does not describe (AdamW under fsdp: the compiler's
 partitioning, gradients reduced every micro-batch) are listed, not
 projected.
@@ -204,6 +206,17 @@ def allreduce_s(nbytes: float, gpus: int, *, gpus_per_node: int, nvlink_gbs: flo
           + 2 * (m - 1) / m * nbytes / g / (net_gbs * 1e9))
 
 
+def alltoall_s(nbytes: float, gpus: int, *, gpus_per_node: int, nvlink_gbs: float,
+               net_gbs: float) -> float:
+  """Seconds of an all-to-all whose result is ``nbytes`` on each of
+  ``gpus``: each GPU sends 1/gpus of it to every other, those of its node
+  over NVLink, the rest over the network (nothing there to reduce, unlike
+  an all-reduce's hierarchical ring)."""
+  g = min(gpus, gpus_per_node)
+  return ((g - 1) / gpus * nbytes / (nvlink_gbs * 1e9)
+          + (gpus - g) / gpus * nbytes / (net_gbs * 1e9))
+
+
 def efficiency(compute_s: float, comm_s: float) -> tuple[float, float]:
   """(nothing overlapped, all overlapped) efficiency of a step."""
   return compute_s / (compute_s + comm_s), compute_s / max(compute_s, comm_s)
@@ -232,14 +245,14 @@ def project(record: dict, step: dict, gpus: list[int], links: dict) -> list[dict
   # dp with the optimizer state split: the updated parameters gathered once
   gathered = record.get('param_gather_bytes', 0)
   merge = record['merge_bytes']  # once every merge_every updates
-  reduced = merge.get('all-reduce', 0)
-  moved = sum(v for k, v in merge.items() if k != 'all-reduce')
+  reduced, exchanged = merge.get('all-reduce', 0), merge.get('all-to-all', 0)
+  moved = sum(v for k, v in merge.items() if k not in ('all-reduce', 'all-to-all'))
   compute = record['grad_accum'] * step['step_s']
   tokens = step['batch'] * step['seq_len']  # of one micro-batch on one GPU
   out = []
   for n in gpus:
-    merges = ((allreduce_s(reduced, n, **links) + allreduce_s(moved, n, **links) / 2)
-              / record['merge_every'] if merge else 0.0)
+    merges = ((allreduce_s(reduced, n, **links) + allreduce_s(moved, n, **links) / 2
+               + alltoall_s(exchanged, n, **links)) / record['merge_every'] if merge else 0.0)
     comm = (allreduce_s(nbytes, n, **links) + allreduce_s(frozen + gathered, n, **links) / 2
             + merges)
     low, high = efficiency(compute, comm)

@@ -20,6 +20,10 @@ def test_allreduce_time_and_efficiencies():
   # 64 GPUs in 8 nodes: 2 * 7/8 S over NVLink, 2 * 7/8 S / 8 over the network
   assert comm_model.allreduce_s(4e9, 64, **links) == pytest.approx(
       2 * 7 / 8 * 4e9 / 400e9 + 2 * 7 / 8 * 0.5e9 / 50e9)
+  # an all-to-all of R bytes a GPU on 64: 7/64 R to its node, 56/64 R out of it
+  assert comm_model.alltoall_s(4e9, 64, **links) == pytest.approx(
+      7 / 64 * 4e9 / 400e9 + 56 / 64 * 4e9 / 50e9)
+  assert comm_model.alltoall_s(4e9, 2, **links) == pytest.approx(4e9 / 2 / 400e9)
   assert comm_model.efficiency(0.1, 0.02) == pytest.approx((0.1 / 0.12, 1.0))
   assert comm_model.efficiency(0.1, 0.2) == pytest.approx((0.1 / 0.3, 0.5))
 
