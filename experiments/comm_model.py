@@ -36,7 +36,8 @@ overlapped (a lower bound), and compute / max(compute, communication), all
 overlapped (an upper bound); and the tokens per GPU and update below which
 the communication outlasts the compute (with no accumulation, those of a
 micro-batch). An fsdp run projects from the one-GPU step of its label
-without ``-fsdp`` (one GPU runs one program whatever the strategy). Merges
+without ``-fsdp`` (one GPU runs one program whatever the strategy), a run
+with its optimizer state split from that without ``-zero1``. Merges
 of data-parallel POET-X send nothing (each device draws the same
 permutations), so they add no term; an fsdp merge's collectives are
 counted as the others (an all-reduce whole, an all-to-all as each GPU
@@ -330,9 +331,9 @@ def main(argv=None):
     steps = one_gpu_steps(harness.results_of(json.load(open(a.step_record))))
     projection = []
     for r in records:
-      # one GPU runs one program whatever the strategy: an fsdp run's step
-      # is that of its label without '-fsdp'
-      step = steps.get(r['run'], steps.get(r['run'].removesuffix('-fsdp')))
+      # one GPU runs one program whatever the placement: an fsdp run's step
+      # is that of its label without '-fsdp', a sharded state's without '-zero1'
+      step = steps.get(r['run'], steps.get(r['run'].removesuffix('-fsdp').removesuffix('-zero1')))
       if projectable(r) and step is not None and r['devices'] == devices[0]:
         for k in (int(x) for x in a.accum.split(',')):
           projection += project({**r, 'grad_accum': k}, step,

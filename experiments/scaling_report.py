@@ -44,16 +44,18 @@ def collective_rows(rec: dict) -> list[str]:
 def projection_rows(rec: dict) -> list[str]:
   """The projected scaling, one row per run, GPUs and accumulation: the
   trained arrays' MiB (dp: all-reduced; fsdp: gathered and reduce-scattered),
-  the frozen bases' MiB gathered an update (fsdp) and the merges' share of
+  the frozen bases' MiB gathered an update (fsdp), the updated parameters'
+  MiB gathered (dp with the optimizer state split) and the merges' share of
   an update's communication (fsdp)."""
   out = ['| run | GPUs (projected) | micro-batches an update | trained arrays MiB | '
-         'frozen bases gathered MiB | merges ms an update | '
+         'frozen bases gathered MiB | parameters gathered MiB | merges ms an update | '
          'communication ms | compute ms | efficiency, nothing overlapped | '
          'efficiency, all overlapped | compute-bound above (tokens per GPU and update) |',
-         '|---|---|---|---|---|---|---|---|---|---|---|']
+         '|---|---|---|---|---|---|---|---|---|---|---|---|']
   for p in rec.get('projection', []):
     out.append(f"| {p['run']} | {p['gpus']} | {p['grad_accum']} | {p['allreduce_mib']:,.1f} | "
-               f"{p.get('frozen_gather_mib', 0):,.1f} | {p.get('merge_ms_per_update', 0):.1f} | "
+               f"{p.get('frozen_gather_mib', 0):,.1f} | {p.get('param_gather_mib', 0):,.1f} | "
+               f"{p.get('merge_ms_per_update', 0):.1f} | "
                f"{p['comm_ms']:.1f} | {p['compute_ms']:.1f} | "
                f"{p['efficiency_no_overlap']:.3f} | {p['efficiency_overlap']:.3f} | "
                f"{p['compute_bound_tokens']:,.0f} |")
