@@ -160,10 +160,12 @@ def update_collectives(cfg, label: str, n: int, state_sharded: bool = False) -> 
   promoted = sum(x.size * max(x.dtype.itemsize, 4) for x in params)
   # With the optimizer state split, each device updates its own part of the
   # parameters and gathers the rest: after the all-reduce, one all-gather
-  # of exactly the trained arrays.
-  exact = cfg.strategy == 'dp' and dict(update) == (
-      {'all-reduce': promoted + 8, 'all-gather': trainable} if state_sharded
-      else {'all-reduce': promoted + 8})
+  # of exactly the trained arrays (bfloat16 ones carried in float32 here
+  # too).
+  exact = cfg.strategy == 'dp' and (
+      set(update) == {'all-reduce', 'all-gather'}
+      and update['all-gather'] in (trainable, promoted) if state_sharded
+      else set(update) == {'all-reduce'}) and update['all-reduce'] == promoted + 8
   # A POET-X fsdp update (make_train_step's fully_sharded): the trained
   # arrays gathered once and reduce-scattered once (each device keeps
   # 1/n of the sum), the frozen bases gathered where each micro-batch uses

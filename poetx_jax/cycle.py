@@ -83,13 +83,20 @@ def merge_layer(layer: POETLinear, key: Array, perm_in: Array | None = None,
   if layer.stack_shape:
     keys = jax.random.split(key, layer.stack_shape)
     return jnp.max(for_each_layer(layer, merge_layer, keys, perm_in, perm_out, update=True))
+  where = _BASE_SHARDING.get()
+  if where is not None:
+    # The generators whole on each device before their blocks are formed:
+    # the packed parameters are gathered, where the compiler all-reduced the
+    # dense blocks (twice their bytes, and an all-reduce's traffic).
+    whole = jax.sharding.NamedSharding(where[0], jax.sharding.PartitionSpec())
+    for q in (layer.q_in, layer.q_out):
+      q[...] = jax.lax.with_sharding_constraint(q[...], whole)
   blocks = layer.rotation_blocks()  # one series for the error and the merged kernel
   error = layer.orthogonality_error(blocks)
   drawn_in, drawn_out = layer.draw_permutations(key)
   # A given permutation is copied: each layer's state holds a buffer of its own.
   perm_in = drawn_in if perm_in is None else jnp.copy(perm_in)
   perm_out = drawn_out if perm_out is None else jnp.copy(perm_out)
-  where = _BASE_SHARDING.get()
   if where is not None and _merges_on_shards(layer, *where):
     base, scale = _merged_on_shards(layer, blocks, perm_in, perm_out, *where), None
   else:

@@ -359,22 +359,17 @@ def test_merges_under_dp_send_nothing_and_a_stack_merges_a_layer_at_a_time():
   """cycle.merge_collectives reads the merge programs: with the state
   replicated (dp) every device draws the same permutations from the same key
   and merges on its own, no collective; under fsdp each layer merges on its
-  shards, re-split by all-to-alls of one shard (the base never gathered;
-  the unstacked layers' shards of 8 rows are narrower than a block of 16),
-  and a stack of two layers never moves more than one layer at a time,
-  giving one device's merged state."""
+  shards (the unstacked layers' shards of 8 rows are narrower than a block
+  of 16): its two packed generators are gathered, and two all-to-alls of
+  one shard re-split the base and restore it, nothing else crossing (a
+  stack's layers one at a time), giving one device's merged state."""
   r = _run(8, 'merges')
   assert len(r['dp']) == 7 and all(x['collectives'] == 0 for x in r['dp']), r['dp']
-  assert all(x['collectives'] > 0 for x in r['fsdp']), r['fsdp']
-  # A shard (a quarter of the base) crosses in all-to-alls, and nothing is
-  # gathered (the layer's all-reduce is of its rotation blocks, which at 32 x
-  # 32 with B 16 have the base's size).
-  assert all(x['base_bytes'] // 4 in x['all_to_all'] and 'all-gather' not in x['kinds']
-             for x in r['fsdp']), r['fsdp']
-  # no collective moves a whole layer (half the stack of two)
-  assert all(0 < x['largest'] < x['base_bytes'] // 2 for x in r['fsdp scan']), r['fsdp scan']
-  # each layer's shard (an eighth of the stack of two) crosses in all-to-alls
-  assert all(x['base_bytes'] // 8 in x['all_to_all'] for x in r['fsdp scan']), r['fsdp scan']
+  # a shard: a quarter of a layer's base (an eighth of the stack of two)
+  for name, shard in (('fsdp', 4), ('fsdp scan', 8)):
+    for x in r[name]:
+      assert x['kinds'] == ['all-gather', 'all-to-all'] and x['collectives'] == 4, x
+      assert x['all_to_all'] == [x['base_bytes'] // shard] == [x['largest']], x
   for scan in ('False', 'True'):  # the same merge as one device's
     v = r[f'values scan={scan}']
     assert v['ints_equal'] and v['largest_diff'] < 1e-6 and v['error_diff'] < 1e-6, v
