@@ -112,11 +112,13 @@ def scaling_rows() -> list[dict]:
   study, record = 'scaling', 'comm-1b.json'
   rec = _load(study, record)
   dp = {r['optimizer']: r for r in rec['records'] if r['strategy'] == 'dp' and r['devices'] == 2
-        and r['grad_accum'] == 1}
+        and r['grad_accum'] == 1 and r.get('optimizer_state', 'replicated') == 'replicated'}
   mib = {k: v['gpu_allreduce_bytes'] / 2**20 for k, v in dp.items()}
   check = {c['run']: c for c in rec['check']}
   p64 = [p for p in rec['projection'] if p['gpus'] == 64 and p['grad_accum'] == 1]
-  poet = next(p for p in p64 if p['run'] == 'chunk')
+  poet, adamw, zero1 = (next(p for p in p64 if p['run'] == run)
+                        for run in ('chunk', 'adamw', 'adamw-zero1'))
+  span = lambda p: f"{p['efficiency_no_overlap']:.3f}–{p['efficiency_overlap']:.3f}"  # noqa: E731
   return [
       _row('Data-parallel all-reduce per update, 1B (from the compiled program)',
            f"POET-X {mib['poetx']:,.1f} MiB against AdamW {mib['adamw']:,.1f} MiB", study, record),
@@ -126,8 +128,9 @@ def scaling_rows() -> list[dict]:
            f"{check['adamw']['predicted_no_overlap']:.3f}, {check['adamw']['measured']:.3f}",
            study, record),
       _row('Data-parallel efficiency at 64 GPUs, 1B (projected)',
-           f"POET-X {poet['efficiency_no_overlap']:.3f}–{poet['efficiency_overlap']:.3f} "
-           '(no overlap – full overlap); projected, not measured', study, record),
+           f"POET-X {span(poet)}, AdamW {span(adamw)}, AdamW with its optimizer state split "
+           f"(ZeRO stage 1) {span(zero1)} (no overlap – full overlap); projected, not measured",
+           study, record),
       *fsdp_rows()]
 
 
