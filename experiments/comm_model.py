@@ -96,16 +96,13 @@ def simulate_devices(n: int) -> None:
 
 def state_option(run):
   """``(run without its optimizer_state pair, whether that says sharded)``;
-  ValueError for a value not in OPTIMIZER_STATE, or sharded beside
-  strategy=fsdp."""
+  ValueError for a value not in OPTIMIZER_STATE."""
   values = [v for k, v in run.pairs if k == 'optimizer_state']
-  if any(v not in OPTIMIZER_STATE for v in values):
-    raise ValueError(f'--run {run.label}: optimizer_state={values[-1]!r}; valid: '
+  bad = [v for v in values if v not in OPTIMIZER_STATE]
+  if bad:
+    raise ValueError(f'--run {run.label}: optimizer_state={bad[0]!r}; valid: '
                      + ', '.join(OPTIMIZER_STATE))
   sharded = bool(values) and values[-1] == 'sharded'
-  if sharded and ('strategy', 'fsdp') in run.pairs:
-    raise ValueError(f'--run {run.label}: optimizer_state=sharded is a data-parallel '
-                     'placement; strategy=fsdp splits the optimizer state itself')
   return (type(run)(run.label, tuple(kv for kv in run.pairs if kv[0] != 'optimizer_state')),
           sharded)
 
@@ -124,9 +121,6 @@ def update_collectives(cfg, label: str, n: int, state_sharded: bool = False) -> 
   from poetx_jax.pretrain import factories as F
   from poetx_jax.pretrain.plan import make_plan
   plan = make_plan(cfg)
-  if state_sharded and cfg.strategy != 'dp':
-    raise ValueError(f'{label}: optimizer_state=sharded is a data-parallel placement; '
-                     f'strategy={cfg.strategy} places the optimizer state itself')
   mesh = sharding.make_mesh(fsdp=n if state_sharded else cfg.fsdp if cfg.strategy == 'fsdp'
                             else 1, devices=jax.devices()[:n])
   model, opt = F.abstract_state(plan)
@@ -312,6 +306,11 @@ def main(argv=None):
     runs = [state_option(run) for run in bench_train.runs_of(a)]
   except ValueError as e:
     p.error(str(e))
+  for run, state_sharded in runs:  # every run checked before any compiles
+    strategy = bench_train.run_config(a, run).strategy
+    if state_sharded and strategy != 'dp':
+      p.error(f'--run {run.label}: optimizer_state=sharded is a data-parallel placement; '
+              f'strategy={strategy} places the optimizer state itself')
   records = []
   for run, state_sharded in runs:
     label = run.label

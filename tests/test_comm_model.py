@@ -88,9 +88,17 @@ def test_optimizer_state_key_is_read_and_checked():
   (run,) = harness.expand_all(['b:optimizer=adamw,optimizer_state=split'])
   with pytest.raises(ValueError, match="optimizer_state='split'; valid: replicated, sharded"):
     comm_model.state_option(run)
-  (run,) = harness.expand_all(['f:optimizer=adamw,strategy=fsdp,optimizer_state=sharded'])
-  with pytest.raises(ValueError, match='data-parallel placement'):
-    comm_model.state_option(run)
+  # sharded beside fsdp (here the base options' strategy) is refused before any compile
+  env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS='cpu')
+  env.pop('XLA_FLAGS', None)
+  proc = subprocess.run(
+      [sys.executable, '-m', 'experiments.comm_model', '--model', 'tiny', '--strategy', 'fsdp',
+       '--devices', '2', '--run', 'plain:optimizer=adamw',
+       '--run', 'f:optimizer=adamw,optimizer_state=sharded'],
+      capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
+  assert proc.returncode == 2 and 'compiling' not in proc.stderr, proc.stderr[-2000:]
+  assert ('--run f: optimizer_state=sharded is a data-parallel placement; strategy=fsdp'
+          in proc.stderr), proc.stderr[-2000:]
 
 
 @pytest.mark.slow
