@@ -447,3 +447,16 @@ def test_the_header_of_a_narrow_model_takes_the_runs_block_size(tmp_path):
                                 tmp_path / 'out')['merge_every'] is None
   with pytest.raises(SystemExit):  # a run whose block does not fit is refused before any run
     compare_quality.parse_args(narrow + ['optimizer=poetx'])
+
+
+def test_the_report_names_a_merge_interval_only_where_a_run_merges():
+  h = {'model': '60m', 'dense_params': 1000, 'vocab_size': 4096, 'seq_len': 256,
+       'batch_size': 64, 'steps': 10, 'tokens_per_run': 163840, 'epochs': 0.5,
+       'train_tokens': 327680, 'warmup': 1, 'min_lr_ratio': 0.1, 'clip': 1.0, 'seed': 0,
+       'val_tokens': 2560, 'eval_every': 5, 'device': 'cpu', 'dtype': 'float32',
+       'date': 'today', 'runs': ['optimizer=adamw'], 'data': 'synthetic', 'merge_every': None}
+  run = {'optimizer': 'adamw'}
+  intro = '\n'.join(R._intro({'header': h, 'runs': [run]}))
+  assert 'seed 0. Validation: 2,560 tokens every 5 updates' in intro and 'merges' not in intro
+  intro = '\n'.join(R._intro({'header': {**h, 'merge_every': 50}, 'runs': [run]}))
+  assert 'seed 0; POET-X merges every 50 updates unless a run sets merge_every. Valid' in intro
