@@ -156,10 +156,10 @@ def update_collectives(cfg, label: str, n: int, state_sharded: bool = False) -> 
   # parameters and gathers the rest: after the all-reduce, one all-gather
   # of exactly the trained arrays (bfloat16 ones carried in float32 here
   # too).
-  exact = cfg.strategy == 'dp' and (
-      set(update) == {'all-reduce', 'all-gather'}
-      and update['all-gather'] in (trainable, promoted) if state_sharded
-      else set(update) == {'all-reduce'}) and update['all-reduce'] == promoted + 8
+  kinds = {'all-reduce', 'all-gather'} if state_sharded else {'all-reduce'}
+  exact = (cfg.strategy == 'dp' and set(update) == kinds
+           and update['all-reduce'] == promoted + 8
+           and (not state_sharded or update['all-gather'] in (trainable, promoted)))
   # A POET-X fsdp update (make_train_step's fully_sharded): the trained
   # arrays gathered once and reduce-scattered once (each device keeps
   # 1/n of the sum), the frozen bases gathered where each micro-batch uses

@@ -86,8 +86,8 @@ def merge_layer(layer: POETLinear, key: Array, perm_in: Array | None = None,
   where = _BASE_SHARDING.get()
   if where is not None:
     # The generators whole on each device before their blocks are formed:
-    # the packed parameters are gathered, where the compiler all-reduced the
-    # dense blocks (twice their bytes, and an all-reduce's traffic).
+    # the packed parameters cross (a gather), not the dense blocks the
+    # compiler would otherwise all-reduce (twice the bytes, twice the traffic).
     whole = jax.sharding.NamedSharding(where[0], jax.sharding.PartitionSpec())
     for q in (layer.q_in, layer.q_out):
       q[...] = jax.lax.with_sharding_constraint(q[...], whole)
@@ -145,7 +145,6 @@ def _merged_on_shards(layer: POETLinear, blocks, perm_in, perm_out, mesh, spec) 
   whole-layer merge up to float32 rounding: the rotations are the same
   block products (:func:`poetx_jax.ops.rotate_rows`,
   :func:`poetx_jax.ops.rotate_features`), and the rest is permutation."""
-  from jax.sharding import PartitionSpec as P  # pylint: disable=import-outside-toplevel
   c_in, c_out = ops._chunk_pair(layer.chunk)  # pylint: disable=protected-access
   i, o = layer.in_features, layer.out_features
   # Where each row / column of the new base comes from in the rotated,

@@ -219,11 +219,10 @@ class _Programs:
   identity) and their arrays passed in a fixed order, with no traversal of
   the module graph per call; the new arrays are set back into the same
   Variable objects, so the objects stay the state. An array placed on a mesh
-  (a ``NamedSharding``) comes back with the sharding it went in with: left
-  to the compiler, an update that mixes layouts (parameters replicated,
-  optimizer moments split) returned the parameters split like the moments,
-  so the state's layout changed under the caller and the update's
-  communication was not the placed run's.
+  (a ``NamedSharding``) comes back with the sharding it went in with, so the
+  state keeps the caller's layout whatever the compiler would choose (e.g.
+  parameters whole beside split optimizer moments stay whole); the
+  placements are read from the arrays each call (about 0.1 ms for 300).
   """
 
   def __init__(self, fn: tp.Callable, donate: bool,

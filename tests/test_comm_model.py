@@ -13,6 +13,19 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 from experiments import comm_model
 
 
+TINY = ['--model', 'tiny', '--model-overrides', 'layers=1,mlp=64', '--seq-len', '32',
+        '--vocab-size', '512', '--dtype', 'float32', '--devices', '2', '--per-device-batch', '1']
+
+
+def _comm_model(*args, timeout=900):
+  """experiments.comm_model run with ``args`` in a fresh process (it asks XLA
+  for its simulated devices before jax starts)."""
+  env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS='cpu')
+  env.pop('XLA_FLAGS', None)
+  return subprocess.run([sys.executable, '-m', 'experiments.comm_model', *map(str, args)],
+                        capture_output=True, text=True, env=env, timeout=timeout, cwd=ROOT)
+
+
 def test_allreduce_time_and_efficiencies():
   links = dict(gpus_per_node=8, nvlink_gbs=400.0, net_gbs=50.0)
   # 2 GPUs of one node: each sends and receives S once, over NVLink
@@ -42,16 +55,9 @@ def test_a_data_parallel_update_sends_its_trained_arrays_once(tmp_path):
                                {'run': 'poet', 'step_s': 0.03, 'batch': 2, 'seq_len': 32,
                                 'round': 1}]))
   out = tmp_path / 'comm.json'
-  env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS='cpu')
-  env.pop('XLA_FLAGS', None)
-  proc = subprocess.run(
-      [sys.executable, '-m', 'experiments.comm_model', '--model', 'tiny',
-       '--model-overrides', 'layers=1,mlp=64', '--seq-len', '32', '--vocab-size', '512',
-       '--dtype', 'float32', '--grad-accum', '3', '--devices', '2', '--per-device-batch', '1',
-       '--merge-every', '2', '--run', 'poet:optimizer=poetx',
-       '--run', 'poet-fsdp:optimizer=poetx,strategy=fsdp', '--step-record', str(steps),
-       '--gpus', '8,64', '--accum', '3', '--json', str(out)],
-      capture_output=True, text=True, env=env, timeout=900, cwd=ROOT)
+  proc = _comm_model(*TINY, '--grad-accum', '3', '--merge-every', '2',
+                     '--run', 'poet:optimizer=poetx', '--run', 'poet-fsdp:optimizer=poetx,strategy=fsdp',
+                     '--step-record', steps, '--gpus', '8,64', '--accum', '3', '--json', out)
   assert proc.returncode == 0, proc.stderr[-3000:]
   rec = json.loads(out.read_text())
   assert rec['header']['command'].startswith('python3 -m experiments.comm_model --model tiny')
@@ -89,13 +95,8 @@ def test_optimizer_state_key_is_read_and_checked():
   with pytest.raises(ValueError, match="optimizer_state='split'; valid: replicated, sharded"):
     comm_model.state_option(run)
   # sharded beside fsdp (here the base options' strategy) is refused before any compile
-  env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS='cpu')
-  env.pop('XLA_FLAGS', None)
-  proc = subprocess.run(
-      [sys.executable, '-m', 'experiments.comm_model', '--model', 'tiny', '--strategy', 'fsdp',
-       '--devices', '2', '--run', 'plain:optimizer=adamw',
-       '--run', 'f:optimizer=adamw,optimizer_state=sharded'],
-      capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
+  proc = _comm_model(*TINY, '--strategy', 'fsdp', '--run', 'plain:optimizer=adamw',
+                     '--run', 'f:optimizer=adamw,optimizer_state=sharded', timeout=300)
   assert proc.returncode == 2 and 'compiling' not in proc.stderr, proc.stderr[-2000:]
   assert ('--run f: optimizer_state=sharded is a data-parallel placement; strategy=fsdp'
           in proc.stderr), proc.stderr[-2000:]
@@ -112,16 +113,9 @@ def test_a_sharded_optimizer_state_adds_one_gather_of_the_parameters(tmp_path):
   steps.write_text(json.dumps([{'run': 'adamw', 'step_s': 0.01, 'batch': 2, 'seq_len': 32,
                                 'round': 0}]))  # adamw-zero1 takes adamw's one-GPU step
   out = tmp_path / 'comm.json'
-  env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS='cpu')
-  env.pop('XLA_FLAGS', None)
-  proc = subprocess.run(
-      [sys.executable, '-m', 'experiments.comm_model', '--model', 'tiny',
-       '--model-overrides', 'layers=1,mlp=64', '--seq-len', '32', '--vocab-size', '512',
-       '--dtype', 'float32', '--grad-accum', '2', '--devices', '2', '--per-device-batch', '1',
-       '--run', 'adamw:optimizer=adamw', '--run',
-       'adamw-zero1:optimizer=adamw,optimizer_state=sharded',
-       '--step-record', str(steps), '--gpus', '8', '--accum', '2', '--json', str(out)],
-      capture_output=True, text=True, env=env, timeout=900, cwd=ROOT)
+  proc = _comm_model(*TINY, '--grad-accum', '2', '--run', 'adamw:optimizer=adamw',
+                     '--run', 'adamw-zero1:optimizer=adamw,optimizer_state=sharded',
+                     '--step-record', steps, '--gpus', '8', '--accum', '2', '--json', out)
   assert proc.returncode == 0, proc.stderr[-3000:]
   rec = json.loads(out.read_text())['results']
   plain, zero1 = rec['records']

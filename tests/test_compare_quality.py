@@ -430,9 +430,9 @@ def test_family_names_every_optimizer_of_the_app():
 def test_the_header_of_a_narrow_model_takes_the_runs_block_size(tmp_path):
   """The 60m model at width 256 is narrower than the default block (512): a
   study whose every run sets a block that fits is valid, and its header reads
-  the runs' plans (once it made a plan of the base options alone and
-  raised). The merge interval is the first merging run's; a study of AdamW
-  runs alone has none."""
+  the runs' plans, not the base options' (whose default block does not fit).
+  The merge interval is the first merging run's; a study of AdamW runs alone
+  has none."""
   import types
   narrow = ['--model', '60m', '--model-overrides', 'hidden=256,mlp=768,layers=1,heads=4,kv_heads=4',
             '--data', str(tmp_path), '--out', str(tmp_path / 'out'), '--runs']
