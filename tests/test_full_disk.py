@@ -121,6 +121,45 @@ def test_a_failed_saves_threads_are_joined_without_raising_its_error_again():
     commit.result()
 
 
+# A TensorStore future awaited on an asyncio loop that closes before it is
+# done (a failed save's abandoned write), completed afterwards; then an
+# unraisable error of another kind, which must still be printed.
+LATE_RESULT = '''
+import asyncio, gc, sys
+import tensorstore as ts
+from poetx_jax.pretrain.checkpoint import Checkpointer
+Checkpointer(sys.argv[1])
+promise, future = ts.Promise.new()
+
+async def wait():
+  return await future
+
+loop = asyncio.new_event_loop()
+task = loop.create_task(wait())
+loop.run_until_complete(asyncio.sleep(0.01))
+loop.close()
+promise.set_result(1)
+print('delivered', flush=True)
+
+class Closing:
+  def __del__(self):
+    raise RuntimeError('Event loop is closed')
+
+Closing()
+gc.collect()
+'''
+
+
+def test_a_result_delivered_to_a_closed_loop_prints_nothing(tmp_path):
+  """Once a Checkpointer exists, TensorStore's result for an await whose loop
+  has closed prints no traceback; the same error raised by Python code still does."""
+  proc = subprocess.run([sys.executable, '-c', LATE_RESULT, str(tmp_path / 'c')],
+                        capture_output=True, text=True, timeout=120)
+  assert proc.returncode == 0 and proc.stdout == 'delivered\n', proc.stderr
+  assert 'call_soon_threadsafe' not in proc.stderr, proc.stderr
+  assert proc.stderr.count('Traceback') == 1 and '__del__' in proc.stderr, proc.stderr
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize('where', ['final checkpoint', 'metrics line'])
 def test_no_space_for_a_write_while_training_stops_in_one_line(

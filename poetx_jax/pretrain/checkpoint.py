@@ -41,8 +41,8 @@ from flax import nnx
 
 import poetx_jax
 from poetx_jax.pretrain import processes
-from poetx_jax.pretrain.checkpoint_faults import (NO_FULL_DISK_ERRORS, first_line, flat_shapes,
-                                                  quiet, tree_diff)
+from poetx_jax.pretrain.checkpoint_faults import (NO_FULL_DISK_ERRORS, drop_late_results,
+                                                  first_line, flat_shapes, quiet, tree_diff)
 from poetx_jax.pretrain.digests import check_digests, write_digests
 from poetx_jax.pretrain.disk_full import DiskFull, full_disk_remedy, full_disk_text, when_full
 
@@ -115,6 +115,7 @@ class Checkpointer:
     logger = logging.getLogger('absl')  # orbax logs there
     if NO_FULL_DISK_ERRORS not in logger.filters:
       logger.addFilter(NO_FULL_DISK_ERRORS)
+    drop_late_results()
     self._mgr = ocp.CheckpointManager(
         self.directory,
         options=ocp.CheckpointManagerOptions(

@@ -1,13 +1,17 @@
 """How a checkpoint's failures are told: the first line of orbax's errors, the
 arrays of a checkpoint that does not fit a model, and orbax's logs of errors
 that :mod:`poetx_jax.pretrain.checkpoint` raises itself (a restore's
-TensorStore dumps, a save refused for want of space) kept quiet.
+TensorStore dumps, a save refused for want of space) kept quiet, as are the
+late results of a failed save's abandoned writes.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import os
+import sys
+import traceback
 
 import jax
 
@@ -51,6 +55,44 @@ class _NoFullDiskErrors(logging.Filter):
 
 
 NO_FULL_DISK_ERRORS = _NoFullDiskErrors()  # on the absl logger, where orbax logs
+
+
+def is_late_result(unraisable) -> bool:
+  """Whether an unraisable error (``sys.unraisablehook``'s argument) is a
+  TensorStore result delivered after its asyncio loop closed.
+
+  A save that fails for want of space ends its event loop at the first
+  refused write; the save's other writes, abandoned, finish later, and
+  TensorStore hands each result to the closed loop from C++
+  (``call_soon_threadsafe``: ``RuntimeError: Event loop is closed``), which
+  Python prints as a traceback. Nothing waits for those results: the failed
+  save is reported on its own. Only that error, raised in asyncio's
+  ``base_events`` with no Python caller above it, is one."""
+  if unraisable.object is not None or type(unraisable.exc_value) is not RuntimeError:
+    return False
+  frames = traceback.extract_tb(unraisable.exc_traceback)
+  where = os.path.join('asyncio', 'base_events.py')
+  return (str(unraisable.exc_value) == 'Event loop is closed' and bool(frames)
+          and frames[0].name == 'call_soon_threadsafe'
+          and all(f.filename.endswith(where) for f in frames))
+
+
+class _DropLateResults:
+  """``sys.unraisablehook`` that passes every unraisable error but the late
+  results of :func:`is_late_result` on to the hook it replaced."""
+
+  def __init__(self, previous):
+    self.previous = previous
+
+  def __call__(self, unraisable) -> None:
+    if not is_late_result(unraisable):
+      self.previous(unraisable)
+
+
+def drop_late_results() -> None:
+  """Installs :class:`_DropLateResults` as ``sys.unraisablehook`` (once)."""
+  if not isinstance(sys.unraisablehook, _DropLateResults):
+    sys.unraisablehook = _DropLateResults(sys.unraisablehook)
 
 
 def flat_shapes(tree) -> dict[str, tuple]:
