@@ -114,15 +114,15 @@ def test_the_family_parts_cover_every_optimizer_once():
 @pytest.mark.parametrize('families', FAMILY_PARTS, ids='-'.join)
 def test_every_optimizer_family_trains_and_resumes_on_2_and_4_devices(tmp_path, families):
   """Each optimizer of ``poetx train --optimizer`` (Muon's state holds optax
-  MaskedNodes, placeholders with no array) under dp and fsdp on 2 and 4
-  devices, and resumed from 1 device onto 2 (fsdp) and from 2 onto 1 (and
+  MaskedNodes, placeholders with no array) under dp and fsdp on 2 devices
+  (AdamW on 4 too), and resumed from 1 device onto 2 (fsdp) and from 2 onto 1 (and
   POET-X drawing chunk permutations under fsdp 2, fresh and resumed), gives
   one device's losses and state to float32 rounding; under fsdp every
   optimizer moment is split as the parameter it follows, and some are split."""
   r = _run(4, 'optimizers', tmp_path, ','.join(families))
-  full = ('dp 2', 'dp 4', 'fsdp 2', 'fsdp 4', 'resume 1->2', 'resume 2->1')
-  cases = [f'{f} {c}' for f in families
-           for c in (('dp 2', 'fsdp 2', 'resume 2->1') if f == 'poetx-muon' else full)]
+  cases = [f'{f} {c}' for f in families for c in ('dp 2', 'fsdp 2', 'resume 2->1')]
+  cases += [f'adamw {c}' for c in ('dp 4', 'fsdp 4')] * ('adamw' in families)
+  cases += [f'{f} resume 1->2' for f in families if f != 'poetx-muon']
   cases += ['poetx chunk fsdp 2', 'poetx chunk resume 1->2'] * ('poetx' in families)
   cases += ['muon scan lean fsdp 2'] * ('muon' in families)
   assert sorted(r) == sorted(cases), sorted(r)
