@@ -97,8 +97,8 @@ def test_gradients_match_naive_float32(keys, mode, form, i, o, b):
     return (_naive(layer, x, q_in, q_out) * ct).sum()
 
   args = (x, layer.q_in[...], layer.q_out[...])
-  v, g = jax.value_and_grad(loss, argnums=(0, 1, 2))(*args)
-  v_ref, g_ref = jax.value_and_grad(loss_ref, argnums=(0, 1, 2))(*args)
+  v, g = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(*args)
+  v_ref, g_ref = jax.jit(jax.value_and_grad(loss_ref, argnums=(0, 1, 2)))(*args)
   assert rel_err(v, v_ref) < 1e-5
   for a, r in zip(g, g_ref):
     assert rel_err(a, r) < 1e-5

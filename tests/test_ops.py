@@ -166,10 +166,12 @@ def test_poet_linear_matches_dense_formula(keys, i, o, b, remat, form):
   x, kernel, q_in, q_out, p_in, p_out = _layer_inputs(keys, i, o, b)
   stored = ops.permute_kernel(kernel, p_in, p_out)
 
+  @jax.jit
   def fast(x, q_in, q_out):
     return ops.poet_linear(x, stored, q_in, q_out, p_in, p_out, block_size=b,
                            remat=remat, form=form)
 
+  @jax.jit
   def naive(x, q_in, q_out):
     return x @ _dense_weight(kernel, q_in, q_out, p_in, p_out, b).T
 
