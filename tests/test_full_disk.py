@@ -150,6 +150,7 @@ gc.collect()
 '''
 
 
+@pytest.mark.slow
 def test_a_result_delivered_to_a_closed_loop_prints_nothing(tmp_path):
   """Once a Checkpointer exists, TensorStore's result for an await whose loop
   has closed prints no traceback; the same error raised by Python code still does."""
