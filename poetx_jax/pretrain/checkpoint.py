@@ -21,7 +21,9 @@ next save, :meth:`Checkpointer.wait` or :meth:`Checkpointer.close`), once
 those threads have ended. The step stays orbax's temporary folder, never a
 step that restores (and named as unfinished on ``--resume``); the steps
 before it stay as they were: orbax removes the old steps only once a save
-commits.
+commits. The failed save's abandoned writes that finish afterwards print
+nothing (checkpoint_faults.py's ``drop_late_results``, installed by every
+:class:`Checkpointer`).
 """
 
 from __future__ import annotations
