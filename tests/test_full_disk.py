@@ -16,7 +16,7 @@ import sys
 import pytest
 
 from conftest import write_corpus
-from poetx_jax.pretrain import checkpoint, cli
+from poetx_jax.pretrain import checkpoint, checkpoint_faults, cli
 from poetx_jax.pretrain import train as train_lib
 from poetx_jax.pretrain.checkpoint import Checkpointer
 from poetx_jax.pretrain.digests import check_digests
@@ -116,7 +116,7 @@ def test_a_failed_saves_threads_are_joined_without_raising_its_error_again():
     raise OSError(errno.EFBIG, 'File too large')
 
   commit = future.CommitFuture(refused())
-  checkpoint._join_operation_threads()  # pylint: disable=protected-access
+  checkpoint_faults.join_operation_threads()
   with pytest.raises(OSError, match='File too large'):
     commit.result()
 

@@ -32,7 +32,6 @@ import contextlib
 import logging
 import pathlib
 import shutil
-import threading
 import time
 import typing as tp
 
@@ -44,7 +43,8 @@ from flax import nnx
 import poetx_jax
 from poetx_jax.pretrain import processes
 from poetx_jax.pretrain.checkpoint_faults import (NO_FULL_DISK_ERRORS, drop_late_results,
-                                                  first_line, flat_shapes, quiet, tree_diff)
+                                                  first_line, flat_shapes,
+                                                  join_operation_threads, quiet, tree_diff)
 from poetx_jax.pretrain.digests import check_digests, write_digests
 from poetx_jax.pretrain.disk_full import DiskFull, full_disk_remedy, full_disk_text, when_full
 
@@ -171,7 +171,7 @@ class Checkpointer:
       del e
       with contextlib.suppress(Exception):  # the failed save's other threads
         self._mgr.wait_until_finished()
-      _join_operation_threads()
+      join_operation_threads()
       return DiskFull(f'{full_disk_text(code)} writing the checkpoint of step {self._saving} '
                       f'under {self.directory} (its unfinished folder is never restored)', code)
     return when_full(stop)
@@ -406,21 +406,6 @@ class Checkpointer:
 
   def __exit__(self, *exc: tp.Any) -> None:
     self.close()
-
-
-def _join_operation_threads(timeout_s: float = 30.0) -> None:
-  """Waits (each at most ``timeout_s``) for orbax's per-operation threads.
-  After a failed save ``wait_until_finished`` returns on the first error
-  while another of the save's threads (the one that writes the metadata
-  after the commits) may still run; one still running as the interpreter
-  exits prints a traceback after the command's one error line. orbax's
-  threads raise their own error again from ``join``: that is the failed
-  save's, already being reported, so it is not raised here."""
-  me = threading.current_thread()
-  for thread in threading.enumerate():
-    if thread is not me and type(thread).__module__.startswith('orbax.'):
-      with contextlib.suppress(Exception):
-        thread.join(timeout_s)
 
 
 def resumed_message(step: int, total: int, reached: int, unfinished: list[int], *,

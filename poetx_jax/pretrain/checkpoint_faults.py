@@ -2,7 +2,8 @@
 arrays of a checkpoint that does not fit a model, and orbax's logs of errors
 that :mod:`poetx_jax.pretrain.checkpoint` raises itself (a restore's
 TensorStore dumps, a save refused for want of space) kept quiet, as are the
-late results of a failed save's abandoned writes.
+late results of a failed save's abandoned writes; and the failed save's
+threads joined before it is reported.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import contextlib
 import logging
 import os
 import sys
+import threading
 import traceback
 
 import jax
@@ -93,6 +95,21 @@ def drop_late_results() -> None:
   """Installs :class:`_DropLateResults` as ``sys.unraisablehook`` (once)."""
   if not isinstance(sys.unraisablehook, _DropLateResults):
     sys.unraisablehook = _DropLateResults(sys.unraisablehook)
+
+
+def join_operation_threads(timeout_s: float = 30.0) -> None:
+  """Waits (each at most ``timeout_s``) for orbax's per-operation threads.
+  After a failed save ``wait_until_finished`` returns on the first error
+  while another of the save's threads (the one that writes the metadata
+  after the commits) may still run; one still running as the interpreter
+  exits prints a traceback after the command's one error line. orbax's
+  threads raise their own error again from ``join``: that is the failed
+  save's, already being reported, so it is not raised here."""
+  me = threading.current_thread()
+  for thread in threading.enumerate():
+    if thread is not me and type(thread).__module__.startswith('orbax.'):
+      with contextlib.suppress(Exception):
+        thread.join(timeout_s)
 
 
 def flat_shapes(tree) -> dict[str, tuple]:
