@@ -8,9 +8,15 @@ poetx-muon``). Its folder (``docs/results/paper-baseline``) holds
 one record per call of ``compare_quality.py``'s runs, collected from their
 run folders even where the runs did not finish (``--collect``: each run's
 options, the evaluations it reached and the merges it warned about), and
-``bench_train.py --json`` step records (``step-*.json``). This writes the
-folder's ``README.md``: each run's validation perplexity at equal tokens,
-the ratios that answer the study's questions, and the steps' times::
+``bench_train.py --json`` step records (``step-*.json``), and
+``bench_memory.py --state-only`` optimizer state at Llama-8B
+(``state-8b.json``). This writes the folder's ``README.md``: the answer size
+by size (one table: per size, the best finished configuration of POET-X, its
+reference recipe, POET-X Muon, AdamW as the paper trains it, the tuned AdamW
+and Muon, with their finals, the ratio of each mean to the tuned AdamW's,
+prose perplexity, tokens per second marked where runs shared the GPU, and
+optimizer state at Llama-8B), each run's validation perplexity at equal
+tokens, the ratios that answer the study's questions, and the steps' times::
 
     python3 -m experiments.paper_report --collect runs/q19 docs/results/paper-baseline/partial-19m.json
     python3 -m experiments.paper_report docs/results/paper-baseline
@@ -20,13 +26,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import pathlib
+import re
+import shlex
 import statistics
 import sys
 
 from experiments.chunk_report import step_rows
 from experiments.study_page import call_lines, header, load
-from experiments import study_page
+from experiments import harness, study_page
+
+THREE_SIZES = pathlib.Path(__file__).resolve().parents[1] / 'docs' / 'results' / 'three-sizes'
 
 OPTIONS = ('optimizer', 'lr', 'poet_lr', 'weight_decay', 'param_dtype', 'min_lr_ratio', 'clip',
            'clip_ramp', 'poet_eps', 'poet_eps_placement', 'seed', 'steps', 'block_size',
@@ -40,7 +51,8 @@ def collect(study: pathlib.Path) -> dict:
   resolved them), the evaluations of ``metrics.jsonl`` (step, tokens,
   validation and prose perplexity), the last step it logged, how many of
   its merges warned that the factors were far from orthogonal (its log), and
-  a finished run's steady tokens per second (``summary.json``)."""
+  a finished run's steady tokens per second (``summary.json``); the header
+  keeps the study's ``jobs`` (runs trained at once: its command's ``--jobs``)."""
   header = json.loads((study / 'study.json').read_text())['header']
   runs = []
   for folder in sorted((study / 'runs').iterdir()):
@@ -62,7 +74,51 @@ def collect(study: pathlib.Path) -> dict:
                                   if summary.exists() else None)})
   keep = ('model', 'model_overrides', 'seq_len', 'batch_size', 'steps', 'warmup', 'device',
           'dense_params', 'tokens_per_step', 'val_tokens', 'date')
-  return {'header': {k: header[k] for k in keep if k in header}, 'runs': runs}
+  jobs = jobs_of(header['command']) if 'command' in header else None
+  return {'header': {**{k: header[k] for k in keep if k in header},
+                     **({'jobs': jobs} if jobs is not None else {})}, 'runs': runs}
+
+
+def _value(words: list[str], flag: str) -> str | None:
+  """The value a command's words give ``flag`` (``--flag V`` or ``--flag=V``)."""
+  for i, w in enumerate(words):
+    if w == flag and i + 1 < len(words):
+      return words[i + 1]
+    if w.startswith(flag + '='):
+      return w.split('=', 1)[1]
+  return None
+
+
+def jobs_of(command: str) -> int | None:
+  """The ``--jobs`` of a compare_quality command (1, its default, where it
+  names none); None for any other command."""
+  words = shlex.split(harness.todays_form(command))
+  if 'experiments.compare_quality' not in words:
+    return None
+  return int(_value(words, '--jobs') or 1)
+
+
+def record_jobs(meta: dict, name: str, record: dict) -> int:
+  """How many runs of its study trained at once when record ``name`` was
+  made: its header's ``jobs``, else the ``--jobs`` of the compare_quality
+  command, in the call of ``calls.json`` writing the record, whose ``--out``
+  is the study folder that the call's ``--collect`` command into ``name``
+  read; 1 (one run at a time) where neither says."""
+  if 'jobs' in record.get('header', {}):
+    return record['header']['jobs']
+  for call in meta['calls']:
+    if name not in call['records']:
+      continue
+    words = [shlex.split(harness.todays_form(c)) for c in call['commands']]
+    study = next((_value(w, '--collect') for w in words
+                  if _value(w, '--collect') and pathlib.PurePath(w[-1]).name == name), None)
+    for w in words:
+      out = _value(w, '--out')
+      if study and out and pathlib.PurePath(out) == pathlib.PurePath(study):
+        jobs = jobs_of(shlex.join(w))
+        if jobs is not None:
+          return jobs
+  return 1
 
 
 def label(o: dict) -> str:
@@ -148,8 +204,7 @@ def baselines(size: str) -> dict[str, list[float]]:
   """The three-sizes study's finals at ``size`` (same corpus, tokens and
   validation set), by family: the tuned AdamW, Muon and the POET-X bests."""
   from experiments import three_sizes_report as T
-  rec = load(pathlib.Path(__file__).resolve().parents[1] / 'docs' / 'results' / 'three-sizes',
-             'finals.json')
+  rec = load(THREE_SIZES, 'finals.json')
   (entry,) = [s for s in rec['sizes'] if s['size'] == size]
   return {f"{name} ({f['config']}; three-sizes study)": T.finals(f)
           for name, f in entry['families'].items()}
@@ -175,6 +230,196 @@ def finals_rows(res: dict, size: str) -> list[str]:
   return out
 
 
+# the families of the answer, in its order, and the run of ``state-8b.json``
+# holding each one's optimizer state
+FAMILIES = {'POET-X': 'poetx', 'POET-X, reference recipe': 'poetx', 'POET-X Muon': 'poetx-muon',
+            'AdamW as the paper trains it': 'adamw-bf16', 'tuned AdamW': 'adamw', 'Muon': 'muon'}
+
+
+def records_by_size(folder: pathlib.Path) -> dict[str, list[str]]:
+  """The folder's ``finals-SIZE[-WHAT].json`` records by size (``19M``), in name order."""
+  by_size: dict[str, list[str]] = {}
+  for name in sorted(p.name for p in folder.glob('finals-*.json')):
+    by_size.setdefault(name.removesuffix('.json').split('-')[1].upper(), []).append(name)
+  return by_size
+
+
+def finished_runs(folder: pathlib.Path, meta: dict, names: list[str]) -> list[dict]:
+  """The finished runs of records ``names``, each with its record's
+  ``device`` and ``shared``: whether it trained side by side with other runs
+  of its study on the GPU (more than one run in the record, and its study
+  trained more than one at once: :func:`record_jobs`)."""
+  out = []
+  for name in names:
+    rec = load(folder, name)
+    shared = len(rec['runs']) > 1 and record_jobs(meta, name, rec) > 1
+    out += [{**r, 'shared': shared, 'device': rec['header'].get('device')}
+            for r in rec['runs'] if r['finished']]
+  return out
+
+
+def last_eval(run: dict) -> dict:
+  return max(run['evals'], key=lambda e: e['step'])
+
+
+def lowest(runs: list[dict], keep) -> tuple[str, list[dict], int] | None:
+  """Of the configurations whose options ``keep`` accepts, the one of lowest
+  mean final validation perplexity: its name, its runs in seed order and how
+  many configurations were kept; None where none was."""
+  by: dict[str, list[dict]] = {}
+  for r in runs:
+    if keep(r['options']):
+      by.setdefault(configuration(r['options']), []).append(r)
+  if not by:
+    return None
+  name, rs = min(by.items(),
+                 key=lambda kv: statistics.mean(last_eval(r)['val_ppl'] for r in kv[1]))
+  return name, sorted(rs, key=lambda r: r['options']['seed']), len(by)
+
+
+def recipe_differences(o: dict, lr: float) -> list[str]:
+  """A POET-X run's differences from the app's default recipe that the
+  published POET-X's recipe makes: the final/peak rate, the clip ramp after
+  merges, the Adam offset and the other parameters' rate (``lr``: the
+  three-sizes study's at the size)."""
+  from poetx_jax.pretrain.config import TrainConfig
+  default = lambda k: TrainConfig.__dataclass_fields__[k].default
+  return [d for d in (
+      f"min-lr {o['min_lr_ratio']:g}" if o['min_lr_ratio'] != default('min_lr_ratio') else '',
+      f"clip {o['clip']:g} with ramp {o['clip_ramp']}" if o['clip_ramp'] else '',
+      f"eps {o['poet_eps']:g} {o['poet_eps_placement']}"
+      if o['poet_eps'] != default('poet_eps') else '',
+      f"other parameters' lr {o['lr']:g}" if not math.isclose(o['lr'], lr) else '') if d]
+
+
+def answer_rows(folder: pathlib.Path, meta: dict) -> list[dict]:
+  """The rows of the answer, sizes in the three-sizes study's order of
+  parameters, families in :data:`FAMILIES`' order: each its ``size``,
+  ``family``, ``config`` (None: not run), ``finals`` (by seed), ``prose``
+  (the prose perplexities at the last step; None where the record keeps
+  none), ``tokens_per_s`` (of the runs that have it), ``shared`` and
+  ``state`` (optimizer GiB at Llama-8B; None without ``state-8b.json``)."""
+  from experiments import three_sizes_report as T
+  state = ({r['run']: r['optimizer_gib'] for r in load(folder, 'state-8b.json')}
+           if (folder / 'state-8b.json').exists() else {})
+  by_size = records_by_size(folder)
+  rows = []
+  for s in sorted(load(THREE_SIZES, 'finals.json')['sizes'],
+                  key=lambda s: s['non_embedding_params']):
+    fam = s['families']
+    best = T.best_poetx(s)
+    lr = float(re.search(r'\blr ([^,\s]+)', fam[best]['config'])[1])
+    runs = finished_runs(folder, meta, by_size.get(s['size'], []))
+    def three(name):
+      if name not in fam:
+        return None
+      return {'config': f"{name}: {fam[name]['config']} (three-sizes study)",
+              'finals': T.finals(fam[name]), 'prose': None, 'tokens_per_s': [], 'shared': False}
+    def mine(keep, note):
+      got = lowest(runs, keep)
+      if got is None:
+        return None
+      name, rs, n = got
+      return {'config': name + note(rs, n), 'finals': [last_eval(r)['val_ppl'] for r in rs],
+              'prose': [p for p in (last_eval(r)['prose'] for r in rs) if p is not None],
+              'tokens_per_s': [r['tokens_per_s'] for r in rs if r.get('tokens_per_s')],
+              'shared': any(r['shared'] for r in rs if r.get('tokens_per_s'))}
+    of = lambda n, what: f' (the lowest of {n} {what})' if n > 1 else ''
+    recipe = lambda o: o['optimizer'] == 'poetx' and bool(recipe_differences(o, lr))
+    got = {
+        'POET-X': three(best),
+        'POET-X, reference recipe': mine(recipe, lambda rs, n: (
+            f" ({' and '.join(recipe_differences(rs[0]['options'], lr))} only"
+            + (f'; the lowest of {n})' if n > 1 else ')'))),
+        'POET-X Muon': mine(lambda o: o['optimizer'] == 'poetx-muon',
+                            lambda rs, n: of(n, 'configurations')),
+        'AdamW as the paper trains it': mine(
+            lambda o: (o['optimizer'] == 'adamw' and o['param_dtype'] == 'bfloat16'
+                       and o['weight_decay'] == 0), lambda rs, n: of(n, 'rates')),
+        'tuned AdamW': three('AdamW'),
+        'Muon': three('Muon')}
+    rows += [{'size': s['size'], 'family': f, 'state': state.get(FAMILIES[f]),
+              **(got[f] or {'config': None})} for f in FAMILIES]
+  return rows
+
+
+def answer_lines(folder: pathlib.Path, meta: dict) -> list[str]:
+  """The answer, size by size: :func:`answer_rows` as one table, a sentence
+  per size with POET-X's and POET-X Muon's ratios to the tuned AdamW and to
+  AdamW as the paper trains it, what the tokens per second are, and
+  ``state-8b.json``'s optimizer state per run."""
+  rows = answer_rows(folder, meta)
+  mean = lambda r: statistics.mean(r['finals']) if r['config'] else None
+  tuned = {r['size']: mean(r) for r in rows if r['family'] == 'tuned AdamW'}
+  path = folder / 'state-8b.json'
+  mem = json.loads(path.read_text()) if path.exists() else None
+  model = f"Llama-{mem['results'][0]['model'].upper()}" if mem else 'Llama-8B'
+  out = ['## The answer, size by size', '',
+         'Per size, the finished configuration of lowest mean final validation perplexity of '
+         'each family, on the same corpus, tokens in the same order, validation set and '
+         'schedule: POET-X is the three-sizes study\'s best block size (the app\'s default '
+         'recipe); the reference recipe is this study\'s POET-X runs with differences the '
+         'published POET-X\'s recipe makes (min-lr, the clip ramp after merges, eps, the other '
+         'parameters\' rate); AdamW as the paper trains it is AdamW in bf16 with weight decay '
+         '0; the tuned AdamW and Muon are the three-sizes study\'s. The ratio is the mean over '
+         'the tuned AdamW\'s at the size; prose is the perplexity on the prose set at the last '
+         'step, mean over the seeds (— where the record keeps none); the optimizer state is '
+         f'`state-8b.json`\'s (below) for the family\'s optimizer at {model}.', '',
+         '| size | family | configuration | validation perplexity: finals by seed; mean ± sd (n) '
+         f'| / tuned AdamW | prose at the end | tokens/s | optimizer state at {model}, GiB |',
+         '|---|---|---|---|---|---|---|---|']
+  for r in rows:
+    state = '—' if r['state'] is None else f"{r['state']:.2f}"
+    if r['config'] is None:
+      out.append(f"| {r['size']} | {r['family']} | not run | not run | not run | not run | "
+                 f'not run | {state} |')
+      continue
+    v, m = r['finals'], mean(r)
+    sd = f' ± {statistics.stdev(v):.2f}' if len(v) > 1 else ''
+    ratio = f"{m / tuned[r['size']]:.3f}" if tuned.get(r['size']) else '—'
+    prose = f"{statistics.mean(r['prose']):.2f}" if r['prose'] else '—'
+    speed = (f"{statistics.mean(r['tokens_per_s']):,.0f}" + (' (shared GPU)' if r['shared'] else '')
+             if r['tokens_per_s'] else '—')
+    out.append(f"| {r['size']} | {r['family']} | {r['config']} | "
+               f"{' / '.join(f'{x:.2f}' for x in v)}; {m:.2f}{sd} ({len(v)}) | {ratio} | "
+               f'{prose} | {speed} | {state} |')
+  out.append('')
+  for size in tuned:
+    means = {r['family']: mean(r) for r in rows if r['size'] == size}
+    paper, base = means['AdamW as the paper trains it'], tuned[size]
+    if not base:
+      continue
+    def q(family: str, long: bool) -> str:
+      m = means[family]
+      if m is None:
+        return f'{family}: not run'
+      if long:
+        return (f"{family} ends {m / base:.3f}× the tuned AdamW's perplexity"
+                + (f' and {m / paper:.3f}× that of AdamW as the paper trains it' if paper else
+                   ' (AdamW as the paper trains it: not run at this size)'))
+      return f'{family} {m / base:.3f}×' + (f' and {m / paper:.3f}×' if paper else '')
+    out.append(f"At {size}, {q('POET-X', True)}; {q('POET-X Muon', False)}.")
+  headers = [load(folder, name)['header'] for names in records_by_size(folder).values()
+             for name in names]
+  devices = sorted({h['device'] for h in headers if h.get('device')})
+  out += ['', 'Tokens/s: the mean steady tokens per second of the configuration\'s finished runs, '
+          f"each on {' or '.join(devices) or 'its device'} (the records' headers); "
+          '"shared GPU" marks runs that trained side by side with other runs of their study on '
+          'the GPU (its `--jobs` above 1), whose figure is not a speed comparison. A — marks a '
+          'figure the records here do not keep (the three-sizes study\'s keep neither prose nor '
+          'speed).',
+          '']
+  if mem:
+    h = mem['header']
+    out += [f"Optimizer state at {model} (`state-8b.json`; commit `{h['commit']}`, {h['device']}, "
+            f"{h['date']}), computed from the state's abstract shapes:", '',
+            f"    {harness.todays_form(h['command'])}", '',
+            '| run | model GiB | trainable GiB | optimizer GiB |', '|---|---|---|---|',
+            *[f"| {r['run']} | {r['model_gib']:.2f} | {r['trainable_gib']:.2f} | "
+              f"{r['optimizer_gib']:.2f} |" for r in mem['results']], '']
+  return out
+
+
 def report(folder: pathlib.Path) -> str:
   meta = load(folder, 'calls.json')
   lines = [*header(meta, 'paper_report', folder), *call_lines(meta)]
@@ -184,10 +429,8 @@ def report(folder: pathlib.Path) -> str:
                 *[f'* {p}' for p in call['predictions']], '']
     if call.get('outcomes'):
       lines += ['Outcomes:', '', *[f'* {o}' for o in call['outcomes']], '']
-  by_size: dict[str, list[str]] = {}  # finals-SIZE[-WHAT].json
-  for name in sorted(p.name for p in folder.glob('finals-*.json')):
-    by_size.setdefault(name.removesuffix('.json').split('-')[1].upper(), []).append(name)
-  for size, names in by_size.items():
+  lines += answer_lines(folder, meta)
+  for size, names in records_by_size(folder).items():
     res = {'runs': [r for name in names for r in load(folder, name)['runs']]}
     lines += [f'## Final validation perplexity at {size}', '',
               f"The finished runs of {', '.join(f'`{n}`' for n in names)} beside the "

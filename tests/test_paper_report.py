@@ -115,3 +115,138 @@ def test_the_page_has_one_finals_table_a_size_over_its_records(tmp_path):
   table = page.split('## Final validation perplexity at 19M')[1].split('\n## ')[0]
   assert '| AdamW bf16, lr 0.001, wd 0 | 10.00 |' in table, table
   assert '| POET-X, step 0.0005, lr 0.001 | 12.00 |' in table, table
+
+
+def test_collect_keeps_the_studys_jobs_from_its_command(tmp_path):
+  study = _study(tmp_path)
+  meta = json.loads((study / 'study.json').read_text())
+  assert 'jobs' not in paper_report.collect(study)['header']  # no command, nothing said
+  meta['header']['command'] = 'python3 -m experiments.compare_quality --jobs 3 --out runs/x'
+  (study / 'study.json').write_text(json.dumps(meta))
+  assert paper_report.collect(study)['header']['jobs'] == 3
+  meta['header']['command'] = 'python3 -m experiments.compare_quality --out runs/x'
+  (study / 'study.json').write_text(json.dumps(meta))
+  assert paper_report.collect(study)['header']['jobs'] == 1  # compare_quality's default
+
+
+def _finished(seed, final, prose=None, tokens_per_s=None, **options):
+  """A finished run of a record: its options those of the app's POET-X at
+  19M (the three-sizes study's lr 1.2e-2) with ``options`` changed."""
+  o = {'optimizer': 'poetx', 'param_dtype': 'float32', 'lr': 1.2e-2, 'weight_decay': 0.0,
+       'poet_lr': 5e-4, 'min_lr_ratio': 0.1, 'clip': 1.0, 'clip_ramp': 0, 'poet_eps': 1e-8,
+       'poet_eps_placement': 'corrected', 'seed': seed, 'steps': 10, **options}
+  return {'name': f'r{seed}{final}', 'options': o, 'finished': True, 'last_step': 10,
+          'merge_warnings': 0, 'tokens_per_s': tokens_per_s,
+          'evals': [{'step': 5, 'tokens': 100, 'val_ppl': final + 1, 'prose': None},
+                    {'step': 10, 'tokens': 200, 'val_ppl': final, 'prose': prose}]}
+
+
+def _answer_folder(tmp_path):
+  """A study folder with two 19M records and nothing at 5M or 130M: the
+  reference recipe run three ways (eps lowest) beside a POET-X run of the
+  app's recipe, AdamW as the paper trains it at two rates, and no POET-X
+  Muon; ``finals-19m.json`` collected from a call of two runs at once,
+  ``finals-19m-more.json`` from one that ran them one at a time."""
+  folder = tmp_path / 'paper'
+  folder.mkdir()
+  cq = 'python3 -m experiments.compare_quality --steps 10'
+  collect = 'python3 -m experiments.paper_report --collect'
+  (folder / 'calls.json').write_text(json.dumps({
+      'study': 's', 'date': 'd', 'commit': 'c', 'device': 'x',
+      'calls': [{'records': ['finals-19m.json'], 'note': 'side by side',
+                 'commands': [f'{cq} --jobs 2 --out runs/a --runs x',
+                              f'{collect} runs/a finals-19m.json']},
+                {'records': ['finals-19m-more.json'],
+                 'commands': [f'{cq} --out runs/b --runs y',
+                              f'{collect} runs/b finals-19m-more.json']}]}))
+  header = {'model': 'tiny', 'seq_len': 8, 'batch_size': 2, 'steps': 10, 'warmup': 1,
+            'device': '1 x GPU', 'dense_params': 100, 'val_tokens': 32, 'tokens_per_step': 20}
+  records = {
+      'finals-19m.json': [
+          _finished(0, 10.5, prose=30.0, tokens_per_s=1000.0, min_lr_ratio=0.01),
+          _finished(0, 9.0, prose=20.0),  # the app's recipe: no difference, not the reference's
+          _finished(0, 10.0, prose=22.0, tokens_per_s=300.0, optimizer='adamw',
+                    param_dtype='bfloat16', lr=1e-3),
+          _finished(1, 11.0, prose=26.0, tokens_per_s=500.0, optimizer='adamw',
+                    param_dtype='bfloat16', lr=1e-3),
+          _finished(0, 12.0, optimizer='adamw', param_dtype='bfloat16', lr=5e-4),
+          _finished(0, 8.0, optimizer='adamw', param_dtype='float32', lr=1e-3,
+                    weight_decay=0.1)],  # not as the paper trains it
+      'finals-19m-more.json': [
+          _finished(0, 10.0, prose=24.0, tokens_per_s=900.0, poet_eps=1e-6,
+                    poet_eps_placement='raw'),
+          _finished(0, 10.3, lr=2e-3)]}
+  for name, runs in records.items():
+    (folder / name).write_text(json.dumps({'header': header, 'runs': runs}))
+  (folder / 'state-8b.json').write_text(json.dumps({
+      'header': {'command': 'python3 -m experiments.bench_memory --state-only', 'commit': 'c',
+                 'device': 'cpu', 'date': 'd'},
+      'results': [{'run': run, 'model': '8b', 'model_gib': 1.0, 'trainable_gib': 0.5,
+                   'optimizer_gib': gib}
+                  for run, gib in (('poetx', 4.0), ('poetx-muon', 3.0), ('adamw-bf16', 27.0),
+                                   ('adamw', 54.0), ('muon', 28.0))]}))
+  return folder
+
+
+def _answer_table(page):
+  """The answer's table rows, as lists of cells."""
+  section = page.split('## The answer, size by size')[1]
+  table = section[section.index('\n| size |'):].split('\n\n')[0].splitlines()[3:]
+  return [[c.strip() for c in l.strip('|').split('|')] for l in table]
+
+
+def test_the_answer_has_a_row_per_size_and_family_in_order(tmp_path):
+  page = paper_report.report(_answer_folder(tmp_path))
+  assert page.index('## The answer, size by size') < page.index('## Final validation perplexity')
+  rows = _answer_table(page)
+  families = ['POET-X', 'POET-X, reference recipe', 'POET-X Muon',
+              'AdamW as the paper trains it', 'tuned AdamW', 'Muon']
+  assert [(r[0], r[1]) for r in rows] == [(s, f) for s in ('5M', '19M', '130M') for f in families]
+  # A family without a finished run keeps its row, every figure "not run";
+  # the optimizer state, known without a run, is the family's.
+  by = {(r[0], r[1]): r for r in rows}
+  assert by['19M', 'POET-X Muon'] == ['19M', 'POET-X Muon', *['not run'] * 5, '3.00']
+  for f in families[1:4]:
+    assert by['5M', f][2:7] == ['not run'] * 5 and by['130M', f][2:7] == ['not run'] * 5
+
+
+def test_the_answer_picks_the_lowest_mean_and_gives_its_ratio_to_the_tuned_adamw(tmp_path):
+  from experiments import three_sizes_report as T
+  page = paper_report.report(_answer_folder(tmp_path))
+  rows = {(r[0], r[1]): r for r in _answer_table(page)}
+  tuned = sum([9.60, 9.70, 9.62]) / 3  # the three-sizes record's AdamW at 19M
+  # The reference recipe: of min-lr (10.5), eps (10.0) and the other rate
+  # (10.3), eps, the app's own recipe (9.0) not among them.
+  ref = rows['19M', 'POET-X, reference recipe']
+  assert ref[2] == ('POET-X, step 0.0005, lr 0.012, eps 1e-06 raw '
+                    '(eps 1e-06 raw only; the lowest of 3)')
+  assert ref[3:8] == ['10.00; 10.00 (1)', f'{10.0 / tuned:.3f}', '24.00', '900', '4.00']
+  # AdamW as the paper trains it: bf16, wd 0, its rate of lowest mean (1e-3,
+  # seeds 10 and 11, over 5e-4's 12); its two runs shared the GPU.
+  paper = rows['19M', 'AdamW as the paper trains it']
+  assert paper[2] == 'AdamW bf16, lr 0.001, wd 0 (the lowest of 2 rates)'
+  assert paper[3:8] == ['10.00 / 11.00; 10.50 ± 0.71 (2)', f'{10.5 / tuned:.3f}', '24.00',
+                        '400 (shared GPU)', '27.00']
+  # The three-sizes families: their finals, no prose or speed here.
+  size = next(s for s in paper_report.load(paper_report.THREE_SIZES, 'finals.json')['sizes']
+              if s['size'] == '19M')
+  poetx = sum(T.finals(size['families']['POET-X B 512'])) / 3
+  assert rows['19M', 'POET-X'][2].startswith('POET-X B 512: ')
+  assert rows['19M', 'POET-X'][4:7] == [f'{poetx / tuned:.3f}', '—', '—']
+  assert rows['19M', 'tuned AdamW'][4] == '1.000'
+  assert (f"At 19M, POET-X ends {poetx / tuned:.3f}× the tuned AdamW's perplexity and "
+          f'{poetx / 10.5:.3f}× that of AdamW as the paper trains it; POET-X Muon: not run.'
+          in page)
+  assert '| poetx-muon | 1.00 | 0.50 | 3.00 |' in page
+
+
+def test_a_record_shares_the_gpu_by_its_calls_jobs_or_its_header():
+  meta = {'calls': [{'records': ['finals-5m.json', 'finals-19m.json'], 'commands': [
+      'python3 experiments/compare_quality.py --jobs 4 --out runs/q5 --runs a',
+      'python3 -m experiments.compare_quality --out runs/q19 --runs b',
+      'python3 experiments/paper_report.py --collect runs/q5 finals-5m.json',
+      'python3 -m experiments.paper_report --collect runs/q19/ docs/x/finals-19m.json']}]}
+  assert paper_report.record_jobs(meta, 'finals-5m.json', {'header': {}}) == 4
+  assert paper_report.record_jobs(meta, 'finals-19m.json', {'header': {}}) == 1
+  assert paper_report.record_jobs(meta, 'finals-19m.json', {'header': {'jobs': 2}}) == 2
+  assert paper_report.record_jobs(meta, 'finals-130m.json', {'header': {}}) == 1  # in no call
