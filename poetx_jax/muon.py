@@ -30,6 +30,7 @@ import typing as tp
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from poetx_jax.hyperparams import check_hyperparameters, check_mu_dtype
@@ -101,7 +102,9 @@ def scale_by_poetx_muon(*, merge_every: int | None = 200, beta: float = 0.95,
   an orthogonal B x B block have RMS ``1/sqrt(B)``, so ``u``'s have RMS about
   ``rms``. NS is invariant to its input's scale, so no bias correction is
   needed. A ragged last block's padding entries have zero gradient, and the
-  iteration keeps zero rows and columns zero, so they stay zero.
+  iteration keeps zero rows and columns zero, so they stay zero. The blocks
+  of all leaves of one block size run through one batched iteration (each
+  block's result is its own).
 
   Args:
     merge_every: updates per merge cycle; ``None`` never restarts.
@@ -140,6 +143,23 @@ def scale_by_poetx_muon(*, merge_every: int | None = 200, beta: float = 0.95,
                            dtype=ns_dtype)
     return pack_skew(o) * (rms * math.sqrt(b))
 
+  def directions(look, updates):
+    # The blocks of every leaf of one block size go through one batched
+    # iteration: a leaf holds a few blocks (one layer's R or P), and an
+    # iteration per leaf would run hundreds of small matmuls, each on a
+    # fraction of the device, instead of one large one.
+    leaves, treedef = jax.tree.flatten(look)
+    groups: dict[int, list[int]] = {}
+    for i, m in enumerate(leaves):
+      groups.setdefault(m.shape[-1], []).append(i)
+    out = [None] * len(leaves)
+    for packed, members in groups.items():
+      sizes = [leaves[i].size // packed for i in members]
+      d = direction(jnp.concatenate([leaves[i].reshape(-1, packed) for i in members]))
+      for i, part in zip(members, jnp.split(d, np.cumsum(sizes)[:-1])):
+        out[i] = part.reshape(leaves[i].shape)
+    return jax.tree.map(lambda d, g: d.astype(g.dtype), treedef.unflatten(out), updates)
+
   def update_fn(updates, state, params=None):
     del params
     fresh = state.cycle == 0  # first update of a cycle: forget the old momentum
@@ -149,7 +169,7 @@ def scale_by_poetx_muon(*, merge_every: int | None = 200, beta: float = 0.95,
       look = optax.tree.update_moment(updates, mu, beta, 1)
     else:
       look = mu
-    new = jax.tree.map(lambda m, g: direction(m).astype(g.dtype), look, updates)
+    new = directions(look, updates)
     return new, ScaleByPoetxState(count=optax.safe_increment(state.count),
                                   cycle=_cycle_after(state.cycle, merge_every),
                                   mu=optax.tree.cast(mu, mu_dtype), nu=None)

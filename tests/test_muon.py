@@ -143,6 +143,24 @@ def test_in_a_partition_beside_another_transformation(keys):
   np.testing.assert_array_equal(u['gen'], alone)
 
 
+def test_leaves_of_several_shapes_and_block_sizes_update_as_each_alone(keys):
+  """The blocks of all leaves of one block size are orthogonalised together:
+  each leaf's update is the one it gets alone (leaves of B = 4 and B = 6,
+  with and without a layer axis), and matches the float64 reference."""
+  grads = [{'a': jax.random.normal(keys(), (2, 6)), 'b': jax.random.normal(keys(), (3, 2, 6)),
+            'c': jax.random.normal(keys(), (1, 15)), 'd': jax.random.normal(keys(), (2, 2, 15))}
+           for _ in range(3)]
+  tx = lambda: poetx_jax.poetx_muon(1e-2, ns_dtype=jnp.float32, merge_every=2)
+  together, _ = _run(tx(), optax.tree.zeros_like(grads[0]), grads)
+  for name, b in [('a', 4), ('b', 4), ('c', 6), ('d', 6)]:
+    alone, _ = _run(tx(), jnp.zeros_like(grads[0][name]), [g[name] for g in grads])
+    ref = _reference([g[name] for g in grads], b, lr=1e-2, merge_every=2)
+    for t in range(3):
+      assert together[t][name].shape == grads[0][name].shape
+      np.testing.assert_allclose(together[t][name], alone[t], rtol=1e-5, atol=1e-7)
+      np.testing.assert_allclose(together[t][name], ref[t], rtol=2e-4, atol=1e-6)
+
+
 @pytest.mark.parametrize('kwargs, message', [
     (dict(beta=1.0), 'beta'),
     (dict(rms=0.0), 'rms'),
