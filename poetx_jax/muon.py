@@ -81,6 +81,33 @@ def orthogonalize_skew(m: Array, *, steps: int = 5, eps: float = 1e-7,
   return x.astype(m.dtype)
 
 
+# Blocks per batched Newton–Schulz iteration: up to this many elements of
+# B x B blocks (128 MiB in float32), so that a batch fills the device while
+# the update's temporaries stay a small part of a large model's memory.
+BATCH_ELEMENTS = 1 << 25
+
+
+def batches(shapes: list[tuple[int, ...]]) -> list[tuple[int, list[int]]]:
+  """The leaves (by index) whose blocks run through one Newton–Schulz
+  iteration together, with their packed size: leaves of one block size in
+  order, a batch closed before it would pass :data:`BATCH_ELEMENTS` (a leaf
+  larger than that is a batch of its own). A leaf holds a layer's few
+  blocks; an iteration per leaf would run hundreds of small matmuls, each on
+  a fraction of the device."""
+  out: list[tuple[int, list[int]]] = []
+  open_: dict[int, tuple[list[int], int]] = {}
+  for i, shape in enumerate(shapes):
+    packed = shape[-1]
+    b = block_size_of(packed)
+    n = math.prod(shape[:-1]) * b * b
+    members, total = open_.get(packed, ([], 0))
+    if members and total + n > BATCH_ELEMENTS:
+      out.append((packed, members))
+      members, total = [], 0
+    open_[packed] = (members + [i], total + n)
+  return out + [(packed, members) for packed, (members, _) in open_.items()]
+
+
 def scale_by_poetx_muon(*, merge_every: int | None = 200, beta: float = 0.95,
                         nesterov: bool = True, ns_steps: int = 5, rms: float = DEFAULT_RMS,
                         mu_dtype: tp.Any = None,
@@ -103,8 +130,8 @@ def scale_by_poetx_muon(*, merge_every: int | None = 200, beta: float = 0.95,
   ``rms``. NS is invariant to its input's scale, so no bias correction is
   needed. A ragged last block's padding entries have zero gradient, and the
   iteration keeps zero rows and columns zero, so they stay zero. The blocks
-  of all leaves of one block size run through one batched iteration (each
-  block's result is its own).
+  of the leaves of one block size run through batched iterations of up to
+  :data:`BATCH_ELEMENTS` elements (each block's result is its own).
 
   Args:
     merge_every: updates per merge cycle; ``None`` never restarts.
@@ -144,16 +171,9 @@ def scale_by_poetx_muon(*, merge_every: int | None = 200, beta: float = 0.95,
     return pack_skew(o) * (rms * math.sqrt(b))
 
   def directions(look, updates):
-    # The blocks of every leaf of one block size go through one batched
-    # iteration: a leaf holds a few blocks (one layer's R or P), and an
-    # iteration per leaf would run hundreds of small matmuls, each on a
-    # fraction of the device, instead of one large one.
     leaves, treedef = jax.tree.flatten(look)
-    groups: dict[int, list[int]] = {}
-    for i, m in enumerate(leaves):
-      groups.setdefault(m.shape[-1], []).append(i)
     out = [None] * len(leaves)
-    for packed, members in groups.items():
+    for packed, members in batches([m.shape for m in leaves]):
       sizes = [leaves[i].size // packed for i in members]
       d = direction(jnp.concatenate([leaves[i].reshape(-1, packed) for i in members]))
       for i, part in zip(members, jnp.split(d, np.cumsum(sizes)[:-1])):

@@ -143,10 +143,24 @@ def test_in_a_partition_beside_another_transformation(keys):
   np.testing.assert_array_equal(u['gen'], alone)
 
 
-def test_leaves_of_several_shapes_and_block_sizes_update_as_each_alone(keys):
-  """The blocks of all leaves of one block size are orthogonalised together:
-  each leaf's update is the one it gets alone (leaves of B = 4 and B = 6,
-  with and without a layer axis), and matches the float64 reference."""
+def test_batches_group_leaves_by_block_size_up_to_the_limit(monkeypatch):
+  """Leaves of one packed size share a batch in order until the next would
+  pass BATCH_ELEMENTS; a leaf over it is a batch alone; every leaf is in
+  exactly one batch."""
+  monkeypatch.setattr(muon, 'BATCH_ELEMENTS', 100)  # B 4: 16 elements a block
+  shapes = [(1, 6), (2, 6), (1, 15), (3, 6), (1, 6), (10, 6)]
+  assert muon.batches(shapes) == [(6, [0, 1, 3]), (6, [4]), (6, [5]), (15, [2])]
+  monkeypatch.setattr(muon, 'BATCH_ELEMENTS', 1 << 25)
+  assert muon.batches(shapes) == [(6, [0, 1, 3, 4, 5]), (15, [2])]
+
+
+@pytest.mark.parametrize('limit', [1 << 25, 40])
+def test_leaves_of_several_shapes_and_block_sizes_update_as_each_alone(keys, monkeypatch, limit):
+  """The blocks of the leaves of one block size are orthogonalised in
+  batches (all together, or several batches under a small limit): each
+  leaf's update is the one it gets alone (leaves of B = 4 and B = 6, with
+  and without a layer axis), and matches the float64 reference."""
+  monkeypatch.setattr(muon, 'BATCH_ELEMENTS', limit)
   grads = [{'a': jax.random.normal(keys(), (2, 6)), 'b': jax.random.normal(keys(), (3, 2, 6)),
             'c': jax.random.normal(keys(), (1, 15)), 'd': jax.random.normal(keys(), (2, 2, 15))}
            for _ in range(3)]
