@@ -402,7 +402,8 @@ def answer_lines(folder: pathlib.Path, meta: dict) -> list[str]:
   headers = [load(folder, name)['header'] for names in records_by_size(folder).values()
              for name in names]
   devices = sorted({h['device'] for h in headers if h.get('device')})
-  out += ['', 'Tokens/s: the mean steady tokens per second of the configuration\'s finished runs, '
+  out += ['', 'Tokens/s: the mean steady tokens per second of the configuration\'s finished '
+          'runs, at the commit of the call that ran them (above), '
           f"each on {' or '.join(devices) or 'its device'} (the records' headers); "
           '"shared GPU" marks runs that trained side by side with other runs of their study on '
           'the GPU (its `--jobs` above 1), whose figure is not a speed comparison. A — marks a '
