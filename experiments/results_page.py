@@ -208,6 +208,19 @@ def muon_size_rows() -> list[dict]:
   return rows
 
 
+def muon_step_rows() -> list[dict]:
+  """POET-X Muon's step against POET-X's at 130M (same call), its
+  Newton–Schulz batched over the leaves and, from the earlier library, one
+  iteration per leaf."""
+  study, record = 'paper-baseline', 'step-130m.json'
+  recs = _load(study, record)
+  poetx, muon, leaf = (_step_ms(recs, r) for r in ('poetx', 'muon', 'muon-per-leaf'))
+  return [_row("POET-X Muon step against POET-X's, 130M (seq 256, batch 64)",
+               f'{poetx / muon:.3f}× POET-X ({muon:.1f} against {poetx:.1f} ms); with one '
+               f'Newton–Schulz iteration per layer\'s leaf {poetx / leaf:.3f}× ({leaf:.1f} ms)',
+               study, record, also=('bench_train',))]
+
+
 def three_size_rows() -> list[dict]:
   """The best POET-X against a tuned AdamW and Muon at each size."""
   from experiments import three_sizes_report as T
@@ -272,7 +285,7 @@ def memory_rows() -> list[dict]:
 def rows() -> list[dict]:
   """Every row of the page, in its order."""
   return (step_rows() + memory_rows() + kernel_rows() + scaling_rows() + three_size_rows()
-          + quality_rows() + muon_size_rows())
+          + quality_rows() + muon_size_rows() + muon_step_rows())
 
 
 # The rows the README shows, by claim: step time against AdamW and against
