@@ -121,6 +121,19 @@ def record_jobs(meta: dict, name: str, record: dict) -> int:
   return 1
 
 
+def schedule_differences(o: dict) -> list[str]:
+  """A run's options that differ from the app's defaults the way the
+  published POET-X's recipe does: the final/peak rate ratio, the clip ramp
+  after merges and Adam's offset on the generators."""
+  from poetx_jax.pretrain.config import TrainConfig
+  default = lambda k: TrainConfig.__dataclass_fields__[k].default
+  return [d for d in (
+      f"min-lr {o['min_lr_ratio']:g}" if o['min_lr_ratio'] != default('min_lr_ratio') else '',
+      f"clip {o['clip']:g}, ramp {o['clip_ramp']}" if o['clip_ramp'] else '',
+      f"eps {o['poet_eps']:g} {o['poet_eps_placement']}"
+      if o['poet_eps'] != default('poet_eps') else '') if d]
+
+
 def label(o: dict) -> str:
   """A run's short name: its family, rates and the options that set it apart."""
   if o['optimizer'] == 'adamw':
@@ -129,13 +142,7 @@ def label(o: dict) -> str:
   else:
     name = {'poetx': 'POET-X', 'poetx-muon': 'POET-X Muon'}[o['optimizer']]
     name += f", step {o['poet_lr']:.3g}, lr {o['lr']:g}"
-  from poetx_jax.pretrain.config import TrainConfig
-  default = lambda k: TrainConfig.__dataclass_fields__[k].default
-  extra = [f"min-lr {o['min_lr_ratio']:g}" if o['min_lr_ratio'] != default('min_lr_ratio') else '',
-           f"clip {o['clip']:g}, ramp {o['clip_ramp']}" if o['clip_ramp'] else '',
-           f"eps {o['poet_eps']:g} {o['poet_eps_placement']}"
-           if o['poet_eps'] != default('poet_eps') else '']
-  return ', '.join([name] + [e for e in extra if e]) + f", seed {o['seed']}"
+  return ', '.join([name, *schedule_differences(o)]) + f", seed {o['seed']}"
 
 
 def warned(run: dict) -> str:
@@ -184,6 +191,11 @@ def ratio_rows(res: dict, pairs: list[dict]) -> list[str]:
   return out
 
 
+def last_eval(run: dict) -> dict:
+  """A run's last evaluation."""
+  return max(run['evals'], key=lambda e: e['step'])
+
+
 def configuration(o: dict) -> str:
   """A run's label without its seed: the configuration its seeds share."""
   return label(o).rsplit(', seed ', 1)[0]
@@ -195,8 +207,8 @@ def finals(res: dict) -> dict[str, list[float]]:
   out: dict[str, list[tuple[int, float]]] = {}
   for r in res['runs']:
     if r['finished']:
-      last = max(r['evals'], key=lambda e: e['step'])
-      out.setdefault(configuration(r['options']), []).append((r['options']['seed'], last['val_ppl']))
+      out.setdefault(configuration(r['options']), []).append(
+          (r['options']['seed'], last_eval(r)['val_ppl']))
   return {k: [v for _, v in sorted(vs)] for k, vs in out.items()}
 
 
@@ -258,10 +270,6 @@ def finished_runs(folder: pathlib.Path, meta: dict, names: list[str]) -> list[di
   return out
 
 
-def last_eval(run: dict) -> dict:
-  return max(run['evals'], key=lambda e: e['step'])
-
-
 def lowest(runs: list[dict], keep) -> tuple[str, list[dict], int] | None:
   """Of the configurations whose options ``keep`` accepts, the one of lowest
   mean final validation perplexity: its name, its runs in seed order and how
@@ -279,17 +287,10 @@ def lowest(runs: list[dict], keep) -> tuple[str, list[dict], int] | None:
 
 def recipe_differences(o: dict, lr: float) -> list[str]:
   """A POET-X run's differences from the app's default recipe that the
-  published POET-X's recipe makes: the final/peak rate, the clip ramp after
-  merges, the Adam offset and the other parameters' rate (``lr``: the
-  three-sizes study's at the size)."""
-  from poetx_jax.pretrain.config import TrainConfig
-  default = lambda k: TrainConfig.__dataclass_fields__[k].default
-  return [d for d in (
-      f"min-lr {o['min_lr_ratio']:g}" if o['min_lr_ratio'] != default('min_lr_ratio') else '',
-      f"clip {o['clip']:g} with ramp {o['clip_ramp']}" if o['clip_ramp'] else '',
-      f"eps {o['poet_eps']:g} {o['poet_eps_placement']}"
-      if o['poet_eps'] != default('poet_eps') else '',
-      f"other parameters' lr {o['lr']:g}" if not math.isclose(o['lr'], lr) else '') if d]
+  published POET-X's recipe makes: :func:`schedule_differences` and the
+  other parameters' rate (``lr``: the three-sizes study's at the size)."""
+  return schedule_differences(o) + ([f"other parameters' lr {o['lr']:g}"]
+                                    if not math.isclose(o['lr'], lr) else [])
 
 
 def answer_rows(folder: pathlib.Path, meta: dict) -> list[dict]:
