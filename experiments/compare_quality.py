@@ -547,7 +547,7 @@ def header(a, data, out: pathlib.Path) -> dict:
                                       'steps', 'warmup', 'min_lr_ratio', 'clip', 'seed',
                                       'eval_every')},
       'merge_every': next((p.merge_every for p in plans if p.poetize), None),
-      'runs': a.runs, 'dense_params': mc.num_params(),
+      'runs': a.runs, 'jobs': a.jobs, 'dense_params': mc.num_params(),
       'vocab_size': data.tokenizer.vocab_size, 'tokens_per_step': tokens_per_step,
       'tokens_per_run': cfg.steps * tokens_per_step, 'train_tokens': train_tokens,
       'epochs': cfg.steps * tokens_per_step / train_tokens,

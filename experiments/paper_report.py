@@ -52,7 +52,7 @@ def collect(study: pathlib.Path) -> dict:
   validation and prose perplexity), the last step it logged, how many of
   its merges warned that the factors were far from orthogonal (its log), and
   a finished run's steady tokens per second (``summary.json``); the header
-  keeps the study's ``jobs`` (runs trained at once: its command's ``--jobs``)."""
+  keeps the study's ``jobs`` (runs trained at once)."""
   header = json.loads((study / 'study.json').read_text())['header']
   runs = []
   for folder in sorted((study / 'runs').iterdir()):
@@ -73,10 +73,8 @@ def collect(study: pathlib.Path) -> dict:
                  'tokens_per_s': (json.loads(summary.read_text()).get('steady_tokens_per_s')
                                   if summary.exists() else None)})
   keep = ('model', 'model_overrides', 'seq_len', 'batch_size', 'steps', 'warmup', 'device',
-          'dense_params', 'tokens_per_step', 'val_tokens', 'date')
-  jobs = jobs_of(header['command']) if 'command' in header else None
-  return {'header': {**{k: header[k] for k in keep if k in header},
-                     **({'jobs': jobs} if jobs is not None else {})}, 'runs': runs}
+          'dense_params', 'tokens_per_step', 'val_tokens', 'date', 'jobs')
+  return {'header': {k: header[k] for k in keep if k in header}, 'runs': runs}
 
 
 def _value(words: list[str], flag: str) -> str | None:

@@ -153,8 +153,8 @@ def test_jobs_train_runs_side_by_side_with_the_same_results(serial, tmp_path, co
                                        r"the report covers the other 3"):
     compare_quality.main(_args(tmp_path, corpus, ADAMW + ',seed=0', lost, 'optimizer=adamw,lr=1e30',
                                'optimizer=poetx,poet_lr=2.5e-3,lr=best') + ['--jobs', '2'])
-  assert json.loads((tmp_path / 'out' / 'results.json').read_text())['header'][
-      'failed_runs'] == [lost]
+  header = json.loads((tmp_path / 'out' / 'results.json').read_text())['header']
+  assert header['failed_runs'] == [lost] and header['jobs'] == 2
   # The report as a study stopped before its end leaves it: rebuilt elsewhere
   # from its study.json and the runs' summaries, without the corpus.
   for f in ('results.json', 'quality.md'):
