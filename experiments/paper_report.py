@@ -90,33 +90,47 @@ def _value(words: list[str], flag: str) -> str | None:
 def jobs_of(command: str) -> int | None:
   """The ``--jobs`` of a compare_quality command (1, its default, where it
   names none); None for any other command."""
-  words = shlex.split(harness.todays_form(command))
+  words = shlex.split(harness.todays_form(command), comments=True)
   if 'experiments.compare_quality' not in words:
     return None
   return int(_value(words, '--jobs') or 1)
 
 
+def record_commands(meta: dict, name: str) -> list[str]:
+  """The commands of ``calls.json`` that made record ``name``, in their call's
+  order: the call's corpus builds, the command whose ``--out`` is the study
+  folder that the call's ``--collect`` command into ``name`` reads, and that
+  command; none where no call writes the record. A call that built no
+  corpus read the one of the latest call before it that did (on the same
+  machine, its note says): that build comes first."""
+  corpus: list[str] = []
+  for call in meta['calls']:
+    words = [shlex.split(harness.todays_form(c), comments=True) for c in call['commands']]
+    built = [c for c, w in zip(call['commands'], words) if 'experiments.site_corpus' in w]
+    if name not in call['records']:
+      corpus = built or corpus
+      continue
+    collect = [i for i, w in enumerate(words)
+               if _value(w, '--collect') and pathlib.PurePath(w[-1]).name == name]
+    if not collect:
+      return []
+    study = pathlib.PurePath(_value(words[collect[0]], '--collect'))
+    keep = [i for i, w in enumerate(words)
+            if i in collect or 'experiments.site_corpus' in w
+            or (_value(w, '--out') and pathlib.PurePath(_value(w, '--out')) == study)]
+    return ([] if built else corpus) + [call['commands'][i] for i in keep]
+  return []
+
+
 def record_jobs(meta: dict, name: str, record: dict) -> int:
   """How many runs of its study trained at once when record ``name`` was
-  made: its header's ``jobs``, else the ``--jobs`` of the compare_quality
-  command, in the call of ``calls.json`` writing the record, whose ``--out``
-  is the study folder that the call's ``--collect`` command into ``name``
-  read; 1 (one run at a time) where neither says."""
+  made: its header's ``jobs``, else the ``--jobs`` of its compare_quality
+  command (:func:`record_commands`); 1 (one run at a time) where neither
+  says."""
   if 'jobs' in record.get('header', {}):
     return record['header']['jobs']
-  for call in meta['calls']:
-    if name not in call['records']:
-      continue
-    words = [shlex.split(harness.todays_form(c)) for c in call['commands']]
-    study = next((_value(w, '--collect') for w in words
-                  if _value(w, '--collect') and pathlib.PurePath(w[-1]).name == name), None)
-    for w in words:
-      out = _value(w, '--out')
-      if study and out and pathlib.PurePath(out) == pathlib.PurePath(study):
-        jobs = jobs_of(shlex.join(w))
-        if jobs is not None:
-          return jobs
-  return 1
+  jobs = [j for j in map(jobs_of, record_commands(meta, name)) if j is not None]
+  return jobs[0] if jobs else 1
 
 
 def schedule_differences(o: dict) -> list[str]:
@@ -255,15 +269,15 @@ def records_by_size(folder: pathlib.Path) -> dict[str, list[str]]:
 
 
 def finished_runs(folder: pathlib.Path, meta: dict, names: list[str]) -> list[dict]:
-  """The finished runs of records ``names``, each with its record's
-  ``device`` and ``shared``: whether it trained side by side with other runs
+  """The finished runs of records ``names``, each with its ``record``
+  (the name), the record's ``device`` and ``shared``: whether it trained side by side with other runs
   of its study on the GPU (more than one run in the record, and its study
   trained more than one at once: :func:`record_jobs`)."""
   out = []
   for name in names:
     rec = load(folder, name)
     shared = len(rec['runs']) > 1 and record_jobs(meta, name, rec) > 1
-    out += [{**r, 'shared': shared, 'device': rec['header'].get('device')}
+    out += [{**r, 'shared': shared, 'device': rec['header'].get('device'), 'record': name}
             for r in rec['runs'] if r['finished']]
   return out
 
@@ -296,8 +310,10 @@ def answer_rows(folder: pathlib.Path, meta: dict) -> list[dict]:
   parameters, families in :data:`FAMILIES`' order: each its ``size``,
   ``family``, ``config`` (None: not run), ``finals`` (by seed), ``prose``
   (the prose perplexities at the last step; None where the record keeps
-  none), ``tokens_per_s`` (of the runs that have it), ``shared`` and
-  ``state`` (optimizer GiB at Llama-8B; None without ``state-8b.json``)."""
+  none), ``tokens_per_s`` (of the runs that have it, in seed order), ``shared``,
+  ``records`` (the names of the records holding its runs, in seed order;
+  none for the three-sizes study's) and ``state`` (optimizer GiB at Llama-8B; None
+  without ``state-8b.json``)."""
   from experiments import three_sizes_report as T
   state = ({r['run']: r['optimizer_gib'] for r in load(folder, 'state-8b.json')}
            if (folder / 'state-8b.json').exists() else {})
@@ -313,7 +329,8 @@ def answer_rows(folder: pathlib.Path, meta: dict) -> list[dict]:
       if name not in fam:
         return None
       return {'config': f"{name}: {fam[name]['config']} (three-sizes study)",
-              'finals': T.finals(fam[name]), 'prose': None, 'tokens_per_s': [], 'shared': False}
+              'finals': T.finals(fam[name]), 'prose': None, 'tokens_per_s': [], 'shared': False,
+              'records': []}
     def mine(keep, note):
       got = lowest(runs, keep)
       if got is None:
@@ -322,8 +339,22 @@ def answer_rows(folder: pathlib.Path, meta: dict) -> list[dict]:
       return {'config': name + note(rs, n), 'finals': [last_eval(r)['val_ppl'] for r in rs],
               'prose': [p for p in (last_eval(r)['prose'] for r in rs) if p is not None],
               'tokens_per_s': [r['tokens_per_s'] for r in rs if r.get('tokens_per_s')],
-              'shared': any(r['shared'] for r in rs if r.get('tokens_per_s'))}
+              'shared': any(r['shared'] for r in rs if r.get('tokens_per_s')),
+              'records': list(dict.fromkeys(r['record'] for r in rs))}
     of = lambda n, what: f' (the lowest of {n} {what})' if n > 1 else ''
+    def rates(keep):
+      # the lowest of several rates, and whether the sweep brackets it
+      def note(rs, n):
+        if n < 2:
+          return ''
+        tried = {r['options']['lr'] for r in runs if keep(r['options'])}
+        best = rs[0]['options']['lr']
+        edge = ('; no higher rate finished' if best == max(tried) else
+                '; no lower rate finished' if best == min(tried) else '')
+        return f' (the lowest of {n} rates{edge})'
+      return note
+    paper = lambda o: (o['optimizer'] == 'adamw' and o['param_dtype'] == 'bfloat16'
+                       and o['weight_decay'] == 0)
     recipe = lambda o: o['optimizer'] == 'poetx' and bool(recipe_differences(o, lr))
     got = {
         'POET-X': three(best),
@@ -332,9 +363,7 @@ def answer_rows(folder: pathlib.Path, meta: dict) -> list[dict]:
             + (f'; the lowest of {n})' if n > 1 else ')'))),
         'POET-X Muon': mine(lambda o: o['optimizer'] == 'poetx-muon',
                             lambda rs, n: of(n, 'configurations')),
-        'AdamW as the paper trains it': mine(
-            lambda o: (o['optimizer'] == 'adamw' and o['param_dtype'] == 'bfloat16'
-                       and o['weight_decay'] == 0), lambda rs, n: of(n, 'rates')),
+        'AdamW as the paper trains it': mine(paper, rates(paper)),
         'tuned AdamW': three('AdamW'),
         'Muon': three('Muon')}
     rows += [{'size': s['size'], 'family': f, 'state': state.get(FAMILIES[f]),
@@ -377,8 +406,8 @@ def answer_lines(folder: pathlib.Path, meta: dict) -> list[str]:
     sd = f' ± {statistics.stdev(v):.2f}' if len(v) > 1 else ''
     ratio = f"{m / tuned[r['size']]:.3f}" if tuned.get(r['size']) else '—'
     prose = f"{statistics.mean(r['prose']):.2f}" if r['prose'] else '—'
-    speed = (f"{statistics.mean(r['tokens_per_s']):,.0f}" + (' (shared GPU)' if r['shared'] else '')
-             if r['tokens_per_s'] else '—')
+    speed = (' / '.join(f'{t:,.0f}' for t in r['tokens_per_s'])
+             + (' (shared GPU)' if r['shared'] else '') if r['tokens_per_s'] else '—')
     out.append(f"| {r['size']} | {r['family']} | {r['config']} | "
                f"{' / '.join(f'{x:.2f}' for x in v)}; {m:.2f}{sd} ({len(v)}) | {ratio} | "
                f'{prose} | {speed} | {state} |')
@@ -401,8 +430,9 @@ def answer_lines(folder: pathlib.Path, meta: dict) -> list[str]:
   headers = [load(folder, name)['header'] for names in records_by_size(folder).values()
              for name in names]
   devices = sorted({h['device'] for h in headers if h.get('device')})
-  out += ['', 'Tokens/s: the mean steady tokens per second of the configuration\'s finished '
-          'runs, at the commit of the call that ran them (above), '
+  out += ['', 'Tokens/s: the steady tokens per second of each of the configuration\'s '
+          'finished runs, in seed order, at the commit of the call that ran it (above; a '
+          'configuration\'s seeds may come from calls of different library code), '
           f"each on {' or '.join(devices) or 'its device'} (the records' headers); "
           '"shared GPU" marks runs that trained side by side with other runs of their study on '
           'the GPU (its `--jobs` above 1), whose figure is not a speed comparison. A — marks a '

@@ -43,13 +43,21 @@ def _step_ms(records: list[dict], run: str) -> float:
   return 1e3 * statistics.median(r['step_s'] for r in records if r['run'] == run)
 
 
-def _row(claim: str, figure: str, study: str, record: str, also: tuple[str, ...] = ()) -> dict:
-  """A row; its commands are those of the record's call that name the record
-  or one of ``also`` (the steps before it: a corpus, another program)."""
-  call = _call(study, record)
-  commands = [c for c in call['commands'] if any(k in c for k in (record,) + also)]
-  return {'claim': claim, 'figure': figure, 'study': study, 'record': record,
-          'commands': commands, **{k: call[k] for k in ('commit', 'date', 'device')}}
+def _row(claim: str, figure: str, study: str, record: str, *more: str,
+         also: tuple[str, ...] = (), commands: list[str] | None = None) -> dict:
+  """A row read from ``record`` and the records ``more`` (where its figure
+  joins several calls' runs); its commands (unless given) are those of each
+  record's call that name the record or one of ``also`` (the steps before
+  it: a corpus, another program), and its commit, date and device each
+  call's, once each."""
+  calls = [_call(study, r) for r in (record, *more)]
+  if commands is None:
+    commands = list(dict.fromkeys(c for call, r in zip(calls, (record, *more))
+                                  for c in call['commands'] if any(k in c for k in (r,) + also)))
+  return {'claim': claim, 'figure': figure, 'study': study, 'records': [record, *more],
+          'commands': commands,
+          **{k: ', '.join(dict.fromkeys(call[k] for call in calls))
+             for k in ('commit', 'date', 'device')}}
 
 
 def step_rows() -> list[dict]:
@@ -152,60 +160,57 @@ def fsdp_rows() -> list[dict]:
                '(no overlap – full overlap), projected, not measured', study, record)]
 
 
-def quality_rows() -> list[dict]:
-  """The paper's bf16 AdamW and POET-X Muon at 19M against our tuned fp32
-  AdamW, POET-X and Muon (the three-sizes study's finals: same corpus,
-  tokens and validation)."""
+def paper_rows() -> list[dict]:
+  """Per size, AdamW as the POET-X paper trains it and POET-X Muon, each the
+  best configuration of its family in the paper-baseline study's answer
+  (:func:`experiments.paper_report.answer_rows`, whose seeds may come from
+  several records), against our tuned fp32 AdamW, POET-X and Muon (the
+  three-sizes study's finals: same corpus, tokens and validation)."""
   from experiments import paper_report as P
-  study, record = 'paper-baseline', 'finals-19m.json'
-  runs = P.finals(_load(study, record))
-  bf16 = runs['AdamW bf16, lr 0.001, wd 0']
-  base = {k.split(' (')[0]: v for k, v in P.baselines('19M').items()}
+  study = 'paper-baseline'
+  folder = RESULTS / study
+  answer = P.answer_rows(folder, _load(study, 'calls.json'))
   mean = statistics.mean
-  record_b = 'finals-19m-recipe.json'
-  res = _load(study, record_b)
-  muon = P.finals(res)['POET-X Muon, step 0.000977, lr 0.012']
-  speed = {o: mean([r['tokens_per_s'] for r in res['runs'] if r['options']['optimizer'] == o])
-           for o in ('poetx', 'poetx-muon')}
-  return [_row('AdamW as the POET-X paper trains it (pure bf16, weight decay 0), 19M, 100 M tokens',
-               f"{mean(bf16):.2f} ± {statistics.stdev(bf16):.2f} ({len(bf16)} seeds): "
-               f"{mean(bf16) / mean(base['AdamW']):.3f}× our tuned fp32 AdamW's perplexity, "
-               f"{mean(bf16) / mean(base['POET-X B 512']):.3f}× POET-X's (B 512)",
-               study, record, also=('site_corpus', 'compare_quality')),
-          _row("POET-X Muon (Muon's orthogonalised updates on the generators), 19M, 100 M tokens",
-               f"{mean(muon):.2f} ± {statistics.stdev(muon):.2f} ({len(muon)} seeds): "
-               f"{mean(muon) / mean(base['AdamW']):.3f}× our tuned fp32 AdamW's perplexity, "
-               f"{mean(muon) / mean(base['POET-X B 512']):.3f}× POET-X's (B 512), "
-               f"{mean(muon) / mean(base['Muon']):.3f}× Muon's; "
-               f"{speed['poetx-muon'] / speed['poetx']:.2f}× POET-X's tokens/s",
-               study, record_b, also=('site_corpus', 'compare_quality'))]
-
-
-def muon_size_rows() -> list[dict]:
-  """POET-X Muon at the sizes beside 19M (``finals-SIZE.json``, its finished
-  runs' best configuration) against the three-sizes study's tuned AdamW,
-  best POET-X and Muon there."""
-  from experiments import paper_report as P
-  study, rows = 'paper-baseline', []
-  mean = statistics.mean
-  for size, record, out in (('5M', 'finals-5m.json', 'runs/q5'),
-                            ('130M', 'finals-130m.json', 'runs/q130')):
-    res = _load(study, record)
-    finals = {k: v for k, v in P.finals(res).items() if k.startswith('POET-X Muon')}
-    config, muon = min(finals.items(), key=lambda kv: mean(kv[1]))
-    base = {k.split(' (')[0]: mean(v) for k, v in P.baselines(size).items()}
-    best = min((k for k in base if k.startswith('POET-X')), key=base.get)
-    speed = [r['tokens_per_s'] for r in res['runs'] if r['finished']
-             and P.configuration(r['options']) == config]
-    seeds = f'{len(muon)} seed' + ('s' if len(muon) > 1 else '')
-    rows.append(_row(f"POET-X Muon (Muon's orthogonalised updates on the generators), {size}, "
-                    '100 M tokens',
-                    f"{mean(muon):.2f} ({seeds}): "
-                    f"{mean(muon) / base['AdamW']:.3f}× our tuned fp32 AdamW's perplexity, "
-                    f"{mean(muon) / base[best]:.3f}× POET-X's ({best.removeprefix('POET-X ')}), "
-                    f"{mean(muon) / base['Muon']:.3f}× Muon's; {mean(speed):,.0f} tokens/s",
-                    study, record, also=('site_corpus', f'--out {out} ')))
-  return rows
+  def stats(r):
+    v = r['finals']
+    sd = f' ± {statistics.stdev(v):.2f}' if len(v) > 1 else ''
+    return f"{mean(v):.2f}{sd} ({len(v)} seed{'s' if len(v) > 1 else ''})"
+  meta = _load(study, 'calls.json')
+  def made(r):
+    # the commands that made the configuration's records
+    return list(dict.fromkeys(c for n in r['records'] for c in P.record_commands(meta, n)))
+  def poetx_speed(r):
+    # POET-X's runs in the configuration's records, one run at a time on the GPU
+    runs = [x for n in r['records'] if P.record_jobs(meta, n, rec := _load(study, n)) == 1
+            for x in rec['runs'] if x['finished'] and x['options']['optimizer'] == 'poetx']
+    return mean(x['tokens_per_s'] for x in runs) if runs else None
+  out = []
+  for size in dict.fromkeys(r['size'] for r in answer):
+    got = {r['family']: r for r in answer if r['size'] == size and r['config']}
+    m = {f: mean(r['finals']) for f, r in got.items()}
+    best = got['POET-X']['config'].split(':')[0].removeprefix('POET-X ')
+    paper = got.get('AdamW as the paper trains it')
+    if paper:
+      out.append(_row(f'AdamW as the POET-X paper trains it (pure bf16, weight decay 0), {size}, '
+                      '100 M tokens',
+                      f"{stats(paper)}: {m['AdamW as the paper trains it'] / m['tuned AdamW']:.3f}× "
+                      "our tuned fp32 AdamW's perplexity; POET-X "
+                      f"({best}) ends {m['POET-X'] / m['AdamW as the paper trains it']:.3f}× its "
+                      'perplexity' + (f", POET-X Muon {m['POET-X Muon'] / m['AdamW as the paper trains it']:.3f}×"
+                                      if 'POET-X Muon' in m else ''),
+                      study, *paper['records'], commands=made(paper)))
+    muon = got.get('POET-X Muon')
+    if muon:
+      speed = ' / '.join(f'{t:,.0f}' for t in muon['tokens_per_s']) + ' tokens/s'
+      if (base := poetx_speed(muon)) and not muon['shared']:
+        speed += f", {mean(muon['tokens_per_s']) / base:.2f}× the POET-X runs' of its calls"
+      out.append(_row(f"POET-X Muon (Muon's orthogonalised updates on the generators), {size}, "
+                      '100 M tokens',
+                      f"{stats(muon)}: {m['POET-X Muon'] / m['tuned AdamW']:.3f}× our tuned fp32 "
+                      f"AdamW's perplexity, {m['POET-X Muon'] / m['POET-X']:.3f}× POET-X's "
+                      f"({best}), {m['POET-X Muon'] / m['Muon']:.3f}× Muon's; {speed}",
+                      study, *muon['records'], commands=made(muon)))
+  return out
 
 
 def muon_step_rows() -> list[dict]:
@@ -249,7 +254,7 @@ def _memory_row(claim: str, figure, ids: tuple[str, ...]) -> dict:
   commands = list(dict.fromkeys(e['command'] for e in entries))
   notes = list(dict.fromkeys(e['command_note'] for e in entries if 'command_note' in e))
   commands += [f"# {n.replace('`', '')}" for n in notes]
-  return {'claim': claim, 'figure': figure(by_id), 'study': study, 'record': record,
+  return {'claim': claim, 'figure': figure(by_id), 'study': study, 'records': [record],
           'commands': commands, **{k: v.pop() for k, v in where.items()}}
 
 
@@ -285,16 +290,18 @@ def memory_rows() -> list[dict]:
 def rows() -> list[dict]:
   """Every row of the page, in its order."""
   return (step_rows() + memory_rows() + kernel_rows() + scaling_rows() + three_size_rows()
-          + quality_rows() + muon_size_rows() + muon_step_rows())
+          + paper_rows() + muon_step_rows())
 
 
 # The rows the README shows, by claim: step time against AdamW and against
-# poet_torch at 8B, the 8B step's peak memory, quality at 130M.
+# poet_torch at 8B, the 8B step's peak memory, quality at 130M (POET-X against the
+# tuned AdamW and Muon, AdamW as the paper trains it, POET-X Muon).
 README_CLAIMS = (
     'POET-X step against AdamW, 8B',
     'POET-X step against poet_torch (the published PyTorch POET-X), 8B',
     'Peak GPU memory of the 8B step (default mode, batch 8 x 1024)',
     'POET-X against a tuned AdamW and Muon, 130M parameters, 100 M tokens',
+    'AdamW as the POET-X paper trains it (pure bf16, weight decay 0), 130M, 100 M tokens',
     "POET-X Muon (Muon's orthogonalised updates on the generators), 130M, 100 M tokens",
 )
 README_BEGIN = '<!-- results:begin: written by python3 -m experiments.results_page; do not edit -->'
@@ -335,9 +342,11 @@ def report() -> str:
            '| # | claim | figure | device | commit | date | study |',
            '|---|---|---|---|---|---|---|']
   for i, r in enumerate(rows_, 1):
-    commit = f"`{r['commit']}`" if re.fullmatch(r'[0-9a-f]{7,40}', r['commit']) else r['commit']
+    commit = ', '.join(f'`{c}`' if re.fullmatch(r'[0-9a-f]{7,40}', c) else c
+                       for c in r['commit'].split(', '))
+    records = ', '.join(f'`{n}`' for n in r['records'])
     lines.append(f"| {i} | {r['claim']} | {r['figure']} | {r['device']} | {commit} | "
-                 f"{r['date']} | [{r['study']}](docs/results/{r['study']}/README.md) (`{r['record']}`) |")
+                 f"{r['date']} | [{r['study']}](docs/results/{r['study']}/README.md) ({records}) |")
   lines += ['', '## The commands', '',
             'Run from the repository root; each wrote the record of its row (the study '
             'pages say where a record joins more than one call), at the commit of its row, '

@@ -221,9 +221,10 @@ def test_the_answer_picks_the_lowest_mean_and_gives_its_ratio_to_the_tuned_adamw
   # AdamW as the paper trains it: bf16, wd 0, its rate of lowest mean (1e-3,
   # seeds 10 and 11, over 5e-4's 12); its two runs shared the GPU.
   paper = rows['19M', 'AdamW as the paper trains it']
-  assert paper[2] == 'AdamW bf16, lr 0.001, wd 0 (the lowest of 2 rates)'
+  # No higher rate finished, so the sweep does not bracket it: the row says so.
+  assert paper[2] == 'AdamW bf16, lr 0.001, wd 0 (the lowest of 2 rates; no higher rate finished)'
   assert paper[3:8] == ['10.00 / 11.00; 10.50 ± 0.71 (2)', f'{10.5 / tuned:.3f}', '24.00',
-                        '400 (shared GPU)', '27.00']
+                        '300 / 500 (shared GPU)', '27.00']
   # The three-sizes families: their finals, no prose or speed here.
   size = next(s for s in paper_report.load(paper_report.THREE_SIZES, 'finals.json')['sizes']
               if s['size'] == '19M')
@@ -247,3 +248,45 @@ def test_a_record_shares_the_gpu_by_its_calls_jobs_or_its_header():
   assert paper_report.record_jobs(meta, 'finals-19m.json', {'header': {}}) == 1
   assert paper_report.record_jobs(meta, 'finals-19m.json', {'header': {'jobs': 2}}) == 2
   assert paper_report.record_jobs(meta, 'finals-130m.json', {'header': {}}) == 1  # in no call
+
+
+def test_the_answer_says_where_the_best_rate_is_not_bracketed(tmp_path):
+  folder = _answer_folder(tmp_path)
+  rec = json.loads((folder / 'finals-19m-more.json').read_text())
+  paper = dict(optimizer='adamw', param_dtype='bfloat16')
+  def row(*runs):
+    (folder / 'finals-19m-more.json').write_text(
+        json.dumps({**rec, 'runs': rec['runs'] + list(runs)}))
+    rows = {(r[0], r[1]): r for r in _answer_table(paper_report.report(folder))}
+    return rows['19M', 'AdamW as the paper trains it'][2]
+  # 2e-3 (worse than 1e-3, better than 5e-4) brackets 1e-3 from above.
+  assert row(_finished(0, 11.0, lr=2e-3, **paper)) == (
+      'AdamW bf16, lr 0.001, wd 0 (the lowest of 3 rates)')
+  # A lower rate that wins is at the sweep's other edge.
+  assert row(_finished(0, 9.0, lr=2.5e-4, **paper)) == (
+      'AdamW bf16, lr 0.00025, wd 0 (the lowest of 3 rates; no lower rate finished)')
+  # An unfinished run is not part of the sweep.
+  assert row({**_finished(0, 11.0, lr=2e-3, **paper), 'finished': False}) == (
+      'AdamW bf16, lr 0.001, wd 0 (the lowest of 2 rates; no higher rate finished)')
+
+
+def test_a_records_commands_are_its_study_its_collect_and_the_corpus_it_read():
+  corpus = 'python3 -m experiments.site_corpus --out data/site'
+  meta = {'calls': [
+      {'records': ['finals-5m.json'], 'commands': [
+          corpus,
+          'python3 -m experiments.compare_quality --out runs/a --runs x',
+          'python3 -m experiments.compare_quality --out runs/b --runs y',
+          'python3 -m experiments.paper_report --collect runs/b finals-5m.json']},
+      {'records': ['step.json'], 'commands': [
+          "python3 -m experiments.bench_train --json step.json  # in a copy of c's tree"]},
+      {'records': ['finals-19m.json'], 'commands': [  # on the machine of the first call
+          'python3 -m experiments.compare_quality --jobs 3 --out runs/c --runs z',
+          'python3 -m experiments.paper_report --collect runs/c/ finals-19m.json']}]}
+  assert paper_report.record_commands(meta, 'finals-5m.json') == [
+      corpus, *meta['calls'][0]['commands'][2:]]
+  # A call that built no corpus read the latest one built before it.
+  assert paper_report.record_commands(meta, 'finals-19m.json') == [
+      corpus, *meta['calls'][2]['commands']]
+  assert paper_report.record_jobs(meta, 'finals-19m.json', {'header': {}}) == 3
+  assert paper_report.record_commands(meta, 'finals-130m.json') == []

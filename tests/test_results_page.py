@@ -18,10 +18,12 @@ def test_results_md_is_generated_from_the_records():
 
 def test_every_row_links_a_study_page_and_its_record_that_exist():
   text = (ROOT / 'RESULTS.md').read_text()
-  links = re.findall(r'\]\((docs/results/[\w-]+/README\.md)\) \(`([\w.-]+)`\)', text)
+  links = re.findall(r'\]\((docs/results/[\w-]+/README\.md)\) \(((?:`[\w.-]+`(?:, )?)+)\) \|$',
+                     text, flags=re.M)
   assert len(links) == len(results_page.rows())
-  for page, record in links:
-    assert (ROOT / page).exists() and (ROOT / page).with_name(record).exists(), (page, record)
+  for page, records in links:
+    for record in re.findall(r'`([\w.-]+)`', records):
+      assert (ROOT / page).exists() and (ROOT / page).with_name(record).exists(), (page, record)
 
 
 def test_readme_results_rows_are_generated_from_the_records():
