@@ -52,9 +52,15 @@ def _params(run):
                                      dict(optimizer='poetx', skew_tiers=True),
                                      dict(optimizer='poetx', permutation='chunk', chunk_size=4,
                                           tie_permutations=True),
-                                     dict(optimizer='poetx-muon')],
+                                     dict(optimizer='poetx-muon'),
+                                     dict(optimizer='adamw', param_dtype='bfloat16',
+                                          weight_decay=0.0),
+                                     dict(optimizer='poetx', min_lr_ratio=0.01, clip=0.1,
+                                          clip_ramp=3, poet_eps=1e-6,
+                                          poet_eps_placement='raw')],
                          ids=['poetx', 'adamw', 'skewadam', 'muon', 'poetx-skew-tiers',
-                              'poetx-chunk-tied', 'poetx-muon'])
+                              'poetx-chunk-tied', 'poetx-muon', 'adamw-as-the-paper',
+                              'poetx-reference-recipe'])
 def test_resume_is_bit_exact_across_merges(tmp_path, corpus, options, monkeypatch):
   """A resumed run continues exactly as the uninterrupted one; it restores
   into the state's shapes (no random model is built first)."""
