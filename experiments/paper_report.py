@@ -371,11 +371,43 @@ def answer_rows(folder: pathlib.Path, meta: dict) -> list[dict]:
   return rows
 
 
+def standing(a: list[float], b: list[float]) -> str:
+  """Where finals ``a`` stand against finals ``b`` (perplexities, lower
+  better): 'ahead' or 'behind' where their means differ by more than the
+  larger of their seed sds (the study's rule; a single seed has none),
+  'level' where they do not."""
+  sd = max([statistics.stdev(v) for v in (a, b) if len(v) > 1], default=0.0)
+  d = statistics.mean(a) - statistics.mean(b)
+  return 'level' if abs(d) <= sd else 'ahead' if d < 0 else 'behind'
+
+
+def claim_sentence(rows: list[dict]) -> str:
+  """One sentence on which claim of the paper holds under which baseline:
+  POET-X's :func:`standing` against AdamW as the paper trains it and
+  against the tuned AdamW, at the sizes where both ran."""
+  by = {(r['size'], r['family']): r['finals'] for r in rows if r['config']}
+  sizes = list(dict.fromkeys(r['size'] for r in rows))
+  def where(baseline: str) -> str:
+    got: dict[str, list[str]] = {}
+    for size in sizes:
+      if (size, 'POET-X') in by and (size, baseline) in by:
+        got.setdefault(standing(by[size, 'POET-X'], by[size, baseline]), []).append(size)
+    if not got:
+      return 'has not run'
+    words = {'ahead': 'holds', 'level': 'is level', 'behind': 'fails'}
+    listed = lambda v: ', '.join(v[:-1]) + ' and ' + v[-1] if len(v) > 1 else v[0]
+    return '; '.join(f'{words[k]} at {listed(v)}' for k, v in got.items())
+  return ("The paper's claim, POET-X ahead of AdamW, against AdamW as the paper trains it "
+          f"{where('AdamW as the paper trains it')}; against the tuned AdamW "
+          f"{where('tuned AdamW')} (ahead or behind: the means differ by more than the larger "
+          'seed sd of the two; level: by less).')
+
+
 def answer_lines(folder: pathlib.Path, meta: dict) -> list[str]:
   """The answer, size by size: :func:`answer_rows` as one table, a sentence
   per size with POET-X's and POET-X Muon's ratios to the tuned AdamW and to
-  AdamW as the paper trains it, what the tokens per second are, and
-  ``state-8b.json``'s optimizer state per run."""
+  AdamW as the paper trains it, :func:`claim_sentence`, what the tokens per
+  second are, and ``state-8b.json``'s optimizer state per run."""
   rows = answer_rows(folder, meta)
   mean = lambda r: statistics.mean(r['finals']) if r['config'] else None
   tuned = {r['size']: mean(r) for r in rows if r['family'] == 'tuned AdamW'}
@@ -427,6 +459,7 @@ def answer_lines(folder: pathlib.Path, meta: dict) -> list[str]:
                    ' (AdamW as the paper trains it: not run at this size)'))
       return f'{family} {m / base:.3f}×' + (f' and {m / paper:.3f}×' if paper else '')
     out.append(f"At {size}, {q('POET-X', True)}; {q('POET-X Muon', False)}.")
+  out += ['', claim_sentence(rows)]
   headers = [load(folder, name)['header'] for names in records_by_size(folder).values()
              for name in names]
   devices = sorted({h['device'] for h in headers if h.get('device')})

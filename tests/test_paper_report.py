@@ -290,3 +290,19 @@ def test_a_records_commands_are_its_study_its_collect_and_the_corpus_it_read():
       corpus, *meta['calls'][2]['commands']]
   assert paper_report.record_jobs(meta, 'finals-19m.json', {'header': {}}) == 3
   assert paper_report.record_commands(meta, 'finals-130m.json') == []
+
+
+def test_standing_is_ahead_or_behind_only_beyond_the_larger_seed_sd():
+  assert paper_report.standing([9.0, 9.2], [9.5, 9.5]) == 'ahead'  # 0.4 apart, sd 0.14
+  assert paper_report.standing([9.0, 9.2], [9.2, 9.2]) == 'level'  # 0.1 apart
+  assert paper_report.standing([9.5], [9.0, 9.2]) == 'behind'
+  assert paper_report.standing([9.5], [9.4]) == 'behind'  # single seeds: no spread
+
+
+def test_the_answer_says_which_claim_holds_under_which_baseline(tmp_path):
+  page = paper_report.report(_answer_folder(tmp_path))
+  # At 19M the three-sizes POET-X B 512 (10.11 / 10.27 / 10.19) against the
+  # folder's AdamW bf16 (10.0 / 11.0: sd 0.71, level) and the tuned AdamW
+  # (9.60 / 9.70 / 9.62: behind); at 5M and 130M nothing as the paper.
+  assert ("The paper's claim, POET-X ahead of AdamW, against AdamW as the paper trains it "
+          'is level at 19M; against the tuned AdamW fails at 5M, 19M and 130M' in page)
