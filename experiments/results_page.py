@@ -163,13 +163,13 @@ def fsdp_rows() -> list[dict]:
 def paper_rows() -> list[dict]:
   """Per size, AdamW as the POET-X paper trains it and POET-X Muon, each the
   best configuration of its family in the paper-baseline study's answer
-  (:func:`experiments.paper_report.answer_rows`, whose seeds may come from
+  (:func:`experiments.paper_answer.answer_rows`, whose seeds may come from
   several records), against our tuned fp32 AdamW, POET-X and Muon (the
   three-sizes study's finals: same corpus, tokens and validation)."""
-  from experiments import paper_report as P
+  from experiments import paper_answer, paper_report as P
   study = 'paper-baseline'
   folder = RESULTS / study
-  answer = P.answer_rows(folder, _load(study, 'calls.json'))
+  answer = paper_answer.answer_rows(folder, _load(study, 'calls.json'))
   mean = statistics.mean
   def stats(r):
     v = r['finals']

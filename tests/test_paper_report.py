@@ -5,7 +5,7 @@ import json
 import pathlib
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-from experiments import paper_report
+from experiments import paper_answer, paper_report
 
 
 def _study(tmp_path):
@@ -293,10 +293,10 @@ def test_a_records_commands_are_its_study_its_collect_and_the_corpus_it_read():
 
 
 def test_standing_is_ahead_or_behind_only_beyond_the_larger_seed_sd():
-  assert paper_report.standing([9.0, 9.2], [9.5, 9.5]) == 'ahead'  # 0.4 apart, sd 0.14
-  assert paper_report.standing([9.0, 9.2], [9.2, 9.2]) == 'level'  # 0.1 apart
-  assert paper_report.standing([9.5], [9.0, 9.2]) == 'behind'
-  assert paper_report.standing([9.5], [9.4]) == 'behind'  # single seeds: no spread
+  assert paper_answer.standing([9.0, 9.2], [9.5, 9.5]) == 'ahead'  # 0.4 apart, sd 0.14
+  assert paper_answer.standing([9.0, 9.2], [9.2, 9.2]) == 'level'  # 0.1 apart
+  assert paper_answer.standing([9.5], [9.0, 9.2]) == 'behind'
+  assert paper_answer.standing([9.5], [9.4]) == 'behind'  # single seeds: no spread
 
 
 def test_the_answer_says_which_claim_holds_under_which_baseline(tmp_path):
