@@ -191,14 +191,13 @@ def paper_rows() -> list[dict]:
     best = got['POET-X']['config'].split(':')[0].removeprefix('POET-X ')
     paper = got.get('AdamW as the paper trains it')
     if paper:
+      a = m['AdamW as the paper trains it']
+      muon = f", POET-X Muon {m['POET-X Muon'] / a:.3f}×" if 'POET-X Muon' in m else ''
       out.append(_row(f'AdamW as the POET-X paper trains it (pure bf16, weight decay 0), {size}, '
                       '100 M tokens',
-                      f"{stats(paper)}: {m['AdamW as the paper trains it'] / m['tuned AdamW']:.3f}× "
-                      "our tuned fp32 AdamW's perplexity; POET-X "
-                      f"({best}) ends {m['POET-X'] / m['AdamW as the paper trains it']:.3f}× its "
-                      'perplexity' + (f", POET-X Muon {m['POET-X Muon'] / m['AdamW as the paper trains it']:.3f}×"
-                                      if 'POET-X Muon' in m else ''),
-                      study, *paper['records'], commands=made(paper)))
+                      f"{stats(paper)}: {a / m['tuned AdamW']:.3f}× our tuned fp32 AdamW's "
+                      f"perplexity; POET-X ({best}) ends {m['POET-X'] / a:.3f}× its perplexity"
+                      + muon, study, *paper['records'], commands=made(paper)))
     muon = got.get('POET-X Muon')
     if muon:
       speed = ' / '.join(f'{t:,.0f}' for t in muon['tokens_per_s']) + ' tokens/s'
