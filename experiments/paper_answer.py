@@ -26,10 +26,10 @@ FAMILIES = {'POET-X': 'poetx', 'POET-X, reference recipe': 'poetx', 'POET-X Muon
 
 
 def finished_runs(folder: pathlib.Path, meta: dict, names: list[str]) -> list[dict]:
-  """The finished runs of records ``names``, each with its ``record``
-  (the name), the record's ``device`` and ``shared``: whether it trained side by side with other runs
-  of its study on the GPU (more than one run in the record, and its study
-  trained more than one at once: :func:`record_jobs`)."""
+  """The finished runs of records ``names``, each with its ``record`` (the
+  name), the record's ``device`` and ``shared``: whether it trained side by
+  side with other runs of its study on the GPU (more than one run in the
+  record, and its study trained more than one at once: :func:`record_jobs`)."""
   out = []
   for name in names:
     rec = load(folder, name)
@@ -67,10 +67,10 @@ def answer_rows(folder: pathlib.Path, meta: dict) -> list[dict]:
   parameters, families in :data:`FAMILIES`' order: each its ``size``,
   ``family``, ``config`` (None: not run), ``finals`` (by seed), ``prose``
   (the prose perplexities at the last step; None where the record keeps
-  none), ``tokens_per_s`` (of the runs that have it, in seed order), ``shared``,
-  ``records`` (the names of the records holding its runs, in seed order;
-  none for the three-sizes study's) and ``state`` (optimizer GiB at Llama-8B; None
-  without ``state-8b.json``)."""
+  none), ``tokens_per_s`` (of the runs that have it, in seed order),
+  ``shared``, ``records`` (the names of the records holding its runs, in
+  seed order; none for the three-sizes study's) and ``state`` (optimizer
+  GiB at Llama-8B; None without ``state-8b.json``)."""
   from experiments import three_sizes_report as T
   state = ({r['run']: r['optimizer_gib'] for r in load(folder, 'state-8b.json')}
            if (folder / 'state-8b.json').exists() else {})
@@ -105,9 +105,9 @@ def answer_rows(folder: pathlib.Path, meta: dict) -> list[dict]:
         if n < 2:
           return ''
         tried = {r['options']['lr'] for r in runs if keep(r['options'])}
-        best = rs[0]['options']['lr']
-        edge = ('; no higher rate finished' if best == max(tried) else
-                '; no lower rate finished' if best == min(tried) else '')
+        chosen = rs[0]['options']['lr']
+        edge = ('; no higher rate finished' if chosen == max(tried) else
+                '; no lower rate finished' if chosen == min(tried) else '')
         return f' (the lowest of {n} rates{edge})'
       return note
     paper = lambda o: (o['optimizer'] == 'adamw' and o['param_dtype'] == 'bfloat16'
