@@ -15,8 +15,8 @@ import re
 import statistics
 
 from experiments import harness
-from experiments.paper_report import (THREE_SIZES, configuration, last_eval, load, record_jobs,
-                                      records_by_size, schedule_differences)
+from experiments.paper_report import (THREE_SIZES, configuration, last_eval, load, mean_sd,
+                                      record_jobs, records_by_size, schedule_differences)
 
 
 # the families of the answer, in its order, and the run of ``state-8b.json``
@@ -66,11 +66,11 @@ def answer_rows(folder: pathlib.Path, meta: dict) -> list[dict]:
   """The rows of the answer, sizes in the three-sizes study's order of
   parameters, families in :data:`FAMILIES`' order: each its ``size``,
   ``family``, ``config`` (None: not run), ``finals`` (by seed), ``prose``
-  (the prose perplexities at the last step; None where the record keeps
-  none), ``tokens_per_s`` (of the runs that have it, in seed order),
-  ``shared``, ``records`` (the names of the records holding its runs, in
-  seed order; none for the three-sizes study's) and ``state`` (optimizer
-  GiB at Llama-8B; None without ``state-8b.json``)."""
+  (the prose perplexities at the last step of the runs that keep one; None
+  for the three-sizes study's), ``tokens_per_s`` (of the runs that have it,
+  in seed order), ``shared``, ``records`` (the names of the records holding
+  its runs, in seed order; none for the three-sizes study's) and ``state``
+  (optimizer GiB at Llama-8B; None without ``state-8b.json``)."""
   from experiments import three_sizes_report as T
   state = ({r['run']: r['optimizer_gib'] for r in load(folder, 'state-8b.json')}
            if (folder / 'state-8b.json').exists() else {})
@@ -102,13 +102,13 @@ def answer_rows(folder: pathlib.Path, meta: dict) -> list[dict]:
     def rates(keep):
       # the lowest of several rates, and whether the sweep brackets it
       def note(rs, n):
-        if n < 2:
-          return ''
         tried = {r['options']['lr'] for r in runs if keep(r['options'])}
+        if len(tried) < 2:
+          return of(n, 'configurations')
         chosen = rs[0]['options']['lr']
         edge = ('; no higher rate finished' if chosen == max(tried) else
                 '; no lower rate finished' if chosen == min(tried) else '')
-        return f' (the lowest of {n} rates{edge})'
+        return f' (the lowest of {len(tried)} rates{edge})'
       return note
     paper = lambda o: (o['optimizer'] == 'adamw' and o['param_dtype'] == 'bfloat16'
                        and o['weight_decay'] == 0)
@@ -192,13 +192,12 @@ def answer_lines(folder: pathlib.Path, meta: dict) -> list[str]:
                  f'not run | {state} |')
       continue
     v, m = r['finals'], mean(r)
-    sd = f' ± {statistics.stdev(v):.2f}' if len(v) > 1 else ''
     ratio = f"{m / tuned[r['size']]:.3f}" if tuned.get(r['size']) else '—'
     prose = f"{statistics.mean(r['prose']):.2f}" if r['prose'] else '—'
     speed = (' / '.join(f'{t:,.0f}' for t in r['tokens_per_s'])
              + (' (shared GPU)' if r['shared'] else '') if r['tokens_per_s'] else '—')
     out.append(f"| {r['size']} | {r['family']} | {r['config']} | "
-               f"{' / '.join(f'{x:.2f}' for x in v)}; {m:.2f}{sd} ({len(v)}) | {ratio} | "
+               f"{' / '.join(f'{x:.2f}' for x in v)}; {mean_sd(v)} ({len(v)}) | {ratio} | "
                f'{prose} | {speed} | {state} |')
   out.append('')
   for size in tuned:

@@ -210,6 +210,12 @@ def configuration(o: dict) -> str:
   return label(o).rsplit(', seed ', 1)[0]
 
 
+def mean_sd(v: list[float]) -> str:
+  """Finals' mean, with their sample sd where there are several: ``10.33 ± 0.12``."""
+  sd = f' ± {statistics.stdev(v):.2f}' if len(v) > 1 else ''
+  return f'{statistics.mean(v):.2f}{sd}'
+
+
 def finals(res: dict) -> dict[str, list[float]]:
   """The final validation perplexities of a record's finished runs, by
   configuration, in seed order."""
@@ -245,8 +251,7 @@ def finals_rows(res: dict, size: str) -> list[str]:
   out = [f'| configuration | finals by seed | mean ± sd | / tuned AdamW | / {best} |',
          '|---|---|---|---|---|']
   for name, v in sorted(rows.items(), key=lambda kv: mean(kv[1])):
-    sd = f' ± {statistics.stdev(v):.2f}' if len(v) > 1 else ''
-    out.append(f"| {name} | {' / '.join(f'{x:.2f}' for x in v)} | {mean(v):.2f}{sd} | "
+    out.append(f"| {name} | {' / '.join(f'{x:.2f}' for x in v)} | {mean_sd(v)} | "
                f'{mean(v) / adamw:.3f} | {mean(v) / poetx:.3f} |')
   return out
 

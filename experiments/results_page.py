@@ -2,8 +2,9 @@
 study records under ``docs/results/``.
 
 Each row reads its figure from a record (a study folder's JSON, written by
-the script its ``calls.json`` names) and gives the device, commit and date of
-the call that wrote it, the command, and a link to the study's page, where
+the script its ``calls.json`` names), or from several where its figure joins
+runs of several calls, and gives the device, commit and date of the calls
+that wrote them, the commands, and a link to the study's page, where
 every figure of the study is shown. The memory rows' record was recovered
 from BENCHMARKS.md, whose sections give their commands. It also writes a few of
 the rows into README.md, between the markers ``README_BEGIN`` and
@@ -48,16 +49,19 @@ def _row(claim: str, figure: str, study: str, record: str, *more: str,
   """A row read from ``record`` and the records ``more`` (where its figure
   joins several calls' runs); its commands (unless given) are those of each
   record's call that name the record or one of ``also`` (the steps before
-  it: a corpus, another program), and its commit, date and device each
-  call's, once each."""
+  it: a corpus, another program). Its commit, date and device are the
+  call's; where the calls differ in any, each field lists every distinct
+  call's, in the same order across the three."""
   calls = [_call(study, r) for r in (record, *more)]
   if commands is None:
     commands = list(dict.fromkeys(c for call, r in zip(calls, (record, *more))
                                   for c in call['commands'] if any(k in c for k in (r,) + also)))
+  keys = ('commit', 'date', 'device')
+  where = list(dict.fromkeys(tuple(call[k] for k in keys) for call in calls))
   return {'claim': claim, 'figure': figure, 'study': study, 'records': [record, *more],
           'commands': commands,
-          **{k: ', '.join(dict.fromkeys(call[k] for call in calls))
-             for k in ('commit', 'date', 'device')}}
+          **{k: ', '.join(w[i] for w in where) if len({w[i] for w in where}) > 1 else where[0][i]
+             for i, k in enumerate(keys)}}
 
 
 def step_rows() -> list[dict]:
@@ -168,22 +172,26 @@ def paper_rows() -> list[dict]:
   three-sizes study's finals: same corpus, tokens and validation)."""
   from experiments import paper_answer, paper_report as P
   study = 'paper-baseline'
-  folder = RESULTS / study
-  answer = paper_answer.answer_rows(folder, _load(study, 'calls.json'))
+  meta = _load(study, 'calls.json')
+  answer = paper_answer.answer_rows(RESULTS / study, meta)
   mean = statistics.mean
   def stats(r):
     v = r['finals']
-    sd = f' ± {statistics.stdev(v):.2f}' if len(v) > 1 else ''
-    return f"{mean(v):.2f}{sd} ({len(v)} seed{'s' if len(v) > 1 else ''})"
-  meta = _load(study, 'calls.json')
+    return f"{P.mean_sd(v)} ({len(v)} seed{'s' if len(v) > 1 else ''})"
   def made(r):
     # the commands that made the configuration's records
     return list(dict.fromkeys(c for n in r['records'] for c in P.record_commands(meta, n)))
-  def poetx_speed(r):
-    # POET-X's runs in the configuration's records, one run at a time on the GPU
-    runs = [x for n in r['records'] if P.record_jobs(meta, n, rec := _load(study, n)) == 1
-            for x in rec['runs'] if x['finished'] and x['options']['optimizer'] == 'poetx']
-    return mean(x['tokens_per_s'] for x in runs) if runs else None
+  def same_call_ratio(r):
+    # its tokens/s over POET-X's where its runs and POET-X runs come from one
+    # call that ran them one at a time (the same library code, the GPU unshared)
+    if len(r['records']) != 1 or r['shared'] or not r['tokens_per_s']:
+      return None
+    rec = _load(study, r['records'][0])
+    speeds = [x['tokens_per_s'] for x in rec['runs']
+              if x['finished'] and x['options']['optimizer'] == 'poetx' and x.get('tokens_per_s')]
+    if not speeds or P.record_jobs(meta, r['records'][0], rec) != 1:
+      return None
+    return mean(r['tokens_per_s']) / mean(speeds)
   out = []
   for size in dict.fromkeys(r['size'] for r in answer):
     got = {r['family']: r for r in answer if r['size'] == size and r['config']}
@@ -200,14 +208,15 @@ def paper_rows() -> list[dict]:
                       + muon, study, *paper['records'], commands=made(paper)))
     muon = got.get('POET-X Muon')
     if muon:
-      speed = ' / '.join(f'{t:,.0f}' for t in muon['tokens_per_s']) + ' tokens/s'
-      if (base := poetx_speed(muon)) and not muon['shared']:
-        speed += f", {mean(muon['tokens_per_s']) / base:.2f}× the POET-X runs' of its calls"
+      speed = (f"; {' / '.join(f'{t:,.0f}' for t in muon['tokens_per_s'])} tokens/s"
+               if muon['tokens_per_s'] else '')
+      if (ratio := same_call_ratio(muon)) is not None:
+        speed += f", {ratio:.2f}× the POET-X runs' of its call"
       out.append(_row(f"POET-X Muon (Muon's orthogonalised updates on the generators), {size}, "
                       '100 M tokens',
                       f"{stats(muon)}: {m['POET-X Muon'] / m['tuned AdamW']:.3f}× our tuned fp32 "
                       f"AdamW's perplexity, {m['POET-X Muon'] / m['POET-X']:.3f}× POET-X's "
-                      f"({best}), {m['POET-X Muon'] / m['Muon']:.3f}× Muon's; {speed}",
+                      f"({best}), {m['POET-X Muon'] / m['Muon']:.3f}× Muon's{speed}",
                       study, *muon['records'], commands=made(muon)))
   return out
 
@@ -347,8 +356,8 @@ def report() -> str:
     lines.append(f"| {i} | {r['claim']} | {r['figure']} | {r['device']} | {commit} | "
                  f"{r['date']} | [{r['study']}](docs/results/{r['study']}/README.md) ({records}) |")
   lines += ['', '## The commands', '',
-            'Run from the repository root; each wrote the record of its row (the study '
-            'pages say where a record joins more than one call), at the commit of its row, '
+            'Run from the repository root; each wrote the records of its row (the study '
+            'pages say where a record joins more than one call), at the commits of its row, '
             'written here as it is run today; except the memory rows\', whose record was '
             'recovered from BENCHMARKS.md: their commands are as written there at the commit '
             'given (docs/results/memory/README.md says what their abbreviations stand for).', '']

@@ -306,3 +306,31 @@ def test_the_answer_says_which_claim_holds_under_which_baseline(tmp_path):
   # (9.60 / 9.70 / 9.62: behind); at 5M and 130M nothing as the paper.
   assert ("The paper's claim, POET-X ahead of AdamW, against AdamW as the paper trains it "
           'is level at 19M; against the tuned AdamW fails at 5M, 19M and 130M' in page)
+
+
+def test_the_sweep_note_counts_rates_not_configurations(tmp_path):
+  folder = _answer_folder(tmp_path)
+  rec = json.loads((folder / 'finals-19m-more.json').read_text())
+  # a second configuration at lr 1e-3 (min-lr 0.01), worse than the best
+  extra = _finished(0, 12.5, lr=1e-3, min_lr_ratio=0.01, optimizer='adamw',
+                    param_dtype='bfloat16')
+  (folder / 'finals-19m-more.json').write_text(json.dumps({**rec, 'runs': rec['runs'] + [extra]}))
+  rows = {(r[0], r[1]): r for r in _answer_table(paper_report.report(folder))}
+  assert rows['19M', 'AdamW as the paper trains it'][2] == (
+      'AdamW bf16, lr 0.001, wd 0 (the lowest of 2 rates; no higher rate finished)')
+
+
+def test_the_claim_sentence_names_each_standing_and_a_baseline_not_run():
+  def row(size, family, finals):
+    return {'size': size, 'family': family, 'config': 'c' if finals else None,
+            'finals': finals}
+  rows = [row('5M', 'POET-X', [10.0, 10.1]), row('5M', 'AdamW as the paper trains it', [11.0]),
+          row('5M', 'tuned AdamW', [10.05, 10.0]),
+          row('19M', 'POET-X', [9.0]), row('19M', 'AdamW as the paper trains it', [9.5]),
+          row('19M', 'tuned AdamW', [8.0])]
+  assert paper_answer.claim_sentence(rows) == (
+      "The paper's claim, POET-X ahead of AdamW, against AdamW as the paper trains it holds at "
+      '5M and 19M; against the tuned AdamW is level at 5M; fails at 19M (ahead or behind: the '
+      'means differ by more than the larger seed sd of the two; level: by less).')
+  assert 'trains it has not run;' in paper_answer.claim_sentence(
+      [r for r in rows if r['family'] != 'AdamW as the paper trains it'])

@@ -100,3 +100,13 @@ def test_no_headline_figure_is_typed_by_hand_in_readme_or_docs():
           found.append(f'{page.relative_to(ROOT)}:{n}: {figure}')
   assert not found, ('RESULTS.md figures typed by hand (link RESULTS.md instead): '
                      + '; '.join(found))
+
+
+def test_a_row_of_several_records_lists_each_calls_commit_and_date_in_one_order():
+  r = results_page._row('c', 'f', 'paper-baseline', 'finals-130m.json',
+                        'finals-130m-muon-seed1.json')
+  assert r['records'] == ['finals-130m.json', 'finals-130m-muon-seed1.json']
+  assert (r['commit'], r['date']) == ('59ea6a1, f35ef06', '2026-12-06, 2026-12-07')
+  assert r['device'] == 'one NVIDIA H100 80GB HBM3'  # the same for both calls: once
+  assert any('finals-130m-muon-seed1.json' in c for c in r['commands'])
+  assert any('--collect runs/q130 finals-130m.json' in c for c in r['commands'])
