@@ -14,8 +14,9 @@ options, the evaluations it reached and the merges it warned about), and
 by size (:mod:`experiments.paper_answer`: one table of the best finished
 configuration of each family per size, with their finals, the ratio of each
 mean to the tuned AdamW's, prose perplexity, tokens per second marked where
-runs shared the GPU, and optimizer state at Llama-8B), each run's validation perplexity at equal
-tokens, the ratios that answer the study's questions, and the steps' times::
+runs shared the GPU, and optimizer state at Llama-8B), each run's
+validation perplexity at equal tokens, the ratios that answer the study's
+questions, and the steps' times::
 
     python3 -m experiments.paper_report --collect runs/q19 docs/results/paper-baseline/partial-19m.json
     python3 -m experiments.paper_report docs/results/paper-baseline
