@@ -15,7 +15,7 @@ import re
 import statistics
 
 from experiments import harness
-from experiments.paper_report import (THREE_SIZES, configuration, last_eval, load, mean_sd,
+from experiments.paper_report import (THREE_SIZES, by_configuration, last_eval, load, mean_sd,
                                       record_jobs, records_by_size, schedule_differences)
 
 
@@ -43,15 +43,12 @@ def lowest(runs: list[dict], keep) -> tuple[str, list[dict], int] | None:
   """Of the configurations whose options ``keep`` accepts, the one of lowest
   mean final validation perplexity: its name, its runs in seed order and how
   many configurations were kept; None where none was."""
-  by: dict[str, list[dict]] = {}
-  for r in runs:
-    if keep(r['options']):
-      by.setdefault(configuration(r['options']), []).append(r)
+  by = by_configuration([r for r in runs if keep(r['options'])])
   if not by:
     return None
   name, rs = min(by.items(),
                  key=lambda kv: statistics.mean(last_eval(r)['val_ppl'] for r in kv[1]))
-  return name, sorted(rs, key=lambda r: r['options']['seed']), len(by)
+  return name, rs, len(by)
 
 
 def recipe_differences(o: dict, lr: float) -> list[str]:

@@ -217,25 +217,35 @@ def mean_sd(v: list[float]) -> str:
   return f'{statistics.mean(v):.2f}{sd}'
 
 
+def by_configuration(runs: list[dict]) -> dict[str, list[dict]]:
+  """The finished ones of ``runs`` by configuration, each in seed order."""
+  out: dict[str, list[dict]] = {}
+  for r in runs:
+    if r['finished']:
+      out.setdefault(configuration(r['options']), []).append(r)
+  return {k: sorted(rs, key=lambda r: r['options']['seed']) for k, rs in out.items()}
+
+
 def finals(res: dict) -> dict[str, list[float]]:
   """The final validation perplexities of a record's finished runs, by
   configuration, in seed order."""
-  out: dict[str, list[tuple[int, float]]] = {}
-  for r in res['runs']:
-    if r['finished']:
-      out.setdefault(configuration(r['options']), []).append(
-          (r['options']['seed'], last_eval(r)['val_ppl']))
-  return {k: [v for _, v in sorted(vs)] for k, vs in out.items()}
+  return {k: [last_eval(r)['val_ppl'] for r in rs]
+          for k, rs in by_configuration(res['runs']).items()}
+
+
+def three_sizes(size: str) -> dict:
+  """The three-sizes study's entry for ``size`` (same corpus, tokens and
+  validation set): its families' configurations and finals."""
+  (entry,) = [s for s in load(THREE_SIZES, 'finals.json')['sizes'] if s['size'] == size]
+  return entry
 
 
 def baselines(size: str) -> dict[str, list[float]]:
-  """The three-sizes study's finals at ``size`` (same corpus, tokens and
-  validation set), by family: the tuned AdamW, Muon and the POET-X bests."""
+  """The three-sizes study's finals at ``size`` by family: the tuned AdamW,
+  Muon and the POET-X bests."""
   from experiments import three_sizes_report as T
-  rec = load(THREE_SIZES, 'finals.json')
-  (entry,) = [s for s in rec['sizes'] if s['size'] == size]
   return {f"{name} ({f['config']}; three-sizes study)": T.finals(f)
-          for name, f in entry['families'].items()}
+          for name, f in three_sizes(size)['families'].items()}
 
 
 def finals_rows(res: dict, size: str) -> list[str]:
@@ -243,12 +253,13 @@ def finals_rows(res: dict, size: str) -> list[str]:
   three-sizes study's at the same size, with the ratios of their means to
   the tuned AdamW's and to that study's best POET-X's (the block size of
   the lowest mean: 512 at 19M and 130M, 256 at 5M, where only 256 ran)."""
-  base = baselines(size)
-  rows = {**finals(res), **base}
+  from experiments import three_sizes_report as T
+  entry = three_sizes(size)
+  rows = {**finals(res), **baselines(size)}
   mean = lambda v: statistics.mean(v)
-  adamw = mean(next(v for k, v in base.items() if k.startswith('AdamW')))
-  best, poetx = min(((k.split(' (')[0], mean(v)) for k, v in base.items()
-                     if k.startswith('POET-X')), key=lambda kv: kv[1])
+  adamw = mean(T.finals(entry['families']['AdamW']))
+  best = T.best_poetx(entry)
+  poetx = mean(T.finals(entry['families'][best]))
   out = [f'| configuration | finals by seed | mean ± sd | / tuned AdamW | / {best} |',
          '|---|---|---|---|---|']
   for name, v in sorted(rows.items(), key=lambda kv: mean(kv[1])):

@@ -170,7 +170,7 @@ def paper_rows() -> list[dict]:
   (:func:`experiments.paper_answer.answer_rows`, whose seeds may come from
   several records), against our tuned fp32 AdamW, POET-X and Muon (the
   three-sizes study's finals: same corpus, tokens and validation)."""
-  from experiments import paper_answer, paper_report as P
+  from experiments import paper_answer, paper_report as P, three_sizes_report as T
   study = 'paper-baseline'
   meta = _load(study, 'calls.json')
   answer = paper_answer.answer_rows(RESULTS / study, meta)
@@ -196,7 +196,7 @@ def paper_rows() -> list[dict]:
   for size in dict.fromkeys(r['size'] for r in answer):
     got = {r['family']: r for r in answer if r['size'] == size and r['config']}
     m = {f: mean(r['finals']) for f, r in got.items()}
-    best = got['POET-X']['config'].split(':')[0].removeprefix('POET-X ')
+    best = T.best_poetx(P.three_sizes(size)).removeprefix('POET-X ')
     paper = got.get('AdamW as the paper trains it')
     if paper:
       a = m['AdamW as the paper trains it']
