@@ -201,7 +201,7 @@ def test_a_given_tokenizer_sets_the_vocabulary_and_a_contradicting_one_is_refuse
   """With --tokenizer FILE the run records FILE's vocabulary; a --vocab-size
   that contradicts it is refused (as one a prepared dataset contradicts)."""
   from poetx_jax.pretrain.data.tokenizer import Tokenizer
-  from poetx_jax.pretrain.plan import command_options, finish_options
+  from poetx_jax.pretrain.options import command_options, finish_options
   path = tmp_path / 'tok.json'
   Tokenizer.train_bpe(['def f(x):\n  return x + 1\n'] * 50, vocab_size=300, path=path)
   vocab = Tokenizer.load(path).vocab_size
@@ -362,7 +362,7 @@ def test_muon_orthogonalises_the_decoder_matrices_only(scan):
 def test_the_paths_a_run_records_are_absolute(tmp_path, monkeypatch):
   """run.json names the data, tokenizer and checkpoint as absolute paths, so
   that eval and --resume find them from any directory; a weight stays."""
-  from poetx_jax.pretrain.plan import resolve_paths
+  from poetx_jax.pretrain.options import resolve_paths
   monkeypatch.chdir(tmp_path)
   cfg = resolve_paths(TrainConfig(data=['corpus:0.7', 'web:0.3'], val_data=['held'],
                                 tokenizer='tok.json', init_from_hf='~/hf'))

@@ -277,23 +277,23 @@ def test_an_fsdp_run_resumes_on_other_device_counts(tmp_path):
 def test_resume_may_change_the_layout(tmp_path):
   """strategy and fsdp say how the state is laid out, not what is trained:
   --resume takes them given, and fits a saved fsdp to the devices present."""
-  from poetx_jax.pretrain import plan, rundir
+  from poetx_jax.pretrain import options, rundir
   from poetx_jax.pretrain.config import TrainConfig
   run = tmp_path / 'run'
   run.mkdir()
   saved = TrainConfig(strategy='fsdp', fsdp=4, out_dir=str(run))
   (run / 'run.json').write_text(json.dumps(dataclasses.asdict(saved)))
   logged = []
-  now = plan.resumed_options(TrainConfig(out_dir=str(run)), {'out_dir'}, device_count=8,
+  now = options.resumed_options(TrainConfig(out_dir=str(run)), {'out_dir'}, device_count=8,
                              log=logged.append)
   assert (now.strategy, now.fsdp, logged) == ('fsdp', 4, [])  # fits: kept
-  now = plan.resumed_options(TrainConfig(out_dir=str(run)), {'out_dir'}, device_count=6,
+  now = options.resumed_options(TrainConfig(out_dir=str(run)), {'out_dir'}, device_count=6,
                              log=logged.append)
   assert now.fsdp == 3 and logged == [
       "--resume: the run's fsdp=4 does not divide the 6 device(s) present: continuing "
       'with fsdp=3 (the layout may change on resume; --fsdp N chooses another)']
   given = TrainConfig(strategy='dp', fsdp=2, out_dir=str(run))
-  now = plan.resumed_options(given, {'strategy', 'fsdp'}, device_count=6)
+  now = options.resumed_options(given, {'strategy', 'fsdp'}, device_count=6)
   assert (now.strategy, now.fsdp) == ('dp', 2)
   rundir._check_resumable(run / 'run.json', now)  # pylint: disable=protected-access
   with pytest.raises(rundir.CheckpointError, match='differs'):

@@ -113,7 +113,7 @@ def test_paths_under_home_in_a_config_file_are_the_home_directory(tmp_path, monk
   name the home directory: the run's data and run directory are there, and
   --resume finds the run there; the cache keeps its "~" (run.json stays
   portable); nothing names a directory '~'."""
-  from poetx_jax.pretrain.plan import command_options, finish_options
+  from poetx_jax.pretrain.options import command_options, finish_options
   home = tmp_path / 'home'
   (home / 'corpus').mkdir(parents=True)
   write_corpus(home / 'corpus')
@@ -136,7 +136,7 @@ def test_paths_under_home_in_a_config_file_are_the_home_directory(tmp_path, monk
 def test_a_config_files_true_bool_is_turned_off_on_the_command_line(tmp_path):
   """Every bool has a --no- flag, so a config file's (or a run.json's) true
   can be undone: the command line overrides the file."""
-  from poetx_jax.pretrain.plan import command_options
+  from poetx_jax.pretrain.options import command_options
   config = tmp_path / 'run.yaml'
   config.write_text('scan_layers: true\ntie_permutations: true\n')
   argv = ['--no-scan-layers']

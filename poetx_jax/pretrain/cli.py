@@ -105,7 +105,7 @@ def cmd_train(a) -> int:
     from poetx_jax.pretrain import processes
     processes.initialize(**cluster, timeout=a.peer_timeout, prefix='poetx train: error: ')
   from poetx_jax.pretrain.config import TrainConfig, config_from_args
-  from poetx_jax.pretrain.plan import command_options
+  from poetx_jax.pretrain.options import command_options
   from poetx_jax.pretrain.train import train
   signals.check()  # a signal that came while jax was imported
   cfg = config_from_args(a)

@@ -13,7 +13,7 @@ The run's model is the one config.json describes, its step-0 weights DIR's
 * the vocabulary must be the run's tokenizer's; without ``--tokenizer`` (and
   no prepared dataset) the run uses DIR's own ``tokenizer.json`` (or
   ``tokenizer.model``, :data:`TOKENIZERS`; the run's plan,
-  :func:`poetx_jax.pretrain.plan.finish_options`, chooses it);
+  :func:`poetx_jax.pretrain.options.finish_options`, chooses it);
 * the source is recorded in the run's ``data.json`` under ``init_from_hf``:
   its path, the sha256 of config.json and of each weight file, and the model
   config read, so that ``--resume``, ``poetx eval`` and ``poetx export`` know

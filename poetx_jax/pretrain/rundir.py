@@ -49,7 +49,7 @@ RUN_FILE, DATA_FILE = 'run.json', 'data.json'
 LOCATIONS = ('out_dir', 'cache_dir', 'compile_cache', 'data', 'val_data')
 # Options that say how the state is laid out on the devices and the step
 # scheduled there, not what is trained: --resume may change them (checkpoints
-# restore onto any mesh), and plan.resumed_options fits a saved fsdp to the
+# restore onto any mesh), and options.resumed_options fits a saved fsdp to the
 # devices present.
 LAYOUT = ('strategy', 'fsdp', 'memory_slop')
 # Options that name a file or directory that is not a location (the run
@@ -385,7 +385,7 @@ def data_sources(out: pathlib.Path) -> list[str]:
 
 
 def absolute_path(path: str) -> str:
-  """``path`` as ``run.json`` records it (:func:`plan.resolve_paths`):
+  """``path`` as ``run.json`` records it (:func:`options.resolve_paths`):
   absolute, a leading ``~`` expanded (a relative one, of an older run or of
   an option, read from the working directory)."""
   return os.path.abspath(os.path.expanduser(path))

@@ -26,7 +26,8 @@ from flax import nnx
 
 from poetx_jax.pretrain.data import windows as data_lib
 from poetx_jax.pretrain import compile_cache, hf_init, loading, processes, rundir, signals
-from poetx_jax.pretrain.plan import Plan, finish_options, make_plan, recorded_plan
+from poetx_jax.pretrain.options import finish_options
+from poetx_jax.pretrain.plan import Plan, make_plan, recorded_plan
 from poetx_jax.pretrain.checkpoint import Checkpointer, full_disk_stop, resumed_message
 from poetx_jax.pretrain.config import TrainConfig
 from poetx_jax.pretrain.evaluation import evaluate, place_batch
