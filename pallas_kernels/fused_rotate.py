@@ -502,6 +502,3 @@ def rotate_unpermute(w_TxN: Array, g_KxBxB: Array, dst_N: Array, *,
   y = _rotate_unpermute(_flat(w_TxN), g_KxBxB, _check_index(dst_N, n, 'dst'),
                         config, bool(interpret), chunk)
   return y.reshape(w_TxN.shape)
-
-
-# -------------------------------------------------------------- references

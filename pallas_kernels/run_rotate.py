@@ -73,7 +73,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels._mosaic import interpret_params, static_interpret, swizzle
-from pallas_kernels.block_rotate import DTYPES, Config, _pad_tokens, _splits
+from pallas_kernels.block_rotate import DTYPES, Config, _flat, _pad_tokens, _splits
 
 Array = jax.Array
 RUN_BYTES = (32, 64, 128)  # the TMA box widths the kernels take: the WGMMA swizzles
@@ -392,10 +392,6 @@ def _rotate_unpermute_bwd(chunk, config, interpret, res, dy_TxN):
 
 
 _rotate_unpermute.defvjp(_rotate_unpermute_fwd, _rotate_unpermute_bwd)
-
-
-def _flat(x):
-  return x.reshape(-1, x.shape[-1])
 
 
 def _runs(perm_N, n, chunk):

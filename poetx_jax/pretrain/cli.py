@@ -120,7 +120,6 @@ def cmd_train(a) -> int:
   if jax.process_index() == 0:  # of several processes, the first reports
     _report(summary, a.plot)
   if summary['stopped'] in ('SIGINT', 'SIGTERM'):  # 130, 143: the shells' convention
-    import signal
     return 128 + signal.Signals[summary['stopped']].value
   return 0
 
