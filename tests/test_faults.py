@@ -20,7 +20,7 @@ import pytest
 from flax import nnx
 
 from conftest import SMALL, overrides
-from poetx_jax.pretrain import cli, loading, rundir
+from poetx_jax.pretrain import cli, loading, run_lock, rundir
 from poetx_jax.pretrain import train as train_lib
 from poetx_jax.pretrain.checkpoint import Checkpointer, DamagedCheckpoint
 from poetx_jax.pretrain.config import TrainConfig
@@ -243,7 +243,7 @@ def test_a_refused_second_writer_removes_nothing_the_owner_writes_meanwhile(
   run.json among them, and the owner's own set-up then failed)."""
   run = tmp_path / 'run'
   run.mkdir()
-  take = rundir.RunLock._take
+  take = run_lock.RunLock._take
 
   def owner_writes_meanwhile(lock):  # between the refused command's start and its refusal
     (run / 'data.json').write_text('{}')
@@ -253,16 +253,16 @@ def test_a_refused_second_writer_removes_nothing_the_owner_writes_meanwhile(
           '--vocab-size', '300', '--seq-len', '32', '--batch-size', '4', '--steps', '4',
           '--block-size', '8', '--dtype', 'float32', '--cache-dir', str(tmp_path / 'cache'),
           '--out-dir', str(run)]
-  with rundir.RunLock(run):  # the owner, this process (alive, so the lock is not stale)
-    monkeypatch.setattr(rundir.RunLock, '_take', owner_writes_meanwhile)
+  with run_lock.RunLock(run):  # the owner, this process (alive, so the lock is not stale)
+    monkeypatch.setattr(run_lock.RunLock, '_take', owner_writes_meanwhile)
     assert cli.main(args) == 4
     assert 'is in use by another training' in _one_line_error(capsys)
     assert (run / 'data.json').is_file() and (run / 'checkpoints').is_dir()
     assert (run / 'train.lock').is_file()
   # Refused where it made the directory: the empty directory goes, as before.
   fresh = tmp_path / 'a' / 'b'
-  monkeypatch.setattr(rundir.RunLock, '_take', lambda lock: (_ for _ in ()).throw(
-      rundir.RunLocked('held')))
+  monkeypatch.setattr(run_lock.RunLock, '_take', lambda lock: (_ for _ in ()).throw(
+      run_lock.RunLocked('held')))
   assert cli.main(args[:-1] + [str(fresh)]) == 4
   capsys.readouterr()
   assert not (tmp_path / 'a').exists()
@@ -304,20 +304,20 @@ def test_stale_foreign_and_copied_locks(tmp_path):
             'since': 'then'}
   (out / 'train.lock').write_text(json.dumps(record))
   messages = []
-  with rundir.RunLock(out, log=messages.append):
+  with run_lock.RunLock(out, log=messages.append):
     assert json.loads((out / 'train.lock').read_text())['pid'] == os.getpid()
-    with pytest.raises(rundir.RunLocked, match=f'pid {os.getpid()}'):
-      rundir.RunLock(out).__enter__()  # this very process holds it
+    with pytest.raises(run_lock.RunLocked, match=f'pid {os.getpid()}'):
+      run_lock.RunLock(out).__enter__()  # this very process holds it
   assert f'stale lock {out / "train.lock"} of pid {dead}' in messages[0]
   assert not (out / 'train.lock').exists()
 
   (out / 'train.lock').write_text(json.dumps({**record, 'host': 'elsewhere'}))
-  with pytest.raises(rundir.RunLocked, match=r'pid \d+ on elsewhere since then .*delete'):
-    rundir.RunLock(out).__enter__()
-  mine = rundir.RunLock(tmp_path).record  # a live lock, but of another directory
+  with pytest.raises(run_lock.RunLocked, match=r'pid \d+ on elsewhere since then .*delete'):
+    run_lock.RunLock(out).__enter__()
+  mine = run_lock.RunLock(tmp_path).record  # a live lock, but of another directory
   (out / 'train.lock').write_text(json.dumps({**mine, 'since': 'then'}))
   messages = []
-  with rundir.RunLock(out, log=messages.append):
+  with run_lock.RunLock(out, log=messages.append):
     pass
   assert 'this directory is a copy' in messages[0]
 

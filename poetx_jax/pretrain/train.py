@@ -202,7 +202,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, step: int | None = None, lo
   (one with the last step leaves the run complete).
 
   Raises NonFiniteLoss (nothing saved from a diverged state) and
-  rundir.RunLocked (another training holds ``cfg.out_dir``).
+  run_lock.RunLocked (another training holds ``cfg.out_dir``).
   """
   _checked(resume, step, hooks)
   try:
