@@ -16,7 +16,7 @@ import statistics
 
 from experiments import harness
 from experiments.paper_report import (THREE_SIZES, by_configuration, last_eval, load, mean_sd,
-                                      record_jobs, records_by_size, schedule_differences)
+                                      records_by_size, schedule_differences, shares_gpu)
 
 
 # the families of the answer, in its order, and the run of ``state-8b.json``
@@ -28,12 +28,11 @@ FAMILIES = {'POET-X': 'poetx', 'POET-X, reference recipe': 'poetx', 'POET-X Muon
 def finished_runs(folder: pathlib.Path, meta: dict, names: list[str]) -> list[dict]:
   """The finished runs of records ``names``, each with its ``record`` (the
   name), the record's ``device`` and ``shared``: whether it trained side by
-  side with other runs of its study on the GPU (more than one run in the
-  record, and its study trained more than one at once: :func:`record_jobs`)."""
+  side with other runs on the GPU (:func:`shares_gpu`)."""
   out = []
   for name in names:
     rec = load(folder, name)
-    shared = len(rec['runs']) > 1 and record_jobs(meta, name, rec) > 1
+    shared = shares_gpu(meta, name, rec)
     out += [{**r, 'shared': shared, 'device': rec['header'].get('device'), 'record': name}
             for r in rec['runs'] if r['finished']]
   return out
@@ -220,8 +219,9 @@ def answer_lines(folder: pathlib.Path, meta: dict) -> list[str]:
           'finished runs, in seed order, at the commit of the call that ran it (above; a '
           'configuration\'s seeds may come from calls of different library code), '
           f"each on {' or '.join(devices) or 'its device'} (the records' headers); "
-          '"shared GPU" marks runs that trained side by side with other runs of their study on '
-          'the GPU (its `--jobs` above 1), whose figure is not a speed comparison. A — marks a '
+          '"shared GPU" marks runs that trained side by side with other runs on the GPU (their '
+          'study\'s `--jobs` above 1, or another study of their call training at the same time), '
+          'whose figure is not a speed comparison. A — marks a '
           'figure the records here do not keep (the three-sizes study\'s keep neither prose nor '
           'speed).',
           '']

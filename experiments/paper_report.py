@@ -121,14 +121,28 @@ def record_commands(meta: dict, name: str) -> list[str]:
 
 
 def record_jobs(meta: dict, name: str, record: dict) -> int:
-  """How many runs of its study trained at once when record ``name`` was
-  made: its header's ``jobs``, else the ``--jobs`` of its compare_quality
-  command (:func:`record_commands`); 1 (one run at a time) where neither
-  says."""
+  """How many runs trained at once on the GPU when record ``name`` was made:
+  its header's ``jobs``, else the ``--jobs`` of its compare_quality command
+  (:func:`record_commands`); 1 (one run at a time) where neither says. A
+  call marked ``"together": true`` ran its compare_quality commands at the
+  same time: their ``--jobs`` add up."""
+  call = next((c for c in meta['calls'] if name in c['records']), {})
+  if call.get('together'):
+    return sum(j for j in map(jobs_of, call['commands']) if j is not None)
   if 'jobs' in record.get('header', {}):
     return record['header']['jobs']
   jobs = [j for j in map(jobs_of, record_commands(meta, name)) if j is not None]
   return jobs[0] if jobs else 1
+
+
+def shares_gpu(meta: dict, name: str, record: dict) -> bool:
+  """Whether record ``name``'s runs trained side by side with other runs on
+  the GPU (their tokens per second then compare nothing): more than one at
+  once (:func:`record_jobs`), and either the record holds several runs or
+  its call ran other studies beside it."""
+  call = next((c for c in meta['calls'] if name in c['records']), {})
+  return record_jobs(meta, name, record) > 1 and (len(record['runs']) > 1
+                                                   or bool(call.get('together')))
 
 
 def schedule_differences(o: dict) -> list[str]:

@@ -334,3 +334,25 @@ def test_the_claim_sentence_names_each_standing_and_a_baseline_not_run():
       'means differ by more than the larger seed sd of the two; level: by less).')
   assert 'trains it has not run;' in paper_answer.claim_sentence(
       [r for r in rows if r['family'] != 'AdamW as the paper trains it'])
+
+
+def test_a_call_whose_studies_trained_together_shares_the_gpu():
+  cq = 'python3 -m experiments.compare_quality'
+  call = {'records': ['finals-130m.json', 'finals-5m.json'], 'commands': [
+      f'{cq} --out runs/a --runs x',
+      f'{cq} --jobs 3 --out runs/b --runs y z w',
+      'python3 -m experiments.paper_report --collect runs/a finals-130m.json',
+      'python3 -m experiments.paper_report --collect runs/b finals-5m.json']}
+  one, three = {'header': {}, 'runs': [{}]}, {'header': {'jobs': 3}, 'runs': [{}, {}, {}]}
+  # One after the other: the lone 130M run had the GPU to itself.
+  assert paper_report.record_jobs({'calls': [call]}, 'finals-130m.json', one) == 1
+  assert not paper_report.shares_gpu({'calls': [call]}, 'finals-130m.json', one)
+  assert paper_report.shares_gpu({'calls': [call]}, 'finals-5m.json', three)
+  # Together: four runs at once, the lone run among them.
+  meta = {'calls': [{**call, 'together': True}]}
+  assert paper_report.record_jobs(meta, 'finals-130m.json', one) == 4
+  assert paper_report.shares_gpu(meta, 'finals-130m.json', one)
+  assert paper_report.shares_gpu(meta, 'finals-5m.json', three)
+  # A lone run of a --jobs study shared the GPU with nothing.
+  assert not paper_report.shares_gpu({'calls': [call]}, 'finals-5m.json',
+                                     {'header': {'jobs': 3}, 'runs': [{}]})
