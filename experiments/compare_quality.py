@@ -99,7 +99,12 @@ process exits non-zero: out of memory, killed; one at a time, it raises, and
 its traceback goes to OUT/logs/NAME.log) does not stop the others; the report
 covers the runs that finished and names the failed ones, each with how far
 it got (the last update it logged and its last evaluation), and the script
-then exits non-zero.
+then exits non-zero. A study stopped before it ended (SIGINT, SIGTERM: a time
+limit) continues with the flags it started with and ``--resume``: its
+finished runs are kept, each started run continues from its newest
+checkpoint (resumed runs train the tokens, in the order, they would have
+trained), and a run's steady tokens/s adds the clocks of its processes
+(quality_report.steady_clock).
 
 Short runs are dominated by compilation (each run's learning rates are
 constants of its update program, so every run compiles its own); the measured
@@ -238,6 +243,10 @@ def parse_args(argv=None):
   p.add_argument('--out', default='runs/quality', help='where the runs and the report go')
   p.add_argument('--overwrite', action='store_true',
                  help='replace run directories left in OUT by an earlier invocation')
+  p.add_argument('--resume', action='store_true',
+                 help='continue the study in OUT, stopped before it ended, with the flags it '
+                      'started with: its finished runs are kept, a started run continues from '
+                      'its newest checkpoint (poetx train --resume), the others start')
   p.add_argument('--other-val', action='append', default=[], metavar='NAME=PATH',
                  help='also score every run on this text (files or a folder, tokenized with '
                       "the run's tokenizer) or prepared dataset directory (tokenized with it), "
@@ -251,6 +260,9 @@ def parse_args(argv=None):
   a = p.parse_args(argv)
   if a.jobs < 1:
     p.error(f'--jobs must be >= 1, got {a.jobs}')
+  if a.resume and a.overwrite:
+    p.error('--resume keeps the run directories in OUT that --overwrite would replace; '
+            'pass one of them')
   try:
     a.base = config.config_from_args(a)
     a.plan = plan_runs(a.base, a.runs)
@@ -416,8 +428,9 @@ def train_run(a, run: dict, done: list[dict], out: pathlib.Path,
   A run whose loss turns non-finite is summarised as diverged (up to its last
   logged step), not raised: a sweep goes on past its unstable corners. One
   stopped before its last update (SIGTERM, SIGINT) has no summary: SystemExit
-  naming the step it reached (its checkpoint resumes with ``poetx train
-  --resume``)."""
+  naming the step it reached; the study's ``--resume`` continues it from its
+  checkpoint, as ``poetx train --resume`` does (a run whose directory holds a
+  run.json, with ``a.resume``)."""
   from poetx_jax.pretrain import train as train_lib
   from poetx_jax.pretrain.plan import make_plan
   if run['best_lr'] and best_lr is None:
@@ -430,11 +443,14 @@ def train_run(a, run: dict, done: list[dict], out: pathlib.Path,
           'tiers': cfg.skew_tiers, 'merge_every': plan.merge_every,
           'param_dtype': cfg.param_dtype, 'permutation': plan.permutation,
           'chunk_size': cfg.chunk_size if plan.permutation == 'chunk' else None}
-  progress(f'run {len(done) + 1}/{len(a.plan)}: {run["name"]} (lr {lr:g})')
+  resume = a.resume and (pathlib.Path(cfg.out_dir) / 'run.json').exists()
+  progress(f'run {len(done) + 1}/{len(a.plan)}: {run["name"]} (lr {lr:g})'
+           + (', resumed' if resume else ''))
   hook = spectrum_hook(a.probe_every)
   try:
     hooks = [hook] + ([other_val_hook(a.other_val, cfg.eval_every)] if a.other_val else [])
-    trained = train_lib.train(cfg, log=lambda m, n=run['name']: progress(f'{n}: {m}'), hooks=hooks)
+    trained = train_lib.train(cfg, resume=resume, hooks=hooks,
+                              log=lambda m, n=run['name']: progress(f'{n}: {m}'))
     if trained['stopped']:
       raise SystemExit(f'{run["name"]}: stopped at step {trained["step"]} of {cfg.steps} '
                        f'({trained["stopped"]}); not a result of the study')
@@ -462,6 +478,9 @@ def run_serial(a, out: pathlib.Path) -> None:
   SIGINT) or KeyboardInterrupt ends the study."""
   done = []
   for run in a.plan:
+    if (kept := finished(a, out, run)) is not None:
+      done.append(kept)
+      continue
     try:
       done.append(train_run(a, run, done, out))
     except Exception as e:  # noqa: BLE001 - reported, then the next run
@@ -470,6 +489,16 @@ def run_serial(a, out: pathlib.Path) -> None:
       log.write_text(traceback.format_exc())
       first = (str(e).splitlines() or [''])[0]  # XLA's errors run to many lines
       progress(f'{run["name"]} failed ({type(e).__name__}: {first}); traceback in {log}')
+
+
+def finished(a, out: pathlib.Path, run: dict) -> dict | None:
+  """With ``--resume``, the summary of a run of the study in OUT that already
+  finished (its summary.json); None for one to train."""
+  summary = out / 'runs' / run['name'] / 'summary.json'
+  if not (a.resume and summary.is_file()):
+    return None
+  progress(f'{run["name"]}: finished before, kept')
+  return json.loads(summary.read_text())
 
 
 # ------------------------------------------------------- runs side by side
@@ -491,6 +520,10 @@ def run_jobs(a, argv: list[str], out: pathlib.Path) -> None:
   failed = []
   for phase in (False, True):  # the lr=best runs after the others
     queue = [r for r in a.plan if r['best_lr'] == phase]
+    for run in list(queue):
+      if (kept := finished(a, out, run)) is not None:
+        done[run['name']] = kept
+        queue.remove(run)
     best = None
     if phase and queue:
       try:
@@ -557,6 +590,28 @@ def header(a, data, out: pathlib.Path) -> dict:
   }
 
 
+def _resumed_out(a) -> pathlib.Path:
+  """OUT of the study ``--resume`` continues, whose study.json holds the runs,
+  probe interval and base options given now (the flags it started with)."""
+  out = pathlib.Path(a.out)
+  if not (out / 'study.json').is_file():
+    raise SystemExit(f'--resume: {out} holds no study ({out / "study.json"} does not '
+                     f'exist); nothing to resume')
+  before = json.loads((out / 'study.json').read_text())['args']
+  now = json.loads(json.dumps(study_args(a)))
+  changed = sorted(k for k in now['base'] if now['base'][k] != before['base'].get(k))
+  changed += [k for k in ('runs', 'probe_every') if now[k] != before[k]]
+  if changed:
+    raise SystemExit(f'--resume: the study in {out} started with other {", ".join(changed)} '
+                     f'(its study.json); resume it with the flags it started with')
+  return out
+
+
+def study_args(a) -> dict:
+  """The flags that make a study what it is (study.json's ``args``)."""
+  return {'runs': a.runs, 'probe_every': a.probe_every, 'base': dataclasses.asdict(a.base)}
+
+
 def _fresh_out(a) -> pathlib.Path:
   """OUT, made, with no run directory of this study left in it (unless --overwrite)."""
   out = pathlib.Path(a.out)
@@ -581,14 +636,13 @@ def main(argv=None):
     os.environ.setdefault('XLA_PYTHON_CLIENT_PREALLOCATE', 'false')
   import jax
   from poetx_jax.pretrain import loading
-  out = _fresh_out(a)
+  out = _resumed_out(a) if a.resume else _fresh_out(a)
   data = loading.load_data(run_config(a.base, a.plan[0], out))  # tokenized once, cached
   print(f'data: {data.description}', flush=True)
-  (out / 'study.json').write_text(json.dumps(
-      {'header': {**harness.header('compare_quality', argv), **header(a, data, out)},
-       'plan': [r['name'] for r in a.plan],
-       'args': {'runs': a.runs, 'probe_every': a.probe_every,
-                'base': dataclasses.asdict(a.base)}}, indent=1))
+  if not a.resume:  # a resumed study keeps the header of its start
+    (out / 'study.json').write_text(json.dumps(
+        {'header': {**harness.header('compare_quality', argv), **header(a, data, out)},
+         'plan': [r['name'] for r in a.plan], 'args': study_args(a)}, indent=1))
   progress(f'{len(a.plan)} runs of {a.base.model}, {a.base.steps} updates x '
            f'{a.base.batch_size * a.base.seq_len:,} tokens, {a.jobs} at a time, on '
            f'{jax.devices()[0].device_kind}')

@@ -49,8 +49,10 @@ def collect(study: pathlib.Path) -> dict:
   resolved them), the evaluations of ``metrics.jsonl`` (step, tokens,
   validation and prose perplexity), the last step it logged, how many of
   its merges warned that the factors were far from orthogonal (its log), and
-  a finished run's steady tokens per second (``summary.json``); the header
-  keeps the study's ``jobs`` (runs trained at once)."""
+  a finished run's (one with a ``summary.json``) steady tokens per second,
+  timed by :func:`experiments.quality_report.steady_clock` over every process
+  of a resumed run; the header keeps the study's ``jobs`` (runs trained at
+  once)."""
   header = json.loads((study / 'study.json').read_text())['header']
   runs = []
   for folder in sorted((study / 'runs').iterdir()):
@@ -68,11 +70,17 @@ def collect(study: pathlib.Path) -> dict:
     runs.append({'name': folder.name, 'options': options, 'evals': evals,
                  'last_step': max((r['step'] for r in lines if 'step' in r), default=0),
                  'finished': summary.exists(), 'merge_warnings': warned,
-                 'tokens_per_s': (json.loads(summary.read_text()).get('steady_tokens_per_s')
-                                  if summary.exists() else None)})
+                 'tokens_per_s': _tokens_per_s(lines, header['tokens_per_step'])
+                                 if summary.exists() else None})
   keep = ('model', 'model_overrides', 'seq_len', 'batch_size', 'steps', 'warmup', 'device',
           'dense_params', 'tokens_per_step', 'val_tokens', 'date', 'jobs')
   return {'header': {k: header[k] for k in keep if k in header}, 'runs': runs}
+
+
+def _tokens_per_s(lines: list[dict], tokens_per_step: int) -> float:
+  from experiments.quality_report import steady_clock
+  _, steps, seconds = steady_clock({r['step']: r for r in lines if 'loss' in r})
+  return steps * tokens_per_step / seconds
 
 
 def _value(words: list[str], flag: str) -> str | None:

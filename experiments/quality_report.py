@@ -53,6 +53,34 @@ def _routing(recs: list[dict]) -> dict:
           'load_balance': loads[-1]['load_balance'], 'expert_tokens': t}
 
 
+def steady_clock(logs: dict[int, dict]) -> tuple[dict[int, float], int, float]:
+  """Steady (compile-free) training seconds from the logged steps' records
+  (``train_s``, ``compile_s``): up to each logged step (step 0 at 0), and the
+  steps and seconds the clock timed. A resumed run's process starts its clock
+  again, so a record whose ``train_s`` falls below the one before it opens a
+  segment: the steady seconds at a step are the earlier segments' last
+  plus its own ``train_s - compile_s``. The first segment times its steps
+  from step 0; a later one from its first logged step, since the interval
+  before that holds the steps resumed from the checkpoint together with their
+  compile, which the record does not separate (nor are the steps a stopped
+  process trained after its last record timed)."""
+  steady, offset, timed_steps, timed_s = {0: 0.0}, 0.0, 0, 0.0
+  start, prev = (0, 0.0), None
+  for step in sorted(logs):
+    r = logs[step]
+    t = r['train_s'] - r['compile_s']
+    if prev is not None and r['train_s'] < prev['train_s']:
+      done = steady[prev['step']] - offset
+      timed_steps, timed_s = timed_steps + prev['step'] - start[0], timed_s + done - start[1]
+      offset, start = offset + done, (step, t)
+    steady[step] = offset + t
+    prev = r
+  if prev is not None:
+    timed_steps += prev['step'] - start[0]
+    timed_s += steady[prev['step']] - offset - start[1]
+  return steady, timed_steps, timed_s
+
+
 def summarise(spec: dict, out_dir: pathlib.Path, tokens_per_step: int) -> dict:
   """One run's results from its metrics.jsonl, after the fields of ``spec``. A
   run whose spec has ``diverged`` (the message of its non-finite loss) has an
@@ -60,8 +88,7 @@ def summarise(spec: dict, out_dir: pathlib.Path, tokens_per_step: int) -> dict:
   from poetx_jax.pretrain.metrics import read_metrics
   recs = read_metrics(out_dir)
   logs = {r['step']: r for r in recs if 'loss' in r}
-  steady = {s: r['train_s'] - r['compile_s'] for s, r in logs.items()}
-  steady[0] = 0.0
+  steady, timed_steps, timed_s = steady_clock(logs)
   evals = [{'step': r['step'], 'tokens': r['step'] * tokens_per_step,
             'steady_s': steady[r['step']], 'val_loss': r['val_loss'], 'val_ppl': r['val_ppl']}
            for r in recs if 'val_ppl' in r]
@@ -87,7 +114,7 @@ def summarise(spec: dict, out_dir: pathlib.Path, tokens_per_step: int) -> dict:
           'val_ppl_best': math.inf if diverged else min(e['val_ppl'] for e in evals),
           'elapsed_s': last['elapsed_s'], 'train_s': last['train_s'],
           'compile_s': last['compile_s'], 'steady_s': steady[end],
-          'steady_tokens_per_s': end * tokens_per_step / max(steady[end], 1e-9),
+          'steady_tokens_per_s': timed_steps * tokens_per_step / max(timed_s, 1e-9),
           'losses': losses, 'loss_spikes': loss_spikes(losses), 'probes': probes,
           'max_sv_rel_change': worst('/sv_rel_change'), 'max_orth_err': worst('/orth_err'),
           'other_val': other,

@@ -198,6 +198,43 @@ def test_a_run_stopped_before_its_last_update_is_not_a_result(tmp_path, corpus, 
 
 
 @pytest.mark.slow
+def test_a_stopped_study_resumes_to_the_uninterrupted_studys_results(serial, tmp_path, corpus,
+                                                                      monkeypatch):
+  """A study stopped in its second run (a stop ends the study) continues with
+  --resume: the finished run is kept, not trained again; the stopped one
+  continues from its checkpoint to the finals of the same runs trained
+  without a stop (the serial study); other flags than the study started with
+  are refused, as is a second start over it without --resume."""
+  import re
+  from poetx_jax.pretrain import train as train_lib
+  real, calls = train_lib.train, []
+  first, second = ADAMW + ',seed=0', ADAMW + ',seed=1'
+  args = _args(tmp_path, corpus, ADAMW + ',seed=0|1')
+
+  def train(cfg, **kw):
+    calls.append((cfg.seed, kw.get('resume')))
+    return real(cfg, **kw, **({'stop_after': 12} if cfg.seed == 1 and not calls[1:-1] else {}))
+  monkeypatch.setattr(train_lib, 'train', train)
+  with pytest.raises(SystemExit, match=f'{re.escape(second)}: stopped at step 12 of 30'):
+    compare_quality.main(args)
+  with pytest.raises(SystemExit, match='already holds run directories'):
+    compare_quality.main(args)
+  longer = [*args]
+  longer[longer.index('--steps') + 1] = '40'
+  with pytest.raises(SystemExit, match='started with other steps'):
+    compare_quality.main(longer + ['--resume'])
+  with pytest.raises(SystemExit, match='--resume: .* holds no study'):
+    compare_quality.main(_args(tmp_path / 'other', corpus, ADAMW) + ['--resume'])
+  res = compare_quality.main(args + ['--resume'])
+  assert calls == [(0, False), (1, False), (1, True)]
+  want = {r['name']: r['val_ppl_final'] for r in serial[0]['runs']}
+  assert {r['name']: r['val_ppl_final'] for r in res['runs']} == {n: want[n] for n in (first, second)}
+  resumed = next(r for r in res['runs'] if r['name'] == second)
+  # Its steady time holds the first process's too, beyond the resumed one's own clock.
+  assert resumed['steady_s'] > resumed['train_s'] - resumed['compile_s'] > 0
+
+
+@pytest.mark.slow
 def test_a_run_that_raises_stops_none_of_the_others_one_at_a_time(tmp_path, corpus,
                                                                     monkeypatch):
   """Without --jobs, a run whose training raises is logged with its
@@ -320,6 +357,23 @@ def test_spike_rule_and_time_interpolation():
   pts = [{'steady_s': 0.0, 'val_ppl': 100.0}, {'steady_s': 2.0, 'val_ppl': 25.0}]
   assert R.ppl_at_time(pts, 1.0) == pytest.approx(50.0)
   assert R.ppl_at_time(pts, 3.0) is None
+
+
+def test_a_resumed_runs_clock_adds_its_processes_steady_time():
+  """A run stopped after step 60 (its last record at 50) and resumed: the
+  second process's clock starts again. Its steady seconds carry on from the
+  first's; its speed counts the steps each clock timed (0-50, then 70-90:
+  the interval to its first record holds the resume's compile)."""
+  def rec(step, train_s, compile_s):
+    return {'step': step, 'loss': 1.0, 'train_s': train_s, 'compile_s': compile_s}
+  one = {s: rec(s, 5.0 + 0.1 * s, 5.0) for s in range(10, 60, 10)}
+  steady, steps, seconds = R.steady_clock(one)
+  assert steady[0] == 0.0 and steady[50] == pytest.approx(5.0)
+  assert (steps, seconds) == (50, pytest.approx(5.0))  # as end / (train_s - compile_s)
+  two = {**one, **{s: rec(s, 3.0 + 0.2 * (s - 70) + 0.5, 3.0) for s in (70, 80, 90)}}
+  steady, steps, seconds = R.steady_clock(two)
+  assert steady[70] == pytest.approx(5.5) and steady[90] == pytest.approx(9.5)
+  assert steps == 50 + 20 and seconds == pytest.approx(5.0 + 4.0)
 
 
 @pytest.mark.slow
