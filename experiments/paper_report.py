@@ -306,7 +306,9 @@ def report(folder: pathlib.Path) -> str:
       lines += [f"Predictions stated before the call writing {', '.join(call['records'])}:", '',
                 *[f'* {p}' for p in call['predictions']], '']
     if call.get('outcomes'):
-      lines += ['Outcomes:', '', *[f'* {o}' for o in call['outcomes']], '']
+      lines += ['Outcomes:' if call.get('predictions') else
+                f"Outcomes of the call writing {', '.join(call['records'])} (no prediction "
+                'stated before it):', '', *[f'* {o}' for o in call['outcomes']], '']
   from experiments.paper_answer import answer_lines  # it reads this module's records
   lines += answer_lines(folder, meta)
   for size, names in records_by_size(folder).items():

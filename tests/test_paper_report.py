@@ -156,7 +156,9 @@ def _answer_folder(tmp_path):
                               f'{collect} runs/a finals-19m.json']},
                 {'records': ['finals-19m-more.json'],
                  'commands': [f'{cq} --out runs/b --runs y',
-                              f'{collect} runs/b finals-19m-more.json']}]}))
+                              f'{collect} runs/b finals-19m-more.json'],
+                 'predictions': ['it ends below 10'], 'outcomes': ['it ended at 10.0']},
+                {'records': ['step-1b.json'], 'commands': [], 'outcomes': ['muon 0.9x']}]}))
   header = {'model': 'tiny', 'seq_len': 8, 'batch_size': 2, 'steps': 10, 'warmup': 1,
             'device': '1 x GPU', 'dense_params': 100, 'val_tokens': 32, 'tokens_per_step': 20}
   records = {
@@ -357,3 +359,11 @@ def test_a_call_whose_studies_trained_together_shares_the_gpu():
   # A lone run of a --jobs study shared the GPU with nothing.
   assert not paper_report.shares_gpu({'calls': [call]}, 'finals-5m.json',
                                      {'header': {'jobs': 3}, 'runs': [{}]})
+
+
+def test_outcomes_say_which_call_when_no_prediction_came_before_them(tmp_path):
+  page = paper_report.report(_answer_folder(tmp_path))
+  assert ('Predictions stated before the call writing finals-19m-more.json:\n\n'
+          '* it ends below 10\n\nOutcomes:\n\n* it ended at 10.0\n') in page
+  assert ('Outcomes of the call writing step-1b.json (no prediction stated before it):\n\n'
+          '* muon 0.9x\n') in page
