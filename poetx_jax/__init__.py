@@ -33,7 +33,7 @@ _MODULES = {
                 'update_factored_moment',
     'hyperparams': 'check_hyperparameters',
     'lean': 'lean_adamw scale_by_lean_adam',
-    'muon': 'orthogonalize_skew poetx_muon scale_by_poetx_muon',
+    'muon': 'default_poet_muon_lr orthogonalize_skew poetx_muon scale_by_poetx_muon',
     'groups': 'batched_series linear_operands swiglu',
     'linear': 'FrozenKernel Permutation POETLinear POETParam',
     'optim': 'ScaleByPoetxState clip_by_global_norm_after_merge default_poet_lr '

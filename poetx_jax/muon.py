@@ -48,6 +48,25 @@ NS_COEFFS = (3.4445, -4.7750, 2.0315)
 DEFAULT_RMS = 0.2
 
 
+def default_poet_muon_lr(block_size: int) -> float:
+  """The step size of :func:`poetx_muon` for block size B:
+  ``min(5e-3, 0.25 / min(B, 256))``, POET-X's step (``default_poet_lr``) up to
+  B = 256 and 0.25 / 256 (2^-10) above.
+
+  Its update's entries have a fixed RMS, so a block's update has spectral
+  norm about ``step * 0.2 * sqrt(B)`` (not Adam's up to ``B`` times the step),
+  and the step that keeps the generators in the Cayley–Neumann series' region
+  over a merge cycle shrinks more slowly with B than POET-X's. Measured at
+  100 M tokens with merges every 200 updates (docs/results/paper-baseline):
+  2^-10 at B = 256 (5M parameters) ended below POET-X and ahead of 2^-9 when
+  that run stopped, and at B = 512 (19M, 130M) below POET-X by more than the
+  seed spread, where POET-X's 0.25 / 512 has not run for it; below B = 256
+  the step is POET-X's, not tuned for this update.
+  """
+  check_hyperparameters(block_size=block_size)
+  return min(5e-3, 0.25 / min(block_size, 256))
+
+
 def block_size_of(packed: int) -> int:
   """B with B(B-1)/2 = ``packed``; raises ValueError when there is none."""
   b = (1 + math.isqrt(1 + 8 * packed)) // 2

@@ -28,10 +28,10 @@ VOCAB = 128
 
 
 def train_config(scan=False, strategy='dp') -> TrainConfig:
-  """The run: the tiny POET Llama of ``SHAPE`` (``scan``: of ``STACKED``, its
+  """The run: POET-X (Adam on the generators) on the tiny POET Llama of ``SHAPE`` (``scan``: of ``STACKED``, its
   two layers stacked) at B = 16, merging every 2 updates, at constant rates
   (no warmup, no decay, no clipping)."""
-  cfg = TrainConfig(model='tiny', model_overrides=STACKED if scan else SHAPE,
+  cfg = TrainConfig(model='tiny', model_overrides=STACKED if scan else SHAPE, optimizer='poetx',
                     scan_layers=scan, block_size=16, poet_lr=2e-2, lr=3e-3, warmup=0,
                     min_lr_ratio=1.0, clip=0.0, merge_every=2, batch_size=8, seq_len=16,
                     dtype='float32', strategy=strategy)
@@ -179,8 +179,8 @@ def meshes():
   step each, the micro-batches stacked), each update a merge. Each mesh's
   losses' largest distance from one device's, and whether the permutations
   match."""
-  cfg = TrainConfig(model='tiny', model_overrides=SHAPE, batch_size=8, seq_len=16,
-                    grad_accum=2, merge_every=1, warmup=0, dtype='float32', strategy='fsdp')
+  cfg = TrainConfig(model='tiny', model_overrides=SHAPE, optimizer='poetx', batch_size=8,
+                    seq_len=16, grad_accum=2, merge_every=1, warmup=0, dtype='float32', strategy='fsdp')
   batches = [{k: np.random.default_rng(i).integers(0, VOCAB, (8, 16)).astype(np.int32)
               for k in ('inputs', 'targets')} for i in range(4)]
 

@@ -168,7 +168,8 @@ def test_bench_memory_state_only(tmp_path):
   from poetx_jax.pretrain import factories as F
   from poetx_jax.pretrain.config import TrainConfig
   # bench_memory's defaults: batch 1, bf16 weights and compute, merges every 2
-  cfg = TrainConfig(model='tiny', seq_len=32, batch_size=1, vocab_size=512, merge_every=2,
+  cfg = TrainConfig(model='tiny', optimizer='poetx', seq_len=32, batch_size=1, vocab_size=512,
+                    merge_every=2,
                     dtype='bfloat16', param_dtype='bfloat16', lean_state=True, mode='mem',
                     remat='block', quantize='int8', steps=1000)
   from poetx_jax.pretrain.plan import make_plan

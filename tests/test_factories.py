@@ -78,7 +78,7 @@ def test_the_poet_eps_options_reach_the_poetx_transform(monkeypatch):
   monkeypatch.setattr(poetx_jax, 'poetx', spy)
   for options, want in ((dict(), (1e-8, 'corrected')),
                         (dict(poet_eps=1e-6, poet_eps_placement='raw'), (1e-6, 'raw'))):
-    cfg = TrainConfig(model='tiny', dtype='float32', **options)
+    cfg = TrainConfig(model='tiny', optimizer='poetx', dtype='float32', **options)
     factories.abstract_state(make_plan(cfg, 512))
     assert (seen[-1]['eps'], seen[-1]['eps_placement']) == want
 

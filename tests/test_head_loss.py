@@ -56,8 +56,8 @@ def test_a_poetx_run_with_loss_chunk_trains_as_the_whole_batch_does(keys):
   reset), ``g / |g|``: where a gradient is ~0 rounding can flip its sign, so
   a handful of a generator's elements may move by up to a step (as in
   test_sharding); each generator is >= 99% within 1e-4 of its largest."""
-  cfg = TrainConfig(model='tiny', model_overrides={'layers': 1, 'mlp': 64}, block_size=32, warmup=1,
-                    dtype='float32', merge_every=2)
+  cfg = TrainConfig(model='tiny', model_overrides={'layers': 1, 'mlp': 64}, optimizer='poetx',
+                    block_size=32, warmup=1, dtype='float32', merge_every=2)
   batch = _batch(keys, 2, 12, 300)
 
   def train(loss_chunk):

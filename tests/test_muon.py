@@ -209,3 +209,13 @@ def test_the_app_refuses_adam_options_poetx_muon_does_not_read():
                                        r"'poetx-muon' does not use them"):
     TrainConfig(optimizer='poetx-muon', poet_eps=1e-6, poet_eps_placement='raw').validate()
   TrainConfig(optimizer='poetx', poet_eps=1e-6, poet_eps_placement='raw').validate()
+
+
+def test_the_default_step_is_poetxs_up_to_blocks_of_256_then_two_to_the_minus_ten():
+  import poetx_jax
+  assert poetx_jax.default_poet_muon_lr(16) == poetx_jax.default_poet_lr(16) == 5e-3
+  assert poetx_jax.default_poet_muon_lr(128) == poetx_jax.default_poet_lr(128)
+  assert {poetx_jax.default_poet_muon_lr(b) for b in (256, 512, 1024)} == {2.0 ** -10}
+  assert poetx_jax.default_poet_muon_lr(512) == 2 * poetx_jax.default_poet_lr(512)
+  with pytest.raises(ValueError, match='block_size must be an int >= 2, got 1'):
+    poetx_jax.default_poet_muon_lr(1)

@@ -177,10 +177,15 @@ def test_block_size_and_poet_lr_are_resolved_once_into_the_model():
   p = _plan(model='tiny')
   assert (p.block_size, p.model.block_size) == (16, 16)
   assert p.poet_lr == poetx_jax.default_poet_lr(16)
-  sizes = {m: (_plan(model=m).block_size, _plan(model=m).poet_lr)
+  sizes = {m: (_plan(model=m, optimizer='poetx').block_size,
+               _plan(model=m, optimizer='poetx').poet_lr)
            for m in ('60m', '130m', '350m', '8b')}
   assert sizes == {'60m': (512, 0.25 / 512), '130m': (512, 0.25 / 512),
                    '350m': (256, 0.25 / 256), '8b': (256, 0.25 / 256)}
+  # POET-X Muon's own step (the app's default optimizer): POET-X's up to B 256, 2^-10 above.
+  assert [_plan(model=m).poet_lr for m in ('tiny', '350m', '130m')] == [
+      poetx_jax.default_poet_lr(16), 0.25 / 256, 0.25 / 256]
+  assert _plan(model='130m').options.optimizer == 'poetx-muon'
   resumed = make_plan(TrainConfig(model='130m'), 4096,
                       recorded={'block_size': 256, 'poet_lr': 0.25 / 256})
   assert (resumed.block_size, resumed.model.block_size, resumed.poet_lr) == (

@@ -26,7 +26,7 @@ def corpus(tmp_path_factory):
 
 
 def _cfg(tmp, corpus, **kw):
-  base = dict(model='tiny', model_overrides=SMALL,
+  base = dict(model='tiny', model_overrides=SMALL, optimizer='poetx',
               data=[str(corpus)], vocab_size=300, seq_len=32, batch_size=4,
               steps=12, warmup=2, merge_every=4, block_size=8, eval_every=6,
               eval_batches=2, log_every=1, checkpoint_every=100, dtype='float32',

@@ -2,11 +2,11 @@
 
     poetx train                       # tiny Llama, POET-X, built-in corpus
     poetx train --optimizer adamw --out-dir runs/tiny-adamw
-    poetx train --resume --out-dir runs/tiny-poetx
-    poetx train --config runs/tiny-poetx/run.json --out-dir runs/again   # or a .yaml
-    poetx eval runs/tiny-poetx
-    poetx export runs/tiny-poetx --out exported/
-    poetx plot runs/tiny-poetx runs/tiny-adamw --out loss.png
+    poetx train --resume --out-dir runs/tiny-poetx-muon
+    poetx train --config runs/tiny-poetx-muon/run.json --out-dir runs/again   # or a .yaml
+    poetx eval runs/tiny-poetx-muon
+    poetx export runs/tiny-poetx-muon --out exported/
+    poetx plot runs/tiny-poetx-muon runs/tiny-adamw --out loss.png
     poetx prepare corpus/ --out data/corpus   # then: poetx train --data data/corpus
 """
 

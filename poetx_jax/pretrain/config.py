@@ -106,7 +106,8 @@ class TrainConfig:
                            'devices once an update); the cadences counted in micro-steps '
                            'act after the update that reaches them')
   steps: int = _count(600, 'optimizer updates')
-  optimizer: str = _option('poetx', '; '.join(f'{r.name}: {r.help}' for r in RECIPES.values()),
+  optimizer: str = _option('poetx-muon',
+                           '; '.join(f'{r.name}: {r.help}' for r in RECIPES.values()),
                            choices=OPTIMIZERS)
   lr: float | None = _option(
       None, 'peak learning rate of AdamW, Muon, SkewAdam (and of the non-POET parameters)',
@@ -115,9 +116,10 @@ class TrainConfig:
            f'{ADAMW_WIDE_LR:g} and Muon {MUON_WIDE_LR:g}, the bests of the sweeps in '
            'docs/quality.md')
   poet_lr: float | None = _poet(None, 'peak POET-X step size', gt=0,
-                                  none='min(5e-3, 0.25 / block size); in the 130m sweep '
-                                       '(docs/quality.md) twice it trained better short-term '
-                                       'but broke the series (merge errors up to 3.9)')
+                                  none='poetx-muon: min(5e-3, 0.25 / min(block size, 256)); '
+                                       'poetx: min(5e-3, 0.25 / block size), in the 130m '
+                                       'sweep (docs/quality.md) twice it trained better '
+                                       'short-term but broke the series (merge errors up to 3.9)')
   warmup: int = _option(30, 'warmup updates', min=0, max=INT32_MAX)
   min_lr_ratio: float = _option(0.1, 'final/peak learning rate', min=0, max=1)
   weight_decay: float | None = _option(

@@ -11,8 +11,8 @@
                                  BOS, model_max_length
     OUT/special_tokens_map.json  the bos / eos / pad (/ unk) tokens
 
-    poetx export runs/tiny-poetx --out exported/
-    poetx export runs/1b-poetx --out exported/ --dtype bfloat16 --max-shard-size 2GB
+    poetx export runs/tiny-poetx-muon --out exported/
+    poetx export runs/1b-poetx-muon --out exported/ --dtype bfloat16 --max-shard-size 2GB
     # with transformers and torch: pipeline('text-generation', model='exported/')
     # or back into a run: poetx train --init-from-hf exported/ ...
 

@@ -3,8 +3,8 @@ the run, or the stored one used and the splits checked) and the model
 restored from the run's checkpoints.
 
     data = run_data(out, cfg, resume=False)               # train: tokenizer stored
-    plan, model, step = load_model('runs/tiny-poetx')     # export: no corpus read
-    plan, data, model, step = load_run('runs/tiny-poetx')  # eval: corpus checked
+    plan, model, step = load_model('runs/tiny-poetx-muon')      # export: no corpus read
+    plan, data, model, step = load_run('runs/tiny-poetx-muon')  # eval: corpus checked
 
 The run directory's own files (``run.json``, ``data.json``, the stored
 tokenizer) are read and written by :mod:`poetx_jax.pretrain.rundir`.

@@ -25,7 +25,6 @@ import typing as tp
 import jax
 import optax
 
-import poetx_jax
 from poetx_jax import models, ops
 from poetx_jax.models.llama import LlamaConfig
 from poetx_jax.pretrain import hf_init, rundir
@@ -193,7 +192,7 @@ def make_plan(cfg: TrainConfig, vocab_size: int | None = None,
     block = block_size(cfg, mc)
     poet = dict(
         block_size=block,
-        poet_lr=cfg.poet_lr if cfg.poet_lr is not None else poetx_jax.default_poet_lr(block),
+        poet_lr=cfg.poet_lr if cfg.poet_lr is not None else recipe.poet_lr(block),
         merge_every=(cfg.merge_every if cfg.merge_every is not None else
                      WIDE_MERGE_EVERY if wide else DEFAULT_MERGE_EVERY),
         form=cfg.form if cfg.form is not None else 'auto' if wide else 'input',

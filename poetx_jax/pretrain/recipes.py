@@ -80,6 +80,8 @@ class Recipe:
       on models of hidden size >= WIDE_HIDDEN (0 below).
     unused: options of the POET layers this family does not read; given
       other than their defaults, they are refused.
+    poet_lr: the default POET step size for a block size (a recipe that
+      poetizes; ``poetx_jax.default_poet_lr`` unless it names its own).
   """
   name: str
   poetizes: bool
@@ -88,6 +90,7 @@ class Recipe:
   wide_lr: float | None = None
   wide_weight_decay: float = 0.0
   unused: tuple[str, ...] = ()
+  poet_lr: tp.Callable[[int], float] = poetx_jax.default_poet_lr
 
 
 def _dense_adamw(plan: 'Plan') -> optax.GradientTransformation:
@@ -171,7 +174,7 @@ RECIPES: dict[str, Recipe] = {r.name: r for r in (
     Recipe('poetx', True, _poetx, 'POET-X: the linear weights train as R W0 P'),
     Recipe('poetx-muon', True, _poetx_muon, 'POET-X with Muon\'s orthogonalised updates on '
            'the skew generators (Newton-Schulz on each block\'s momentum)',
-           unused=('poet_eps', 'poet_eps_placement')),
+           unused=('poet_eps', 'poet_eps_placement'), poet_lr=poetx_jax.default_poet_muon_lr),
     Recipe('adamw', False, _adamw, 'AdamW, the dense-weight baseline',
            wide_lr=ADAMW_WIDE_LR, wide_weight_decay=DENSE_WEIGHT_DECAY),
     Recipe('muon', False, _muon, 'Muon (optax.contrib.muon) on the decoder layers\' matrices, '
