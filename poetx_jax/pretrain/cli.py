@@ -1,6 +1,6 @@
 """The ``poetx`` command: train, eval, export and plot Llama runs; prepare corpora.
 
-    poetx train                       # tiny Llama, POET-X, built-in corpus
+    poetx train                       # tiny Llama, POET-X Muon, built-in corpus
     poetx train --optimizer adamw --out-dir runs/tiny-adamw
     poetx train --resume --out-dir runs/tiny-poetx-muon
     poetx train --config runs/tiny-poetx-muon/run.json --out-dir runs/again   # or a .yaml
