@@ -134,7 +134,7 @@ def record_jobs(meta: dict, name: str, record: dict) -> int:
   (:func:`record_commands`); 1 (one run at a time) where neither says. A
   call marked ``"together": true`` ran its compare_quality commands at the
   same time: their ``--jobs`` add up."""
-  call = next((c for c in meta['calls'] if name in c['records']), {})
+  call = study_page.call_of(meta, name)
   if call.get('together'):
     return sum(j for j in map(jobs_of, call['commands']) if j is not None)
   if 'jobs' in record.get('header', {}):
@@ -148,7 +148,7 @@ def shares_gpu(meta: dict, name: str, record: dict) -> bool:
   the GPU (their tokens per second then compare nothing): more than one at
   once (:func:`record_jobs`), and either the record holds several runs or
   its call ran other studies beside it."""
-  call = next((c for c in meta['calls'] if name in c['records']), {})
+  call = study_page.call_of(meta, name)
   return record_jobs(meta, name, record) > 1 and (len(record['runs']) > 1
                                                    or bool(call.get('together')))
 

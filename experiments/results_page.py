@@ -35,7 +35,9 @@ def _call(study: str, record: str) -> dict:
   """The call of ``study`` that wrote ``record``: its commands and the
   commit, date and device it ran at (the study's where the call names none)."""
   meta = _load(study, 'calls.json')
-  call = next(c for c in meta['calls'] if record in c['records'])
+  call = study_page.call_of(meta, record)
+  if not call:
+    raise ValueError(f'{study}: no call of its calls.json wrote {record}')
   return {k: call.get(k, meta[k]) for k in ('commit', 'date', 'device')} | {
       'commands': call['commands']}
 

@@ -17,6 +17,12 @@ def load(folder: pathlib.Path, name: str):
   return harness.results_of(json.loads((folder / name).read_text()))
 
 
+def call_of(meta: dict, record: str) -> dict:
+  """The call of a study's ``calls.json`` (``meta``) that wrote ``record``; {}
+  where none did."""
+  return next((c for c in meta['calls'] if record in c['records']), {})
+
+
 def header(meta: dict, module: str, folder: pathlib.Path) -> list[str]:
   """A page's title and its line of date, commit, device (and software, where
   ``calls.json`` names it), saying which script generated it."""
