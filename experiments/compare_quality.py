@@ -103,8 +103,14 @@ then exits non-zero. A study stopped before it ended (SIGINT, SIGTERM: a time
 limit) continues with the flags it started with and ``--resume``: its
 finished runs are kept, each started run continues from its newest
 checkpoint (resumed runs train the tokens, in the order, they would have
-trained), and a run's steady tokens/s adds the clocks of its processes
-(quality_report.steady_clock).
+trained), a started run that holds none (killed before its first) starts
+over, and a run's steady tokens/s adds the clocks of its processes
+(quality_report.steady_clock). With ``--jobs``, the signal stops the study,
+not its children: each child runs in a session of its own, so a Ctrl-C or a
+time limit's signal to the study's process group reaches the study alone,
+which passes it on once to every running child and waits while each saves a
+checkpoint at its next update (a second signal passes on too: the children
+then stop at once, unsaved).
 
 Short runs are dominated by compilation (each run's learning rates are
 constants of its update program, so every run compiles its own); the measured
@@ -149,6 +155,7 @@ import os
 import pathlib
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -443,9 +450,11 @@ def train_run(a, run: dict, done: list[dict], out: pathlib.Path,
           'tiers': cfg.skew_tiers, 'merge_every': plan.merge_every,
           'param_dtype': cfg.param_dtype, 'permutation': plan.permutation,
           'chunk_size': cfg.chunk_size if plan.permutation == 'chunk' else None}
-  resume = a.resume and (pathlib.Path(cfg.out_dir) / 'run.json').exists()
+  started = (pathlib.Path(cfg.out_dir) / 'run.json').exists()
+  resume = a.resume and started and has_checkpoint(pathlib.Path(cfg.out_dir))
   progress(f'run {len(done) + 1}/{len(a.plan)}: {run["name"]} (lr {lr:g})'
-           + (', resumed' if resume else ''))
+           + (', resumed' if resume else
+              ', started over (it holds no checkpoint)' if a.resume and started else ''))
   hook = spectrum_hook(a.probe_every)
   try:
     hooks = [hook] + ([other_val_hook(a.other_val, cfg.eval_every)] if a.other_val else [])
@@ -463,6 +472,19 @@ def train_run(a, run: dict, done: list[dict], out: pathlib.Path,
   progress(f'{run["name"]}: val ppl {r["val_ppl_start"]:.2f} -> {r["val_ppl_final"]:.2f}, '
            f'{r["steady_s"]:.1f} s steady + {r["compile_s"]:.1f} s compiling')
   return r
+
+
+def has_checkpoint(run_dir: pathlib.Path) -> bool:
+  """Whether the run directory holds a saved checkpoint (a run killed
+  before its first holds a run.json and none)."""
+  from poetx_jax.pretrain.checkpoint import Checkpointer
+  if not (run_dir / 'checkpoints').is_dir():
+    return False
+  ckpt = Checkpointer(run_dir / 'checkpoints', create=False)
+  try:
+    return bool(ckpt.all_steps())
+  finally:
+    ckpt.close()
 
 
 def run_log(out: pathlib.Path, name: str) -> pathlib.Path:
@@ -512,7 +534,64 @@ def run_jobs(a, argv: list[str], out: pathlib.Path) -> None:
   environment sets either). A run that fails (its process exits non-zero)
   stops none of the others; the ``lr=best`` runs fail unstarted when no AdamW
   run finished. What finished is what OUT/runs/NAME/summary.json holds
-  (quality_report.from_study)."""
+  (quality_report.from_study). SIGINT and SIGTERM stop the study: each child
+  runs in a session of its own (the signal of a Ctrl-C or of a time limit to
+  this process's group reaches this process alone), :func:`stop_children`
+  passes the signal on and waits while they checkpoint, then the study exits
+  with the shells' code of the signal (130, 143), naming ``--resume``."""
+  from poetx_jax.pretrain import signals
+  old = signals.install()
+  live: dict[str, subprocess.Popen] = {}
+  try:
+    _run_jobs(a, argv, out, live)
+  except (KeyboardInterrupt, SystemExit) as e:
+    name = signals.name_of(e)
+    if name is None:
+      raise
+    signals.take()  # acted on here
+    stopped = stop_children(live, name, out)
+    progress(f'{name}: the study stopped'
+             + (f'; {", ".join(stopped)} saved a checkpoint to continue from' if stopped else '')
+             + '; continue it with the flags it started with and --resume')
+    raise SystemExit(128 + signal.Signals[name].value) from None
+  finally:
+    signals.restore(old)
+
+
+def stop_children(live: dict[str, subprocess.Popen], name: str, out: pathlib.Path) -> list[str]:
+  """Sends the signal ``name`` to each running child of :func:`run_jobs`
+  (``live``, by run) and waits for them to exit; a further SIGINT or SIGTERM
+  meanwhile is passed on too. Returns the runs whose directory then holds a
+  checkpoint (each saved one as it stopped: ``poetx train``'s stop)."""
+  from poetx_jax.pretrain import signals
+  if live:
+    progress(f'{name}: stopping the running runs at their next update ({", ".join(live)}); '
+             f'each saves a checkpoint')
+  runs = dict(live)
+  for proc in runs.values():
+    if proc.poll() is None:
+      proc.send_signal(signal.Signals[name])
+  while live:
+    try:
+      signals.check()
+      for run, proc in list(live.items()):
+        proc.wait()
+        del live[run]
+    except (KeyboardInterrupt, SystemExit) as e:
+      again = signals.name_of(e)
+      if again is None:
+        raise
+      signals.take()
+      progress(f'{again}: stopping {", ".join(live)} at once, unsaved')
+      for proc in live.values():
+        if proc.poll() is None:
+          proc.send_signal(signal.Signals[again])
+  return [run for run in runs if has_checkpoint(out / 'runs' / run)]
+
+
+def _run_jobs(a, argv: list[str], out: pathlib.Path, live: dict) -> None:
+  """:func:`run_jobs`' loop; ``live`` holds the running children by run."""
+  from poetx_jax.pretrain import signals
   env = dict(os.environ)
   env.setdefault('XLA_PYTHON_CLIENT_MEM_FRACTION', f'{0.9 / a.jobs:.3f}')
   (out / 'logs').mkdir(parents=True, exist_ok=True)
@@ -534,18 +613,18 @@ def run_jobs(a, argv: list[str], out: pathlib.Path) -> None:
           run_log(out, run['name']).write_text(f'not started: {e}\n')
           progress(f'{run["name"]} failed ({e})')
         queue = []
-    live: dict[str, subprocess.Popen] = {}
     while queue or live:
       while queue and len(live) < a.jobs:
         run = queue.pop(0)
         log = open(run_log(out, run['name']), 'w')
         cmd = harness.child_command('compare_quality', argv, {'run': run['name'], 'best_lr': best})
-        live[run['name']] = subprocess.Popen(cmd, env=harness.child_env(env), stdout=log,
-                                             stderr=log)
+        live[run['name']] = subprocess.Popen(
+            cmd, env=harness.child_env(env), stdout=log, stderr=log, start_new_session=True)
         log.close()
         progress(f'started {run["name"]} ({len(done) + len(failed) + len(live)}'
                  f'/{len(a.plan)}), log {run_log(out, run["name"])}')
       time.sleep(0.5)
+      signals.check()
       for name, proc in list(live.items()):
         if proc.poll() is None:
           continue

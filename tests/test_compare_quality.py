@@ -235,6 +235,57 @@ def test_a_stopped_study_resumes_to_the_uninterrupted_studys_results(serial, tmp
 
 
 @pytest.mark.slow
+def test_a_signal_to_a_jobs_study_leaves_each_run_a_checkpoint_to_resume(tmp_path, corpus):
+  """--jobs 2 under SIGINT to its whole process group (a Ctrl-C, a time
+  limit's signal): the study alone receives it, passes it on once, and exits
+  130 naming --resume only once each child saved a checkpoint at its next
+  update and exited (the caller may tear the machine down then). --resume
+  continues the runs to their last update; a started run that holds no
+  checkpoint (a child killed before its first: its checkpoints removed here)
+  starts over."""
+  import os
+  import shutil
+  import signal
+  import subprocess
+  import time
+  names = [ADAMW + ',seed=0', ADAMW + ',seed=1']
+  args = _args(tmp_path, corpus, ADAMW + ',seed=0|1') + ['--jobs', '2']
+  args[args.index('--steps') + 1] = '200'
+  runs = tmp_path / 'out' / 'runs'
+  cmd = [sys.executable, '-m', 'experiments.compare_quality', *args]
+  study = subprocess.Popen(cmd, cwd=ROOT, start_new_session=True, stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True)
+
+  def training(name):
+    metrics = runs / name / 'metrics.jsonl'
+    return metrics.is_file() and '"loss"' in metrics.read_text()
+  while not all(map(training, names)):
+    assert study.poll() is None, study.communicate()[0]
+    time.sleep(0.05)
+  os.killpg(study.pid, signal.SIGINT)
+  out = study.communicate(timeout=120)[0]
+  assert study.returncode == 130, out
+  assert 'stopping at once' not in out  # one signal reached each child
+  assert f'{names[0]}, {names[1]} saved a checkpoint' in out and '--resume' in out
+  stopped = {}
+  for name in names:  # saved and exited by the time the study did
+    log = (tmp_path / 'out' / 'logs' / f'{name}.log').read_text()
+    stopped[name] = int(log.split(f'{name}: stopped at step ')[1].split()[0])
+    assert 0 < stopped[name] < 200
+    assert [p.name for p in (runs / name / 'checkpoints').iterdir()] == [str(stopped[name])]
+  shutil.rmtree(runs / names[1] / 'checkpoints')
+  res = compare_quality.main(args + ['--resume'])
+  assert sorted(r['name'] for r in res['runs']) == names
+  logs = {n: (tmp_path / 'out' / 'logs' / f'{n}.log').read_text() for n in names}
+  assert f'{names[0]} (lr 0.003), resumed' in logs[names[0]]
+  assert f'{names[1]} (lr 0.003), started over (it holds no checkpoint)' in logs[names[1]]
+  for name in names:  # every update logged once, to the last
+    steps = [json.loads(line)['step'] for line in (runs / name / 'metrics.jsonl').open()
+             if '"loss"' in line]
+    assert steps == list(range(2, 201, 2))
+
+
+@pytest.mark.slow
 def test_a_run_that_raises_stops_none_of_the_others_one_at_a_time(tmp_path, corpus,
                                                                     monkeypatch):
   """Without --jobs, a run whose training raises is logged with its
