@@ -51,7 +51,7 @@ def lowest(runs: list[dict], keep) -> tuple[str, list[dict], int] | None:
 
 
 def recipe_differences(o: dict, lr: float) -> list[str]:
-  """A POET-X run's differences from the app's recipe for POET-X that the
+  """A POET-X run's differences from the three-sizes study's POET-X that the
   published POET-X's recipe makes: :func:`schedule_differences` and the
   other parameters' rate (``lr``: the three-sizes study's at the size)."""
   return schedule_differences(o) + ([f"other parameters' lr {o['lr']:g}"]
@@ -170,8 +170,9 @@ def answer_lines(folder: pathlib.Path, meta: dict) -> list[str]:
   out = ['## The answer, size by size', '',
          'Per size, the finished configuration of lowest mean final validation perplexity of '
          'each family, on the same corpus, tokens in the same order, validation set and '
-         'schedule: POET-X is the three-sizes study\'s best block size (the app\'s recipe '
-         'for `--optimizer poetx`); POET-X Muon is the app\'s default optimizer (`poetx '
+         'schedule: POET-X is the three-sizes study\'s best block size (its schedule ends at '
+         '0.1 of the peak rate; `--optimizer poetx` now ends at 0.01 on these models, the '
+         'reference recipe\'s min-lr row); POET-X Muon is the app\'s default optimizer (`poetx '
          'train` with no `--optimizer`); the reference recipe is this study\'s POET-X runs with differences the '
          'published POET-X\'s recipe makes (min-lr, the clip ramp after merges, eps, the other '
          'parameters\' rate); AdamW as the paper trains it is AdamW in bf16 with weight decay '

@@ -154,13 +154,15 @@ def shares_gpu(meta: dict, name: str, record: dict) -> bool:
 
 
 def schedule_differences(o: dict) -> list[str]:
-  """A run's options that differ from the app's defaults the way the
-  published POET-X's recipe does: the final/peak rate ratio, the clip ramp
-  after merges and Adam's offset on the generators."""
+  """A run's options that differ from the three-sizes study's schedule the
+  way the published POET-X's recipe does: the final/peak rate ratio (the
+  study's 0.1, the app's default but for POET-X), the clip ramp after merges
+  and Adam's offset on the generators (the app's defaults)."""
   from poetx_jax.pretrain.config import TrainConfig
+  from poetx_jax.pretrain.recipes import DEFAULT_MIN_LR_RATIO
   default = lambda k: TrainConfig.__dataclass_fields__[k].default
   return [d for d in (
-      f"min-lr {o['min_lr_ratio']:g}" if o['min_lr_ratio'] != default('min_lr_ratio') else '',
+      f"min-lr {o['min_lr_ratio']:g}" if o['min_lr_ratio'] != DEFAULT_MIN_LR_RATIO else '',
       f"clip {o['clip']:g}, ramp {o['clip_ramp']}" if o['clip_ramp'] else '',
       f"eps {o['poet_eps']:g} {o['poet_eps_placement']}"
       if o['poet_eps'] != default('poet_eps') else '') if d]

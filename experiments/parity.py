@@ -169,7 +169,7 @@ def anchor_command(cfg, seed: int, windows: pathlib.Path, vocab: int, metrics: p
           '--optimizer', cfg.optimizer, '--out', str(metrics), '--vocab', str(vocab),
           '--steps', str(cfg.steps), '--batch', str(cfg.batch_size),
           '--lr', str(plan.lr), *poet, '--warmup', str(cfg.warmup),
-          '--min-lr-ratio', str(cfg.min_lr_ratio), '--clip', str(cfg.clip),
+          '--min-lr-ratio', str(plan.min_lr_ratio), '--clip', str(cfg.clip),
           '--eval-every', str(cfg.eval_every), '--eval-batches', str(cfg.eval_batches),
           '--seed', str(seed), '--dtype', 'bfloat16']
 

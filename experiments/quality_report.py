@@ -343,6 +343,8 @@ def _tokens(n: int) -> str:
 
 
 def _intro(res: dict) -> list[str]:
+  from poetx_jax.pretrain.recipes import (DEFAULT_MIN_LR_RATIO, POETX_LOW_MIN_LR_HIDDEN,
+                                          POETX_MIN_LR_RATIO)
   h = res['header']
   others = sorted({family(r) for r in res['runs'] if r['optimizer'] != 'poetx'})
   return [
@@ -351,7 +353,10 @@ def _intro(res: dict) -> list[str]:
       f"seq {h['seq_len']}, batch {h['batch_size']}, {h['steps']} updates = "
       f"{h['tokens_per_run']:,} tokens per run ({h['epochs']:.2f} epochs of "
       f"{h['train_tokens']:,} training tokens), warmup {h['warmup']} then cosine to "
-      f"{h['min_lr_ratio']:g} of the peak, clip {h['clip']}, seed {h['seed']}"
+      + (f"{h['min_lr_ratio']:g} of the peak" if h['min_lr_ratio'] is not None else
+         f"{POETX_MIN_LR_RATIO:g} of the peak for --optimizer poetx from hidden size "
+         f"{POETX_LOW_MIN_LR_HIDDEN} up and {DEFAULT_MIN_LR_RATIO:g} otherwise (the defaults)")
+      + f", clip {h['clip']}, seed {h['seed']}"
       + (f"; POET-X merges every {h['merge_every']} updates unless a run sets merge_every"
          if h['merge_every'] is not None else '')
       + f". Validation: {h['val_tokens']:,} tokens "
@@ -360,7 +365,7 @@ def _intro(res: dict) -> list[str]:
       'Runs (overrides of the above; `|` alternatives, each combination a run): '
       + '; '.join(f'`{s}`' for s in h['runs']), '',
       f"data: {h['data']}", '',
-      *([f"Failed, no result (their logs are in the study's logs/): "
+      *(["Failed, no result (their logs are in the study's logs/): "
          + '; '.join(f'`{n}`' + _last_eval(h, n) for n in h['failed_runs']), '']
         if h.get('failed_runs') else [])]
 

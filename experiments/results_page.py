@@ -167,7 +167,8 @@ def fsdp_rows() -> list[dict]:
 
 
 def paper_rows() -> list[dict]:
-  """Per size, AdamW as the POET-X paper trains it and POET-X Muon, each the
+  """Per size, AdamW as the POET-X paper trains it, POET-X at the reference
+  recipe's min-lr ratio (where the reference recipe's best is it) and POET-X Muon, each the
   best configuration of its family in the paper-baseline study's answer
   (:func:`experiments.paper_answer.answer_rows`, whose seeds may come from
   several records), against our tuned fp32 AdamW, POET-X and Muon (the
@@ -208,6 +209,15 @@ def paper_rows() -> list[dict]:
                       f"{stats(paper)}: {a / m['tuned AdamW']:.3f}× our tuned fp32 AdamW's "
                       f"perplexity; POET-X ({best}) ends {m['POET-X'] / a:.3f}× its perplexity"
                       + muon, study, *paper['records'], commands=made(paper)))
+    ref = got.get('POET-X, reference recipe')
+    if ref and 'min-lr' in ref['config']:
+      out.append(_row(f'POET-X ending its schedule at 0.01 of the peak rate (the reference '
+                      f'recipe\'s min-lr ratio, `--optimizer poetx`\'s default), {size}, '
+                      '100 M tokens',
+                      f"{stats(ref)}: {m['POET-X, reference recipe'] / m['POET-X']:.3f}× POET-X's "
+                      f"perplexity at 0.1 ({best}), "
+                      f"{m['POET-X, reference recipe'] / m['tuned AdamW']:.3f}× our tuned fp32 "
+                      "AdamW's", study, *ref['records'], commands=made(ref)))
     muon = got.get('POET-X Muon')
     if muon:
       speed = (f"; {' / '.join(f'{t:,.0f}' for t in muon['tokens_per_s'])} tokens/s"
@@ -305,13 +315,15 @@ def rows() -> list[dict]:
 
 # The rows the README shows, by claim: step time against AdamW and against
 # poet_torch at 8B, the 8B step's peak memory, quality at 130M (POET-X against the
-# tuned AdamW and Muon, AdamW as the paper trains it, POET-X Muon).
+# tuned AdamW and Muon, AdamW as the paper trains it, POET-X at min-lr 0.01, POET-X Muon).
 README_CLAIMS = (
     'POET-X step against AdamW, 8B',
     'POET-X step against poet_torch (the published PyTorch POET-X), 8B',
     'Peak GPU memory of the 8B step (default mode, batch 8 x 1024)',
     'POET-X against a tuned AdamW and Muon, 130M parameters, 100 M tokens',
     'AdamW as the POET-X paper trains it (pure bf16, weight decay 0), 130M, 100 M tokens',
+    "POET-X ending its schedule at 0.01 of the peak rate (the reference recipe's min-lr "
+    "ratio, `--optimizer poetx`'s default), 130M, 100 M tokens",
     "POET-X Muon (Muon's orthogonalised updates on the generators), 130M, 100 M tokens",
 )
 README_BEGIN = '<!-- results:begin: written by python3 -m experiments.results_page; do not edit -->'

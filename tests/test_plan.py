@@ -68,6 +68,34 @@ def test_weight_decay_default_is_per_recipe_and_reaches_the_optimizer():
     jax.tree.map(lambda u, w: np.testing.assert_allclose(u, w, rtol=1e-6, atol=0), updates, want)
 
 
+def test_min_lr_ratio_default_is_per_recipe_and_size_and_ends_the_schedules():
+  """min_lr_ratio None: 0.01 for POET-X on models of hidden size >= 256 (5M's
+  256 included), 0.1 below (the tiny default) and for the others (POET-X
+  Muon included); a given ratio is kept; a resumed run keeps the ratio it
+  recorded, and one recorded before the recipes had their own (a plan
+  without it) reads 0.1; both schedules end at the ratio times their peak."""
+  five_m = {'hidden': 256, 'mlp': 768, 'layers': 6, 'heads': 4, 'kv_heads': 4}
+  assert _plan(optimizer='poetx', model='130m').min_lr_ratio == 0.01
+  assert _plan(optimizer='poetx', model='60m', model_overrides=five_m,
+               block_size=256).min_lr_ratio == 0.01
+  assert _plan(optimizer='poetx', model='60m', model_overrides={**five_m, 'hidden': 128},
+               block_size=128).min_lr_ratio == 0.1
+  assert _plan(optimizer='poetx').min_lr_ratio == 0.1  # tiny
+  for optimizer in ('poetx-muon', 'adamw', 'muon', 'skewadam'):
+    assert _plan(optimizer=optimizer, model='130m').min_lr_ratio == 0.1, optimizer
+  assert _plan(optimizer='poetx', model='130m', min_lr_ratio=0.1).min_lr_ratio == 0.1
+  assert _plan(optimizer='adamw', min_lr_ratio=0.0).min_lr_ratio == 0.0
+  cfg = TrainConfig(optimizer='poetx', model='130m', steps=100, warmup=10)
+  assert make_plan(cfg, 4096, recorded={'min_lr_ratio': 0.05}).min_lr_ratio == 0.05
+  for old in ({'lr': 3e-3}, {}):
+    assert make_plan(cfg, 4096, recorded=old).min_lr_ratio == 0.1, old
+  plan = make_plan(cfg, 4096)
+  assert plan.record()['min_lr_ratio'] == 0.01
+  assert float(plan.lr_schedule(100)) == pytest.approx(0.01 * plan.lr, rel=1e-6)
+  assert float(plan.poet_lr_schedule(100)) == pytest.approx(0.01 * plan.poet_lr, rel=1e-6)
+  assert float(plan.lr_schedule(10)) == pytest.approx(plan.lr, rel=1e-6)
+
+
 def test_merge_interval_default_is_per_size():
   """merge_every None: every 50 updates, but every 200 on a model of hidden >=
   512 (the 130m sweep's better interval); a given interval is kept; the

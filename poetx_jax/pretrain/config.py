@@ -34,8 +34,10 @@ from poetx_jax.models import llama
 from poetx_jax.pretrain.kv import parse_overrides
 from poetx_jax.pretrain.data.tokenizer import MAX_BPE_VOCAB, MIN_BPE_VOCAB
 from poetx_jax.pretrain.recipes import (ADAMW_WIDE_LR, CHUNK_MAX_KEPT, DEFAULT_LR,
-                                        DEFAULT_MERGE_EVERY, DENSE_WEIGHT_DECAY, MUON_WIDE_LR,
-                                        RECIPES, WIDE_HIDDEN, WIDE_MERGE_EVERY)
+                                        DEFAULT_MERGE_EVERY, DEFAULT_MIN_LR_RATIO,
+                                        DENSE_WEIGHT_DECAY, MUON_WIDE_LR, POETX_LOW_MIN_LR_HIDDEN,
+                                        POETX_MIN_LR_RATIO, RECIPES, WIDE_HIDDEN,
+                                        WIDE_MERGE_EVERY)
 
 OPTIMIZERS = tuple(RECIPES)
 DTYPES = ('float32', 'bfloat16')
@@ -121,7 +123,10 @@ class TrainConfig:
                                        'sweep (docs/quality.md) twice it trained better '
                                        'short-term but broke the series (merge errors up to 3.9)')
   warmup: int = _option(30, 'warmup updates', min=0, max=INT32_MAX)
-  min_lr_ratio: float = _option(0.1, 'final/peak learning rate', min=0, max=1)
+  min_lr_ratio: float | None = _option(
+      None, 'final/peak learning rate', min=0, max=1,
+      none=f'{POETX_MIN_LR_RATIO:g} for poetx on a model of hidden size >= '
+           f'{POETX_LOW_MIN_LR_HIDDEN}, {DEFAULT_MIN_LR_RATIO:g} below and for the others')
   weight_decay: float | None = _option(
       None, 'decoupled weight decay of AdamW, Muon, SkewAdam (and of the non-POET parameters)',
       min=0, none=f'{DENSE_WEIGHT_DECAY:g} for AdamW and Muon on a model of hidden size >= '

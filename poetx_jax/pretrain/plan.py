@@ -29,13 +29,14 @@ from poetx_jax import models, ops
 from poetx_jax.models.llama import LlamaConfig
 from poetx_jax.pretrain import hf_init, rundir
 from poetx_jax.pretrain.config import TrainConfig
-from poetx_jax.pretrain.recipes import (CHUNK_MAX_KEPT, DEFAULT_LR, DEFAULT_MERGE_EVERY, RECIPES,
-                                        WIDE_HIDDEN, WIDE_MERGE_EVERY, Recipe)
+from poetx_jax.pretrain.recipes import (CHUNK_MAX_KEPT, DEFAULT_LR, DEFAULT_MERGE_EVERY,
+                                        DEFAULT_MIN_LR_RATIO, RECIPES, WIDE_HIDDEN,
+                                        WIDE_MERGE_EVERY, Recipe)
 
 # What a plan resolves that a resumed run keeps as recorded (Plan.record):
 # the training defaults, not the compute dtype, which follows the machine.
-PINNED = ('lr', 'weight_decay', 'poet_lr', 'merge_every', 'block_size', 'form',
-          'normalize_rows', 'permutation')
+PINNED = ('lr', 'weight_decay', 'min_lr_ratio', 'poet_lr', 'merge_every', 'block_size',
+          'form', 'normalize_rows', 'permutation')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +52,7 @@ class Plan:
     lr: peak learning rate of AdamW (SkewAdam, Muon), or of POET-X's non-POET
       parameters.
     weight_decay: their decoupled weight decay.
+    min_lr_ratio: the final/peak ratio of every learning-rate schedule.
     poet_lr: peak POET-X step size (None without POET).
     block_size, merge_every, form, normalize_rows: the POET layers' block
       size, the merge interval in updates, their product order and whether
@@ -69,6 +71,7 @@ class Plan:
   poetize: bool
   lr: float
   weight_decay: float
+  min_lr_ratio: float
   poet_lr: float | None
   block_size: int | None
   merge_every: int | None
@@ -86,7 +89,7 @@ class Plan:
     total = max(o.steps, o.warmup + 1)
     return optax.warmup_cosine_decay_schedule(0.0, peak, warmup_steps=o.warmup,
                                               decay_steps=total,
-                                              end_value=peak * o.min_lr_ratio)
+                                              end_value=peak * self.min_lr_ratio)
 
   @property
   def lr_schedule(self) -> optax.Schedule:
@@ -99,7 +102,7 @@ class Plan:
   def record(self) -> dict:
     """The resolved values as JSON (``run.json``'s ``plan``)."""
     return {'poetize': self.poetize, 'lr': self.lr, 'weight_decay': self.weight_decay,
-            'poet_lr': self.poet_lr,
+            'min_lr_ratio': self.min_lr_ratio, 'poet_lr': self.poet_lr,
             'block_size': self.block_size, 'merge_every': self.merge_every,
             'merge_period': self.merge_period, 'form': self.form,
             'normalize_rows': self.normalize_rows, 'permutation': self.permutation,
@@ -203,10 +206,14 @@ def make_plan(cfg: TrainConfig, vocab_size: int | None = None,
                      default_permutation(cfg.chunk_size, block, poet_widths(mc))))
   wd = cfg.weight_decay if cfg.weight_decay is not None else (
       recipe.wide_weight_decay if wide else 0.0)
-  values = {'lr': lr, 'weight_decay': wd, **poet}
+  values = {'lr': lr, 'weight_decay': wd,
+            'min_lr_ratio': (cfg.min_lr_ratio if cfg.min_lr_ratio is not None else
+                             recipe.min_lr_ratio(mc.hidden)), **poet}
   for k in PINNED if recorded else ():
     if getattr(cfg, k) is None and k in recorded:
       values[k] = recorded[k]
+  if recorded is not None and cfg.min_lr_ratio is None and 'min_lr_ratio' not in recorded:
+    values['min_lr_ratio'] = DEFAULT_MIN_LR_RATIO  # recorded before the recipes' own ratios
   if recorded is not None and recipe.poetizes and 'permutation' not in recorded:
     values['permutation'] = 'element'  # recorded before the option: element draws
   if recipe.poetizes:

@@ -53,6 +53,22 @@ MUON_WIDE_LR = 4e-3
 # (docs/quality.md, 5M); the tiny default trained worse with it (AdamW 122.82
 # against 120.25) and keeps 0, as do POET-X and SkewAdam.
 DENSE_WEIGHT_DECAY = 0.1
+# The final/peak learning-rate ratio of the cosine schedule where
+# --min-lr-ratio leaves it open: for POET-X on models of hidden size >=
+# POETX_LOW_MIN_LR_HIDDEN 0.01, the reference recipe's, which ended below 0.1
+# at 5M, 19M and 130M parameters (hidden 256, 512, 768) at 100 M tokens, by
+# more than the seed spread (three seeds each at 130M; one at 5M and 19M:
+# docs/results/paper-baseline); 0.1 below, where the tiny default (hidden 64,
+# 600 updates) ended worse with 0.01 (docs/training.md), and for the others,
+# whose rates were swept at 0.1.
+DEFAULT_MIN_LR_RATIO = 0.1
+POETX_MIN_LR_RATIO = 0.01
+POETX_LOW_MIN_LR_HIDDEN = 256
+
+
+def poetx_min_lr_ratio(hidden: int) -> float:
+  """POET-X's default final/peak rate ratio on a model of ``hidden`` features."""
+  return POETX_MIN_LR_RATIO if hidden >= POETX_LOW_MIN_LR_HIDDEN else DEFAULT_MIN_LR_RATIO
 # --permutation left open draws chunk permutations on a GPU when a feature
 # keeps at most this share of its block-mates across merges, (c - 1) / (B - 1)
 # for runs of c features in blocks of B: runs of 16 in blocks of 512 (2.9%)
@@ -82,6 +98,8 @@ class Recipe:
       other than their defaults, they are refused.
     poet_lr: the default POET step size for a block size (a recipe that
       poetizes; ``poetx_jax.default_poet_lr`` unless it names its own).
+    min_lr_ratio: the default final/peak learning-rate ratio of its schedules
+      on a model of a hidden size.
   """
   name: str
   poetizes: bool
@@ -91,6 +109,7 @@ class Recipe:
   wide_weight_decay: float = 0.0
   unused: tuple[str, ...] = ()
   poet_lr: tp.Callable[[int], float] = poetx_jax.default_poet_lr
+  min_lr_ratio: tp.Callable[[int], float] = lambda hidden: DEFAULT_MIN_LR_RATIO  # noqa: E731
 
 
 def _dense_adamw(plan: 'Plan') -> optax.GradientTransformation:
@@ -171,7 +190,8 @@ def _muon(plan: 'Plan', model) -> optax.GradientTransformation:
 
 
 RECIPES: dict[str, Recipe] = {r.name: r for r in (
-    Recipe('poetx', True, _poetx, 'POET-X: the linear weights train as R W0 P'),
+    Recipe('poetx', True, _poetx, 'POET-X: the linear weights train as R W0 P',
+           min_lr_ratio=poetx_min_lr_ratio),
     Recipe('poetx-muon', True, _poetx_muon, 'POET-X with Muon\'s orthogonalised updates on '
            'the skew generators (Newton-Schulz on each block\'s momentum)',
            unused=('poet_eps', 'poet_eps_placement'), poet_lr=poetx_jax.default_poet_muon_lr),
