@@ -551,7 +551,7 @@ def run_jobs(a, argv: list[str], out: pathlib.Path) -> None:
     signals.take()  # acted on here
     stopped = stop_children(live, name, out)
     progress(f'{name}: the study stopped'
-             + (f'; {", ".join(stopped)} saved a checkpoint to continue from' if stopped else '')
+             + (f'; {", ".join(stopped)} hold a checkpoint to continue from' if stopped else '')
              + '; continue it with the flags it started with and --resume')
     raise SystemExit(128 + signal.Signals[name].value) from None
   finally:

@@ -266,7 +266,7 @@ def test_a_signal_to_a_jobs_study_leaves_each_run_a_checkpoint_to_resume(tmp_pat
   out = study.communicate(timeout=120)[0]
   assert study.returncode == 130, out
   assert 'stopping at once' not in out  # one signal reached each child
-  assert f'{names[0]}, {names[1]} saved a checkpoint' in out and '--resume' in out
+  assert f'{names[0]}, {names[1]} hold a checkpoint' in out and '--resume' in out
   stopped = {}
   for name in names:  # saved and exited by the time the study did
     log = (tmp_path / 'out' / 'logs' / f'{name}.log').read_text()
