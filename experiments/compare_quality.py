@@ -436,8 +436,9 @@ def train_run(a, run: dict, done: list[dict], out: pathlib.Path,
   logged step), not raised: a sweep goes on past its unstable corners. One
   stopped before its last update (SIGTERM, SIGINT) has no summary: SystemExit
   naming the step it reached; the study's ``--resume`` continues it from its
-  checkpoint, as ``poetx train --resume`` does (a run whose directory holds a
-  run.json, with ``a.resume``)."""
+  checkpoint, as ``poetx train --resume`` does (with ``a.resume``, a run
+  whose directory holds a run.json and a checkpoint; one with a run.json and
+  no checkpoint, killed before its first, starts over)."""
   from poetx_jax.pretrain import train as train_lib
   from poetx_jax.pretrain.plan import make_plan
   if run['best_lr'] and best_lr is None:
@@ -534,64 +535,102 @@ def run_jobs(a, argv: list[str], out: pathlib.Path) -> None:
   environment sets either). A run that fails (its process exits non-zero)
   stops none of the others; the ``lr=best`` runs fail unstarted when no AdamW
   run finished. What finished is what OUT/runs/NAME/summary.json holds
-  (quality_report.from_study). SIGINT and SIGTERM stop the study: each child
-  runs in a session of its own (the signal of a Ctrl-C or of a time limit to
-  this process's group reaches this process alone), :func:`stop_children`
-  passes the signal on and waits while they checkpoint, then the study exits
-  with the shells' code of the signal (130, 143), naming ``--resume``."""
-  from poetx_jax.pretrain import signals
-  old = signals.install()
+  (quality_report.from_study).
+
+  SIGINT and SIGTERM stop the study. Each child runs in a session of its own,
+  so the signal of a Ctrl-C or of a time limit to this process's group
+  reaches this process alone; here it is only recorded (:class:`Stops`), and
+  the loop, between two children's starts, passes it on to every running
+  child and waits while each saves a checkpoint at its next update
+  (:func:`stop_children`), then exits with the shells' code of the signal
+  (130, 143), naming ``--resume``. Left any other way (an error here), the
+  study stops its running children the same way (SIGTERM) before it raises;
+  a child whose study dies unannounced (SIGKILL) stops itself
+  (:func:`watch_parent`)."""
   live: dict[str, subprocess.Popen] = {}
-  try:
-    _run_jobs(a, argv, out, live)
-  except (KeyboardInterrupt, SystemExit) as e:
-    name = signals.name_of(e)
-    if name is None:
+  with Stops() as stops:
+    try:
+      _run_jobs(a, argv, out, live, stops)
+    except BaseException:
+      stop_children(live, 'SIGTERM', out, stops)
       raise
-    signals.take()  # acted on here
-    stopped = stop_children(live, name, out)
-    progress(f'{name}: the study stopped'
-             + (f'; {", ".join(stopped)} hold a checkpoint to continue from' if stopped else '')
-             + '; continue it with the flags it started with and --resume')
-    raise SystemExit(128 + signal.Signals[name].value) from None
-  finally:
-    signals.restore(old)
+    if stops.received:
+      name = stops.received[0]
+      held = stop_children(live, name, out, stops)
+      progress(f'{name}: the study stopped'
+               + (f'; {", ".join(held)} hold a checkpoint to continue from' if held else '')
+               + '; continue it with the flags it started with and --resume')
+      raise SystemExit(128 + signal.Signals[name].value)
 
 
-def stop_children(live: dict[str, subprocess.Popen], name: str, out: pathlib.Path) -> list[str]:
+class Stops:
+  """SIGINT and SIGTERM, while :func:`run_jobs` runs, recorded in order
+  (``received``, by name) and raising nothing, so that no signal can land
+  between a child's start and its entry in the study's table of children."""
+
+  def __init__(self):
+    self.received: list[str] = []
+    self._old = {}
+
+  def __enter__(self) -> 'Stops':
+    for s in (signal.SIGINT, signal.SIGTERM):
+      self._old[s] = signal.signal(s, self._record)
+    return self
+
+  def _record(self, signum, frame):
+    self.received.append(signal.Signals(signum).name)
+
+  def __exit__(self, *exc):
+    for s, h in self._old.items():
+      signal.signal(s, h)
+
+
+def stop_children(live: dict[str, subprocess.Popen], name: str, out: pathlib.Path,
+                  stops: Stops) -> list[str]:
   """Sends the signal ``name`` to each running child of :func:`run_jobs`
-  (``live``, by run) and waits for them to exit; a further SIGINT or SIGTERM
-  meanwhile is passed on too. Returns the runs whose directory then holds a
-  checkpoint (each saved one as it stopped: ``poetx train``'s stop)."""
-  from poetx_jax.pretrain import signals
-  if live:
-    progress(f'{name}: stopping the running runs at their next update ({", ".join(live)}); '
-             f'each saves a checkpoint')
+  (``live``, by run) and waits for them to exit; each signal recorded in
+  ``stops`` meanwhile is passed on too (a second one: the children stop at
+  once, unsaved). Returns the runs whose directory then holds a checkpoint
+  (each saved one as it stopped: ``poetx train``'s stop)."""
   runs = dict(live)
+  if runs:
+    progress(f'{name}: stopping the running runs at their next update ({", ".join(runs)}); '
+             f'each saves a checkpoint')
+  seen = len(stops.received)
   for proc in runs.values():
     if proc.poll() is None:
       proc.send_signal(signal.Signals[name])
   while live:
-    try:
-      signals.check()
-      for run, proc in list(live.items()):
-        proc.wait()
+    for run, proc in list(live.items()):
+      if proc.poll() is not None:
         del live[run]
-    except (KeyboardInterrupt, SystemExit) as e:
-      again = signals.name_of(e)
-      if again is None:
-        raise
-      signals.take()
+    for again in stops.received[seen:]:
       progress(f'{again}: stopping {", ".join(live)} at once, unsaved')
       for proc in live.values():
         if proc.poll() is None:
           proc.send_signal(signal.Signals[again])
+    seen = len(stops.received)
+    time.sleep(0.1)
   return [run for run in runs if has_checkpoint(out / 'runs' / run)]
 
 
-def _run_jobs(a, argv: list[str], out: pathlib.Path, live: dict) -> None:
-  """:func:`run_jobs`' loop; ``live`` holds the running children by run."""
-  from poetx_jax.pretrain import signals
+def watch_parent(study_pid: int) -> None:
+  """In a child of :func:`run_jobs`: sends this process SIGTERM (its
+  training stops at the next update and saves a checkpoint) once the study
+  that started it, process ``study_pid``, is no longer its parent (it died),
+  checked every second from a thread of its own."""
+  import threading
+
+  def watch():
+    while os.getppid() == study_pid:
+      time.sleep(1.0)
+    os.kill(os.getpid(), signal.SIGTERM)
+  threading.Thread(target=watch, name='watch-parent', daemon=True).start()
+
+
+def _run_jobs(a, argv: list[str], out: pathlib.Path, live: dict, stops: Stops) -> None:
+  """:func:`run_jobs`' loop, until its runs ended or a signal is recorded in
+  ``stops``; ``live`` holds the running children by run."""
   env = dict(os.environ)
   env.setdefault('XLA_PYTHON_CLIENT_MEM_FRACTION', f'{0.9 / a.jobs:.3f}')
   (out / 'logs').mkdir(parents=True, exist_ok=True)
@@ -614,17 +653,18 @@ def _run_jobs(a, argv: list[str], out: pathlib.Path, live: dict) -> None:
           progress(f'{run["name"]} failed ({e})')
         queue = []
     while queue or live:
-      while queue and len(live) < a.jobs:
+      while queue and len(live) < a.jobs and not stops.received:
         run = queue.pop(0)
-        log = open(run_log(out, run['name']), 'w')
-        cmd = harness.child_command('compare_quality', argv, {'run': run['name'], 'best_lr': best})
-        live[run['name']] = subprocess.Popen(
-            cmd, env=harness.child_env(env), stdout=log, stderr=log, start_new_session=True)
-        log.close()
+        with open(run_log(out, run['name']), 'w') as log:
+          cmd = harness.child_command('compare_quality', argv, {
+              'run': run['name'], 'best_lr': best, 'study_pid': os.getpid()})
+          live[run['name']] = subprocess.Popen(
+              cmd, env=harness.child_env(env), stdout=log, stderr=log, start_new_session=True)
         progress(f'started {run["name"]} ({len(done) + len(failed) + len(live)}'
                  f'/{len(a.plan)}), log {run_log(out, run["name"])}')
+      if stops.received:
+        return
       time.sleep(0.5)
-      signals.check()
       for name, proc in list(live.items()):
         if proc.poll() is None:
           continue
@@ -681,8 +721,10 @@ def _resumed_out(a) -> pathlib.Path:
   changed = sorted(k for k in now['base'] if now['base'][k] != before['base'].get(k))
   changed += [k for k in ('runs', 'probe_every') if now[k] != before[k]]
   if changed:
-    raise SystemExit(f'--resume: the study in {out} started with other {", ".join(changed)} '
-                     f'(its study.json); resume it with the flags it started with')
+    was = lambda k: before['base'].get(k) if k in now['base'] else before[k]
+    raise SystemExit(f'--resume: the study in {out} started with other '
+                     + ', '.join(f'{k} ({was(k)!r} there)' for k in changed)
+                     + ' (its study.json); resume it with the flags it started with')
   return out
 
 
@@ -708,6 +750,8 @@ def main(argv=None):
   argv = sys.argv[1:] if argv is None else list(argv)
   a = parse_args(argv)
   if a.only is not None:  # one run of a --jobs study, in a process of its own
+    if 'study_pid' in a.only:  # started by run_jobs (not a test calling main)
+      watch_parent(a.only['study_pid'])
     out = pathlib.Path(a.out)
     run = next(r for r in a.plan if r['name'] == a.only['run'])
     return train_run(a, run, [], out, best_lr=a.only['best_lr'])

@@ -221,7 +221,7 @@ def test_a_stopped_study_resumes_to_the_uninterrupted_studys_results(serial, tmp
     compare_quality.main(args)
   longer = [*args]
   longer[longer.index('--steps') + 1] = '40'
-  with pytest.raises(SystemExit, match='started with other steps'):
+  with pytest.raises(SystemExit, match=r'started with other steps \(30 there\)'):
     compare_quality.main(longer + ['--resume'])
   with pytest.raises(SystemExit, match='--resume: .* holds no study'):
     compare_quality.main(_args(tmp_path / 'other', corpus, ADAMW) + ['--resume'])
@@ -265,11 +265,12 @@ def test_a_signal_to_a_jobs_study_leaves_each_run_a_checkpoint_to_resume(tmp_pat
   os.killpg(study.pid, signal.SIGINT)
   out = study.communicate(timeout=120)[0]
   assert study.returncode == 130, out
-  assert 'stopping at once' not in out  # one signal reached each child
+  assert 'stopping at once' not in out
   assert f'{names[0]}, {names[1]} hold a checkpoint' in out and '--resume' in out
   stopped = {}
   for name in names:  # saved and exited by the time the study did
     log = (tmp_path / 'out' / 'logs' / f'{name}.log').read_text()
+    assert 'KeyboardInterrupt' not in log  # one signal reached it: a second stops it unsaved
     stopped[name] = int(log.split(f'{name}: stopped at step ')[1].split()[0])
     assert 0 < stopped[name] < 200
     assert [p.name for p in (runs / name / 'checkpoints').iterdir()] == [str(stopped[name])]
@@ -283,6 +284,42 @@ def test_a_signal_to_a_jobs_study_leaves_each_run_a_checkpoint_to_resume(tmp_pat
     steps = [json.loads(line)['step'] for line in (runs / name / 'metrics.jsonl').open()
              if '"loss"' in line]
     assert steps == list(range(2, 201, 2))
+
+
+@pytest.mark.slow
+def test_the_runs_of_a_killed_jobs_study_stop_themselves_with_a_checkpoint(tmp_path, corpus):
+  """A --jobs study killed outright (SIGKILL: nothing of it runs to pass a
+  signal on) leaves no run training: each child, in a session of its own,
+  sees its study gone, stops at its next update and saves a checkpoint."""
+  import os
+  import signal
+  import subprocess
+  import time
+  names = [ADAMW + ',seed=0', ADAMW + ',seed=1']
+  args = _args(tmp_path, corpus, ADAMW + ',seed=0|1') + ['--jobs', '2']
+  args[args.index('--steps') + 1] = '2000'
+  runs, logs = tmp_path / 'out' / 'runs', tmp_path / 'out' / 'logs'
+  study = subprocess.Popen([sys.executable, '-m', 'experiments.compare_quality', *args],
+                           cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+  def training(name):
+    metrics = runs / name / 'metrics.jsonl'
+    return metrics.is_file() and '"loss"' in metrics.read_text()
+  while not all(map(training, names)):
+    assert study.poll() is None
+    time.sleep(0.05)
+  os.kill(study.pid, signal.SIGKILL)
+  study.wait()
+  deadline = time.monotonic() + 120
+  for name in names:
+    while 'stopped at step' not in (logs / f'{name}.log').read_text():
+      assert time.monotonic() < deadline, (logs / f'{name}.log').read_text()[-2000:]
+      time.sleep(0.2)
+    log = (logs / f'{name}.log').read_text()
+    step = int(log.split(f'{name}: stopped at step ')[1].split()[0])
+    assert 0 < step < 2000 and '(SIGTERM)' in log
+    while not (runs / name / 'checkpoints' / str(step)).is_dir():  # its save, finishing
+      assert time.monotonic() < deadline
+      time.sleep(0.2)
 
 
 @pytest.mark.slow
