@@ -110,7 +110,8 @@ not its children: each child runs in a session of its own, so a Ctrl-C or a
 time limit's signal to the study's process group reaches the study alone,
 which passes it on once to every running child and waits while each saves a
 checkpoint at its next update (a second signal passes on too: the children
-then stop at once, unsaved).
+then stop at once, unsaved); a child whose study is killed outright stops
+itself the same way.
 
 Short runs are dominated by compilation (each run's learning rates are
 constants of its update program, so every run compiles its own); the measured
