@@ -57,9 +57,11 @@ def steady_clock(logs: dict[int, dict]) -> tuple[dict[int, float], int, float]:
   """Steady (compile-free) training seconds from the logged steps' records
   (``train_s``, ``compile_s``): up to each logged step (step 0 at 0), and the
   steps and seconds the clock timed. A resumed run's process starts its clock
-  again, so a record whose ``train_s`` falls below the one before it opens a
-  segment: the steady seconds at a step are the earlier segments' last
-  plus its own ``train_s - compile_s``. The first segment times its steps
+  again, so a record of another process than the one before it opens a
+  segment (its ``start_step``, the step its process started from, differs;
+  in records written before they named it, its ``train_s`` falls below the
+  one before it): the steady seconds at a step are the earlier segments'
+  last plus its own ``train_s - compile_s``. The first segment times its steps
   from step 0; a later one from its first logged step, since the interval
   before that holds the steps resumed from the checkpoint together with their
   compile, which the record does not separate (nor are the steps a stopped
@@ -69,7 +71,9 @@ def steady_clock(logs: dict[int, dict]) -> tuple[dict[int, float], int, float]:
   for step in sorted(logs):
     r = logs[step]
     t = r['train_s'] - r['compile_s']
-    if prev is not None and r['train_s'] < prev['train_s']:
+    if prev is not None and (r['start_step'] != prev['start_step']
+                             if 'start_step' in r and 'start_step' in prev
+                             else r['train_s'] < prev['train_s']):
       done = steady[prev['step']] - offset
       timed_steps, timed_s = timed_steps + prev['step'] - start[0], timed_s + done - start[1]
       offset, start = offset + done, (step, t)

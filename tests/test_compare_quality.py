@@ -232,6 +232,9 @@ def test_a_stopped_study_resumes_to_the_uninterrupted_studys_results(serial, tmp
   resumed = next(r for r in res['runs'] if r['name'] == second)
   # Its steady time holds the first process's too, beyond the resumed one's own clock.
   assert resumed['steady_s'] > resumed['train_s'] - resumed['compile_s'] > 0
+  logged = [json.loads(line) for line in (tmp_path / 'out' / 'runs' / second / 'metrics.jsonl')
+            .open() if '"loss"' in line]
+  assert {(r['step'] <= 12, r['start_step']) for r in logged} == {(True, 0), (False, 12)}
 
 
 @pytest.mark.slow
@@ -460,6 +463,16 @@ def test_a_resumed_runs_clock_adds_its_processes_steady_time():
   assert (steps, seconds) == (50, pytest.approx(5.0))  # as end / (train_s - compile_s)
   two = {**one, **{s: rec(s, 3.0 + 0.2 * (s - 70) + 0.5, 3.0) for s in (70, 80, 90)}}
   steady, steps, seconds = R.steady_clock(two)
+  assert steady[70] == pytest.approx(5.5) and steady[90] == pytest.approx(9.5)
+  assert steps == 50 + 20 and seconds == pytest.approx(5.0 + 4.0)
+  # Records that name their process's start step: the second process is told
+  # apart by it even where its clock, a long compile in it, passed the first's.
+  def named(r, start):
+    return {**r, 'start_step': start}
+  slow = {**{s: named(r, 0) for s, r in one.items()},
+          **{s: named(rec(s, 12.0 + 0.2 * (s - 70) + 0.5, 12.0), 60) for s in (70, 80, 90)}}
+  steady, steps, seconds = R.steady_clock(slow)
+  assert slow[70]['train_s'] > slow[50]['train_s']
   assert steady[70] == pytest.approx(5.5) and steady[90] == pytest.approx(9.5)
   assert steps == 50 + 20 and seconds == pytest.approx(5.0 + 4.0)
 

@@ -8,7 +8,9 @@ and the flag a SIGTERM or Ctrl-C raises.
   seconds since the loop started, compilation, evaluation and checkpoints
   included), ``train_s`` (the same less the time spent in evaluation, probes
   and checkpoints) and ``compile_s`` (the part of ``train_s`` spent tracing and
-  compiling programs), so ``train_s - compile_s`` is steady-state training;
+  compiling programs), so ``train_s - compile_s`` is steady-state training,
+  and ``start_step``, the step this process started from (0, or the step a
+  resumed run continued from: those clocks start with the process);
 * at step 0 and every ``eval_every`` steps ``val_loss`` and ``val_ppl``;
 * at every POET-X merge ``merge_orthogonality_error`` (what
   :func:`poetx_jax.merge` returns);

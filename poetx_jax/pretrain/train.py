@@ -451,7 +451,7 @@ def _log_step(run: Run) -> None:
   run.progress.update(run.step, loss, tok_s)
   run.metrics.write({'step': run.step, 'loss': loss, 'tokens_per_s': tok_s,
                      'elapsed_s': elapsed, 'train_s': elapsed - run.clock.paused_s,
-                     'compile_s': run.clock.compile_s()})
+                     'compile_s': run.clock.compile_s(), 'start_step': run.start})
 
 
 def _finish(run: Run, log) -> dict:
