@@ -479,14 +479,8 @@ def train_run(a, run: dict, done: list[dict], out: pathlib.Path,
 def has_checkpoint(run_dir: pathlib.Path) -> bool:
   """Whether the run directory holds a saved checkpoint (a run killed
   before its first holds a run.json and none)."""
-  from poetx_jax.pretrain.checkpoint import Checkpointer
-  if not (run_dir / 'checkpoints').is_dir():
-    return False
-  ckpt = Checkpointer(run_dir / 'checkpoints', create=False)
-  try:
-    return bool(ckpt.all_steps())
-  finally:
-    ckpt.close()
+  from poetx_jax.pretrain.checkpoint import saved_steps
+  return bool(saved_steps(run_dir / 'checkpoints'))
 
 
 def run_log(out: pathlib.Path, name: str) -> pathlib.Path:

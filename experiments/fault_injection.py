@@ -44,7 +44,7 @@ from flax import nnx
 
 from experiments import harness
 from poetx_jax.pretrain import rundir
-from poetx_jax.pretrain.checkpoint import Checkpointer
+from poetx_jax.pretrain.checkpoint import Checkpointer, saved_steps
 from poetx_jax.pretrain.config import TrainConfig
 from poetx_jax.pretrain.factories import build_model, build_optimizer
 from poetx_jax.pretrain.hooks import Hook
@@ -119,8 +119,7 @@ def _killed(cfg: TrainConfig, stop: Stop, resume: bool, env: tp.Mapping[str, str
 
 
 def _newest_step(cfg: TrainConfig) -> int:
-  steps = Checkpointer(pathlib.Path(cfg.out_dir) / 'checkpoints').all_steps()
-  return max(steps, default=0)
+  return max(saved_steps(pathlib.Path(cfg.out_dir) / 'checkpoints'), default=0)
 
 
 def losses(run: str | os.PathLike) -> list[tuple[int, float]]:

@@ -347,8 +347,7 @@ def _tokens(n: int) -> str:
 
 
 def _intro(res: dict) -> list[str]:
-  from poetx_jax.pretrain.recipes import (DEFAULT_MIN_LR_RATIO, POETX_LOW_MIN_LR_HIDDEN,
-                                          POETX_MIN_LR_RATIO)
+  from poetx_jax.pretrain.config import TrainConfig
   h = res['header']
   others = sorted({family(r) for r in res['runs'] if r['optimizer'] != 'poetx'})
   return [
@@ -358,8 +357,8 @@ def _intro(res: dict) -> list[str]:
       f"{h['tokens_per_run']:,} tokens per run ({h['epochs']:.2f} epochs of "
       f"{h['train_tokens']:,} training tokens), warmup {h['warmup']} then cosine to "
       + (f"{h['min_lr_ratio']:g} of the peak" if h['min_lr_ratio'] is not None else
-         f"{POETX_MIN_LR_RATIO:g} of the peak for --optimizer poetx from hidden size "
-         f"{POETX_LOW_MIN_LR_HIDDEN} up and {DEFAULT_MIN_LR_RATIO:g} otherwise (the defaults)")
+         'the default share of the peak ('
+         + TrainConfig.__dataclass_fields__['min_lr_ratio'].metadata['none'] + ')')
       + f", clip {h['clip']}, seed {h['seed']}"
       + (f"; POET-X merges every {h['merge_every']} updates unless a run sets merge_every"
          if h['merge_every'] is not None else '')

@@ -68,12 +68,12 @@ def test_weight_decay_default_is_per_recipe_and_reaches_the_optimizer():
     jax.tree.map(lambda u, w: np.testing.assert_allclose(u, w, rtol=1e-6, atol=0), updates, want)
 
 
-def test_min_lr_ratio_default_is_per_recipe_and_size_and_ends_the_schedules():
+def test_min_lr_ratio_default_is_per_recipe_and_size_and_ends_the_schedules(tmp_path):
   """min_lr_ratio None: 0.01 for POET-X on models of hidden size >= 256 (5M's
   256 included), 0.1 below (the tiny default) and for the others (POET-X
   Muon included); a given ratio is kept; a resumed run keeps the ratio it
-  recorded, and one recorded before the recipes had their own (a plan
-  without it) reads 0.1; both schedules end at the ratio times their peak."""
+  recorded (a run.json written before the recipes had their own holds 0.1
+  among its options); both schedules end at the ratio times their peak."""
   five_m = {'hidden': 256, 'mlp': 768, 'layers': 6, 'heads': 4, 'kv_heads': 4}
   assert _plan(optimizer='poetx', model='130m').min_lr_ratio == 0.01
   assert _plan(optimizer='poetx', model='60m', model_overrides=five_m,
@@ -87,8 +87,18 @@ def test_min_lr_ratio_default_is_per_recipe_and_size_and_ends_the_schedules():
   assert _plan(optimizer='adamw', min_lr_ratio=0.0).min_lr_ratio == 0.0
   cfg = TrainConfig(optimizer='poetx', model='130m', steps=100, warmup=10)
   assert make_plan(cfg, 4096, recorded={'min_lr_ratio': 0.05}).min_lr_ratio == 0.05
-  for old in ({'lr': 3e-3}, {}):
-    assert make_plan(cfg, 4096, recorded=old).min_lr_ratio == 0.1, old
+  # A POET-X run.json written before: 0.1 among its options, none in its plan.
+  from poetx_jax.pretrain import rundir
+  from poetx_jax.pretrain.plan import recorded_plan
+  run = tmp_path / 'run'
+  run.mkdir()
+  rundir.write_config(run, cfg, make_plan(cfg, 4096))
+  saved = json.loads((run / 'run.json').read_text())
+  saved['min_lr_ratio'] = 0.1
+  del saved['plan']['min_lr_ratio']
+  (run / 'run.json').write_text(json.dumps(saved))
+  old = make_plan(rundir.read_config(run), 4096, recorded=recorded_plan(run))
+  assert old.min_lr_ratio == 0.1
   plan = make_plan(cfg, 4096)
   assert plan.record()['min_lr_ratio'] == 0.01
   assert float(plan.lr_schedule(100)) == pytest.approx(0.01 * plan.lr, rel=1e-6)

@@ -408,6 +408,18 @@ class Checkpointer:
     self.close()
 
 
+def saved_steps(directory: str | pathlib.Path) -> list[int]:
+  """The steps saved in a checkpoint ``directory``, oldest first (none where
+  it does not exist); reads only, creates nothing."""
+  if not pathlib.Path(directory).is_dir():
+    return []
+  ckpt = Checkpointer(directory, create=False)
+  try:
+    return sorted(ckpt.all_steps())
+  finally:
+    ckpt.close()
+
+
 def resumed_message(step: int, total: int, reached: int, unfinished: list[int], *,
                     chosen: bool = False) -> str:
   """What a resume from checkpoint ``step`` of a ``total``-step run continues

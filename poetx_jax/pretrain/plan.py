@@ -29,9 +29,8 @@ from poetx_jax import models, ops
 from poetx_jax.models.llama import LlamaConfig
 from poetx_jax.pretrain import hf_init, rundir
 from poetx_jax.pretrain.config import TrainConfig
-from poetx_jax.pretrain.recipes import (CHUNK_MAX_KEPT, DEFAULT_LR, DEFAULT_MERGE_EVERY,
-                                        DEFAULT_MIN_LR_RATIO, RECIPES, WIDE_HIDDEN,
-                                        WIDE_MERGE_EVERY, Recipe)
+from poetx_jax.pretrain.recipes import (CHUNK_MAX_KEPT, DEFAULT_LR, DEFAULT_MERGE_EVERY, RECIPES,
+                                        WIDE_HIDDEN, WIDE_MERGE_EVERY, Recipe)
 
 # What a plan resolves that a resumed run keeps as recorded (Plan.record):
 # the training defaults, not the compute dtype, which follows the machine.
@@ -212,8 +211,6 @@ def make_plan(cfg: TrainConfig, vocab_size: int | None = None,
   for k in PINNED if recorded else ():
     if getattr(cfg, k) is None and k in recorded:
       values[k] = recorded[k]
-  if recorded is not None and cfg.min_lr_ratio is None and 'min_lr_ratio' not in recorded:
-    values['min_lr_ratio'] = DEFAULT_MIN_LR_RATIO  # recorded before the recipes' own ratios
   if recorded is not None and recipe.poetizes and 'permutation' not in recorded:
     values['permutation'] = 'element'  # recorded before the option: element draws
   if recipe.poetizes:
