@@ -64,7 +64,8 @@ def answer_rows(folder: pathlib.Path, meta: dict) -> list[dict]:
   ``family``, ``config`` (None: not run), ``finals`` (by seed), ``prose``
   (the prose perplexities at the last step of the runs that keep one; None
   for the three-sizes study's), ``tokens_per_s`` (of the runs that have it,
-  in seed order), ``shared``, ``records`` (the names of the records holding
+  in seed order), ``shared_runs`` (whether each of those shared the GPU),
+  ``shared`` (whether any did), ``records`` (the names of the records holding
   its runs, in seed order; none for the three-sizes study's) and ``state``
   (optimizer GiB at Llama-8B; None without ``state-8b.json``)."""
   from experiments import three_sizes_report as T
@@ -83,7 +84,7 @@ def answer_rows(folder: pathlib.Path, meta: dict) -> list[dict]:
         return None
       return {'config': f"{name}: {fam[name]['config']} (three-sizes study)",
               'finals': T.finals(fam[name]), 'prose': None, 'tokens_per_s': [], 'shared': False,
-              'records': []}
+              'shared_runs': [], 'records': []}
     def mine(keep, note):
       got = lowest(runs, keep)
       if got is None:
@@ -92,6 +93,7 @@ def answer_rows(folder: pathlib.Path, meta: dict) -> list[dict]:
       return {'config': name + note(rs, n), 'finals': [last_eval(r)['val_ppl'] for r in rs],
               'prose': [p for p in (last_eval(r)['prose'] for r in rs) if p is not None],
               'tokens_per_s': [r['tokens_per_s'] for r in rs if r.get('tokens_per_s')],
+              'shared_runs': [r['shared'] for r in rs if r.get('tokens_per_s')],
               'shared': any(r['shared'] for r in rs if r.get('tokens_per_s')),
               'records': list(dict.fromkeys(r['record'] for r in rs))}
     of = lambda n, what: f' (the lowest of {n} {what})' if n > 1 else ''
@@ -122,6 +124,15 @@ def answer_rows(folder: pathlib.Path, meta: dict) -> list[dict]:
     rows += [{'size': s['size'], 'family': f, 'state': state.get(FAMILIES[f]),
               **(got[f] or {'config': None})} for f in FAMILIES]
   return rows
+
+
+def speeds(row: dict) -> str:
+  """A row's tokens per second in seed order, each of a run that trained side
+  by side with other runs marked "(shared GPU)"; — where it has none."""
+  ts, shared = row['tokens_per_s'], row['shared_runs']
+  if not ts:
+    return '—'
+  return ' / '.join(f'{t:,.0f}' + (' (shared GPU)' if s else '') for t, s in zip(ts, shared))
 
 
 def standing(a: list[float], b: list[float]) -> str:
@@ -192,8 +203,7 @@ def answer_lines(folder: pathlib.Path, meta: dict) -> list[str]:
     v, m = r['finals'], mean(r)
     ratio = f"{m / tuned[r['size']]:.3f}" if tuned.get(r['size']) else '—'
     prose = f"{statistics.mean(r['prose']):.2f}" if r['prose'] else '—'
-    speed = (' / '.join(f'{t:,.0f}' for t in r['tokens_per_s'])
-             + (' (shared GPU)' if r['shared'] else '') if r['tokens_per_s'] else '—')
+    speed = speeds(r)
     out.append(f"| {r['size']} | {r['family']} | {r['config']} | "
                f"{' / '.join(f'{x:.2f}' for x in v)}; {mean_sd(v)} ({len(v)}) | {ratio} | "
                f'{prose} | {speed} | {state} |')

@@ -220,8 +220,7 @@ def paper_rows() -> list[dict]:
                       "AdamW's", study, *ref['records'], commands=made(ref)))
     muon = got.get('POET-X Muon')
     if muon:
-      speed = (f"; {' / '.join(f'{t:,.0f}' for t in muon['tokens_per_s'])} tokens/s"
-               if muon['tokens_per_s'] else '')
+      speed = f'; {paper_answer.speeds(muon)} tokens/s' if muon['tokens_per_s'] else ''
       if (ratio := same_call_ratio(muon)) is not None:
         speed += f", {ratio:.2f}× the POET-X runs' of its call"
       out.append(_row(f"POET-X Muon (Muon's orthogonalised updates on the generators), {size}, "

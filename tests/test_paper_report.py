@@ -227,7 +227,7 @@ def test_the_answer_picks_the_lowest_mean_and_gives_its_ratio_to_the_tuned_adamw
   # No higher rate finished, so the sweep does not bracket it: the row says so.
   assert paper[2] == 'AdamW bf16, lr 0.001, wd 0 (the lowest of 2 rates; no higher rate finished)'
   assert paper[3:8] == ['10.00 / 11.00; 10.50 ± 0.71 (2)', f'{10.5 / tuned:.3f}', '24.00',
-                        '300 / 500 (shared GPU)', '27.00']
+                        '300 (shared GPU) / 500 (shared GPU)', '27.00']
   # The three-sizes families: their finals, no prose or speed here.
   size = next(s for s in paper_report.load(paper_report.THREE_SIZES, 'finals.json')['sizes']
               if s['size'] == '19M')
@@ -239,6 +239,17 @@ def test_the_answer_picks_the_lowest_mean_and_gives_its_ratio_to_the_tuned_adamw
           f'{poetx / 10.5:.3f}× that of AdamW as the paper trains it; POET-X Muon: not run.'
           in page)
   assert '| poetx-muon | 1.00 | 0.50 | 3.00 |' in page
+
+
+def test_a_rows_speeds_mark_each_run_that_shared_the_gpu():
+  """A configuration whose seeds ran alone and beside other runs marks only
+  the shared ones."""
+  from experiments import paper_answer
+  row = {'tokens_per_s': [844296.2, 257167.7], 'shared_runs': [False, True]}
+  assert paper_answer.speeds(row) == '844,296 / 257,168 (shared GPU)'
+  row = {'tokens_per_s': [257167.7, 844296.2], 'shared_runs': [True, False]}
+  assert paper_answer.speeds(row) == '257,168 (shared GPU) / 844,296'
+  assert paper_answer.speeds({'tokens_per_s': [], 'shared_runs': []}) == '—'
 
 
 def test_a_record_shares_the_gpu_by_its_calls_jobs_or_its_header():
