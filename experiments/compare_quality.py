@@ -262,8 +262,9 @@ def parse_args(argv=None):
                       'training data; repeatable')
   p.add_argument('--jobs', type=int, default=1,
                  help='runs trained at once, each in a process of its own on the same '
-                      'devices (a small model leaves a GPU idle between its kernels); '
-                      'default: one at a time, in this process')
+                      'devices (a small model leaves a GPU idle between its kernels; the '
+                      'processes time-share it, so a model that keeps it busy gains '
+                      'nothing); default: one at a time, in this process')
   harness.add_child_option(p)  # a --jobs child: {'run': NAME, 'best_lr': lr or None}
   a = p.parse_args(argv)
   if a.jobs < 1:
