@@ -65,7 +65,7 @@ def answer_rows(folder: pathlib.Path, meta: dict) -> list[dict]:
   (the prose perplexities at the last step of the runs that keep one; None
   for the three-sizes study's), ``tokens_per_s`` (of the runs that have it,
   in seed order), ``shared_runs`` (whether each of those shared the GPU),
-  ``shared`` (whether any did), ``records`` (the names of the records holding
+  ``records`` (the names of the records holding
   its runs, in seed order; none for the three-sizes study's) and ``state``
   (optimizer GiB at Llama-8B; None without ``state-8b.json``)."""
   from experiments import three_sizes_report as T
@@ -83,8 +83,8 @@ def answer_rows(folder: pathlib.Path, meta: dict) -> list[dict]:
       if name not in fam:
         return None
       return {'config': f"{name}: {fam[name]['config']} (three-sizes study)",
-              'finals': T.finals(fam[name]), 'prose': None, 'tokens_per_s': [], 'shared': False,
-              'shared_runs': [], 'records': []}
+              'finals': T.finals(fam[name]), 'prose': None, 'tokens_per_s': [], 'shared_runs': [],
+              'records': []}
     def mine(keep, note):
       got = lowest(runs, keep)
       if got is None:
@@ -94,7 +94,6 @@ def answer_rows(folder: pathlib.Path, meta: dict) -> list[dict]:
               'prose': [p for p in (last_eval(r)['prose'] for r in rs) if p is not None],
               'tokens_per_s': [r['tokens_per_s'] for r in rs if r.get('tokens_per_s')],
               'shared_runs': [r['shared'] for r in rs if r.get('tokens_per_s')],
-              'shared': any(r['shared'] for r in rs if r.get('tokens_per_s')),
               'records': list(dict.fromkeys(r['record'] for r in rs))}
     of = lambda n, what: f' (the lowest of {n} {what})' if n > 1 else ''
     def rates(keep):

@@ -187,7 +187,7 @@ def paper_rows() -> list[dict]:
   def same_call_ratio(r):
     # its tokens/s over POET-X's where its runs and POET-X runs come from one
     # call that ran them one at a time (the same library code, the GPU unshared)
-    if len(r['records']) != 1 or r['shared'] or not r['tokens_per_s']:
+    if len(r['records']) != 1 or any(r['shared_runs']) or not r['tokens_per_s']:
       return None
     rec = _load(study, r['records'][0])
     speeds = [x['tokens_per_s'] for x in rec['runs']

@@ -21,11 +21,16 @@ def test_skewadam_option_conflicts_are_named(options, match):
     TrainConfig(**options).validate()
 
 
+# min_lr_ratio's range names what None gives (a regex).
+MIN_LR_NONE = (r'\(or None: 0.01 for poetx on a model of hidden size >= 256, 0.1 below '
+               r'and for the others\)')
+
+
 @pytest.mark.parametrize('field,value,message', [
     ('eval_batches', 0, r'eval_batches must be an int in \[1, 2147483647\], got 0'),
     ('warmup', -1, r'warmup must be an int in \[0, 2147483647\], got -1'),
-    ('min_lr_ratio', 1.5, r'min_lr_ratio must be in \[0, 1\] \(or None: 0.01 for poetx on a model of hidden size >= 256, 0.1 below and for the others\), got 1.5'),
-    ('min_lr_ratio', -0.1, r'min_lr_ratio must be in \[0, 1\] \(or None: 0.01 for poetx on a model of hidden size >= 256, 0.1 below and for the others\), got -0.1'),
+    ('min_lr_ratio', 1.5, rf'min_lr_ratio must be in \[0, 1\] {MIN_LR_NONE}, got 1.5'),
+    ('min_lr_ratio', -0.1, rf'min_lr_ratio must be in \[0, 1\] {MIN_LR_NONE}, got -0.1'),
     ('block_size', 0, r'block_size must be an int in \[2, 2147483647\] .*, got 0'),
     ('block_size', 1, r'block_size must be an int in \[2, 2147483647\] .*, got 1'),
     ('val_fraction', 0.0, r'val_fraction must be in \(0, 1\), got 0.0'),
@@ -36,7 +41,7 @@ def test_skewadam_option_conflicts_are_named(options, match):
      r'weight_decay must be >= 0 \(or None: 0.1 for AdamW and Muon.*got -0.1'),
     ('lr', float('nan'), r'lr must be a finite number >= 0 \(or None.*got nan'),
     ('poet_lr', float('inf'), r'poet_lr must be a finite number > 0 \(or None.*got inf'),
-    ('min_lr_ratio', 1e30, r'min_lr_ratio must be in \[0, 1\] \(or None: 0.01 for poetx on a model of hidden size >= 256, 0.1 below and for the others\), got 1e\+30'),
+    ('min_lr_ratio', 1e30, rf'min_lr_ratio must be in \[0, 1\] {MIN_LR_NONE}, got 1e\+30'),
     ('clip', -1.0, 'clip must be >= 0, got -1.0'),
     ('group_size', 0, r'group_size must be an int in \[1, 2147483647\], got 0'),
     ('vocab_size', 100, r'vocab_size must be an int in \[257, 16777216\], got 100'),
@@ -146,7 +151,9 @@ def test_the_train_flags_are_generated_from_the_config(capsys):
   for f in dataclasses.fields(TrainConfig):
     assert '--' + f.name.replace('_', '-') in text
   flat = ' '.join(text.split())  # argparse wraps the help
-  assert '(default: 0.01 for poetx on a model of hidden size >= 256, 0.1 below and for the others)' in flat and 'one of tiny, 60m' in flat and 'moe-7b' in flat
+  assert ('(default: 0.01 for poetx on a model of hidden size >= 256, 0.1 below and for the '
+          'others)') in flat
+  assert 'one of tiny, 60m' in flat and 'moe-7b' in flat
   assert cli.main(['train', '--model-overrides', 'layers']) == 2
   assert '--model-overrides wants K=V pairs' in capsys.readouterr().err
 

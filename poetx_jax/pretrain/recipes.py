@@ -57,7 +57,7 @@ DENSE_WEIGHT_DECAY = 0.1
 # --min-lr-ratio leaves it open: for POET-X on models of hidden size >=
 # POETX_LOW_MIN_LR_HIDDEN 0.01, the reference recipe's, which ended below 0.1
 # at 5M, 19M and 130M parameters (hidden 256, 512, 768) at 100 M tokens, by
-# more than the seed spread (three seeds each at 130M; one at 5M and 19M:
+# just more than the seed spread (three seeds at 130M, two at 5M and 19M:
 # docs/results/paper-baseline); 0.1 below, where the tiny default (hidden 64,
 # 600 updates) ended worse with 0.01 (docs/training.md), and for the others,
 # whose rates were swept at 0.1.
@@ -69,6 +69,8 @@ POETX_LOW_MIN_LR_HIDDEN = 256
 def poetx_min_lr_ratio(hidden: int) -> float:
   """POET-X's default final/peak rate ratio on a model of ``hidden`` features."""
   return POETX_MIN_LR_RATIO if hidden >= POETX_LOW_MIN_LR_HIDDEN else DEFAULT_MIN_LR_RATIO
+
+
 # --permutation left open draws chunk permutations on a GPU when a feature
 # keeps at most this share of its block-mates across merges, (c - 1) / (B - 1)
 # for runs of c features in blocks of B: runs of 16 in blocks of 512 (2.9%)
