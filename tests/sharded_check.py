@@ -1,4 +1,7 @@
-"""Run by tests/test_sharding.py in a process with 8 CPU devices (``optimizers``: 4)."""
+"""Run by tests/test_sharding.py in processes of CPU devices: ``eight`` (8
+devices: ``main``, ``merges`` and ``accumulate`` in one process, so that they
+start jax and compile the model's build and merge programs once), ``four``
+(4: ``restore``, ``meshes`` and ``layouts``) and ``optimizers`` (4)."""
 
 import dataclasses
 import json
@@ -123,6 +126,8 @@ def main(ckpt_dir):
              if a.dtype.kind == 'f']
     out[strategy]['min_close_fraction'] = float(min(close))
     if strategy == 'fsdp':
+      # Adam's moments on 4-way shards: each split as the parameter it follows.
+      out[strategy]['follows'], out[strategy]['split_otherwise'] = _follows(model, opt)
       with Checkpointer(ckpt_dir) as ck:
         ck.save(5, model, opt, data_state={}, meta={})
       np.savez(f'{ckpt_dir}.npz', *flat(model), *flat(opt))
@@ -156,7 +161,7 @@ def main(ckpt_dir):
   out['fsdp_scan']['placed_specs'] = [
       list(x.sharding.spec) for x in (model.layers.layer.mlp.up_proj.kernel[...], norm[...],
                                       mu[...])]
-  json.dump(out, sys.stdout)
+  return out
 
 
 def restore(ckpt_dir, fsdp):
@@ -229,29 +234,33 @@ def _follows(model, opt) -> tuple[int, int]:
   return len(pairs), sum(specs[o] != _spec(params[p]) for p, o in pairs)
 
 
-# Every family runs dp and fsdp on 2 devices; AdamW's state, the largest,
-# also on 4 (POET-X on 4 devices and more: the meshes and eight-device checks).
+# Every family runs dp and fsdp on 2 devices (on 4 the state is split by the
+# same rule: every dimension the rule picks here is divisible by 2 and 4 alike;
+# POET-X on 4 and 8 devices: the meshes and eight-device checks, whose fsdp
+# (2, 4) case checks the moments follow their parameters on 4-way shards).
 # poetx-muon's state is poetx's (a moment shaped like each generator, the
 # cycle) with no second moment: the resume onto 2 devices adds nothing for it
 # that poetx's does not check, so it is resumed from fsdp 2 onto one device only.
-ON_FOUR_DEVICES = ('adamw',)
 NOT_RESUMED_ONTO_TWO = ('poetx-muon',)
+# POET-X draws chunk permutations (runs of 4 in blocks of 16) in each of its
+# cases; poetx-muon draws element permutations (the default), as the
+# eight-device, meshes and command-line checks do.
+FAMILY_OPTIONS = {'poetx': dict(permutation='chunk', chunk_size=4)}
 
 
 def optimizers(ckpt_dir, families):
-  """The optimizer families ``families`` of ``poetx train`` (recipes.RECIPES) on 2
-  (and 4: ``ON_FOUR_DEVICES``) of this process's devices, by dp and by fsdp
-  (fsdp = the device count), and
-  resumed across device counts (a checkpoint of step 2 of one device
-  restored onto fsdp 2, one of fsdp 2 onto one device), against the same
-  run on one device: 4 updates (POET-X merging after the 2nd and 4th);
-  POET-X with chunk permutations under fsdp 2, fresh and resumed from one
-  device (with poetx); and Muon with scan_layers and lean_state under fsdp on
-  2 devices (with muon). For
-  each: the largest distance of the losses from one device's, the smallest
-  fraction of each array's elements within 1e-4 of one device's, and the
-  optimizer arrays shaped like their parameter (``_follows``) and how many
-  of them are split otherwise."""
+  """The optimizer families ``families`` of ``poetx train`` (recipes.RECIPES,
+  with ``FAMILY_OPTIONS``: POET-X drawing chunk permutations) on 2 of this
+  process's devices, by dp and by fsdp (fsdp 2), and resumed across device
+  counts (a checkpoint of step 2 of one device restored onto fsdp 2, one of
+  fsdp 2 onto one device), against the same run on one device: 4 updates
+  (POET-X merging after the 2nd and 4th); and Muon with scan_layers and
+  lean_state under fsdp on 2 devices (with muon). For each: the largest
+  distance of the losses from one device's, the smallest fraction of each
+  array's elements within 1e-4 of one device's, the optimizer arrays shaped
+  like their parameter (``_follows``) and how many of them are split
+  otherwise, and for the POET families whether every permutation is a chunk
+  permutation (``chunk_drawn``)."""
   batches = [{k: np.random.default_rng(i).integers(0, VOCAB, (8, 16)).astype(np.int32)
               for k in ('inputs', 'targets')} for i in range(4)]
   devices = jax.devices()
@@ -263,7 +272,7 @@ def optimizers(ckpt_dir, families):
     poet = dict(block_size=16, merge_every=2) if RECIPES[family].poetizes else {}
     cfg = TrainConfig(model='tiny', model_overrides=SHAPE, optimizer=family, batch_size=8,
                       seq_len=16, warmup=0, dtype='float32', strategy=strategy, fsdp=fsdp,
-                      **poet, **extra)
+                      **poet, **FAMILY_OPTIONS.get(family, {}), **extra)
     cfg.validate()
     return make_plan(cfg, VOCAB)
 
@@ -301,28 +310,30 @@ def optimizers(ckpt_dir, families):
     close = [float(np.mean(np.abs(a.astype(np.float64) - b) <= 1e-4))
              for a, b in zip(flat(model) + flat(opt), ref[1]) if a.dtype.kind == 'f']
     follows, split_otherwise = _follows(model, opt)
-    return {'loss_diff': max(abs(a - b) for a, b in zip(losses, ref[0][-len(losses):])),
-            'min_close_fraction': min(close), 'follows': follows,
-            'split_otherwise': split_otherwise,
-            'split': sum('fsdp' in s for s in _specs(opt).values())}
+    got = {'loss_diff': max(abs(a - b) for a, b in zip(losses, ref[0][-len(losses):])),
+           'min_close_fraction': min(close), 'follows': follows,
+           'split_otherwise': split_otherwise,
+           'split': sum('fsdp' in s for s in _specs(opt).values())}
+    perms = [np.asarray(getattr(layer, side)[...]) for _, layer in poetx_jax.poet_layers(model)
+             for side in ('perm_in', 'perm_out')]
+    if perms:  # (an element draw of 32 features moves runs of 4 whole with odds below 1e-30)
+      got['chunk_drawn'] = all(perms_module.is_chunk_permutation(q, 4) for q in perms)
+    return got
 
   out = {}
   for family in families:
     ref = reference(config(family))
     two = f'{ckpt_dir}/{family}-2'
-    counts = (2, 4) if family in ON_FOUR_DEVICES else (2,)
-    for n, strategy in [(n, s) for s in ('dp', 'fsdp') for n in counts]:
-      plan = config(family, strategy, n if strategy == 'fsdp' else 1)
-      save = two if (n, strategy) == (2, 'fsdp') else None
-      out[f'{family} {strategy} {n}'] = compare(train(plan, n, save=save), ref)
+    for strategy in ('dp', 'fsdp'):
+      plan = config(family, strategy, 2 if strategy == 'fsdp' else 1)
+      out[f'{family} {strategy} 2'] = compare(
+          train(plan, 2, save=two if strategy == 'fsdp' else None), ref)
     if family not in NOT_RESUMED_ONTO_TWO:
       out[f'{family} resume 1->2'] = compare(
           train(config(family, 'fsdp', 2), 2, range(2, 4), restore=f'{ckpt_dir}/{family}-1'),
           ref)
     out[f'{family} resume 2->1'] = compare(
         train(config(family), 1, range(2, 4), restore=two), ref)
-  if 'poetx' in families:
-    out.update(_chunk_cases(config, train, compare, ckpt_dir))
   if 'muon' in families:  # Muon's stacked layers (scan_layers) with bf16 momenta under fsdp
     lean = dict(scan_layers=True, lean_state=True)
     ref = train(config('muon', **lean), 1)
@@ -331,30 +342,12 @@ def optimizers(ckpt_dir, families):
   json.dump(out, sys.stdout)
 
 
-def _chunk_cases(config, train, compare, ckpt_dir) -> dict:
-  """POET-X drawing chunk permutations (runs of 4 in blocks of 16) under
-  fsdp 2, fresh and resumed from one device."""
-  out = {}
-  chunk = dict(permutation='chunk', chunk_size=4)
-  model, opt, losses = train(config('poetx', **chunk), 1, save=f'{ckpt_dir}/poetx-chunk-1')
-  ref = (losses, flat(model) + flat(opt))
-  for case, got in (('poetx chunk fsdp 2', train(config('poetx', 'fsdp', 2, **chunk), 2)),
-                    ('poetx chunk resume 1->2',
-                     train(config('poetx', 'fsdp', 2, **chunk), 2, range(2, 4),
-                           restore=f'{ckpt_dir}/poetx-chunk-1'))):
-    perms = [np.asarray(getattr(layer, side)[...]) for _, layer in poetx_jax.poet_layers(got[0])
-             for side in ('perm_in', 'perm_out')]
-    # (an element draw of 32 features moves runs of 4 whole with odds below 1e-30)
-    out[case] = {**compare(got, ref),
-                 'chunk_drawn': all(perms_module.is_chunk_permutation(q, 4) for q in perms)}
-  return out
-
-
 def accumulate():
-  """make_train_step(accumulate=4) on 2 and 8 devices (data_parallel) and
-  on fsdp meshes of 2 and 2 x 4 devices (fully_sharded) against one device: 5 updates of 4 micro-batches of 8 rows (merges after
-  the 2nd and 4th); where the update program's collectives are; and, as a
-  control, a psum inside a scan."""
+  """make_train_step(accumulate=4) on 8 devices (data_parallel; the one
+  all-reduce is the same on any device count) and on fsdp meshes of 2 and
+  2 x 4 devices (fully_sharded) against one device: 5 updates of 4
+  micro-batches of 8 rows (merges after the 2nd and 4th); where the update
+  program's collectives are; and, as a control, a psum inside a scan."""
   k = 4
   rng = np.random.default_rng(1)
   micro = []
@@ -387,8 +380,8 @@ def accumulate():
   params = jax.tree.leaves(nnx.state(model, nnx.Param))
   out = {'trainable_bytes': sum(x.nbytes for x in params),
          'trainable_arrays': len(params)}
-  for name, (d, f), strategy in (('2', (2, 1), 'dp'), ('8', (8, 1), 'dp'),
-                                 ('fsdp 2', (1, 2), 'fsdp'), ('fsdp 2x4', (2, 4), 'fsdp')):
+  for name, (d, f), strategy in (('8', (8, 1), 'dp'), ('fsdp 2', (1, 2), 'fsdp'),
+                                 ('fsdp 2x4', (2, 4), 'fsdp')):
     mesh = sharding.make_mesh(d, f, devices=jax.devices()[:d * f])
     got, losses, sites, whole = go(mesh, k, strategy)
     out[name] = {'loss_diff': max(abs(a - b) for a, b in zip(losses, ref_losses)),
@@ -410,7 +403,7 @@ def accumulate():
   text = f.lower(jnp.ones((3, 4, 5))).compile().as_text()
   out['control'] = [[s['kind'], s['bytes'], s['in_loop'], s['trips']]
                     for s in sharding.collective_sites(text)]
-  json.dump(out, sys.stdout)
+  return out
 
 
 def layouts():
@@ -431,13 +424,12 @@ def layouts():
   ref_model, _, ref_losses = trained(False)
   split = lambda node: sorted({str(_spec(x)) for x in jax.tree.leaves(nnx.state(node))  # noqa: E731
                                if sharding.is_array(x) and x.ndim == 2})
-  json.dump({'param_specs': split(nnx.state(model, nnx.Param)),
-             'moment_specs': split(opt.opt_state),
-             'loss_diff': max(abs(a - b) for a, b in zip(losses, ref_losses)),
-             'param_diff': max(float(np.max(np.abs(a - b)))
-                               for a, b in zip(flat(nnx.state(model, nnx.Param)),
-                                               flat(nnx.state(ref_model, nnx.Param))))},
-            sys.stdout)
+  return {'param_specs': split(nnx.state(model, nnx.Param)),
+          'moment_specs': split(opt.opt_state),
+          'loss_diff': max(abs(a - b) for a, b in zip(losses, ref_losses)),
+          'param_diff': max(float(np.max(np.abs(a - b)))
+                            for a, b in zip(flat(nnx.state(model, nnx.Param)),
+                                            flat(nnx.state(ref_model, nnx.Param))))}
 
 
 def merges():
@@ -479,21 +471,17 @@ def merges():
         'largest_diff': max(float(np.max(np.abs(a.astype(np.float64) - b)))
                             for a, b in zip(got, ref) if a.dtype.kind == 'f'),
         'ints_equal': all(np.array_equal(a, b) for a, b in zip(got, ref) if a.dtype.kind == 'i')}
-  json.dump(out, sys.stdout)
+  return out
 
 
 if __name__ == '__main__':
-  if sys.argv[1] == 'restore':  # restore CKPT FSDP...: one restore for each FSDP
-    json.dump({f: restore(sys.argv[2], int(f)) for f in sys.argv[3:]}, sys.stdout)
-  elif sys.argv[1] == 'merges':
-    merges()
-  elif sys.argv[1] == 'layouts':
-    layouts()
-  elif sys.argv[1] == 'accumulate':
-    accumulate()
+  if sys.argv[1] == 'eight':  # eight CKPT (8 devices)
+    json.dump({'main': main(sys.argv[2]), 'merges': merges(), 'accumulate': accumulate()},
+              sys.stdout)
+  elif sys.argv[1] == 'four':  # four CKPT FSDP... (4 devices): one restore for each FSDP
+    json.dump({'restore': {f: restore(sys.argv[2], int(f)) for f in sys.argv[3:]},
+               'meshes': meshes(), 'layouts': layouts()}, sys.stdout)
   elif sys.argv[1] == 'optimizers':
     optimizers(sys.argv[2], sys.argv[3].split(','))  # optimizers CKPT FAMILY,...
-  elif sys.argv[1] == 'meshes':
-    json.dump(meshes(), sys.stdout)
   else:
-    main(sys.argv[1])
+    raise SystemExit(f'unknown mode {sys.argv[1]!r}')

@@ -113,17 +113,22 @@ def test_gradients_match_naive_bf16(keys, mode, form):
   randomize_generators(layer, keys())
   x = jax.random.normal(keys(), (64, i)).astype(jnp.bfloat16)
   ct = jax.random.normal(keys(), (64, o))
-  grads = nnx.grad(lambda m, x: (m(x).astype(jnp.float32) * ct).sum(),
-                   argnums=(0, 1))(layer, x)
-  y = layer(x)
+
+  @nnx.jit
+  def run(m, x):  # compiled: one program, not some hundred op by op
+    loss = lambda m, x: (m(x).astype(jnp.float32) * ct).sum()
+    return m(x), nnx.grad(loss, argnums=(0, 1))(m, x)
+
+  y, grads = run(layer, x)
   assert y.dtype == jnp.bfloat16
 
   def loss_ref(x, q_in, q_out):
-    return (_naive(layer, x, q_in, q_out) * ct).sum()
+    y = _naive(layer, x, q_in, q_out)
+    return (y * ct).sum(), y
 
-  g_ref = jax.grad(loss_ref, argnums=(0, 1, 2))(
+  (_, y_ref), g_ref = jax.jit(jax.value_and_grad(loss_ref, argnums=(0, 1, 2), has_aux=True))(
       x.astype(jnp.float32), layer.q_in[...], layer.q_out[...])
-  assert rel_err(y, _naive(layer, x, layer.q_in[...], layer.q_out[...])) < 2e-2
+  assert rel_err(y, y_ref) < 2e-2
   assert rel_err(grads[1], g_ref[0]) < 2e-2
   assert rel_err(grads[0]['q_in'][...], g_ref[1]) < 2e-2
   assert rel_err(grads[0]['q_out'][...], g_ref[2]) < 2e-2
@@ -151,7 +156,7 @@ def test_reverse_mode_jacobian_and_forward_mode_refused(keys):
   layer = POETLinear(16, 8, block_size=8, rngs=nnx.Rngs(0))
   randomize_generators(layer, keys())
   x = jax.random.normal(keys(), (2, 16))
-  jac = jax.jacrev(lambda x: layer(x))(x)
+  jac = jax.jit(jax.jacrev(lambda x: layer(x)))(x)  # compiled: one program, not op by op
   dense = layer.effective_kernel()
   want = jnp.einsum('ab,io->aobi', jnp.eye(2), dense)  # d y[a, o] / d x[b, i]
   assert rel_err(jac, want) < 1e-5
@@ -169,7 +174,7 @@ def test_mem_mode_saves_fewer_residuals(keys):
   res_mem = _activation_residuals(mem, x)
   assert len(res_fast) == 2, res_fast  # the rotated input and the GEMM output
   assert res_mem == [], res_mem        # only x itself, an argument
-  g = [nnx.grad(lambda m: m(x).sum())(m) for m in (fast, mem)]
+  g = [nnx.jit(nnx.grad(lambda m: m(x).sum()))(m) for m in (fast, mem)]
   for name in ('q_in', 'q_out'):
     np.testing.assert_allclose(g[0][name][...], g[1][name][...], rtol=1e-5, atol=1e-6)
 
@@ -205,7 +210,7 @@ def test_weight_form_saves_no_activations(keys):
 def test_base_weight_gets_no_gradient_and_no_optimizer_state():
   import optax
   layer = POETLinear(32, 16, block_size=8, rngs=nnx.Rngs(0))
-  grads = nnx.grad(lambda m: m(jnp.ones((2, 32))).sum())(layer)
+  grads = nnx.jit(nnx.grad(lambda m: m(jnp.ones((2, 32))).sum()))(layer)
   assert set(grads.keys()) == {'q_in', 'q_out', 'bias'}
   opt = nnx.Optimizer(layer, optax.adam(1e-3), wrt=POETParam)
   n_poet = layer.q_in[...].size + layer.q_out[...].size
@@ -268,7 +273,9 @@ def test_wrong_input_width_is_a_clear_error(keys, implementation, quantize, mode
   i, b = (128, 64) if implementation == 'pallas' else (12, 4)
   layer = POETLinear(i, 8 * b // 4, block_size=b, mode=mode, form=form, quantize=quantize,
                      implementation=implementation, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
-  assert layer(jax.random.normal(keys(), (3, i))).shape == (3, 8 * b // 4)
+  # The right width is accepted (traced, not run: the values are other tests')
+  want = jax.ShapeDtypeStruct((3, 8 * b // 4), jnp.bfloat16)
+  assert jax.eval_shape(lambda x: layer(x), jax.ShapeDtypeStruct((3, i), jnp.float32)) == want
   for width in (i + 4, i - 4, i - 1, i + 1):
     x = jax.random.normal(keys(), (3, width))
     with pytest.raises(ValueError, match=f"shape \\(3, {width}\\): their last axis must "
@@ -431,8 +438,8 @@ def test_auto_form_takes_the_form_of_fewer_flops_per_call(keys):
     assert layer.form_for(x.shape) == want
     explicit = POETLinear(64, 64, block_size=16, form=want, rngs=nnx.Rngs(3))
     nnx.update(explicit, nnx.state(layer))
-    grad = lambda m: nnx.value_and_grad(lambda m, x: (m(x) ** 2).sum(), argnums=(0, 1))(m, x)
-    chex.assert_trees_all_equal(grad(layer), grad(explicit))
+    grad = nnx.jit(nnx.value_and_grad(lambda m, x: (m(x) ** 2).sum(), argnums=(0, 1)))
+    chex.assert_trees_all_equal(grad(layer, x), grad(explicit, x))
   with pytest.raises(ValueError, match="form must be one of .*got 'fast'"):
     ops.resolve_form('fast', (4, 64), 64, 64, 16)
 

@@ -509,9 +509,12 @@ def test_gathers_moved_into_the_norms_give_the_same_model(keys, tie, dtype, tol)
     layer.norm_gathers = True
   tokens = _tokens(keys(), t=12, vocab=cfg.vocab_size)
 
-  def run(m):
-    loss = lambda m: jnp.mean(m(tokens) ** 2)
-    return nnx.value_and_grad(loss)(m), m(tokens)
+  def run(m):  # the logits of the loss's own forward
+    def loss(m):
+      logits = m(tokens)
+      return jnp.mean(logits ** 2), logits
+    (loss, logits), grads = nnx.value_and_grad(loss, has_aux=True)(m)
+    return (loss, grads), logits
 
   # float32 compiled; bfloat16 op by op: compiled, XLA:CPU's fusions keep
   # bfloat16 intermediates in float32, differently in the two programs.

@@ -17,7 +17,7 @@ from poetx_jax.pretrain.checkpoint import CheckpointError, Checkpointer, Damaged
 from poetx_jax.pretrain.config import TrainConfig, drop_shared_poet_options
 from poetx_jax.pretrain.loading import load_run
 from poetx_jax.pretrain.train import Hook, train
-from conftest import SMALL, overrides, write_corpus
+from conftest import SMALL, SQUARE, overrides, write_corpus
 
 
 @pytest.fixture(scope='module')
@@ -26,7 +26,10 @@ def corpus(tmp_path_factory):
 
 
 def _cfg(tmp, corpus, **kw):
-  base = dict(model='tiny', model_overrides=SMALL, optimizer='poetx',
+  # SQUARE: every POET layer 32 x 32, one merge program and few build
+  # programs a run. (Layers of two shapes, k and v 32 x 16, train and resume
+  # in the command-line and scanned-layer tests here and in test_faults.)
+  base = dict(model='tiny', model_overrides=SQUARE, optimizer='poetx',
               data=[str(corpus)], vocab_size=300, seq_len=32, batch_size=4,
               steps=12, warmup=2, merge_every=4, block_size=8, eval_every=6,
               eval_batches=2, log_every=1, checkpoint_every=100, dtype='float32',
@@ -577,8 +580,8 @@ def test_a_generator_cap_trains_a_step_that_diverges_without_it(tmp_path, corpus
   uniform prediction; with max_generator_norm it trains. (Under the cap a
   block is unchanged exactly: tests/test_ops.py.)"""
   def run(name, **kw):
-    cfg = _cfg(tmp_path / name, corpus, batch_size=8, steps=30, merge_every=10,
-               eval_every=30, log_every=5, **kw)
+    cfg = _cfg(tmp_path / name, corpus, model_overrides=SMALL, batch_size=8, steps=30,
+               merge_every=10, eval_every=30, log_every=5, **kw)
     summary = train(cfg, log=lambda *_: None)
     recs = [json.loads(l) for l in (pathlib.Path(cfg.out_dir) / 'metrics.jsonl').open()]
     errors = [r['merge_orthogonality_error'] for r in recs if 'merge_orthogonality_error' in r]
