@@ -84,7 +84,7 @@ def answer_rows(folder: pathlib.Path, meta: dict) -> list[dict]:
         return None
       return {'config': f"{name}: {fam[name]['config']} (three-sizes study)",
               'finals': T.finals(fam[name]), 'prose': None, 'tokens_per_s': [], 'shared_runs': [],
-              'records': []}
+              'devices': [], 'records': []}
     def mine(keep, note):
       got = lowest(runs, keep)
       if got is None:
@@ -94,6 +94,7 @@ def answer_rows(folder: pathlib.Path, meta: dict) -> list[dict]:
               'prose': [p for p in (last_eval(r)['prose'] for r in rs) if p is not None],
               'tokens_per_s': [r['tokens_per_s'] for r in rs if r.get('tokens_per_s')],
               'shared_runs': [r['shared'] for r in rs if r.get('tokens_per_s')],
+              'devices': [r['device'] for r in rs if r.get('tokens_per_s')],
               'records': list(dict.fromkeys(r['record'] for r in rs))}
     of = lambda n, what: f' (the lowest of {n} {what})' if n > 1 else ''
     def rates(keep):
@@ -125,13 +126,27 @@ def answer_rows(folder: pathlib.Path, meta: dict) -> list[dict]:
   return rows
 
 
+def card(device: str | None) -> str:
+  """A record header's device in a word: its NVIDIA model ('1 x NVIDIA H100
+  80GB HBM3' -> 'H100'), else the device as it stands."""
+  got = re.search(r'NVIDIA (\S+)', device or '')
+  return got[1] if got else (device or 'unknown device')
+
+
 def speeds(row: dict) -> str:
   """A row's tokens per second in seed order, each of a run that trained side
-  by side with other runs marked "(shared GPU)"; — where it has none."""
+  by side with other runs marked "(shared GPU)"; where its runs ran on more
+  than one kind of card (``devices``), each figure names its card; — where
+  it has none."""
   ts, shared = row['tokens_per_s'], row['shared_runs']
   if not ts:
     return '—'
-  return ' / '.join(f'{t:,.0f}' + (' (shared GPU)' if s else '') for t, s in zip(ts, shared))
+  devices = row.get('devices') or [None] * len(ts)
+  cards = [card(d) for d in devices] if len(set(devices)) > 1 else [None] * len(ts)
+  def marks(s: bool, c: str | None) -> str:
+    got = [c] * (c is not None) + ['shared GPU'] * s
+    return f" ({', '.join(got)})" if got else ''
+  return ' / '.join(f'{t:,.0f}' + marks(s, c) for t, s, c in zip(ts, shared, cards))
 
 
 def standing(a: list[float], b: list[float]) -> str:
@@ -183,7 +198,8 @@ def answer_lines(folder: pathlib.Path, meta: dict) -> list[str]:
          'schedule: POET-X is the three-sizes study\'s best block size (its schedule ends at '
          '0.1 of the peak rate; `--optimizer poetx` now ends at 0.01 on these models, the '
          'reference recipe\'s min-lr row); POET-X Muon is the app\'s default optimizer (`poetx '
-         'train` with no `--optimizer`); the reference recipe is this study\'s POET-X runs with differences the '
+         'train` with no `--optimizer`), whose schedule now ends at 0.01 on these models too '
+         '(its best configuration below says where a run ended at 0.01); the reference recipe is this study\'s POET-X runs with differences the '
          'published POET-X\'s recipe makes (min-lr, the clip ramp after merges, eps, the other '
          'parameters\' rate); AdamW as the paper trains it is AdamW in bf16 with weight decay '
          '0; the tuned AdamW and Muon are the three-sizes study\'s. The ratio is the mean over '
@@ -229,7 +245,9 @@ def answer_lines(folder: pathlib.Path, meta: dict) -> list[str]:
   out += ['', 'Tokens/s: the steady tokens per second of each of the configuration\'s '
           'finished runs, in seed order, at the commit of the call that ran it (above; a '
           'configuration\'s seeds may come from calls of different library code), '
-          f"each on {' or '.join(devices) or 'its device'} (the records' headers); "
+          f"each on {' or '.join(devices) or 'its device'} (the records' headers; a "
+          'configuration whose runs ran on different cards names the card of each figure, '
+          'and figures of different cards do not compare); '
           '"shared GPU" marks runs that trained side by side with other runs on the GPU (their '
           'study\'s `--jobs` above 1, or another study of their call training at the same time), '
           'whose figure is not a speed comparison. A — marks a '

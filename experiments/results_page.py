@@ -223,8 +223,11 @@ def paper_rows() -> list[dict]:
       speed = f'; {paper_answer.speeds(muon)} tokens/s' if muon['tokens_per_s'] else ''
       if (ratio := same_call_ratio(muon)) is not None:
         speed += f", {ratio:.2f}× the POET-X runs' of its call"
-      out.append(_row(f"POET-X Muon (Muon's orthogonalised updates on the generators), {size}, "
-                      '100 M tokens',
+      # the schedule's end where the best configuration sets its own
+      end = re.search(r'min-lr ([0-9.e-]+)', muon['config'])
+      end = f', its schedule ending at {end[1]} of the peak rate' if end else ''
+      out.append(_row(f"POET-X Muon (Muon's orthogonalised updates on the generators){end}, "
+                      f'{size}, 100 M tokens',
                       f"{stats(muon)}: {m['POET-X Muon'] / m['tuned AdamW']:.3f}× our tuned fp32 "
                       f"AdamW's perplexity, {m['POET-X Muon'] / m['POET-X']:.3f}× POET-X's "
                       f"({best}), {m['POET-X Muon'] / m['Muon']:.3f}× Muon's{speed}",

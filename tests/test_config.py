@@ -22,8 +22,8 @@ def test_skewadam_option_conflicts_are_named(options, match):
 
 
 # min_lr_ratio's range names what None gives (a regex).
-MIN_LR_NONE = (r'\(or None: 0.01 for poetx on a model of hidden size >= 256, 0.1 below '
-               r'and for the others\)')
+MIN_LR_NONE = (r'\(or None: 0.01 for poetx and poetx-muon on a model of hidden size >= 256, '
+               r'0.1 below and for the others\)')
 
 
 @pytest.mark.parametrize('field,value,message', [
@@ -151,8 +151,8 @@ def test_the_train_flags_are_generated_from_the_config(capsys):
   for f in dataclasses.fields(TrainConfig):
     assert '--' + f.name.replace('_', '-') in text
   flat = ' '.join(text.split())  # argparse wraps the help
-  assert ('(default: 0.01 for poetx on a model of hidden size >= 256, 0.1 below and for the '
-          'others)') in flat
+  assert ('(default: 0.01 for poetx and poetx-muon on a model of hidden size >= 256, 0.1 below '
+          'and for the others)') in flat
   assert 'one of tiny, 60m' in flat and 'moe-7b' in flat
   assert cli.main(['train', '--model-overrides', 'layers']) == 2
   assert '--model-overrides wants K=V pairs' in capsys.readouterr().err

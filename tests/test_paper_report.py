@@ -252,6 +252,16 @@ def test_a_rows_speeds_mark_each_run_that_shared_the_gpu():
   assert paper_answer.speeds({'tokens_per_s': [], 'shared_runs': []}) == '—'
 
 
+def test_a_rows_speeds_name_the_card_of_each_run_only_where_the_cards_differ():
+  from experiments import paper_answer
+  h100, h200 = '1 x NVIDIA H100 80GB HBM3', '1 x NVIDIA H200'
+  row = {'tokens_per_s': [233426.1, 291996.4, 300000.0], 'shared_runs': [False, False, True],
+         'devices': [h100, h200, h100]}
+  assert paper_answer.speeds(row) == '233,426 (H100) / 291,996 (H200) / 300,000 (H100, shared GPU)'
+  row['devices'] = [h200] * 3
+  assert paper_answer.speeds(row) == '233,426 / 291,996 / 300,000 (shared GPU)'
+
+
 def test_a_record_shares_the_gpu_by_its_calls_jobs_or_its_header():
   meta = {'calls': [{'records': ['finals-5m.json', 'finals-19m.json'], 'commands': [
       'python3 experiments/compare_quality.py --jobs 4 --out runs/q5 --runs a',

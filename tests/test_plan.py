@@ -69,9 +69,9 @@ def test_weight_decay_default_is_per_recipe_and_reaches_the_optimizer():
 
 
 def test_min_lr_ratio_default_is_per_recipe_and_size_and_ends_the_schedules(tmp_path):
-  """min_lr_ratio None: 0.01 for POET-X on models of hidden size >= 256 (5M's
-  256 included), 0.1 below (the tiny default) and for the others (POET-X
-  Muon included); a given ratio is kept; a resumed run keeps the ratio it
+  """min_lr_ratio None: 0.01 for POET-X and POET-X Muon on models of hidden
+  size >= 256 (5M's 256 included), 0.1 below (the tiny default) and for the
+  others; a given ratio is kept; a resumed run keeps the ratio it
   recorded (a run.json written before the recipes had their own holds 0.1
   among its options); both schedules end at the ratio times their peak."""
   five_m = {'hidden': 256, 'mlp': 768, 'layers': 6, 'heads': 4, 'kv_heads': 4}
@@ -81,7 +81,11 @@ def test_min_lr_ratio_default_is_per_recipe_and_size_and_ends_the_schedules(tmp_
   assert _plan(optimizer='poetx', model='60m', model_overrides={**five_m, 'hidden': 128},
                block_size=128).min_lr_ratio == 0.1
   assert _plan(optimizer='poetx').min_lr_ratio == 0.1  # tiny
-  for optimizer in ('poetx-muon', 'adamw', 'muon', 'skewadam'):
+  assert _plan(optimizer='poetx-muon', model='130m').min_lr_ratio == 0.01
+  assert _plan(optimizer='poetx-muon', model='60m', model_overrides=five_m,
+               block_size=256).min_lr_ratio == 0.01
+  assert _plan(optimizer='poetx-muon').min_lr_ratio == 0.1  # tiny
+  for optimizer in ('adamw', 'muon', 'skewadam'):
     assert _plan(optimizer=optimizer, model='130m').min_lr_ratio == 0.1, optimizer
   assert _plan(optimizer='poetx', model='130m', min_lr_ratio=0.1).min_lr_ratio == 0.1
   assert _plan(optimizer='adamw', min_lr_ratio=0.0).min_lr_ratio == 0.0

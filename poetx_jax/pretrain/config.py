@@ -125,7 +125,7 @@ class TrainConfig:
   warmup: int = _option(30, 'warmup updates', min=0, max=INT32_MAX)
   min_lr_ratio: float | None = _option(
       None, 'final/peak learning rate', min=0, max=1,
-      none=f'{POETX_MIN_LR_RATIO:g} for poetx on a model of hidden size >= '
+      none=f'{POETX_MIN_LR_RATIO:g} for poetx and poetx-muon on a model of hidden size >= '
            f'{POETX_LOW_MIN_LR_HIDDEN}, {DEFAULT_MIN_LR_RATIO:g} below and for the others')
   weight_decay: float | None = _option(
       None, 'decoupled weight decay of AdamW, Muon, SkewAdam (and of the non-POET parameters)',
