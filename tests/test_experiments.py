@@ -11,6 +11,12 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 from experiments import bench_layer, bench_train, harness
+from conftest import SQUARE, overrides
+
+# The tiny model with every projection 32 x 32 (one layer shape: few merge and
+# build programs to compile), as --model-overrides text.
+SQUARE_1 = overrides(SQUARE)
+SQUARE_2 = overrides({**SQUARE, 'layers': 2})
 
 
 @pytest.mark.slow
@@ -54,7 +60,7 @@ def test_bench_train_runs_are_overrides_of_the_train_options():
 
 @pytest.mark.slow
 def test_bench_train_one_run(monkeypatch):
-  a = _bench_args('--lean-state')
+  a = _bench_args('--lean-state', '--model-overrides', SQUARE_1)
   cfg = bench_train.run_config(a, 'optimizer=poetx,mode=mem,remat=block,quantize=int8')
   r = bench_train.one_run(cfg, 'xq', warmup_steps=1, timed_steps=2)
   assert r['run'] == 'xq' and r['model'] == 'tiny' and r['batch'] == 2 and r['seq_len'] == 32
@@ -65,7 +71,7 @@ def test_bench_train_one_run(monkeypatch):
   # merges during the timed steps; the weight form; scanned layers, checked
   # as models too large for a dense copy are: one stacked layer exported.
   a = _bench_args('--lean-state', '--merge-every', '2', '--scan-layers', '--model-overrides',
-                  'layers=2,mlp=64')
+                  SQUARE_2)
   monkeypatch.setattr(bench_train, 'EXPORT_CHECK_MAX_PARAMS', 0)
   r = bench_train.one_run(bench_train.run_config(a, 'form=weight'), 'weight', warmup_steps=1,
                           timed_steps=2)
@@ -77,12 +83,16 @@ def test_bench_train_runs_each_run_in_a_process_of_its_own(tmp_path, monkeypatch
   """The CPU smoke test: one child per --run, labelled by its name or its text;
   a run that cannot be configured is refused before any starts."""
   monkeypatch.setenv('PYTHONPATH', str(ROOT))  # the children import this checkout
+  # The lean run has the options of test_bench_train_one_run's first run: where
+  # that test ran first, its programs are read back from the suite's
+  # compilation cache instead of compiled again in the child.
+  xq = 'optimizer=poetx,mode=mem,remat=block,quantize=int8,lean_state=true'
   out = tmp_path / 'r.json'
   argv = ['--model', 'tiny', '--model-overrides', 'layers=1,mlp=64', '--seq-len', '32',
           '--batch-size', '2', '--vocab-size', '512', '--dtype', 'float32',
           '--warmup-steps', '1', '--timed-steps', '2', '--json', str(out)]
-  bench_train.main(argv + ['--run', 'optimizer=adamw', '--run', 'lean:optimizer=poetx,'
-                           'lean_state=true,model_overrides={layers=1,hidden=32,mlp=64}'])
+  bench_train.main(argv + ['--run', 'optimizer=adamw',
+                           '--run', f'lean:{xq},model_overrides={{{SQUARE_1}}}'])
   adamw, lean = harness.results_of(json.loads(out.read_text()))
   assert adamw['run'] == 'optimizer=adamw' and lean['run'] == 'lean'
   assert adamw['block_size'] is None and lean['block_size'] == 16
@@ -160,16 +170,16 @@ def test_bench_memory_state_only(tmp_path):
   out = tmp_path / 'state.json'
   bench_memory.main(['--models', 'tiny', '--seqs', '32', '--vocab-size', '512',
                      '--state-only', '--compiled', '--lean-state',
-                     '--run', 'xq:optimizer=poetx,mode=mem,remat=block,quantize=int8',
-                     '--json', str(out)])
+                     '--run', 'xq:optimizer=poetx,mode=mem,remat=block,quantize=int8,'
+                     f'model_overrides={{{SQUARE_1}}}', '--json', str(out)])
   (r,) = harness.results_of(json.loads(out.read_text()))
   assert r['run'] == 'xq' and r['model'] == 'tiny'
   from flax import nnx
   from poetx_jax.pretrain import factories as F
   from poetx_jax.pretrain.config import TrainConfig
   # bench_memory's defaults: batch 1, bf16 weights and compute, merges every 2
-  cfg = TrainConfig(model='tiny', optimizer='poetx', seq_len=32, batch_size=1, vocab_size=512,
-                    merge_every=2,
+  cfg = TrainConfig(model='tiny', model_overrides=SQUARE, optimizer='poetx', seq_len=32,
+                    batch_size=1, vocab_size=512, merge_every=2,
                     dtype='bfloat16', param_dtype='bfloat16', lean_state=True, mode='mem',
                     remat='block', quantize='int8', steps=1000)
   from poetx_jax.pretrain.plan import make_plan
@@ -196,7 +206,7 @@ def test_profile_step_reports_a_real_step(tmp_path, monkeypatch):
   from experiments import profile_step
   monkeypatch.setenv('PYTHONPATH', str(ROOT))  # the child imports this checkout
   out = tmp_path / 'prof.json'
-  profile_step.main(['--model', 'tiny', '--model-overrides', 'layers=1,mlp=64', '--seq-len', '32',
+  profile_step.main(['--model', 'tiny', '--model-overrides', SQUARE_1, '--seq-len', '32',
                      '--batch-size', '2', '--vocab-size', '512', '--dtype', 'float32',
                      '--timed-steps', '2', '--warmup-steps', '1', '--run', 'optimizer=poetx',
                      '--json', str(out)])
@@ -218,7 +228,7 @@ def test_compile_time_reports_each_program(tmp_path):
   compilation (the backend's compile among them, no JAX Python frames)."""
   from experiments import compile_time
   out = tmp_path / 'c.json'
-  compile_time.main(['--model', 'tiny', '--model-overrides', 'layers=1,mlp=64', '--seq-len', '32',
+  compile_time.main(['--model', 'tiny', '--model-overrides', SQUARE_1, '--seq-len', '32',
                      '--batch-size', '2', '--vocab-size', '512', '--timed-steps', '1',
                      '--passes', '4', '--run', 'optimizer=poetx',
                      '--run', 'optimizer=adamw', '--json', str(out)])

@@ -39,6 +39,24 @@ def _cfg(tmp, corpus, **kw):
   return drop_shared_poet_options(TrainConfig(**base), study)
 
 
+@pytest.fixture(scope='module')
+def trained(tmp_path_factory, corpus):
+  """``trained(**options)``: the run of ``_cfg(..., **options)``, trained once for
+  the module: ``(cfg, summary, logged lines)``. The tests that ask for the same
+  options share it (a compile and a run less); they only read it."""
+  runs = {}
+
+  def run(**options):
+    key = json.dumps(options, sort_keys=True)
+    if key not in runs:
+      cfg = _cfg(tmp_path_factory.mktemp('trained'), corpus, **options)
+      logged = []
+      runs[key] = cfg, train(cfg, log=logged.append), logged
+    return runs[key]
+
+  return run
+
+
 def _losses(run):
   recs = [json.loads(l) for l in (pathlib.Path(run) / 'metrics.jsonl').read_text().splitlines()]
   return [(r['step'], r['loss']) for r in recs if 'loss' in r]
@@ -47,6 +65,11 @@ def _losses(run):
 def _params(run):
   _, _, model, step = load_run(run)
   return step, nnx.to_pure_dict(nnx.state(model))
+
+
+# The reference's POET-X recipe: clipped, the bound dipping after each merge.
+REFERENCE_RECIPE = dict(optimizer='poetx', min_lr_ratio=0.01, clip=0.1, clip_ramp=3,
+                        poet_eps=1e-6, poet_eps_placement='raw')
 
 
 @pytest.mark.slow
@@ -58,17 +81,14 @@ def _params(run):
                                      dict(optimizer='poetx-muon'),
                                      dict(optimizer='adamw', param_dtype='bfloat16',
                                           weight_decay=0.0),
-                                     dict(optimizer='poetx', min_lr_ratio=0.01, clip=0.1,
-                                          clip_ramp=3, poet_eps=1e-6,
-                                          poet_eps_placement='raw')],
+                                     REFERENCE_RECIPE],
                          ids=['poetx', 'adamw', 'skewadam', 'muon', 'poetx-skew-tiers',
                               'poetx-chunk-tied', 'poetx-muon', 'adamw-as-the-paper',
                               'poetx-reference-recipe'])
-def test_resume_is_bit_exact_across_merges(tmp_path, corpus, options, monkeypatch):
+def test_resume_is_bit_exact_across_merges(tmp_path, corpus, trained, options, monkeypatch):
   """A resumed run continues exactly as the uninterrupted one; it restores
   into the state's shapes (no random model is built first)."""
-  straight = _cfg(tmp_path / 'a', corpus, **options)
-  s1 = train(straight, log=lambda *_: None)
+  straight, s1, _ = trained(**options)
   assert s1['step'] == 12 and s1['val_after']['loss'] < s1['val_before']['loss']
 
   split = _cfg(tmp_path / 'b', corpus, **options)
@@ -168,7 +188,7 @@ def test_the_device_counts_train_at_the_largest_values_their_options_take(tmp_pa
 
 
 @pytest.mark.slow
-def test_merges_record_orthogonality_and_warn_when_it_is_lost(tmp_path, corpus):
+def test_merges_record_orthogonality_and_warn_when_it_is_lost(tmp_path, corpus, trained):
   """Every merge writes its factors' orthogonality error to metrics.jsonl; a
   POET learning rate far too large for the block size gets a warning naming
   the remedy."""
@@ -177,9 +197,7 @@ def test_merges_record_orthogonality_and_warn_when_it_is_lost(tmp_path, corpus):
     return {r['step']: r['merge_orthogonality_error'] for r in map(json.loads, lines)
             if 'merge_orthogonality_error' in r}
 
-  messages = []
-  ok = _cfg(tmp_path / 'ok', corpus)  # merge every 4 of 12 steps
-  train(ok, log=messages.append)
+  ok, _, messages = trained()  # merge every 4 of 12 steps
   errors = merge_errors(ok)
   assert sorted(errors) == [4, 8, 12] and all(0 < e < 1e-2 for e in errors.values())
   assert not [m for m in messages if 'warning' in m]
@@ -194,12 +212,14 @@ def test_merges_record_orthogonality_and_warn_when_it_is_lost(tmp_path, corpus):
 
 
 @pytest.mark.slow
-def test_incompatible_and_corrupt_checkpoints(tmp_path, corpus):
-  cfg = _cfg(tmp_path, corpus, steps=2)
-  train(cfg, log=lambda *_: None)
+def test_incompatible_and_corrupt_checkpoints(tmp_path, corpus, trained):
+  done, _, _ = trained()  # a copy of the module's 12-step run, to damage
+  shutil.copytree(done.out_dir, tmp_path / 'run')
+  cfg = dataclasses.replace(done, out_dir=str(tmp_path / 'run'),
+                            cache_dir=str(tmp_path / 'cache'))
   with pytest.raises(CheckpointError, match=r"configuration differs.*'lr': \(None, 0.1\)"):
     train(dataclasses.replace(cfg, lr=0.1), resume=True)
-  with pytest.raises(CheckpointError, match="steps=1 is below the run's 2"):
+  with pytest.raises(CheckpointError, match="steps=1 is below the run's 12"):
     train(dataclasses.replace(cfg, steps=1), resume=True)
   with pytest.raises(CheckpointError, match='already holds checkpoints.*--resume'):
     train(cfg)  # a new run would clobber the old one
@@ -208,7 +228,6 @@ def test_incompatible_and_corrupt_checkpoints(tmp_path, corpus):
                               out_dir=str(tmp_path / 'other'))
   pathlib.Path(other.out_dir).mkdir()
   pathlib.Path(other.out_dir, 'run.json').write_text(json.dumps(dataclasses.asdict(other)))
-  import shutil
   shutil.copytree(pathlib.Path(cfg.out_dir) / 'checkpoints',
                   pathlib.Path(other.out_dir) / 'checkpoints')
   for name in ('data.json', 'tokenizer.json'):
@@ -217,11 +236,11 @@ def test_incompatible_and_corrupt_checkpoints(tmp_path, corpus):
     load_run(other.out_dir)
   assert not isinstance(e.value, DamagedCheckpoint)
   # Corrupt: remove the array data of the newest step.
-  step_dir = pathlib.Path(cfg.out_dir) / 'checkpoints' / '2'
+  step_dir = pathlib.Path(cfg.out_dir) / 'checkpoints' / '12'
   for f in (step_dir / 'model').rglob('*'):
     if f.is_file():
       f.write_bytes(b'garbage')
-  with pytest.raises(DamagedCheckpoint, match='step 2 .* is damaged'):
+  with pytest.raises(DamagedCheckpoint, match='step 12 .* is damaged'):
     load_run(cfg.out_dir)
   with pytest.raises(CheckpointError, match='no checkpoint'):
     Checkpointer(tmp_path / 'void').restore(None, None)
@@ -349,16 +368,17 @@ def test_a_sigterm_with_the_last_step_leaves_the_run_complete(tmp_path, corpus):
   import signal
 
   def sigterm(run):
-    if run.step == 4:
+    if run.step == 12:
       os.kill(os.getpid(), signal.SIGTERM)
   logged = []
-  s = train(_cfg(tmp_path, corpus, steps=4, checkpoint_every=4), log=logged.append,
+  # (steps=12: the programs of the module's other 12-step runs)
+  s = train(_cfg(tmp_path, corpus, checkpoint_every=12), log=logged.append,
             hooks=[Hook(sigterm, wait=False)])
-  assert s['step'] == 4 and s['stopped'] is None
+  assert s['step'] == 12 and s['stopped'] is None
   assert 'SIGTERM came with the last step: the run is complete' in logged
   assert not any('--resume' in l for l in logged), logged
   step, meta = Checkpointer(tmp_path / 'run' / 'checkpoints').read_meta()
-  assert step == 4 and meta['reason'] == 'final'
+  assert step == 12 and meta['reason'] == 'final'
 
 
 @pytest.mark.slow
@@ -389,7 +409,7 @@ def _spectrum_probe(calls):
 
 
 @pytest.mark.slow
-def test_probe_hook_records_without_changing_training(tmp_path, corpus):
+def test_probe_hook_records_without_changing_training(tmp_path, corpus, trained):
   """A Hook with at_start calls the probe at step 0 and every ``every``
   steps, writes its records to metrics.jsonl and leaves the run unchanged.
   POET-X keeps the initial weights' singular values across its merges (step
@@ -399,8 +419,7 @@ def test_probe_hook_records_without_changing_training(tmp_path, corpus):
   train(probed, log=lambda *_: None, hooks=[Hook(_spectrum_probe(calls), every=6,
                                                  at_start=True)])
   assert calls == [0, 6, 12]
-  plain = _cfg(tmp_path / 'b', corpus)
-  train(plain, log=lambda *_: None)
+  plain, _, _ = trained()  # the same run, no hook
   assert _losses(probed.out_dir) == _losses(plain.out_dir)
   chex.assert_trees_all_equal(_params(probed.out_dir), _params(plain.out_dir))
 
@@ -467,7 +486,7 @@ def test_the_tokenizer_and_data_identity_are_part_of_the_run(tmp_path, corpus, c
   import shutil
   docs = tmp_path / 'docs'
   shutil.copytree(corpus, docs)
-  cfg = _cfg(tmp_path, corpus, data=[str(docs)], steps=4)
+  cfg = _cfg(tmp_path, corpus, data=[str(docs)])
   train(cfg, log=lambda *_: None, stop_after=2)
   run = pathlib.Path(cfg.out_dir)
   stored = (run / 'tokenizer.json').read_bytes()
@@ -561,15 +580,20 @@ def test_the_training_loss_of_an_moe_model_adds_its_weighted_aux_losses():
   rng = np.random.default_rng(0)
   batch = {'inputs': rng.integers(0, 64, (2, 16)).astype(np.int32),
            'targets': rng.integers(-1, 64, (2, 16)).astype(np.int32)}
-  logits, aux = model.forward(batch['inputs'])
+
+  @nnx.jit  # one program (op by op, the model's ops compile one by one)
+  def losses(model, batch):
+    return (model.forward(batch['inputs']), loss_lib.training_loss(model, batch),
+            loss_lib.token_loss(model, batch))
+
+  (logits, aux), training_loss, (total, count, _) = losses(model, batch)
   mask = batch['targets'] >= 0
   logp = jax.nn.log_softmax(np.asarray(logits, np.float64), axis=-1)
   ce = -np.sum(np.take_along_axis(logp, np.maximum(batch['targets'], 0)[..., None],
                                   -1)[..., 0] * mask) / mask.sum()
   want = ce + 0.01 * float(aux['load_balance']) + 1e-3 * float(aux['router_z_loss'])
   assert float(aux['aux_loss']) > 0
-  np.testing.assert_allclose(float(loss_lib.training_loss(model, batch)), want, rtol=1e-5)
-  total, count, _ = loss_lib.token_loss(model, batch)
+  np.testing.assert_allclose(float(training_loss), want, rtol=1e-5)
   np.testing.assert_allclose(float(total / count), ce, rtol=1e-5)
 
 
@@ -594,18 +618,20 @@ def test_a_generator_cap_trains_a_step_that_diverges_without_it(tmp_path, corpus
 
 
 @pytest.mark.slow
-def test_the_merge_aware_clip_changes_only_the_updates_after_a_merge(tmp_path, corpus):
+def test_the_merge_aware_clip_changes_only_the_updates_after_a_merge(tmp_path, corpus,
+                                                                     trained):
   """--clip-ramp: the updates before the first merge are those of plain
   clipping, bit for bit; after it the bound dips (0.1 x clip) and the run
-  departs from the plain one."""
-  def losses(name, **kw):
-    cfg = _cfg(tmp_path / name, corpus, batch_size=8, steps=10, merge_every=4,
-               eval_every=10, log_every=1, clip=0.5, **kw)
-    train(cfg, log=lambda *_: None)
+  departs from the plain one. (The ramped run: the reference recipe's, clip
+  0.1 and a ramp of 3, merging every 4 of 12 updates, logging each.)"""
+  def losses(cfg):
     recs = [json.loads(l) for l in (pathlib.Path(cfg.out_dir) / 'metrics.jsonl').open()]
     return [r['loss'] for r in recs if 'loss' in r]
 
-  plain, ramped = losses('plain'), losses('ramped', clip_ramp=3)
+  plain = _cfg(tmp_path / 'plain', corpus, **{**REFERENCE_RECIPE, 'clip_ramp': 0})
+  train(plain, log=lambda *_: None)
+  plain, ramped = losses(plain), losses(trained(**REFERENCE_RECIPE)[0])
+  assert len(plain) == len(ramped) == 12
   # the loss of step k is of the parameters after k - 1 updates: merge at update 4
   assert ramped[:5] == plain[:5] and ramped[5:] != plain[5:]
   with pytest.raises(ValueError, match='clip_ramp=3 needs clip > 0'):
@@ -699,7 +725,7 @@ def test_poetx_train_keeps_its_programs_in_the_compile_cache(tmp_path, corpus):
   env['JAX_PLATFORMS'] = 'cpu'
   cache = tmp_path / 'xla'
   args = [sys.executable, '-m', 'poetx_jax.pretrain.cli', 'train', '--data', str(corpus),
-          '--model-overrides', overrides(SMALL),
+          '--model-overrides', overrides(SQUARE),  # one layer shape: fewer programs
           '--vocab-size', '300', '--seq-len', '32', '--batch-size', '4', '--block-size', '8',
           '--eval-batches', '1', '--dtype', 'float32', '--cache-dir', str(tmp_path / 'c'),
           '--plot', '']
