@@ -25,9 +25,7 @@ ADAMW, POET = 'optimizer=adamw,lr=3e-3', 'optimizer=poetx,poet_lr=2.5e-3,lr=best
 
 
 def _args(tmp, corpus, *runs):
-  # The tiny model's two layers with every projection 32 x 32 (one layer
-  # shape: few merge and build programs to compile).
-  return ['--model', 'tiny', '--model-overrides', 'hidden=32,mlp=32,heads=2,kv_heads=2',
+  return ['--model', 'tiny', '--model-overrides', 'mlp=64',
           '--seq-len', '64', '--batch-size', '8', '--steps', '30',
           '--warmup', '1', '--eval-every', '10', '--eval-batches', '4', '--log-every', '2',
           '--merge-every', '20', '--block-size', '16', '--vocab-size', '512',
