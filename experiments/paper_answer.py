@@ -15,6 +15,7 @@ import re
 import statistics
 
 from experiments import harness
+from poetx_jax.pretrain.recipes import DEFAULT_MIN_LR_RATIO
 from experiments.paper_report import (THREE_SIZES, by_configuration, last_eval, load, mean_sd,
                                       records_by_size, schedule_differences, shares_gpu)
 
@@ -65,8 +66,9 @@ def answer_rows(folder: pathlib.Path, meta: dict) -> list[dict]:
   (the prose perplexities at the last step of the runs that keep one; None
   for the three-sizes study's), ``tokens_per_s`` (of the runs that have it,
   in seed order), ``shared_runs`` (whether each of those shared the GPU),
-  ``records`` (the names of the records holding
-  its runs, in seed order; none for the three-sizes study's) and ``state``
+  ``devices`` (the device of each of those), ``records`` (the names of the
+  records holding its runs, in seed order; none for the three-sizes
+  study's), ``min_lr_ratio`` (its schedule's final/peak ratio) and ``state``
   (optimizer GiB at Llama-8B; None without ``state-8b.json``)."""
   from experiments import three_sizes_report as T
   state = ({r['run']: r['optimizer_gib'] for r in load(folder, 'state-8b.json')}
@@ -84,7 +86,7 @@ def answer_rows(folder: pathlib.Path, meta: dict) -> list[dict]:
         return None
       return {'config': f"{name}: {fam[name]['config']} (three-sizes study)",
               'finals': T.finals(fam[name]), 'prose': None, 'tokens_per_s': [], 'shared_runs': [],
-              'devices': [], 'records': []}
+              'devices': [], 'records': [], 'min_lr_ratio': DEFAULT_MIN_LR_RATIO}
     def mine(keep, note):
       got = lowest(runs, keep)
       if got is None:
@@ -95,7 +97,8 @@ def answer_rows(folder: pathlib.Path, meta: dict) -> list[dict]:
               'tokens_per_s': [r['tokens_per_s'] for r in rs if r.get('tokens_per_s')],
               'shared_runs': [r['shared'] for r in rs if r.get('tokens_per_s')],
               'devices': [r['device'] for r in rs if r.get('tokens_per_s')],
-              'records': list(dict.fromkeys(r['record'] for r in rs))}
+              'records': list(dict.fromkeys(r['record'] for r in rs)),
+              'min_lr_ratio': rs[0]['options']['min_lr_ratio']}
     of = lambda n, what: f' (the lowest of {n} {what})' if n > 1 else ''
     def rates(keep):
       # the lowest of several rates, and whether the sweep brackets it
@@ -141,7 +144,7 @@ def speeds(row: dict) -> str:
   ts, shared = row['tokens_per_s'], row['shared_runs']
   if not ts:
     return '—'
-  devices = row.get('devices') or [None] * len(ts)
+  devices = row['devices']
   cards = [card(d) for d in devices] if len(set(devices)) > 1 else [None] * len(ts)
   def marks(s: bool, c: str | None) -> str:
     got = [c] * (c is not None) + ['shared GPU'] * s

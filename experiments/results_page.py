@@ -21,6 +21,7 @@ import re
 import statistics
 
 from experiments import harness, study_page
+from poetx_jax.pretrain.recipes import DEFAULT_MIN_LR_RATIO
 
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -223,9 +224,8 @@ def paper_rows() -> list[dict]:
       speed = f'; {paper_answer.speeds(muon)} tokens/s' if muon['tokens_per_s'] else ''
       if (ratio := same_call_ratio(muon)) is not None:
         speed += f", {ratio:.2f}× the POET-X runs' of its call"
-      # the schedule's end where the best configuration sets its own
-      end = re.search(r'min-lr ([0-9.e-]+)', muon['config'])
-      end = f', its schedule ending at {end[1]} of the peak rate' if end else ''
+      end = (f", its schedule ending at {muon['min_lr_ratio']:g} of the peak rate"
+             if muon['min_lr_ratio'] != DEFAULT_MIN_LR_RATIO else '')
       out.append(_row(f"POET-X Muon (Muon's orthogonalised updates on the generators){end}, "
                       f'{size}, 100 M tokens',
                       f"{stats(muon)}: {m['POET-X Muon'] / m['tuned AdamW']:.3f}× our tuned fp32 "

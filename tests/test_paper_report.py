@@ -245,11 +245,12 @@ def test_a_rows_speeds_mark_each_run_that_shared_the_gpu():
   """A configuration whose seeds ran alone and beside other runs marks only
   the shared ones."""
   from experiments import paper_answer
-  row = {'tokens_per_s': [844296.2, 257167.7], 'shared_runs': [False, True]}
+  h100 = ['1 x NVIDIA H100 80GB HBM3'] * 2
+  row = {'tokens_per_s': [844296.2, 257167.7], 'shared_runs': [False, True], 'devices': h100}
   assert paper_answer.speeds(row) == '844,296 / 257,168 (shared GPU)'
-  row = {'tokens_per_s': [257167.7, 844296.2], 'shared_runs': [True, False]}
+  row = {'tokens_per_s': [257167.7, 844296.2], 'shared_runs': [True, False], 'devices': h100}
   assert paper_answer.speeds(row) == '257,168 (shared GPU) / 844,296'
-  assert paper_answer.speeds({'tokens_per_s': [], 'shared_runs': []}) == '—'
+  assert paper_answer.speeds({'tokens_per_s': [], 'shared_runs': [], 'devices': []}) == '—'
 
 
 def test_a_rows_speeds_name_the_card_of_each_run_only_where_the_cards_differ():

@@ -110,3 +110,13 @@ def test_a_row_of_several_records_lists_each_calls_commit_and_date_in_one_order(
   assert r['device'] == 'one NVIDIA H100 80GB HBM3'  # the same for both calls: once
   assert any('finals-130m-muon-seed1.json' in c for c in r['commands'])
   assert any('--collect runs/q130 finals-130m.json' in c for c in r['commands'])
+
+
+def test_a_poetx_muon_row_names_its_schedules_end_only_where_it_is_not_the_studys():
+  """The paper-baseline rows of POET-X Muon: the configuration of lowest mean
+  at 19M ends its schedule at 0.01 (the claim says so), at 130M at the
+  three-sizes study's 0.1 (the claim says nothing)."""
+  claims = [r['claim'] for r in results_page.paper_rows() if r['claim'].startswith('POET-X Muon')]
+  by_size = {c.rsplit(', ', 2)[-2]: c for c in claims}
+  assert 'its schedule ending at 0.01 of the peak rate' in by_size['19M']
+  assert 'schedule' not in by_size['130M']
